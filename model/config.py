@@ -1,0 +1,186 @@
+"""Typed configuration for the model, its parallel layout and the training loop.
+
+Every field carries a docstring; every check lives in ``__post_init__`` and raises
+``ValueError`` with a message that names the field and what is allowed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Family = Literal["llama", "neox"]
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+Sharding = Literal["zero3", "zero2", "ddp", "none"]
+Recompute = Literal["none", "selective", "full"]
+DType = Literal["float32", "bfloat16"]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only GPT."""
+
+    family: Family = "llama"
+    """'llama' (RMSNorm, SwiGLU, rotary, optional GQA) or 'neox' (LayerNorm, GELU, rotary)."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    d_model: int = 64
+    """Hidden size."""
+    n_heads: int = 4
+    """Attention heads; must divide d_model."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (llama only); None means n_heads."""
+    ffn_hidden: int | None = None
+    """MLP inner size; None means 4*d_model (neox) or the rounded 8/3*d_model (llama)."""
+    vocab_size: int = 2048
+    """Embedding rows; must be >= the tokenizer's vocab size."""
+    max_seq_len: int = 128
+    """Longest sequence the model accepts (rotary table length)."""
+    parallel_residual: bool = False
+    """neox only: attention and MLP read the same input and are summed (GPT-J/NeoX style)."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm/RMSNorm."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
+            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}",
+        )
+        if self.n_kv_heads is not None:
+            _require(
+                self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
+                f"model.n_kv_heads={self.n_kv_heads} must be > 0 and divide "
+                f"model.n_heads={self.n_heads}",
+            )
+            _require(
+                self.family == "llama" or self.n_kv_heads == self.n_heads,
+                "model.n_kv_heads (grouped-query attention) is only supported for family 'llama'",
+            )
+        _require(
+            not (self.parallel_residual and self.family == "llama"),
+            "model.parallel_residual is only supported for family 'neox'",
+        )
+        _require((self.d_model // self.n_heads) % 2 == 0, "model head dim must be even for rotary")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.family == "neox":
+            return 4 * self.d_model
+        # LLaMA: 2/3 of 4*d, rounded up to a multiple of 64 (or 8 for tiny models).
+        multiple = 64 if self.d_model >= 512 else 8
+        hidden = int(8 * self.d_model / 3)
+        return multiple * ((hidden + multiple - 1) // multiple)
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks to run and, optionally, how to lay them out.
+
+    Any of tp/pp/dp/micro_batch/schedule left as None is chosen by the plan stage.
+    """
+
+    nproc: int = 2
+    """Total ranks (processes) for training: nodes * ranks per node."""
+    nodes: int = 1
+    """Nodes the training job spans."""
+    cluster: str = "local"
+    """Cluster description: a name in configs/clusters/ or a path to a YAML file."""
+    tp: int | None = None
+    """Tensor-parallel degree; None lets the planner choose."""
+    pp: int | None = None
+    """Pipeline-parallel degree; None lets the planner choose."""
+    dp: int | None = None
+    """Data-parallel degree; None lets the planner choose."""
+    micro_batch: int | None = None
+    """Sequences per micro-batch per data-parallel rank; None lets the planner choose."""
+    schedule: Schedule | None = None
+    """Pipeline schedule: gpipe, 1f1b or interleaved_1f1b; None lets the planner choose."""
+    virtual_stages: int | None = None
+    """Model chunks per pipeline rank (interleaved_1f1b only); None lets the planner choose."""
+    sharding: Sharding | None = None
+    """Data-parallel sharding: zero3 (FSDP2 reshard after forward), zero2, ddp or none."""
+    recompute: Recompute | None = None
+    """Activation checkpointing: none, selective or full; None lets the planner choose."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence over the tp group."""
+    refine_top_k: int = 0
+    """If > 0, measure the planner's top-k plans for a few steps and keep the fastest."""
+
+    def __post_init__(self) -> None:
+        _require(self.nproc > 0, f"parallel.nproc must be > 0, got {self.nproc}")
+        _require(self.nodes > 0, f"parallel.nodes must be > 0, got {self.nodes}")
+        _require(
+            self.nproc % self.nodes == 0,
+            f"parallel.nproc={self.nproc} must be a multiple of parallel.nodes={self.nodes}",
+        )
+        for name in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"parallel.{name} must be > 0, got {value}")
+        _require(self.refine_top_k >= 0, "parallel.refine_top_k must be >= 0")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.nproc // self.nodes
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 60
+    """Optimizer steps."""
+    global_batch: int = 8
+    """Sequences per optimizer step over all data-parallel ranks (= micro_batch*grad_accum*dp)."""
+    seq_len: int = 128
+    """Tokens per training sequence; must be <= model.max_seq_len."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay as a fraction of lr."""
+    warmup_steps: int = 5
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 1234
+    """Seed for initialisation and data order."""
+    dtype: DType = "float32"
+    """Compute dtype: float32, or bfloat16 mixed precision where the device supports it."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every K steps (0: only at the end)."""
+    log_every: int = 1
+    """Log metrics every N steps."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "seq_len", "log_every"):
+            _require(getattr(self, name) > 0, f"train.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
+        _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+        _require(self.grad_clip >= 0, "train.grad_clip must be >= 0")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every must be >= 0")

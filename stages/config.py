@@ -1,0 +1,297 @@
+"""The pipeline configuration: one typed section per concern, loaded from YAML.
+
+``load_config(path, overrides)`` reads a preset, applies ``section.key=value`` overrides
+and validates everything before any work starts. Unknown keys and invalid values raise
+``ConfigError`` naming the key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from data_prep.config import DataConfig, TokenizerConfig
+from model.config import ModelConfig, ParallelConfig, TrainConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message says what to change."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation."""
+
+    max_tokens: int = 32768
+    """Evaluate validation loss over at most this many tokens (token-weighted)."""
+    batch_size: int = 8
+    """Sequences per evaluation batch."""
+    prompts: list[str] = field(default_factory=lambda: ["def main(", "import "])
+    """Prompts for the greedy and sampled generations written as an artifact."""
+    generate_tokens: int = 48
+    """Tokens generated per prompt."""
+    temperature: float = 0.8
+    """Sampling temperature of the sampled generations."""
+    tasks: list[str] = field(default_factory=list)
+    """lm-eval-harness task names to run (needs the 'eval' extra); empty: none."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ValueError(f"eval.max_tokens must be > 0, got {self.max_tokens}")
+        if self.batch_size <= 0:
+            raise ValueError(f"eval.batch_size must be > 0, got {self.batch_size}")
+        if self.generate_tokens < 0:
+            raise ValueError("eval.generate_tokens must be >= 0")
+        if self.temperature <= 0:
+            raise ValueError("eval.temperature must be > 0")
+
+
+@dataclass
+class TrackingConfig:
+    """Where outputs and MLflow runs go."""
+
+    runs_dir: str = "runs"
+    """Directory for stage outputs and the default MLflow store (relative to the cwd)."""
+    uri: str | None = None
+    """MLflow tracking URI; None means MLFLOW_TRACKING_URI or sqlite:///<runs_dir>/mlflow.db."""
+    experiment: str | None = None
+    """MLflow experiment name; None means the config's name."""
+
+
+@dataclass
+class SiteConfig:
+    """Where the stages run: this machine, a Slurm cluster, or Frontier."""
+
+    name: Literal["local", "slurm", "frontier"] = "local"
+    """Site kind: local (HTEX on this machine), slurm (generic) or frontier."""
+    max_workers: int = 2
+    """Parallel Parsl workers for the light stages (tokenization fan-out)."""
+    account: str | None = None
+    """Slurm account (required on Frontier)."""
+    partition: str | None = None
+    """Slurm partition."""
+    qos: str | None = None
+    """Slurm QOS."""
+    walltime: str = "00:30:00"
+    """Slurm walltime per block, HH:MM:SS."""
+    worker_init: str = ""
+    """Shell lines run before workers start (module loads, conda activate)."""
+    conda_env: str | None = None
+    """Conda environment activated on compute nodes (Frontier)."""
+    retries: int = 1
+    """Parsl retries for a failed app; training resumes from the last checkpoint."""
+    scheduler_options: str = ""
+    """Extra #SBATCH lines."""
+    rccl_plugin_path: str = "/lustre/orion/world-shared/stf218/lib/aws-ofi-rccl/lib"
+    """Directory holding the aws-ofi-rccl plugin (Frontier)."""
+    modules: list[str] | None = None
+    """Environment modules loaded on compute nodes; None: the site default (ROCm on Frontier)."""
+    env: list[str] = field(default_factory=list)
+    """Extra KEY=VALUE environment variables for the training ranks (override site defaults)."""
+    srun_options: str | None = None
+    """Extra srun options for the training ranks; None: the site default
+    (Frontier: '-c7 --gpus-per-task=1 --gpu-bind=closest', slurm: '--cpus-per-task=1')."""
+    exclusive: bool | None = None
+    """Request whole nodes (#SBATCH --exclusive); None: the site default (Frontier yes, slurm no)."""
+    cores_per_node: int | None = None
+    """CPUs requested per node for a non-exclusive training job; None: one per rank."""
+    heartbeat_threshold: int = 120
+    """Seconds without a heartbeat before Parsl declares a job's workers lost and retries
+    their tasks (e.g. after a cancelled or preempted Slurm job)."""
+
+    def __post_init__(self) -> None:
+        for item in self.env:
+            if "=" not in item or not item.split("=", 1)[0].strip():
+                raise ValueError(f"site.env entries must look like KEY=VALUE, got {item!r}")
+        if self.cores_per_node is not None and self.cores_per_node <= 0:
+            raise ValueError(f"site.cores_per_node must be > 0, got {self.cores_per_node}")
+        if self.heartbeat_threshold <= 0:
+            raise ValueError(
+                f"site.heartbeat_threshold must be > 0 seconds, got {self.heartbeat_threshold}"
+            )
+        if self.max_workers <= 0:
+            raise ValueError(f"site.max_workers must be > 0, got {self.max_workers}")
+        if self.retries < 0:
+            raise ValueError("site.retries must be >= 0")
+        parts = self.walltime.split(":")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"site.walltime must be HH:MM:SS, got {self.walltime!r}")
+
+
+@dataclass
+class PipelineConfig:
+    """The whole pipeline: one section per stage concern."""
+
+    name: str = "tiny"
+    """Name of this configuration (the MLflow experiment by default)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    site: SiteConfig = field(default_factory=SiteConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}: lower train.seq_len or raise model.max_seq_len"
+            )
+        if self.tokenizer.path is None and self.tokenizer.vocab_size > self.model.vocab_size:
+            raise ValueError(
+                f"tokenizer.vocab_size={self.tokenizer.vocab_size} exceeds model.vocab_size="
+                f"{self.model.vocab_size}: raise model.vocab_size or lower tokenizer.vocab_size"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def runs_dir(self) -> Path:
+        return Path(self.tracking.runs_dir).resolve()
+
+
+def _field_help(cls: type) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def _convert(value: Any, annotation: Any, key: str) -> Any:
+    """Check ``value`` against a field annotation; return it (ints widen to float)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+        return value
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported field type {annotation!r}")
+
+
+def build_dataclass(cls: type, raw: dict[str, Any] | None, prefix: str) -> Any:
+    """Build dataclass ``cls`` from a plain mapping, refusing unknown keys and bad types."""
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown key '{where}{unknown[0]}'; allowed keys"
+            f"{' in ' + prefix if prefix else ''}: {_field_help(cls)}"
+        )
+    kwargs = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}" if prefix else name
+        annotation = hints[name]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = build_dataclass(annotation, value, key)
+        else:
+            kwargs[name] = _convert(value, annotation, key)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(str(err)) from None
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``section.key=value``; the value is read as YAML (so 3, 0.1, true, null work)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw_value = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has no key")
+    return key, yaml.safe_load(raw_value) if raw_value.strip() else ""
+
+
+def resolve_preset(path: str | Path) -> Path:
+    """Find a config by path, or by name in configs/ (``tiny`` -> configs/tiny.yaml)."""
+    candidate = Path(path)
+    if candidate.exists():
+        return candidate
+    named = CONFIG_DIR / f"{path}.yaml"
+    if named.exists():
+        return named
+    raise ConfigError(f"config file {str(path)!r} not found (nor {named})")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """Load a YAML preset (default configs/tiny.yaml), apply overrides, validate."""
+    preset = resolve_preset(path) if path is not None else DEFAULT_CONFIG
+    try:
+        raw = yaml.safe_load(preset.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{preset}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{preset}: top level must be a mapping of sections")
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_path(raw, key, value)
+    return build_dataclass(PipelineConfig, raw, "")
+
+
+def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:
+    """Rebuild a PipelineConfig from ``to_dict()`` output (used by launched rank processes)."""
+    return build_dataclass(PipelineConfig, raw, "")

@@ -1,0 +1,172 @@
+"""The one place that talks to MLflow.
+
+Everything goes through explicit run ids (``MlflowClient``), not MLflow's fluent
+"active run" state, because a stage's run is opened by the driver, written to by stage
+code in Parsl workers and by training ranks in other processes, and closed by the driver.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# import mlflow writes a telemetry file unless told not to.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+from mlflow.entities import Metric, Param, RunTag  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME  # noqa: E402
+
+MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
+
+
+def default_tracking_uri(runs_dir: Path, uri: str | None = None) -> str:
+    """The tracking URI: an explicit one, else MLFLOW_TRACKING_URI, else SQLite in runs_dir."""
+    if uri:
+        return uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{Path(runs_dir).resolve() / 'mlflow.db'}"
+
+
+def ui_command(uri: str, runs_dir: Path) -> str:
+    """The shell command that opens the MLflow UI on this store."""
+    if uri.startswith("sqlite:///"):
+        artifacts = Path(runs_dir).resolve() / "mlartifacts"
+        return (
+            f"mlflow ui --backend-store-uri {uri} --default-artifact-root {artifacts} "
+            "--host 127.0.0.1 --port 5000"
+        )
+    return f"open {uri} in a browser"
+
+
+def ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
+    """Return the id of experiment ``name``, creating it with artifacts beside the store."""
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    if uri.startswith("sqlite:"):
+        location = (Path(runs_dir).resolve() / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            raise
+        return experiment.experiment_id
+
+
+def start_run(
+    uri: str,
+    experiment_id: str,
+    run_name: str,
+    parent_run_id: str | None = None,
+    tags: dict[str, str] | None = None,
+) -> str:
+    """Create a run (nested under ``parent_run_id`` if given) and return its id."""
+    all_tags = {MLFLOW_RUN_NAME: run_name, **(tags or {})}
+    if parent_run_id:
+        all_tags[MLFLOW_PARENT_RUN_ID] = parent_run_id
+    run = MlflowClient(uri).create_run(experiment_id, tags=all_tags, run_name=run_name)
+    return run.info.run_id
+
+
+def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
+    """Mark a run FINISHED, FAILED or KILLED."""
+    MlflowClient(uri).set_terminated(run_id, status)
+
+
+class Tracker:
+    """Writes params, metrics, tags and artifacts to one MLflow run.
+
+    Metrics are buffered and sent with ``log_batch`` (one round trip per ~2 s or per
+    500 values) so per-step logging stays a small fraction of a training step.
+    """
+
+    def __init__(self, uri: str, run_id: str, flush_seconds: float = 2.0) -> None:
+        self.uri = uri
+        self.run_id = run_id
+        self._client = MlflowClient(uri)
+        self._pending: list[Metric] = []
+        self._flush_seconds = flush_seconds
+        self._last_flush = time.monotonic()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [
+            Param(key, str(value)[:MAX_PARAM_CHARS]) for key, value in _flatten(params).items()
+        ]
+        for start in range(0, len(items), 100):
+            self._client.log_batch(self.run_id, params=items[start : start + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        now_ms = int(time.time() * 1000)
+        for key, value in metrics.items():
+            self._pending.append(Metric(key, float(value), now_ms, step or 0))
+        if len(self._pending) >= 500 or time.monotonic() - self._last_flush > self._flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:1000], self._pending[1000:]
+            self._client.log_batch(self.run_id, metrics=batch)
+        self._last_flush = time.monotonic()
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        items = [RunTag(key, str(value)) for key, value in tags.items()]
+        if items:
+            self._client.log_batch(self.run_id, tags=items)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self._client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_dict(self, obj: Any, file_name: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / file_name
+            text = json.dumps(obj, indent=2, default=str) if file_name.endswith(".json") else None
+            if text is None:
+                import yaml
+
+                text = yaml.safe_dump(obj, sort_keys=False)
+            target.write_text(text)
+            self.log_artifact(target)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def get_run(uri: str, run_id: str):
+    """The MLflow run object (info, data) for inspection."""
+    return MlflowClient(uri).get_run(run_id)
+
+
+def search_runs(uri: str, experiment_name: str, filter_string: str = "") -> list:
+    """All runs of an experiment, newest first."""
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        return []
+    return client.search_runs(
+        [experiment.experiment_id], filter_string=filter_string, order_by=["start_time DESC"]
+    )
+
+
+def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) pairs of one metric."""
+    return [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key)]
