@@ -1,0 +1,46 @@
+"""Corpus -> tokenizer -> sharded Zarr token store -> packed training windows.
+
+Modules: ``sources`` (data.source as a Hugging Face Dataset), ``corpus`` (saved corpus,
+fingerprint, train/validation assignment, input shards), ``tokenizer`` (byte-level BPE,
+hash), ``writer`` (store parts, manifest), ``store`` (``open_store``, ``SplitReader``),
+``loader`` (``TokenWindowLoader``), ``progress``, ``errors`` (``DataError``, ``StoreError``).
+The tokenize stage (stages/tokenize.py) drives them.
+
+Token store format (version 1)
+------------------------------
+One Zarr v3 group per dataset, ``<out_dir>/store.zarr``::
+
+    store.zarr/
+      zarr.json              root group; attributes (written by finalize): format_version,
+                             tokenizer_hash, vocab_size, eos_id, dtype, chunk_tokens,
+                             chunks_per_shard, source, source_fingerprint, tokens, documents,
+                             split_tokens, split_documents
+      tokenizer.json         the tokenizer the tokens were made with
+      manifest.json          written LAST and atomically: the store is complete only when it
+                             exists ({"complete": true, "format_version": 1, ...,
+                             "splits": {split: {"tokens", "documents", "parts": [...]}}})
+      train/                 group per split ("train", "validation")
+        00000/               one part per input shard (group; attributes: shard, split,
+          tokens             tokenizer_hash, tokens, documents)
+          doc_offsets
+        00001/ ...
+      validation/ ...
+
+Per split, the token array is the concatenation of the split's parts in shard order (the
+manifest lists them with their token counts): each part's ``tokens`` is a 1-D array of
+uint16 when every id fits (vocab <= 65536) else uint32 (``data.token_dtype``), chunked by
+``data.chunk_tokens``, compressed with Blosc zstd + byte shuffle, and Zarr-sharded with
+``data.chunks_per_shard`` chunks per shard file. ``doc_offsets`` (int64, documents + 1
+entries, starting at 0) gives where each document starts inside the part; every document
+ends with the eos token. Documents are in corpus order within each split.
+
+Why parts instead of one merged array: each input shard is tokenized by its own process
+and writes only its own arrays (Zarr loses updates when processes write different chunks
+of one shard file), and no serial merge pass re-reads the whole corpus. Shards are
+contiguous document ranges and the train/validation assignment is a seeded choice of
+document indices, so the logical token sequence of each split (and everything the loader
+serves) is identical for any ``data.num_shards`` and any number of workers.
+
+``store.open_store(path, expected_tokenizer_hash=None)`` refuses a store without a complete
+manifest, with a missing part, or built with another tokenizer (``StoreError``).
+"""

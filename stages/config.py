@@ -41,9 +41,18 @@ class EvalConfig:
     temperature: float = 0.8
     """Sampling temperature of the sampled generations."""
     tasks: list[str] = field(default_factory=list)
-    """lm-eval-harness task names to run (needs the 'eval' extra); empty: none."""
+    """lm-eval-harness task names to run (needs the 'eval' extra); empty: none.
+    'heldout_perplexity' is built from the validation split and needs no download."""
+    task_limit: int | None = 64
+    """Documents per lm-eval task (None: all)."""
+    task_include: str | None = None
+    """Directory of extra lm-eval task YAML files (custom local tasks)."""
+    log_model: bool = True
+    """Log the Hugging Face export as an MLflow model (text-generation, with a signature)."""
 
     def __post_init__(self) -> None:
+        if self.task_limit is not None and self.task_limit <= 0:
+            raise ValueError(f"eval.task_limit must be > 0 or null, got {self.task_limit}")
         if self.max_tokens <= 0:
             raise ValueError(f"eval.max_tokens must be > 0, got {self.max_tokens}")
         if self.batch_size <= 0:

@@ -170,3 +170,57 @@ def search_runs(uri: str, experiment_name: str, filter_string: str = "") -> list
 def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) pairs of one metric."""
     return [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key)]
+
+
+def log_hf_model(
+    uri: str,
+    run_id: str,
+    hf_dir: str | Path,
+    name: str = "model",
+    max_new_tokens: int = 32,
+    temperature: float = 0.8,
+) -> str:
+    """Log a Hugging Face export as an MLflow ``transformers`` model (text-generation) of run
+    ``run_id``, with a signature (string prompt -> string text, generation params); returns
+    the model URI (``models:/<id>``), loadable with ``load_logged_model``."""
+    import mlflow
+    import mlflow.transformers
+    import transformers
+    from mlflow.models import infer_signature
+
+    pipe = transformers.pipeline("text-generation", model=str(hf_dir), device="cpu")
+    signature = infer_signature(
+        ["def main("],
+        ["def main(args):"],
+        params={"max_new_tokens": max_new_tokens, "temperature": temperature, "do_sample": False},
+    )
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)  # Model.log resolves its client from the global URI
+    try:
+        info = mlflow.transformers.log_model(
+            pipe,
+            name=name,
+            task="text-generation",
+            run_id=run_id,
+            signature=signature,
+            # Explicit requirements: inference probes optional packages (torchvision) and fails.
+            pip_requirements=[f"transformers=={transformers.__version__}", "torch", "safetensors"],
+            model_config={"max_new_tokens": max_new_tokens},
+        )
+    finally:
+        mlflow.set_tracking_uri(previous)
+    MlflowClient(uri).set_tag(run_id, "model_uri", info.model_uri)
+    return info.model_uri
+
+
+def load_logged_model(uri: str, model_uri: str):
+    """Load a logged model as an MLflow pyfunc (``predict(list[str], params=...)``)."""
+    import mlflow
+    import mlflow.pyfunc
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        return mlflow.pyfunc.load_model(model_uri)
+    finally:
+        mlflow.set_tracking_uri(previous)

@@ -24,17 +24,17 @@ def _logged(log_path: str) -> Iterator[None]:
 
 
 @python_app(executors=["cpu"])
-def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **inputs):
+def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
     """Run a whole one-function stage (plan, evaluate) under the stage mechanism."""
     from stages import stage
     from stages.registry import stage_module
 
     with _logged(log_path):
-        return stage.run_stage(ctx, stage_module(name), cfg, inputs, force)
+        return stage.run_stage(ctx, stage_module(name), cfg, upstream, force)
 
 
 @python_app(executors=["cpu"])
-def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **inputs):
+def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
     """Open a multi-part stage (tokenize, train) and run its ``prepare`` step.
 
     Returns the stage's StageResult when it is reused, else (attempt, prepared).
@@ -45,13 +45,17 @@ def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **inputs):
     module = stage_module(name)
     with _logged(log_path):
         attempt = stage.begin(
-            ctx, name, module.SECTIONS, cfg, inputs, force, getattr(module, "RESUMABLE", False)
+            ctx, name, module.SECTIONS, cfg, upstream, force, getattr(module, "RESUMABLE", False)
         )
         if isinstance(attempt, stage.StageResult):
             return attempt
         tracker = attempt.tracker(ctx)
         try:
-            prepared = module.prepare(cfg, attempt.inputs, Path(attempt.work_dir), tracker)
+            work_dir = Path(attempt.work_dir)
+            if name == "tokenize":  # the first stage has no inputs
+                prepared = module.prepare(cfg, work_dir, tracker)
+            else:
+                prepared = module.prepare(cfg, attempt.inputs, work_dir, tracker)
             tracker.flush()
         except BaseException as error:
             stage.fail(ctx, attempt, error)

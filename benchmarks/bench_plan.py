@@ -1,0 +1,171 @@
+"""How good is the planner? Measured against real runs on this machine, timed on Frontier.
+
+1. Search speed: the full plan search for a 1T model on 3,072 Frontier GCDs (median of 5).
+2. Frontier predictions: the chosen plan's TFLOPS per device and MFU for the 22B, 175B and
+   1T presets at 1,024 and 3,072 GCDs.
+3. Local truth: for the tiny model and a small model on 2 and 4 gloo ranks, every valid plan
+   (recompute none, no sequence parallelism: on these models memory never binds, so
+   recompute only costs time) is run for a few steps through stages.plan.measure_plan.
+   --max-plans N keeps the N best predicted plus evenly spaced others per setting.
+   Reported: pick_ratio (measured tokens/s of the planner's pick / measured best), the
+   step-time MAPE of the raw model and of the model calibrated leave-one-out (scales fitted on
+   the other plans of the same setting, as the plan stage's refinement does).
+
+The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model.calibration import fit_scales
+from model.cluster import load_cluster
+from model.search import enumerate_plans, evaluate, search
+from model.shapes import Shapes, decode
+from stages.config import load_config
+from stages.plan import choose, measure_plan
+
+SMALL = ["model.n_layers=4", "model.d_model=128", "model.n_heads=4", "train.global_batch=8"]
+
+
+def search_speed() -> float:
+    cfg = load_config(ROOT / "configs" / "frontier-1t.yaml")
+    s = Shapes.from_configs(cfg.model, cfg.train)
+    cl = load_cluster("frontier")
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        search(s, cl, 3072, cfg.train.global_batch)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def frontier_predictions() -> dict[str, dict]:
+    cl = load_cluster("frontier")
+    out = {}
+    for name in ("22b", "175b", "1t"):
+        cfg = load_config(ROOT / "configs" / f"frontier-{name}.yaml")
+        for n in (1024, 3072):
+            plan, _ = choose(cfg.model, cfg.train, cl, n, {})
+            out[f"{name}_{n}"] = {"plan": plan.describe(),
+                                  "tflops_per_device": round(plan.predictions["tflops_per_device"], 2),
+                                  "mfu": round(plan.predictions["mfu"], 4),
+                                  "memory_gb": round(plan.predictions["memory_gb_per_device"], 1)}
+            print(f"[frontier] {name} on {n} GCDs: {plan.describe()}  "
+                  f"{plan.predictions['tflops_per_device']:.1f} TFLOPS/GCD, "
+                  f"MFU {plan.predictions['mfu']:.1%}", flush=True)
+    return out
+
+
+def candidates(cfg, nproc: int, max_plans: int):
+    """Valid plans of one setting, best predicted first (optionally thinned)."""
+    cl = load_cluster("local", nproc=nproc, cache_dir=cfg.runs_dir / "cache" / "microbench")
+    s = Shapes.from_configs(cfg.model, cfg.train)
+    c, _ = enumerate_plans(s, nproc, cfg.train.global_batch,
+                           {"recompute": "none", "sequence_parallel": False})
+    ev = evaluate(s, cl, c, nproc, cfg.train.global_batch)
+    order = list(ev["tokens_per_s"].argsort()[::-1])
+    if max_plans and len(order) > max_plans:
+        top = order[: max_plans // 2]
+        rest = order[max_plans // 2:]
+        step = len(rest) / (max_plans - len(top))
+        order = top + [rest[int(i * step)] for i in range(max_plans - len(top))]
+    plans = []
+    for i in order:
+        p = decode(c, int(i))
+        p.predictions = {"step_time_s": float(ev["step_time_s"][i]),
+                         "tokens_per_s": float(ev["tokens_per_s"][i]),
+                         "compute_s": float(ev["parts"]["compute"][i]),
+                         "comm_s": float(ev["parts"]["comm"][i])}
+        plans.append(p)
+    return plans, len(c["tp"])
+
+
+def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, steps: int) -> dict:
+    plans, n_valid = candidates(cfg, nproc, max_plans)
+    print(f"[local] {label} on {nproc} ranks: {n_valid} valid plans, measuring {len(plans)}",
+          flush=True)
+    rows, t0 = [], time.perf_counter()
+    for i, p in enumerate(plans):
+        m = measure_plan(cfg, p, work / f"{label}-n{nproc}-{i}", steps=steps)
+        done = i + 1
+        eta = (time.perf_counter() - t0) / done * (len(plans) - done)
+        if m["ok"]:
+            rows.append({"plan": p.describe(), "pred": p.predictions, "meas": m["step_time_s"],
+                         "meas_tps": m["tokens_per_s"]})
+            print(f"  {done}/{len(plans)} {p.describe():<40} predicted {p.predictions['step_time_s']:.4f} s"
+                  f"  measured {m['step_time_s']:.4f} s  ETA {eta:.0f} s", flush=True)
+        else:
+            print(f"  {done}/{len(plans)} {p.describe():<40} FAILED: {m['error'][-300:]}", flush=True)
+    if not rows:
+        return {"label": label, "nproc": nproc, "ok": False}
+    best = max(rows, key=lambda r: r["meas_tps"])
+    pick = rows[0] if plans and rows[0]["plan"] == plans[0].describe() else None
+    raw_ape = [abs(r["pred"]["step_time_s"] - r["meas"]) / r["meas"] for r in rows]
+    loo_ape, loo_pred = [], []
+    for i, r in enumerate(rows):
+        others = [{"compute_s": o["pred"]["compute_s"], "comm_s": o["pred"]["comm_s"],
+                   "measured_s": o["meas"]} for j, o in enumerate(rows) if j != i]
+        sc = fit_scales(others)
+        pred = sc["compute_scale"] * r["pred"]["compute_s"] + sc["comm_scale"] * r["pred"]["comm_s"]
+        loo_pred.append(pred)
+        loo_ape.append(abs(pred - r["meas"]) / r["meas"])
+    cal_pick = rows[min(range(len(rows)), key=lambda i: loo_pred[i])]
+    return {"label": label, "nproc": nproc, "ok": True, "n_valid": n_valid, "n_measured": len(rows),
+            "pick": pick["plan"] if pick else None, "best": best["plan"],
+            "pick_ratio": (pick["meas_tps"] / best["meas_tps"]) if pick else 0.0,
+            "calibrated_pick_ratio": cal_pick["meas_tps"] / best["meas_tps"],
+            "mape_raw": statistics.mean(raw_ape), "mape_calibrated_loo": statistics.mean(loo_ape)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-plans", type=int, default=0, help="plans per setting (0: all)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--skip-local", action="store_true", help="only the search and Frontier parts")
+    args = ap.parse_args()
+    speed = search_speed()
+    print(f"[search] 1T on 3,072 Frontier GCDs: {speed:.3f} s (median of 5)", flush=True)
+    frontier = frontier_predictions()
+    result = {"search_seconds_1t_3072": round(speed, 4)}
+    settings = []
+    if not args.skip_local:
+        with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
+            work = Path(tmp)
+            runs = ["tracking.runs_dir=" + str(work / "runs")]
+            for label, over in (("tiny", []), ("small", SMALL)):
+                cfg = load_config("tiny", runs + over)
+                for nproc in (2, 4):
+                    cfg.parallel.nproc = nproc
+                    settings.append(measure_setting(label, cfg, nproc, args.max_plans, work,
+                                                    args.steps))
+        ok = [s for s in settings if s["ok"]]
+        for s in ok:
+            print(f"[local] {s['label']} n={s['nproc']}: pick {s['pick']} / best {s['best']}: "
+                  f"ratio {s['pick_ratio']:.3f} (calibrated {s['calibrated_pick_ratio']:.3f}); "
+                  f"step-time MAPE raw {s['mape_raw']:.1%}, calibrated (leave-one-out) "
+                  f"{s['mape_calibrated_loo']:.1%}", flush=True)
+        if ok:
+            result.update(
+                pick_ratio=round(min(s["pick_ratio"] for s in ok), 4),
+                pick_ratio_mean=round(statistics.mean(s["pick_ratio"] for s in ok), 4),
+                calibrated_pick_ratio=round(min(s["calibrated_pick_ratio"] for s in ok), 4),
+                step_time_mape=round(statistics.mean(s["mape_calibrated_loo"] for s in ok), 4),
+                step_time_mape_raw=round(statistics.mean(s["mape_raw"] for s in ok), 4),
+                plans_measured=sum(s["n_measured"] for s in ok),
+                plans_valid=sum(s["n_valid"] for s in ok))
+    result.update({f"{k}_tflops_per_device": v["tflops_per_device"] for k, v in frontier.items()})
+    result.update({f"{k}_mfu": v["mfu"] for k, v in frontier.items()})
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Packed training windows from a token store, shuffled chunk-aware, sharded by dp rank.
+
+Windows. A split is one logical token stream (documents separated by eos). Window ``w``
+holds tokens ``[w*seq_len, w*seq_len + seq_len + 1)``: inputs and shifted targets of
+``seq_len`` positions. Consecutive windows share one boundary token, so every token but the
+first is a prediction target exactly once per epoch (the targets never overlap).
+
+Shuffle (``shuffle=True``). Windows are grouped into blocks of about ``chunk_tokens``
+tokens (one Zarr chunk's worth). Each epoch permutes the blocks (seeded by seed and
+epoch), takes them ``group_blocks`` at a time, and permutes the windows inside each group.
+Reading a group decompresses each of its chunks once (an LRU cache of decoded chunks holds
+them) and serves every window from memory.
+
+Global order. The window sequence depends only on the store, split, seq_len, seed and
+group_blocks, never on dp_size: global batch ``s`` is the windows at positions
+``[s*global_batch, (s+1)*global_batch)`` of that sequence, and rank ``r`` of ``dp_size``
+reads only its rows ``[r*b, (r+1)*b)`` with ``b = global_batch // dp_size``. The state is the
+number of windows consumed globally, so a checkpoint taken with one dp degree resumes with
+another (or with another global_batch) and continues the same sequence.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data_prep.errors import DataError
+from data_prep.store import SplitReader, StoreInfo
+
+STATE_VERSION = 1
+
+
+class TokenWindowLoader:
+    """Batches of ``[global_batch // dp_size, seq_len + 1]`` token windows for one dp rank."""
+
+    def __init__(self, store: StoreInfo | str | Path, split: str, seq_len: int, global_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 group_blocks: int = 8, cache_chunks: int | None = None) -> None:
+        if seq_len < 1 or global_batch < 1:
+            raise ValueError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be >= 1")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        if global_batch % dp_size:
+            raise ValueError(f"global_batch={global_batch} is not divisible by dp_size={dp_size}")
+        if group_blocks < 1:
+            raise ValueError(f"group_blocks must be >= 1, got {group_blocks}")
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle, self.group_blocks = seed, shuffle, group_blocks
+        self.split = split
+        # Decoded blocks are cached here; the reader's chunk cache only spans adjacent blocks.
+        self.reader = SplitReader(store, split, cache_chunks or 4)
+        self.num_windows = (self.reader.num_tokens - 1) // seq_len
+        if self.num_windows < 1:
+            raise DataError(
+                f"split {split!r} of {self.reader.info.path} has {self.reader.num_tokens} tokens, "
+                f"fewer than seq_len + 1 = {seq_len + 1}: lower seq_len or add data"
+            )
+        self.block_windows = max(1, self.reader.chunk_tokens // seq_len)
+        self.num_blocks = -(-self.num_windows // self.block_windows)
+        self.consumed = 0  # windows consumed by the whole dp group
+        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._group_cache: tuple[int, int, np.ndarray] | None = None
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    @property
+    def rows(self) -> int:
+        """Rows of this rank's batch."""
+        return self.global_batch // self.dp_size
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed // self.num_windows
+
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block order, end position of each group) for ``epoch``."""
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
+            sizes = np.full(self.num_blocks, self.block_windows, dtype=np.int64)
+            sizes[order == self.num_blocks - 1] = self.num_windows - (self.num_blocks - 1) * self.block_windows
+            per_group = np.add.reduceat(sizes, np.arange(0, self.num_blocks, self.group_blocks))
+            self._epoch_cache = (epoch, order, np.cumsum(per_group))
+        return self._epoch_cache[1], self._epoch_cache[2]
+
+    def _group_windows(self, epoch: int, group: int, order: np.ndarray) -> np.ndarray:
+        """The shuffled window indices of one group of blocks."""
+        if self._group_cache is None or self._group_cache[:2] != (epoch, group):
+            blocks = order[group * self.group_blocks : (group + 1) * self.group_blocks]
+            windows = np.concatenate([
+                np.arange(b * self.block_windows, min((b + 1) * self.block_windows, self.num_windows))
+                for b in blocks
+            ])
+            rng = np.random.default_rng([self.seed, epoch, group + 1])
+            self._group_cache = (epoch, group, windows[rng.permutation(len(windows))])
+        return self._group_cache[2]
+
+    def window_indices(self, first: int, count: int) -> np.ndarray:
+        """Windows served at global positions ``[first, first + count)`` (any dp degree)."""
+        positions = np.arange(first, first + count, dtype=np.int64)
+        epochs, within = np.divmod(positions, self.num_windows)
+        if not self.shuffle:
+            return within
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            order, group_ends = self._epoch_order(int(epoch))
+            pos = within[mask]
+            groups = np.searchsorted(group_ends, pos, side="right")
+            starts = np.where(groups > 0, group_ends[np.maximum(groups - 1, 0)], 0)
+            result = np.empty(len(pos), dtype=np.int64)
+            for group in np.unique(groups):
+                sel = groups == group
+                result[sel] = self._group_windows(int(epoch), int(group), order)[pos[sel] - starts[sel]]
+            out[mask] = result
+        return out
+
+    def window_index(self, position: int) -> int:
+        """Window served at global sequence ``position``."""
+        return int(self.window_indices(position, 1)[0])
+
+    def _block(self, block: int) -> np.ndarray:
+        """Tokens of one block (its windows plus the one boundary token), LRU-cached."""
+        data = self._blocks.get(block)
+        if data is None:
+            start = block * self.block_windows * self.seq_len
+            stop = min((block + 1) * self.block_windows, self.num_windows) * self.seq_len + 1
+            data = self.reader.read(start, stop)
+            self._blocks[block] = data
+            if len(self._blocks) > 2 * self.group_blocks:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(block)
+        return data
+
+    def window(self, index: int) -> np.ndarray:
+        """Tokens of window ``index`` (seq_len + 1 of them; a view of a cached block)."""
+        block, k = divmod(int(index), self.block_windows)
+        start = k * self.seq_len
+        return self._block(block)[start : start + self.seq_len + 1]
+
+    def _batch(self, first: int, count: int) -> torch.Tensor:
+        rows = [self.window(w) for w in self.window_indices(first, count).tolist()]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's rows of the next global batch: LongTensor [global_batch // dp_size, seq_len + 1]."""
+        first = self.consumed + self.dp_rank * self.rows
+        batch = self._batch(first, self.rows)
+        self.consumed += self.global_batch
+        return batch
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield self.next_batch()
+
+    def iter_sequential(self, max_tokens: int | None = None) -> Iterator[torch.Tensor]:
+        """Walk the split once in order (for evaluation), this rank's rows of each global batch.
+
+        Covers ``min(all, max_tokens // seq_len)`` windows (at least one); the last batch may
+        have fewer rows. Does not change the loader's state.
+        """
+        limit = self.num_windows
+        if max_tokens is not None:
+            limit = min(limit, max(1, max_tokens // self.seq_len))
+        for start in range(0, limit, self.global_batch):
+            first = start + self.dp_rank * self.rows
+            stop = min(first + self.rows, limit)
+            if first < stop:
+                rows = [self.window(w) for w in range(first, stop)]
+                yield torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the same global sequence."""
+        return {
+            "version": STATE_VERSION,
+            "consumed": self.consumed,
+            "split": self.split,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "group_blocks": self.group_blocks,
+            "num_tokens": self.reader.num_tokens,
+            "tokenizer_hash": self.reader.info.tokenizer_hash,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (dp_size and global_batch may differ from when it was saved)."""
+        mine = self.state_dict()
+        for key in ("version", "split", "seq_len", "seed", "shuffle", "group_blocks", "num_tokens",
+                    "tokenizer_hash"):
+            if state.get(key) != mine[key]:
+                raise ValueError(
+                    f"loader state has {key}={state.get(key)!r} but this loader has {mine[key]!r}: "
+                    "resume with the same store, split, seq_len and seed"
+                )
+        self.consumed = int(state["consumed"])

@@ -1,0 +1,265 @@
+"""Turn ``data.source`` into a Hugging Face ``datasets.Dataset`` with one document per row.
+
+Supported sources (the result always has a single string column ``text``):
+
+- ``stdlib``: this interpreter's standard-library ``.py`` files (found at run time under
+  ``sysconfig.get_paths()["stdlib"]``, site-/dist-packages excluded), sorted by path, one
+  file per document. The few files that are deliberately not UTF-8 (encoding tests) are
+  skipped, so the default corpus works on every install.
+- a file, a directory (searched recursively) or a glob of ``.txt`` (one file = one
+  document), ``.jsonl`` / ``.json`` (records with field ``data.text_field``) or
+  ``.parquet`` files, taken in sorted path order;
+- a directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict`` with a ``train`` split);
+- ``hf:<dataset id>``: the ``train`` split of a hub dataset (needs internet).
+
+Empty documents are dropped; documents over ``data.max_document_bytes`` are skipped; at most
+``data.max_documents`` are kept. Bad input raises ``DataError`` naming the file and line.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+from datasets.exceptions import DatasetGenerationError
+
+from data_prep.config import DataConfig
+from data_prep.errors import DataError
+
+TEXT_SUFFIXES = (".txt",)
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+FEATURES = datasets.Features({"text": datasets.Value("string")})
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files of the running interpreter, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    return sorted(
+        p for p in root.rglob("*.py") if p.is_file() and not skip.intersection(p.relative_to(root).parts)
+    )
+
+
+def _decode(path: Path, data: bytes, where: str = "") -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{path}{where}: not valid UTF-8 (byte {err.start}): convert the file to UTF-8 "
+            "or remove it from data.source"
+        ) from None
+
+
+def _record_text(record: object, field: str, where: str) -> str:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if field not in record:
+        keys = ", ".join(sorted(map(str, record))[:10])
+        raise DataError(
+            f"{where}: record has no field {field!r} (fields: {keys}); set data.text_field"
+        )
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(
+            f"{where}: field {field!r} is {type(text).__name__}, expected a string"
+        )
+    return text
+
+
+def _json_texts(path: Path, field: str) -> Iterator[str]:
+    raw = _decode(path, path.read_bytes())
+    if path.suffix == ".json":
+        try:
+            whole = json.loads(raw)
+        except json.JSONDecodeError:
+            whole = None  # not one JSON document: read it as JSON lines below
+        if isinstance(whole, list):
+            for i, record in enumerate(whole):
+                yield _record_text(record, field, f"{path}: record [{i}]")
+            return
+        if whole is not None:
+            yield _record_text(whole, field, f"{path}")
+            return
+    for lineno, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column {err.colno})") from None
+        yield _record_text(record, field, f"{path}:{lineno}")
+
+
+def _generate(files: tuple[str, ...], field: str, skip_undecodable: bool, max_bytes: int | None,
+              max_docs: int | None, stamp: tuple) -> Iterator[dict[str, str]]:
+    """Rows of text/json files. ``stamp`` (sizes, mtimes) only keys the datasets cache."""
+    del stamp
+    count = 0
+    for name in files:
+        path = Path(name)
+        if path.suffix in TEXT_SUFFIXES or path.suffix == ".py":
+            try:
+                texts: Iterator[str] = iter([_decode(path, path.read_bytes())])
+            except DataError:
+                if skip_undecodable:
+                    continue
+                raise
+        else:
+            texts = _json_texts(path, field)
+        for text in texts:
+            if not text or (max_bytes is not None and len(text.encode("utf-8")) > max_bytes):
+                continue
+            yield {"text": text}
+            count += 1
+            if max_docs is not None and count >= max_docs:
+                return
+    if count == 0:
+        raise DataError(
+            f"data.source files ({len(files)}, first {files[0] if files else None}) yielded no "
+            f"documents (empty documents are dropped; max_document_bytes={max_bytes})"
+        )
+
+
+def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undecodable: bool) -> datasets.Dataset:
+    # Tuples, not lists: datasets splits list-valued gen_kwargs into separate generator calls.
+    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    try:
+        return datasets.Dataset.from_generator(
+            _generate,
+            features=FEATURES,
+            cache_dir=str(cache_dir),
+            gen_kwargs={
+                "files": tuple(str(p) for p in files),
+                "field": cfg.text_field,
+                "skip_undecodable": skip_undecodable,
+                "max_bytes": cfg.max_document_bytes,
+                "max_docs": cfg.max_documents,
+                "stamp": stamp,
+            },
+        )
+    except DatasetGenerationError as err:
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, DataError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        if "empty" in str(err).lower() or "no data" in str(err).lower():
+            raise DataError(f"data.source {cfg.source!r} yielded no documents") from None
+        raise
+
+
+def _select_text(ds: datasets.Dataset, cfg: DataConfig, where: str) -> datasets.Dataset:
+    """Keep the text field (as 'text'), drop empty/oversized rows, cap the count."""
+    if cfg.text_field not in ds.column_names:
+        raise DataError(
+            f"{where}: no column {cfg.text_field!r} (columns: {', '.join(ds.column_names)}); "
+            "set data.text_field"
+        )
+    feature = ds.features[cfg.text_field]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        raise DataError(f"{where}: column {cfg.text_field!r} has type {feature}, expected strings")
+    ds = ds.select_columns([cfg.text_field])
+    if cfg.text_field != "text":
+        ds = ds.rename_column(cfg.text_field, "text")
+    for start in range(0, len(ds), 10_000):  # nulls would become None documents
+        batch = ds[start : start + 10_000]["text"]
+        for offset, text in enumerate(batch):
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{where}: record {start + offset} field {cfg.text_field!r} is "
+                    f"{type(text).__name__}, expected a string"
+                )
+    limit = cfg.max_document_bytes
+
+    def keep(batch: dict[str, list[str]]) -> list[bool]:
+        return [bool(t) and (limit is None or len(t.encode("utf-8")) <= limit) for t in batch["text"]]
+
+    ds = ds.filter(keep, batched=True)
+    if cfg.max_documents is not None and len(ds) > cfg.max_documents:
+        ds = ds.select(range(cfg.max_documents))
+    return ds
+
+
+def _expand(source: str) -> list[Path]:
+    """The data files a local source names (file, directory or glob), sorted."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED)
+        if not files:
+            raise DataError(
+                f"data.source directory {source!r} has no {'/'.join(SUPPORTED)} files"
+            )
+    elif glob.has_magic(source):
+        files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)
+                       if Path(p).is_file())
+        if not files:
+            raise DataError(f"data.source glob {source!r} matched no files")
+    else:
+        raise DataError(
+            f"data.source {source!r} does not exist: give 'stdlib', a file, directory or glob "
+            "of .txt/.jsonl/.json/.parquet files, a save_to_disk directory, or 'hf:<id>'"
+        )
+    bad = [p for p in files if p.suffix not in SUPPORTED]
+    if bad:
+        raise DataError(f"{bad[0]}: unsupported file type {bad[0].suffix!r}; use one of {SUPPORTED}")
+    return files
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and (
+        (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
+    )
+
+
+def load_source(cfg: DataConfig, cache_dir: str | Path) -> datasets.Dataset:
+    """Load ``cfg.source`` as a Dataset with one non-empty document per row in column 'text'.
+
+    ``cache_dir`` holds the datasets cache (keep it under the stage's directory or the
+    runs directory, never the user's home).
+    """
+    datasets.disable_progress_bars()  # tokenization prints its own progress lines
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    source = cfg.source
+    if source == "stdlib":
+        ds = _from_files(stdlib_files(), cfg, cache_dir, skip_undecodable=True)
+    elif source.startswith("hf:"):
+        where = f"hub dataset {source[3:]!r}"
+        ds = _select_text(
+            datasets.load_dataset(source[3:], split="train", cache_dir=str(cache_dir)), cfg, where
+        )
+    elif _is_saved_dataset(Path(source)):
+        loaded = datasets.load_from_disk(source)
+        if isinstance(loaded, datasets.DatasetDict):
+            if "train" not in loaded:
+                raise DataError(f"{source}: saved DatasetDict has no 'train' split ({list(loaded)})")
+            loaded = loaded["train"]
+        ds = _select_text(loaded, cfg, source)
+    else:
+        files = _expand(source)
+        parquet = [p for p in files if p.suffix in PARQUET_SUFFIXES]
+        if parquet and len(parquet) != len(files):
+            raise DataError(
+                f"data.source {source!r} mixes parquet and text/json files; point it at one kind"
+            )
+        if parquet:
+            loaded = datasets.load_dataset(
+                "parquet", data_files=[str(p) for p in parquet], split="train", cache_dir=str(cache_dir)
+            )
+            ds = _select_text(loaded, cfg, f"parquet files of data.source {source!r}")
+        else:
+            ds = _from_files(files, cfg, cache_dir, skip_undecodable=False)
+    if len(ds) == 0:
+        raise DataError(
+            f"data.source {source!r} yielded no documents (empty files are dropped; "
+            f"max_document_bytes={cfg.max_document_bytes})"
+        )
+    return ds

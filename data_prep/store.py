@@ -1,0 +1,177 @@
+"""Open a finished token store and read token ranges from it (see the package docstring)."""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from data_prep.errors import StoreError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "validation")
+
+
+@dataclass
+class SplitInfo:
+    """One split: its token and document counts and its parts, in logical order."""
+
+    tokens: int
+    documents: int
+    parts: list[dict[str, Any]]
+
+
+@dataclass
+class StoreInfo:
+    """A complete store as described by its manifest."""
+
+    path: str
+    vocab_size: int
+    eos_id: int
+    tokenizer_hash: str
+    dtype: str
+    chunk_tokens: int
+    source_fingerprint: str
+    format_version: int
+    splits: dict[str, SplitInfo] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.splits.values())
+
+    @property
+    def documents(self) -> int:
+        return sum(s.documents for s in self.splits.values())
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return Path(self.path) / self.manifest.get("tokenizer_file", "tokenizer.json")
+
+
+def open_store(path: str | Path, expected_tokenizer_hash: str | None = None) -> StoreInfo:
+    """Describe the store at ``path``; refuse one that is incomplete or has another tokenizer."""
+    root = Path(path)
+    manifest_path = root / MANIFEST
+    if not root.is_dir():
+        raise StoreError(f"token store {str(root)!r} does not exist: run the tokenize stage")
+    if not manifest_path.is_file():
+        raise StoreError(
+            f"token store {root} is incomplete (no {MANIFEST}): its tokenization did not "
+            "finish; rerun the tokenize stage"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as err:
+        raise StoreError(f"{manifest_path} is not valid JSON ({err}); rerun the tokenize stage") from None
+    if not manifest.get("complete") or manifest.get("format_version") != FORMAT_VERSION:
+        raise StoreError(
+            f"{manifest_path}: format_version {manifest.get('format_version')!r} / complete="
+            f"{manifest.get('complete')!r} is not a complete version-{FORMAT_VERSION} store"
+        )
+    if expected_tokenizer_hash is not None and manifest["tokenizer_hash"] != expected_tokenizer_hash:
+        raise StoreError(
+            f"token store {root} was built with tokenizer {manifest['tokenizer_hash'][:12]}..., "
+            f"but the configuration asks for {expected_tokenizer_hash[:12]}...: re-tokenize with "
+            "this tokenizer or point at the matching store"
+        )
+    splits = {}
+    for name, split in manifest["splits"].items():
+        for part in split["parts"]:
+            if not (root / part["path"] / "zarr.json").is_file():
+                raise StoreError(f"token store {root}: part {part['path']} listed in {MANIFEST} is missing")
+        splits[name] = SplitInfo(split["tokens"], split["documents"], split["parts"])
+    return StoreInfo(
+        path=str(root.resolve()),
+        vocab_size=manifest["vocab_size"],
+        eos_id=manifest["eos_id"],
+        tokenizer_hash=manifest["tokenizer_hash"],
+        dtype=manifest["dtype"],
+        chunk_tokens=manifest["chunk_tokens"],
+        source_fingerprint=manifest["source_fingerprint"],
+        format_version=manifest["format_version"],
+        splits=splits,
+        manifest=manifest,
+    )
+
+
+class SplitReader:
+    """Reads token ranges of one split as one logical 1-D array.
+
+    The split's parts are concatenated in order. Decoded Zarr chunks are kept in an LRU
+    cache of ``cache_chunks`` entries, so many reads from one chunk decompress it once.
+    """
+
+    def __init__(self, store: StoreInfo | str | Path, split: str, cache_chunks: int = 64) -> None:
+        self.info = store if isinstance(store, StoreInfo) else open_store(store)
+        if split not in self.info.splits:
+            raise StoreError(f"token store {self.info.path} has no split {split!r} "
+                             f"(splits: {list(self.info.splits)})")
+        self.split = split
+        self.parts = self.info.splits[split].parts
+        sizes = np.array([p["tokens"] for p in self.parts], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(sizes)])
+        self.num_tokens = int(self.starts[-1])
+        self.chunk_tokens = self.info.chunk_tokens
+        self.cache_chunks = max(1, cache_chunks)
+        self._arrays: dict[int, Any] = {}
+        self._cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self.chunk_reads = 0  # decompressions so far (for tests and benchmarks)
+
+    def _array(self, part: int) -> Any:
+        if part not in self._arrays:
+            path = Path(self.info.path) / self.parts[part]["path"] / "tokens"
+            arr = zarr.open_array(str(path), mode="r")
+            if arr.shape != (self.parts[part]["tokens"],):
+                raise StoreError(f"{path}: shape {arr.shape} disagrees with the manifest "
+                                 f"({self.parts[part]['tokens']} tokens)")
+            self._arrays[part] = arr
+        return self._arrays[part]
+
+    def _chunk(self, part: int, index: int) -> np.ndarray:
+        key = (part, index)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            return cached
+        start = index * self.chunk_tokens
+        stop = min(start + self.chunk_tokens, self.parts[part]["tokens"])
+        data = self._array(part)[start:stop]
+        self.chunk_reads += 1
+        self._cache[key] = data
+        if len(self._cache) > self.cache_chunks:
+            self._cache.popitem(last=False)
+        return data
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split (a copy, in the store's dtype)."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"range [{start}, {stop}) outside split of {self.num_tokens} tokens")
+        pieces = []
+        pos = start
+        part = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while pos < stop:
+            while self.starts[part + 1] <= pos:  # skip empty parts
+                part += 1
+            local = pos - int(self.starts[part])
+            index, within = divmod(local, self.chunk_tokens)
+            chunk = self._chunk(part, index)
+            take = min(len(chunk) - within, stop - pos)
+            pieces.append(chunk[within : within + take])
+            pos += take
+        if len(pieces) == 1:
+            return pieces[0].copy()
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.info.dtype)
+
+    def doc_offsets(self) -> np.ndarray:
+        """Start of every document plus the end (documents + 1 entries), split-global."""
+        out = [np.zeros(1, dtype=np.int64)]
+        for i, part in enumerate(self.parts):
+            path = Path(self.info.path) / part["path"] / "doc_offsets"
+            out.append(zarr.open_array(str(path), mode="r")[1:] + self.starts[i])
+        return np.concatenate(out)

@@ -1,0 +1,91 @@
+"""Byte-level BPE tokenizer: train on a corpus sample or load a tokenizer.json.
+
+The saved ``tokenizer.json`` is the plain ``tokenizers`` format, so it also loads with
+``transformers.PreTrainedTokenizerFast(tokenizer_file=...)``. A tokenizer is identified by
+``tokenizer_hash``: the sha256 of its canonical JSON (keys sorted, no whitespace).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from data_prep.config import TokenizerConfig
+from data_prep.errors import DataError
+
+DTYPE_LIMITS = {"uint16": 2**16, "uint32": 2**32}
+
+
+def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
+    """Train a byte-level BPE with ``cfg.vocab_size`` ids, the eos token as a special token.
+
+    Deterministic: the same texts in the same order give the same tokenizer.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=[cfg.eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str | Path, eos_token: str) -> Tokenizer:
+    """Load a tokenizer.json and check that it knows the eos token."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"tokenizer.path {str(path)!r} does not exist")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001  (tokenizers raises a bare Exception on a bad file)
+        raise DataError(f"tokenizer.path {str(path)!r} is not a tokenizers JSON file: {err}") from None
+    if tokenizer.token_to_id(eos_token) is None:
+        raise DataError(
+            f"tokenizer {path} has no token {eos_token!r}: set tokenizer.eos_token to one of its "
+            "special tokens"
+        )
+    return tokenizer
+
+
+def canonical_json(tokenizer: Tokenizer) -> str:
+    """The tokenizer's JSON with sorted keys and no whitespace (what the hash covers)."""
+    return json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False)
+
+
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    """sha256 hex digest of the canonical tokenizer JSON."""
+    return hashlib.sha256(canonical_json(tokenizer).encode("utf-8")).hexdigest()
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
+    """Write tokenizer.json (pretty, atomically) and return its path."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tokenizer.save(str(tmp), pretty=True)
+    tmp.replace(path)
+    return path
+
+
+def token_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
+    """uint16 when every id fits (or as requested), else uint32; refuses a vocab too large."""
+    if requested == "auto":
+        requested = "uint16" if vocab_size <= DTYPE_LIMITS["uint16"] else "uint32"
+    if requested not in DTYPE_LIMITS:
+        raise DataError(f"data.token_dtype must be auto, uint16 or uint32, got {requested!r}")
+    if vocab_size > DTYPE_LIMITS[requested]:
+        raise DataError(
+            f"tokenizer vocabulary of {vocab_size} ids does not fit data.token_dtype={requested} "
+            f"(at most {DTYPE_LIMITS[requested]} ids): set data.token_dtype=uint32 or auto, or a "
+            "smaller tokenizer.vocab_size"
+        )
+    return np.dtype(requested)

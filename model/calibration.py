@@ -1,0 +1,66 @@
+"""Calibration of the time model from measured steps.
+
+Each measured plan gives (predicted compute seconds, predicted comm seconds, measured
+seconds). Two non-negative scales are fitted by least squares,
+``measured ~= compute_scale * compute + comm_scale * comm``, and stored as JSON that later
+searches read (``load_calibration``). With fewer than two distinct points a single
+measured/predicted ratio scales both.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def fit_scales(points: list[dict[str, float]]) -> dict[str, float]:
+    """Fit compute_scale and comm_scale (>= 0.05) to points with compute_s, comm_s, measured_s."""
+    pts = [p for p in points if p.get("measured_s") and p["compute_s"] + p["comm_s"] > 0]
+    if not pts:
+        return {"compute_scale": 1.0, "comm_scale": 1.0}
+    a = np.array([[p["compute_s"], p["comm_s"]] for p in pts], dtype=float)
+    y = np.array([p["measured_s"] for p in pts], dtype=float)
+    ratio = float(np.median(y / a.sum(axis=1)))
+    single = {"compute_scale": ratio, "comm_scale": ratio}
+    if len(pts) < 2 or np.linalg.matrix_rank(a) < 2:
+        return single
+    # relative least squares: every plan counts the same whatever its step time
+    w = 1.0 / y
+    sol, *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
+    if (sol <= 0.05).any():  # fall back to one ratio rather than a degenerate fit
+        return single
+    return {"compute_scale": float(sol[0]), "comm_scale": float(sol[1])}
+
+
+def load_calibration(path: str | Path | None) -> dict[str, Any] | None:
+    """The stored calibration (with its points), or None when there is none yet."""
+    if path is None or not Path(path).exists():
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"calibration file {path} is unreadable ({exc}); delete it to start over")
+    if not {"compute_scale", "comm_scale"} <= set(data):
+        raise ValueError(f"calibration file {path} lacks compute_scale/comm_scale; delete it")
+    return data
+
+
+def update_calibration(path: str | Path, new_points: list[dict[str, Any]],
+                       keep: int = 64) -> dict[str, Any]:
+    """Append measured points, refit the scales and write the JSON atomically."""
+    path = Path(path)
+    old = load_calibration(path) or {"points": []}
+    points = (old.get("points", []) + new_points)[-keep:]
+    data = {**fit_scales(points), "points": points}
+    for p in points:
+        p["ratio"] = p["measured_s"] / max(p["compute_s"] + p["comm_s"], 1e-12)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, path)
+    return data

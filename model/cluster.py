@@ -1,0 +1,211 @@
+"""Cluster descriptions: device memory and speed, and the links between ranks.
+
+A cluster YAML (configs/clusters/*.yaml) gives per-device figures and a hierarchy of
+link levels. Ranks are numbered node-major, so consecutive ranks share the innermost
+level first: on Frontier ranks 2k and 2k+1 are the two GCDs of one MI250X ("pair"),
+ranks 8n..8n+7 share a node ("node"), everything else crosses the network.
+
+``measured: true`` (local.yaml) means the speed figures come from model/microbench.py,
+run on this machine at plan time and cached.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CLUSTER_DIR = Path(__file__).resolve().parent.parent / "configs" / "clusters"
+
+REQUIRED = {
+    "name": "cluster name",
+    "ranks_per_node": "devices (ranks) per node",
+    "memory_gb": "memory per device in GB (1e9 bytes)",
+    "peak_tflops": "dense bf16 peak per device, TFLOP/s",
+    "fp32_tflops": "dense fp32 (matrix) peak per device, TFLOP/s",
+    "hbm_bandwidth_gbps": "device memory bandwidth, GB/s",
+    "gemm_efficiency": "fraction of peak that large GEMMs reach",
+    "links": "link levels (pair/node/network) with bandwidth_gbps and latency_us",
+}
+LINK_REQUIRED = ("bandwidth_gbps", "latency_us")
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used; the message names file and field."""
+
+
+@dataclass
+class Link:
+    """One level of the interconnect, as seen by one rank."""
+
+    name: str
+    group: int
+    """Ranks that share this level (consecutive rank ids); network: 0 = unbounded."""
+    bandwidth_gbps: float
+    """Per-rank bus bandwidth in GB/s (network: per node, shared by its ranks)."""
+    latency_us: float
+    """Per-message latency in microseconds."""
+
+
+@dataclass
+class Cluster:
+    """Per-device figures and link levels of one machine type."""
+
+    name: str
+    ranks_per_node: int
+    memory_gb: float
+    peak_tflops: float
+    fp32_tflops: float
+    hbm_bandwidth_gbps: float
+    gemm_efficiency: float
+    links: list[Link]
+    kernel_overhead_us: float = 10.0
+    """Fixed cost per kernel launch (small GEMMs and collectives pay it)."""
+    reserved_gb: float = 1.0
+    """Memory per device not available to tensors (runtime, libraries, workspace)."""
+    fragmentation: float = 0.10
+    """Allocator fragmentation margin as a fraction of the tensor memory."""
+    comm_overlap: float = 0.8
+    """Fraction of data-parallel communication hidden under compute."""
+    layer_overhead_us: float | None = None
+    """Fixed host cost per block per micro-batch, forward + backward (dispatch, autograd);
+    None: 60 kernel launches."""
+    microbatch_overhead_us: float | None = None
+    """Fixed cost per micro-batch (embedding, head, loss, schedule); None: 30 kernel launches."""
+    optimizer_overhead_us: float | None = None
+    """Fixed optimizer cost per parameter tensor; None: 12 kernel launches (unfused AdamW)."""
+    collectives: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Optional measured bus bandwidth/latency per collective (local clusters)."""
+    measured: bool = False
+    source: str = ""
+    """File (or cache) the figures came from."""
+
+    def __post_init__(self) -> None:
+        k = self.kernel_overhead_us
+        if self.layer_overhead_us is None:
+            self.layer_overhead_us = 60 * k
+        if self.microbatch_overhead_us is None:
+            self.microbatch_overhead_us = 30 * k
+        if self.optimizer_overhead_us is None:
+            self.optimizer_overhead_us = 12 * k
+
+    def link_for(self, stride: int, size: int) -> Link:
+        """The slowest level a group of ``size`` ranks at rank ``stride`` crosses."""
+        if size <= 1:
+            return self.links[0]
+        block = stride * size  # groups tile aligned blocks of this many consecutive ranks
+        for link in self.links:
+            if link.group and block <= link.group and link.group % block == 0:
+                return link
+        return self.links[-1]
+
+    def rank_bandwidth(self, link: Link, concurrent: int = 0) -> float:
+        """Bytes/s one rank gets on ``link``; network bandwidth is split among the node's ranks."""
+        if link.name == "network":
+            users = max(1, min(self.ranks_per_node, concurrent or self.ranks_per_node))
+            return link.bandwidth_gbps * 1e9 / users
+        return link.bandwidth_gbps * 1e9
+
+    def peak_for(self, dtype: str) -> float:
+        """Peak FLOP/s per device for the compute dtype."""
+        return (self.peak_tflops if dtype == "bfloat16" else self.fp32_tflops) * 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+        return asdict(self)
+
+
+def _num(raw: dict, key: str, where: str, positive: bool = True) -> float:
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ClusterError(f"{where}: field {key!r} must be a number, got {value!r}")
+    if positive and value <= 0:
+        raise ClusterError(f"{where}: field {key!r} must be > 0, got {value}")
+    return float(value)
+
+
+def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
+    """Validate a cluster mapping; a missing field names the file, field and all required ones."""
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{where}: a cluster file must be a mapping")
+    missing = [k for k in REQUIRED if k not in raw]
+    if missing:
+        listing = "; ".join(f"{k} ({v})" for k, v in REQUIRED.items())
+        raise ClusterError(f"{where}: missing field(s) {missing}. Required fields: {listing}")
+    links_raw = raw["links"]
+    if not isinstance(links_raw, dict) or not links_raw:
+        raise ClusterError(f"{where}: field 'links' must map level names (pair, node, network) "
+                           f"to {{bandwidth_gbps, latency_us[, group]}}")
+    links = []
+    for name, spec in links_raw.items():
+        lw = f"{where}: links.{name}"
+        if not isinstance(spec, dict):
+            raise ClusterError(f"{lw} must be a mapping with {LINK_REQUIRED}")
+        lack = [k for k in LINK_REQUIRED if k not in spec]
+        if name != "network" and "group" not in spec:
+            lack.append("group")
+        if lack:
+            raise ClusterError(f"{lw}: missing field(s) {lack}; required: "
+                               f"{list(LINK_REQUIRED) + ([] if name == 'network' else ['group'])}")
+        group = 0 if name == "network" else int(_num(spec, "group", lw))
+        links.append(Link(name, group, _num(spec, "bandwidth_gbps", lw),
+                          _num(spec, "latency_us", lw, positive=False)))
+    links.sort(key=lambda link: link.group or 1 << 62)
+    if links[-1].name != "network":
+        links.append(Link("network", 0, links[-1].bandwidth_gbps, links[-1].latency_us))
+    rpn = int(_num(raw, "ranks_per_node", where))
+    eff = _num(raw, "gemm_efficiency", where)
+    if eff > 1:
+        raise ClusterError(f"{where}: gemm_efficiency must be in (0, 1], got {eff}")
+    optional = {}
+    for key in ("kernel_overhead_us", "reserved_gb", "fragmentation", "comm_overlap",
+                "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us"):
+        if key in raw:
+            optional[key] = _num(raw, key, where, positive=False)
+    known = set(REQUIRED) | set(optional) | {"measured", "collectives", "source", "notes"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ClusterError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
+    return Cluster(
+        name=str(raw["name"]), ranks_per_node=rpn, memory_gb=_num(raw, "memory_gb", where),
+        peak_tflops=_num(raw, "peak_tflops", where), fp32_tflops=_num(raw, "fp32_tflops", where),
+        hbm_bandwidth_gbps=_num(raw, "hbm_bandwidth_gbps", where), gemm_efficiency=eff,
+        links=links, collectives=dict(raw.get("collectives") or {}),
+        measured=bool(raw.get("measured", False)), source=str(raw.get("source", where)),
+        **optional,
+    )
+
+
+def resolve_cluster_path(name_or_path: str | Path) -> Path:
+    """A path to a YAML file, or a name in configs/clusters/ ('frontier')."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    named = CLUSTER_DIR / f"{name_or_path}.yaml"
+    if named.exists():
+        return named
+    known = sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
+    raise ClusterError(f"cluster {str(name_or_path)!r} not found: give a YAML path or one of {known}")
+
+
+def load_cluster(name_or_path: str | Path, nproc: int | None = None,
+                 cache_path: str | Path | None = None, cache_dir: str | Path | None = None) -> Cluster:
+    """Load and validate a cluster; a ``measured: true`` file is filled in by the microbenchmark.
+
+    nproc is needed for measured clusters (collectives are measured with that many ranks).
+    """
+    path = resolve_cluster_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ClusterError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{path}: a cluster file must be a mapping")
+    if raw.get("measured"):
+        from model.microbench import measured_cluster_fields
+
+        if not nproc:
+            raise ClusterError(f"{path} is measured at plan time: give the number of ranks (nproc)")
+        raw = {**raw, **measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir)}
+    return cluster_from_dict(raw, str(path))

@@ -1,0 +1,105 @@
+"""Rank identity from torchrun or Slurm, and process-group start-up.
+
+The same entry point runs under ``torchrun`` (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR set)
+and under ``srun`` (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the rendezvous host is the
+first node of SLURM_JOB_NODELIST and the port is derived from SLURM_JOB_ID).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def expand_first_host(nodelist: str) -> str:
+    """First host of a Slurm node list ("nid[001-004,010],login1" -> "nid001").
+
+    Uses ``scontrol show hostnames`` when available, else parses the bracket syntax.
+    """
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if first is None:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, _, ranges = first.groups()
+    if not ranges:
+        return prefix
+    start = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{start}"
+
+
+def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
+    """Read the rank identity from torchrun variables, else from Slurm, else single process."""
+    env = dict(os.environ if environ is None else environ)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env["WORLD_SIZE"]),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+    if "SLURM_PROCID" in env:
+        job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=int(env.get("SLURM_NTASKS", 1)),
+            master_addr=env.get("MASTER_ADDR") or expand_first_host(nodelist),
+            # A port per job so concurrent jobs on one node do not collide.
+            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+        )
+    return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
+
+
+def init_distributed(env: DistEnv) -> torch.device:
+    """Start the default process group (nccl/rccl on GPU, gloo on CPU); return this rank's device."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"  # RCCL on ROCm builds
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        backend = "gloo"
+    if not dist.is_initialized() and env.world_size == 1:
+        # One process: an in-memory store, so no port is needed (or can collide).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif not dist.is_initialized():
+        os.environ["MASTER_ADDR"] = env.master_addr
+        os.environ["MASTER_PORT"] = str(env.master_port)
+        dist.init_process_group(
+            backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(minutes=10),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device

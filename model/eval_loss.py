@@ -1,0 +1,142 @@
+"""Held-out loss and perplexity over a token stream, token-weighted, data-parallel.
+
+The split is cut into consecutive windows of ``seq_len + 1`` tokens that overlap by one
+token (window w covers tokens [w*T, w*T + T + 1)), so every evaluated token is predicted
+exactly once, from the window's own context. Windows are dealt round-robin to ranks; each
+rank sums per-token losses (float64) and counts, and the sums are all-reduced when
+``torch.distributed`` is initialised, so the result does not depend on the number of ranks.
+
+The reader is any object with ``num_tokens`` and ``read(start, stop) -> np.ndarray`` (e.g.
+``data_prep.store.SplitReader``); sources are optional (start, stop, name) spans of the split
+for a per-source breakdown (each token counts for the span that contains it).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class EmptySplitError(ValueError):
+    """A split with too few tokens to evaluate anything."""
+
+
+@dataclass
+class WindowPlan:
+    """How a split is cut: ``windows`` windows of ``seq_len`` predicted tokens each."""
+
+    seq_len: int
+    windows: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.windows
+
+
+def plan_windows(num_tokens: int, seq_len: int, max_tokens: int, what: str = "split") -> WindowPlan:
+    """Windows covering at most ``max_tokens`` predicted tokens of a ``num_tokens`` split.
+
+    A split shorter than one window is evaluated as one shorter window; a split of fewer
+    than 2 tokens raises EmptySplitError.
+    """
+    if num_tokens < 2:
+        raise EmptySplitError(
+            f"the {what} has {num_tokens} tokens; evaluation needs at least 2: "
+            "add documents (data.source, data.max_documents) or raise data.validation_fraction"
+        )
+    seq_len = min(seq_len, num_tokens - 1)
+    windows = min((num_tokens - 1) // seq_len, max(1, max_tokens // seq_len))
+    return WindowPlan(seq_len, windows)
+
+
+def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
+    if rank is not None and world is not None:
+        return rank, world
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _source_index(sources: list[tuple[int, int, str]] | None) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Sorted source names, span starts and each span's name index (for searchsorted)."""
+    if not sources:
+        return ["all"], np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    names = sorted({name for _, _, name in sources})
+    spans = sorted(sources)
+    starts = np.array([s for s, _, _ in spans], dtype=np.int64)
+    ids = np.array([names.index(n) for _, _, n in spans], dtype=np.int64)
+    return names, starts, ids
+
+
+@torch.no_grad()
+def heldout_loss(
+    model: nn.Module,
+    reader,
+    seq_len: int,
+    max_tokens: int,
+    batch_size: int,
+    rank: int | None = None,
+    world: int | None = None,
+    sources: list[tuple[int, int, str]] | None = None,
+    progress_seconds: float = 10.0,
+) -> dict:
+    """Token-weighted loss over the first ``max_tokens`` predicted tokens of ``reader``.
+
+    Returns {"val_loss", "perplexity", "tokens", "windows", "seq_len", "per_source":
+    {name: {"val_loss", "perplexity", "tokens"}}}; identical on every rank.
+    """
+    rank, world = _rank_world(rank, world)
+    plan = plan_windows(reader.num_tokens, seq_len, max_tokens)
+    names, span_starts, span_ids = _source_index(sources)
+    loss_sums = np.zeros(len(names), dtype=np.float64)
+    counts = np.zeros(len(names), dtype=np.float64)
+    mine = list(range(rank, plan.windows, world))
+    t0 = last = time.monotonic()
+    model.eval()
+    for b in range(0, len(mine), batch_size):
+        batch = mine[b : b + batch_size]
+        rows = np.stack([reader.read(w * plan.seq_len, w * plan.seq_len + plan.seq_len + 1)
+                         for w in batch]).astype(np.int64)  # [B, T+1]
+        tokens = torch.from_numpy(rows)
+        logits = model(tokens[:, :-1])  # [B, T, V]
+        losses = F.cross_entropy(
+            logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
+        ).view(len(batch), plan.seq_len).double().numpy()  # [B, T]
+        # Position of each predicted token in the split -> its source.
+        pos = np.array(batch, dtype=np.int64)[:, None] * plan.seq_len + np.arange(1, plan.seq_len + 1)
+        which = span_ids[np.searchsorted(span_starts, pos, side="right") - 1]
+        np.add.at(loss_sums, which.ravel(), losses.ravel())
+        np.add.at(counts, which.ravel(), 1.0)
+        now = time.monotonic()
+        if progress_seconds and now - last > progress_seconds:
+            done = b + len(batch)
+            rate = done * plan.seq_len / (now - t0)
+            eta = (len(mine) - done) * plan.seq_len / max(rate, 1e-9)
+            print(f"[eval rank {rank}] {done}/{len(mine)} windows, {rate:,.0f} tokens/s, "
+                  f"ETA {eta:.0f}s", file=sys.stderr, flush=True)
+            last = now
+    totals = torch.from_numpy(np.concatenate([loss_sums, counts]))
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    loss_sums, counts = totals[: len(names)].numpy(), totals[len(names) :].numpy()
+    total_loss, total_tokens = float(loss_sums.sum()), int(round(counts.sum()))
+    val_loss = total_loss / total_tokens
+    per_source = {
+        name: {"val_loss": float(ls / n), "perplexity": math.exp(ls / n), "tokens": int(round(n))}
+        for name, ls, n in zip(names, loss_sums, counts) if n > 0
+    }
+    return {
+        "val_loss": val_loss,
+        "perplexity": math.exp(val_loss),
+        "tokens": total_tokens,
+        "windows": plan.windows,
+        "seq_len": plan.seq_len,
+        "per_source": per_source,
+    }

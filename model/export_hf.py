@@ -1,0 +1,271 @@
+"""Export a GPT to Hugging Face format: LlamaForCausalLM (llama) or GPTNeoXForCausalLM (neox).
+
+The export directory holds ``model.safetensors``, ``config.json``, ``generation_config.json``
+and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``)
+so ``AutoModelForCausalLM.from_pretrained(dir)`` / ``AutoTokenizer.from_pretrained(dir)`` load
+it with no code from this project.
+
+Our parameter names follow the Meta/torchtitan layout and our rotary embedding uses HF's
+rotate_half convention, so the LLaMA export is a pure rename. GPT-NeoX fuses q/k/v into one
+``query_key_value`` projection whose output is laid out per head as ``[q_h, k_h, v_h]``
+(HF views it as [B, T, H, 3*hd] and chunks the last dim), so we interleave per head.
+
+The weights are written straight from our state dict (no HF model is instantiated), and the
+directory is published atomically: written to ``<out>.partial`` then renamed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from model.config import ModelConfig
+
+# family -> transformers class name written into config.json "architectures".
+HF_CLASSES = {"llama": "LlamaForCausalLM", "neox": "GPTNeoXForCausalLM"}
+WEIGHTS_FILE = "model.safetensors"
+
+
+class ExportError(ValueError):
+    """A model that cannot be exported; the message says what to change."""
+
+
+def hf_class_name(family: str) -> str:
+    """The transformers class for ``family``; ExportError if transformers has none."""
+    if family not in HF_CLASSES:
+        raise ExportError(
+            f"model.family={family!r} has no Hugging Face export; supported families: "
+            f"{sorted(HF_CLASSES)}"
+        )
+    import transformers
+
+    name = HF_CLASSES[family]
+    if not hasattr(transformers, name):
+        raise ExportError(
+            f"the installed transformers {transformers.__version__} has no class {name} "
+            f"for model.family={family!r}: upgrade transformers (>=4.45)"
+        )
+    return name
+
+
+def hf_config(cfg: ModelConfig, eos_id: int | None = None):
+    """The transformers config (LlamaConfig or GPTNeoXConfig) equivalent to ``cfg``.
+
+    Rotary base and fraction use the legacy keyword names, which transformers 4.45+ and 5.x
+    both accept (5.x folds them into ``rope_parameters``).
+    """
+    import transformers
+
+    hf_class_name(cfg.family)
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        intermediate_size=cfg.ffn_dim,
+        max_position_embeddings=cfg.max_seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=eos_id,  # documents are separated by eos; there is no separate bos
+        eos_token_id=eos_id,
+        initializer_range=cfg.init_std,
+    )
+    if cfg.family == "llama":
+        config = transformers.LlamaConfig(
+            **common,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            hidden_act="silu",
+            rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_theta,
+            attention_bias=False,
+            mlp_bias=False,
+        )
+    else:
+        config = transformers.GPTNeoXConfig(
+            **common,
+            hidden_act="gelu",  # exact (erf) GELU, as torch.nn.functional.gelu
+            rotary_pct=1.0,
+            rotary_emb_base=cfg.rope_theta,
+            layer_norm_eps=cfg.norm_eps,
+            use_parallel_residual=cfg.parallel_residual,
+            attention_bias=True,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+        )
+    config.architectures = [HF_CLASSES[cfg.family]]
+    return config
+
+
+def _llama_names(i: str) -> dict[str, str]:
+    p = f"model.layers.{i}"
+    return {
+        "attention.wq": f"{p}.self_attn.q_proj",
+        "attention.wk": f"{p}.self_attn.k_proj",
+        "attention.wv": f"{p}.self_attn.v_proj",
+        "attention.wo": f"{p}.self_attn.o_proj",
+        "feed_forward.w1": f"{p}.mlp.gate_proj",
+        "feed_forward.w3": f"{p}.mlp.up_proj",
+        "feed_forward.w2": f"{p}.mlp.down_proj",
+        "attention_norm": f"{p}.input_layernorm",
+        "ffn_norm": f"{p}.post_attention_layernorm",
+    }
+
+
+def _neox_names(i: str) -> dict[str, str]:
+    p = f"gpt_neox.layers.{i}"
+    return {
+        "attention.wo": f"{p}.attention.dense",
+        "feed_forward.w1": f"{p}.mlp.dense_h_to_4h",
+        "feed_forward.w2": f"{p}.mlp.dense_4h_to_h",
+        "attention_norm": f"{p}.input_layernorm",
+        "ffn_norm": f"{p}.post_attention_layernorm",
+    }
+
+
+_TOP_LEVEL = {
+    "llama": {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"},
+    "neox": {
+        "tok_embeddings": "gpt_neox.embed_in",
+        "norm": "gpt_neox.final_layer_norm",
+        "output": "embed_out",
+    },
+}
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[H*hd, ...] x3 -> [3*H*hd, ...] laid out per head as [q_h, k_h, v_h]."""
+    rest = q.shape[1:]
+    parts = [t.reshape(n_heads, -1, *rest) for t in (q, k, v)]  # [H, hd, ...]
+    return torch.stack(parts, dim=1).reshape(-1, *rest)  # [H, 3, hd, ...] -> [3*H*hd, ...]
+
+
+def convert_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our unsharded GPT state dict -> the HF model's state dict (contiguous CPU tensors).
+
+    Raises ExportError on a missing or unexpected key, so a partial (pipeline-stage) or
+    foreign state dict is never exported silently.
+    """
+    hf_class_name(cfg.family)
+    expected = _expected_keys(cfg)
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ExportError(f"state dict lacks {missing[:5]}: export needs a full GPT (all stages)")
+    state = {k: v.detach().to("cpu") for k, v in state.items()}
+    out: dict[str, torch.Tensor] = {}
+    top = _TOP_LEVEL[cfg.family]
+    for ours, theirs in top.items():
+        for leaf in ("weight", "bias"):
+            if f"{ours}.{leaf}" in state:
+                out[f"{theirs}.{leaf}"] = state.pop(f"{ours}.{leaf}")
+    for i in range(cfg.n_layers):
+        prefix = f"layers.{i}."
+        names = _llama_names(str(i)) if cfg.family == "llama" else _neox_names(str(i))
+        if cfg.family == "neox":
+            qkv = f"gpt_neox.layers.{i}.attention.query_key_value"
+            for leaf in ("weight", "bias"):
+                keys = [f"{prefix}attention.{w}.{leaf}" for w in ("wq", "wk", "wv")]
+                out[f"{qkv}.{leaf}"] = _fuse_qkv(*(state.pop(k) for k in keys), cfg.n_heads)
+        for ours, theirs in names.items():
+            for leaf in ("weight", "bias"):
+                key = f"{prefix}{ours}.{leaf}"
+                if key in state:
+                    out[f"{theirs}.{leaf}"] = state.pop(key)
+    if state:
+        raise ExportError(
+            f"unexpected parameters for family {cfg.family!r}: {sorted(state)[:5]} "
+            "(does model.* in the config match the checkpoint?)"
+        )
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _expected_keys(cfg: ModelConfig) -> set[str]:
+    """Our parameter names for ``cfg`` (from a GPT built on the meta device)."""
+    from model.gpt import GPT
+
+    with torch.device("meta"):
+        return set(GPT(cfg).state_dict())
+
+
+def save_tokenizer(tokenizer_file: str | Path, out_dir: Path, eos_token: str, max_len: int) -> None:
+    """Write the HF tokenizer files (tokenizer.json, tokenizer_config.json, ...) into out_dir."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_file),
+        eos_token=eos_token,
+        bos_token=eos_token,
+        pad_token=eos_token,
+        model_max_length=max_len,
+    )
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def export_state_dict(
+    state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | Path,
+    tokenizer_file: str | Path | None = None,
+    eos_token: str = "<|endoftext|>",
+) -> Path:
+    """Write an HF model directory from our state dict; returns ``out_dir``.
+
+    Published atomically: an existing ``out_dir`` is replaced only once the new one is complete.
+    """
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    out_dir = Path(out_dir)
+    eos_id = None
+    if tokenizer_file is not None:
+        tokenizer_file = Path(tokenizer_file)
+        if not tokenizer_file.is_file():
+            raise ExportError(f"tokenizer file {str(tokenizer_file)!r} does not exist")
+        eos_id = json_token_id(tokenizer_file, eos_token)
+    tensors = convert_state_dict(state, cfg)
+    config = hf_config(cfg, eos_id)
+    work = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    save_file(tensors, str(work / WEIGHTS_FILE), metadata={"format": "pt"})
+    config.save_pretrained(str(work))
+    GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(
+        str(work)
+    )
+    if tokenizer_file is not None:
+        save_tokenizer(tokenizer_file, work, eos_token, cfg.max_seq_len)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(work, out_dir)
+    return out_dir
+
+
+def json_token_id(tokenizer_file: Path, token: str) -> int:
+    """Id of ``token`` in a tokenizers JSON file; ExportError if it is not there."""
+    from tokenizers import Tokenizer
+
+    token_id = Tokenizer.from_file(str(tokenizer_file)).token_to_id(token)
+    if token_id is None:
+        raise ExportError(f"tokenizer {tokenizer_file} has no token {token!r} (tokenizer.eos_token)")
+    return token_id
+
+
+def export_model(model: torch.nn.Module, out_dir: str | Path, **kwargs) -> Path:
+    """Export a full (unsharded) ``model.gpt.GPT``; kwargs as ``export_state_dict``."""
+    return export_state_dict(model.state_dict(), model.cfg, out_dir, **kwargs)
+
+
+def export_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, out_dir: str | Path, **kwargs) -> Path:
+    """Export a DCP checkpoint directory (any training layout) via ``load_for_inference``."""
+    from model.checkpoint import load_for_inference
+
+    hf_class_name(cfg.family)  # fail before loading weights
+    model = load_for_inference(ckpt_dir, cfg)
+    return export_model(model, out_dir, **kwargs)
+
+
+def read_export_info(out_dir: str | Path) -> dict:
+    """config.json of an export (architecture, sizes) for reports."""
+    return json.loads((Path(out_dir) / "config.json").read_text())

@@ -1,0 +1,260 @@
+"""A decoder-only GPT in two families, readable top to bottom.
+
+- ``llama``: RMSNorm, SwiGLU MLP (w1 gate, w3 up, w2 down), rotary, optional grouped-query
+  attention (``n_kv_heads``), no biases.
+- ``neox``: LayerNorm, GELU MLP (w1 up, w2 down), rotary, biases, optional parallel
+  residual (attention and MLP read the same input and are summed).
+
+Parameter names follow the Meta/torchtitan LLaMA layout (``tok_embeddings``,
+``layers.<i>.attention.{wq,wk,wv,wo}``, ``layers.<i>.feed_forward.{w1,w2,w3}``,
+``layers.<i>.attention_norm``, ``layers.<i>.ffn_norm``, ``norm``, ``output``) so an HF
+export is a rename (plus a q/k/v concatenation for GPT-NeoX's fused ``query_key_value``).
+
+Rotary convention: HF "rotate_half" (the head dim is split into two halves, not
+interleaved pairs): ``q' = q * cos + rotate_half(q) * sin`` with
+``cos = cat(cos(pos * inv_freq), cos(pos * inv_freq))``. This is what HF
+LlamaForCausalLM and GPTNeoXForCausalLM (rotary_pct = 1.0) compute, so exported weights
+need no permutation.
+
+The model is built on the meta device, parallelised, materialised with ``to_empty`` and
+then initialised by ``init_weights(seed)``: each parameter is drawn from a generator seeded
+by (seed, parameter name) over its *full* shape, then the local shard is kept, so every
+parallel layout starts from bit-identical weights.
+
+Layers live in an ``nn.ModuleDict`` keyed "0".."n-1"; a pipeline stage deletes the layers it
+does not own and sets ``tok_embeddings`` / ``norm`` / ``output`` to None where absent.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.config import ModelConfig
+
+
+# --------------------------------------------------------------------------------------
+# Rotary position embedding
+# --------------------------------------------------------------------------------------
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] in the HF rotate_half layout (float32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    pos = torch.arange(max_seq_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)  # [S, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., hd] -> [..., hd]: (x1, x2) -> (-x2, x1) on the two halves of the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, hd]; cos/sin [T, hd] -> rotated x [B, H, T, hd] (same dtype as x)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """RMSNorm for llama, LayerNorm (with bias) for neox."""
+    if cfg.family == "llama":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with rotary embeddings.
+
+    Under tensor parallelism wq/wk/wv are column-sharded and wo row-sharded, so this module
+    sees only its local heads; every reshape therefore uses -1 for the head count.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        bias = cfg.family == "neox"
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per key/value head
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
+        self.recompute_core = False  # selective recompute: redo rotary + SDPA in backward
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+        """Rotary + causal attention: q [B, H, T, hd], k/v [B, KV, T, hd] -> [B, H, T, hd]."""
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Query head h reads key/value head h // n_rep (HF repeat_kv convention).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D], cos/sin [max_seq_len, hd] -> [B, T, D]."""
+        bsz, seqlen, _ = x.shape  # full T even under sequence parallelism (input gathered)
+        cos, sin = cos[:seqlen], sin[:seqlen]  # [T, hd]
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, hd]
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, hd]
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, cos, sin)  # [B, H, T, hd]
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # [B, T, H*hd]
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (llama: w2(silu(w1 x) * w3 x)) or GELU MLP (neox: w2(gelu(w1 x)))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.family = cfg.family
+        bias = cfg.family == "neox"
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=bias)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=bias)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False) if cfg.family == "llama" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D] (inner activations [B, T, ffn])."""
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: sequential (x + attn, then + mlp) or neox parallel residual.
+
+    ``recompute`` (full) and ``attention.recompute_core`` (selective) are set by
+    ``model.parallelize.apply_activation_checkpointing``: the block's (or only the attention
+    core's) activations are recomputed in backward with torch.utils.checkpoint. Keeping them
+    attributes (not wrapper modules) keeps parameter names unchanged.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.parallel_residual = cfg.parallel_residual
+        self.attention_norm = make_norm(cfg)
+        self.attention = Attention(cfg)
+        self.ffn_norm = make_norm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.recompute = False
+
+    def _block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.parallel_residual:
+            return x + self.attention(self.attention_norm(x), cos, sin) + self.feed_forward(
+                self.ffn_norm(x)
+            )
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._block, x, cos, sin, use_reentrant=False)
+        return self._block(x, cos, sin)
+
+
+# --------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------
+class GPT(nn.Module):
+    """Decoder-only GPT: embeddings -> n blocks -> final norm -> vocabulary projection.
+
+    ``forward(tokens [B, T]) -> logits [B, T, V]`` on a full model. On a pipeline stage
+    without embeddings the input is the hidden state [B, T, D]; on a stage without the
+    head the output is the hidden state [B, T, D].
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = make_norm(cfg)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Non-persistent: recomputed by init_weights, never part of checkpoints.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (or hidden [B, T, D] on a later stage) -> logits [B, T, V] (or [B, T, D])."""
+        if self.tok_embeddings is not None:
+            if tokens.shape[1] > self.cfg.max_seq_len:
+                raise ValueError(
+                    f"sequence length {tokens.shape[1]} exceeds model.max_seq_len="
+                    f"{self.cfg.max_seq_len}"
+                )
+            h = self.tok_embeddings(tokens)  # [B, T, D]
+        else:
+            h = tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)  # [B, T, D]
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)  # [B, T, V]
+        return h
+
+    # ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic, layout-independent initialisation (after ``to_empty``).
+
+        Normal(0, init_std) for linears and embeddings; the residual projections (wo, w2)
+        scaled by 1/sqrt(2*n_layers) (GPT-2); zeros for biases, ones for norm weights.
+        Each tensor is drawn over its full shape from a CPU generator seeded by
+        (seed, name), then the local shard of a DTensor parameter is kept.
+        """
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, param in self.named_parameters():
+            full = _initial_value(name, tuple(param.shape), self.cfg, seed)
+            _copy_full_into(param, full)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters held by this module (global counts for DTensor parameters)."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            total -= self.tok_embeddings.weight.numel()
+        return total
+
+
+def _initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """The full initial tensor of parameter ``name`` (float32, CPU)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name.rsplit(".", 2)[-2] or name.startswith("norm."):
+        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    std = cfg.init_std
+    if name.endswith("attention.wo.weight") or name.endswith("feed_forward.w2.weight"):
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into ``param``, keeping only the local shard of a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor, so no communication.
+        shard = distribute_tensor(
+            full.to(device=param.device, dtype=param.dtype),
+            param.device_mesh,
+            param.placements,
+            src_data_rank=None,
+        )
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full.to(device=param.device, dtype=param.dtype))

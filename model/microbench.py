@@ -1,0 +1,236 @@
+"""Measure this machine for the planner: matmul rate, memory bandwidth, gloo collectives.
+
+All ``nproc`` ranks run at once (one thread each), so the figures include the
+contention a real run of that many ranks sees. Measured per rank: matmul FLOP/s at a few
+shapes (the fastest gives the achievable rate, the small ones the per-kernel overhead),
+copy bandwidth, and all-reduce / all-gather / reduce-scatter / send-recv time at a small
+and a large size over gloo (latency from the small, bus bandwidth from the difference).
+The result is cached as JSON keyed by hostname, rank count and torch version.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MATMUL_SHAPES = ((64, 64, 64), (256, 64, 256), (512, 256, 256), (1024, 512, 512))
+SIZES = (4 * 1024, 1024 * 1024, 8 * 1024 * 1024)  # bytes per rank for the collectives
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+
+def cache_file(nproc: int, cache_dir: str | Path | None = None) -> Path:
+    """Default cache path: <dir>/microbench-<host>-n<nproc>-torch<version>.json."""
+    import torch
+
+    base = Path(cache_dir or os.environ.get("FRONTIER_LLM_CACHE")
+                or Path.home() / ".cache" / "frontier-llm")
+    host = socket.gethostname().replace("/", "_")
+    return base / f"microbench-{host}-n{nproc}-torch{torch.__version__.replace('+', '_')}.json"
+
+
+def _time(fn, repeat: int) -> float:
+    fn()  # warm-up
+    # the mean, not the best: all ranks run together and the contention is what we want
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat
+
+
+def _collective(kind: str, rank: int, nproc: int, n_el: int):
+    """A no-argument function running one ``kind`` collective on n_el floats per rank."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.ones(n_el)
+    if kind in ("all_reduce", "reduce_scatter"):
+        # gloo has no reduce_scatter: the process group runs it as an all-reduce
+        return lambda: dist.all_reduce(buf)
+    if kind == "all_gather":
+        part = torch.ones(n_el // nproc)
+        shards = [torch.empty(n_el // nproc) for _ in range(nproc)]
+        return lambda: dist.all_gather(shards, part)
+    peer = rank ^ 1  # pairs (0,1), (2,3), ... exchange a message each way
+
+    def send_recv() -> None:
+        if peer >= nproc:
+            return
+        first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+        first(buf, peer)
+        second(buf, peer)
+
+    return send_recv
+
+
+def _host_overheads(repeat: int = 5) -> dict[str, float]:
+    """Fixed host costs of eager PyTorch training at negligible tensor sizes (seconds).
+
+    A GPT of 1 and of 3 tiny blocks runs forward+backward: the difference per block is the
+    per-block cost (op dispatch, autograd), the rest the per-micro-batch cost (embedding,
+    head, loss). AdamW (foreach=False, as used with DTensor) gives the cost per tensor.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+
+    def fwd_bwd(n_layers: int) -> tuple[float, Any]:
+        cfg = ModelConfig(n_layers=n_layers, d_model=16, n_heads=2, vocab_size=32, max_seq_len=8)
+        model = GPT(cfg)
+        x = torch.randint(0, 32, (1, 9))
+
+        def run() -> None:
+            logits = model(x[:, :-1])
+            F.cross_entropy(logits.reshape(-1, 32), x[:, 1:].reshape(-1)).backward()
+
+        return _time(run, repeat), model
+
+    t1, _ = fwd_bwd(1)
+    t3, model = fwd_bwd(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    t_opt = _time(opt.step, repeat)
+    n_tensors = sum(1 for _ in model.parameters())
+    per_block = max((t3 - t1) / 2, 1e-6)
+    return {"layer_overhead_s": per_block, "microbatch_overhead_s": max(t1 - per_block, 1e-6),
+            "optimizer_overhead_per_tensor_s": t_opt / n_tensors}
+
+
+def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, nproc)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=nproc)
+    import psutil
+
+    # resident memory of a rank before any model exists: torch, gloo, the interpreter
+    res: dict[str, Any] = {"matmul": [], "collectives": {},
+                           "base_rss_gb": psutil.Process().memory_info().rss / 1e9}
+    for m, n, k in MATMUL_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        reps = max(3, int(1e8 / (m * n * k)))
+        dist.barrier()
+        t = _time(lambda a=a, b=b, reps=reps: [a @ b for _ in range(reps)], 3) / reps
+        res["matmul"].append({"m": m, "n": n, "k": k, "seconds": t, "flops": 2.0 * m * n * k})
+    dist.barrier()
+    res["host"] = _host_overheads()
+    x = torch.randn(8 * 1024 * 1024)  # 32 MB
+    y = torch.empty_like(x)
+    dist.barrier()
+    res["copy_gbps"] = 2 * x.numel() * 4 / _time(lambda: y.copy_(x), 5) / 1e9
+    if nproc > 1:
+        for kind in COLLECTIVES:
+            times = []
+            for size in SIZES:
+                fn = _collective(kind, rank, nproc, size // 4)
+                dist.barrier()
+                times.append(_time(fn, 5))
+            res["collectives"][kind] = times
+    gathered = [None] * nproc
+    dist.all_gather_object(gathered, res)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def run_microbench(nproc: int) -> dict[str, Any]:
+    """Spawn nproc gloo ranks, measure, and return the raw per-rank results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        mp.start_processes(_worker, args=(nproc, str(Path(tmp) / "store"), str(out)),
+                           nprocs=nproc, start_method="spawn")
+        return {"ranks": json.loads(out.read_text())}
+
+
+def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
+    """Cluster fields (see model.cluster) from raw per-rank measurements (slowest rank counts)."""
+    ranks = raw["ranks"]
+    n_shapes = len(ranks[0]["matmul"])
+    mm = [max(r["matmul"][i]["seconds"] for r in ranks) for i in range(n_shapes)]
+    flops = [ranks[0]["matmul"][i]["flops"] for i in range(n_shapes)]
+    rate = max(f / t for f, t in zip(flops, mm))
+    overhead = max(1e-6, mm[0] - flops[0] / rate)  # the smallest GEMM is mostly overhead
+    copy = min(r["copy_gbps"] for r in ranks)
+    collectives: dict[str, dict[str, float]] = {}
+    if nproc > 1:
+        sizes = np.array(SIZES, dtype=float)
+        for kind in COLLECTIVES:
+            t = np.array([max(r["collectives"][kind][i] for r in ranks) for i in range(len(SIZES))])
+            # least-squares line t = a + b * size; a noisy, non-increasing fit falls back to
+            # the large-message rate (bandwidth) and the small-message time (latency)
+            b, a = np.polyfit(sizes, t, 1)
+            if b <= 0 or a <= 0:
+                b, a = t[-1] / sizes[-1], t[0]
+            if kind == "send_recv":  # a round trip: two messages
+                bw, lat = 2 / b, a / 2
+            else:
+                ring = (2.0 if kind == "all_reduce" else 1.0) * (nproc - 1)
+                bw, lat = ring / nproc / b, a / ring
+            collectives[kind] = {"bandwidth_gbps": bw / 1e9, "latency_us": lat * 1e6}
+    host = {k: max(r["host"][k] for r in ranks) for k in ranks[0].get("host", {})}
+    link_bw = collectives.get("all_reduce", {}).get("bandwidth_gbps", copy)
+    link_lat = collectives.get("all_reduce", {}).get("latency_us", 1.0)
+    import psutil
+
+    return {
+        "name": "local", "measured": True, "ranks_per_node": nproc,
+        "memory_gb": round(0.8 * psutil.virtual_memory().total / 1e9 / nproc, 3),
+        "peak_tflops": rate / 1e12, "fp32_tflops": rate / 1e12,
+        "hbm_bandwidth_gbps": copy, "gemm_efficiency": 1.0,
+        "kernel_overhead_us": overhead * 1e6, "reserved_gb": round(max(r.get("base_rss_gb", 0.35) for r in ranks), 3), "fragmentation": 0.10,
+        # the block measurement includes its 21 GEMM launches, which gemm_time already counts
+        "layer_overhead_us": max(host.get("layer_overhead_s", 0.0) - 21 * overhead, 0.0) * 1e6,
+        "microbatch_overhead_us": host.get("microbatch_overhead_s", 0.0) * 1e6,
+        "optimizer_overhead_us": host.get("optimizer_overhead_per_tensor_s", 0.0) * 1e6,
+        "comm_overlap": 0.0,  # gloo runs on the same cores as the compute
+        "links": {"node": {"group": nproc, "bandwidth_gbps": link_bw, "latency_us": link_lat}},
+        "collectives": collectives,
+    }
+
+
+def measured_cluster_fields(nproc: int, cache_path: str | Path | None = None,
+                            cache_dir: str | Path | None = None, refresh: bool = False) -> dict[str, Any]:
+    """Cluster fields for this machine with nproc ranks, from the cache or a fresh measurement."""
+    path = Path(cache_path) if cache_path else cache_file(nproc, cache_dir)
+    if path.exists() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("nproc") == nproc and "fields" in data:
+                return {**data["fields"], "source": str(path)}
+        except (OSError, json.JSONDecodeError):
+            pass  # a broken cache is measured again
+    print(f"[microbench] measuring this machine with {nproc} ranks (cached in {path})", flush=True)
+    t0 = time.perf_counter()
+    raw = run_microbench(nproc)
+    fields = summarise(raw, nproc)
+    import torch
+
+    data = {"nproc": nproc, "host": socket.gethostname(), "torch": torch.__version__,
+            "seconds": time.perf_counter() - t0, "fields": fields, "raw": raw}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, path)
+    print(f"[microbench] done in {data['seconds']:.1f} s: {fields['peak_tflops'] * 1e3:.1f} "
+          f"GFLOP/s per rank, all-reduce {fields['links']['node']['bandwidth_gbps']:.2f} GB/s",
+          flush=True)
+    return {**fields, "source": str(path)}
+
+
+if __name__ == "__main__":
+    import sys
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    print(json.dumps(measured_cluster_fields(n, refresh="--refresh" in sys.argv), indent=2))

@@ -1,0 +1,127 @@
+"""Parallelism as plain functions applied to a meta-device model in a fixed order.
+
+``parallelize_chunk`` applies: tensor parallelism (DTensor Colwise/Rowwise, vocab-parallel
+embedding and head, optional sequence parallelism) -> activation checkpointing -> FSDP2
+(``fully_shard`` per block, then the chunk). DDP is applied after the weights are
+initialised (``apply_ddp``) because it broadcasts parameters when it is constructed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from model.gpt import GPT
+
+
+def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Shard attention/MLP (Megatron column -> row), the embedding and head over vocab.
+
+    With ``sequence_parallel`` the residual stream between blocks is sharded along the
+    sequence (dim 1) and norms run on their sequence shard; attention/MLP inputs are
+    all-gathered first and their outputs reduce-scattered.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        # Vocab-parallel embedding: rows (vocabulary) sharded, partial sums reduced.
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Vocab-parallel head; logits gathered so any loss function works on full rows.
+        top["output"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Replicate(), use_local_output=True
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan: dict[str, object] = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan.update(
+                {
+                    "attention_norm": SequenceParallel(),
+                    "ffn_norm": SequenceParallel(),
+                    "attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None),
+                        desired_input_layouts=(Replicate(), None, None),
+                    ),
+                    "feed_forward": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_activation_checkpointing(model: GPT, mode: str) -> None:
+    """Recompute activations in backward.
+
+    ``full``: every block keeps only its input and reruns its forward in backward.
+    ``selective`` (Megatron-style): only the attention core (rotary + softmax(QK^T)V) is
+    recomputed, dropping the score-sized activations for a small extra cost.
+    ``none``: nothing is recomputed.
+    """
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {mode!r}")
+    for block in model.layers.values():
+        block.recompute = mode == "full"
+        block.attention.recompute_core = mode == "selective"
+
+
+def apply_fsdp(
+    model: GPT, dp_mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None
+) -> None:
+    """FSDP2: shard every block, then the chunk's remaining parameters (embeddings/head).
+
+    ``reshard_after_forward`` True is ZeRO-3 (parameters re-gathered in backward), False is
+    ZeRO-2 (kept gathered between forward and backward). ``param_dtype`` bf16 gives mixed
+    precision with float32 master weights and float32 gradient reduction.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Wrap in DistributedDataParallel over the dp group (only for tp == 1 models)."""
+    device_ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+
+
+def parallelize_chunk(
+    model: GPT,
+    mesh: DeviceMesh,
+    tp: int,
+    dp: int,
+    sharding: str,
+    recompute: str,
+    sequence_parallel: bool,
+    param_dtype: torch.dtype | None,
+) -> None:
+    """Apply TP -> activation checkpointing -> FSDP2 to one (meta-device) model chunk."""
+    if tp > 1:
+        apply_tp(model, mesh["tp"], sequence_parallel)
+    apply_activation_checkpointing(model, recompute)
+    if sharding in ("zero2", "zero3") and dp > 1:
+        apply_fsdp(model, mesh["dp"], sharding == "zero3", param_dtype)

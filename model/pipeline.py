@@ -1,0 +1,73 @@
+"""Pipeline parallelism with torch.distributed.pipelining.
+
+The model is cut into ``pp * virtual_stages`` chunks of contiguous layers
+(``model.plan.stage_layers``); chunk c runs on pipeline rank ``c % pp`` (looped placement,
+as ScheduleInterleaved1F1B expects). Each chunk is a ``GPT`` with the other layers removed;
+the first chunk keeps the embedding, the last the final norm and head, so parameter
+names stay those of the full model.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from model.config import ModelConfig
+from model.gpt import GPT
+from model.plan import stage_layers
+
+
+def chunk_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Stage (chunk) indices held by pipeline rank ``pp_rank``: pp_rank, pp_rank+pp, ..."""
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def build_chunk(cfg: ModelConfig, chunk: int, n_chunks: int) -> GPT:
+    """A meta-device GPT holding only chunk ``chunk``'s layers (and embedding/head if first/last)."""
+    keep = {str(i) for i in stage_layers(cfg.n_layers, n_chunks)[chunk]}
+    with torch.device("meta"):
+        model = GPT(cfg)
+    for layer_id in list(model.layers.keys()):
+        if layer_id not in keep:
+            del model.layers[layer_id]
+    if chunk != 0:
+        model.tok_embeddings = None
+    if chunk != n_chunks - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def build_schedule(
+    modules: list[nn.Module],
+    stage_ids: list[int],
+    n_chunks: int,
+    device: torch.device,
+    group,
+    schedule: str,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):
+    """PipelineStage per local chunk and the schedule that drives them.
+
+    The schedule scales gradients by 1/n_microbatches, so ``loss_fn`` returns the mean
+    loss of one micro-batch and the step's gradients are those of the batch mean.
+    """
+    stages = [
+        PipelineStage(m, sid, n_chunks, device, group=group) for m, sid in zip(modules, stage_ids)
+    ]
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    if len(stages) != 1:
+        raise ValueError(f"schedule {schedule!r} runs one chunk per rank; use interleaved_1f1b")
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(schedule)
+    if cls is None:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; use gpipe, 1f1b or interleaved_1f1b")
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)

@@ -1,0 +1,271 @@
+"""Search over parallel plans: enumerate, filter by memory, rank by predicted tokens/s.
+
+Candidates are built per (tp, pp, micro_batch, schedule) family and evaluated all at
+once as numpy arrays, so a 1T-parameter model on 3,072 devices (~10^5 candidates)
+takes well under a second. Families that cannot run are reported with grouped reasons.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from model.memory_model import GB, memory_breakdown
+from model.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan, PlanError
+from model.shapes import (
+    DDP,
+    GPIPE,
+    INTERLEAVED,
+    NOSHARD,
+    ONEF1B,
+    ZERO2,
+    ZERO3,
+    Shapes,
+    decode,
+    encode,
+)
+from model.time_model import predictions
+
+FIXABLE = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
+           "sharding", "recompute", "sequence_parallel")
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class SearchResult:
+    """Ranked plans that fit, with grouped reasons for the families that do not."""
+
+    plans: list[Plan]
+    """Fitting plans, best predicted tokens/s first (top_k of them)."""
+    rejected: dict[str, list[str]]
+    """Reason -> families (e.g. 'tp=8 pp=2') rejected for it."""
+    n_candidates: int
+    n_fit: int
+    seconds: float
+    memory_gb: float
+    """Device memory the plans had to fit in."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+    def table(self, top: int = 10) -> str:
+        """The top plans and the rejected families as printable text."""
+        head = (f"{'#':>3} {'plan':<44} {'mem GB':>7} {'step s':>9} {'tokens/s':>11} "
+                f"{'TFLOPS':>7} {'MFU':>6} {'bubble':>6}")
+        lines = [(f"{self.n_fit} of {self.n_candidates} candidate plans fit in "
+                 f"{self.memory_gb:.1f} GB per device (searched in {self.seconds:.3f} s)"), head]
+        for i, p in enumerate(self.plans[:top], 1):
+            pr = p.predictions
+            lines.append(f"{i:>3} {p.describe():<44} {pr['memory_gb_per_device']:>7.2f} "
+                         f"{pr['step_time_s']:>9.4g} {pr['tokens_per_s']:>11.5g} "
+                         f"{pr['tflops_per_device']:>7.3g} {pr['mfu']:>6.1%} "
+                         f"{pr.get('bubble_frac', 0.0):>6.1%}")
+        if self.rejected:
+            lines.append("rejected families:")
+            for reason, fams in sorted(self.rejected.items(), key=lambda kv: -len(kv[1])):
+                shown = ", ".join(fams[:6]) + (f", ... ({len(fams)} in all)" if len(fams) > 6 else "")
+                lines.append(f"  - {reason}: {shown}")
+        return "\n".join(lines)
+
+
+def _fixed_ok(fixed: dict[str, Any], name: str, value: Any) -> bool:
+    return fixed.get(name) is None or fixed[name] == value
+
+
+def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, Any] | None = None,
+                    ) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
+    """All structurally valid candidates (encoded) and the grouped structural rejections."""
+    fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    unknown = sorted(set(fixed) - set(FIXABLE))
+    if unknown:
+        raise PlanError(f"cannot fix plan fields {unknown}; fixable: {list(FIXABLE)}")
+    rejected: dict[str, list[str]] = defaultdict(list)
+    rows: list[tuple] = []
+    shard_codes = {SHARDINGS.index(x) for x in SHARDINGS}
+    if fixed.get("sharding") is not None:
+        shard_codes = {SHARDINGS.index(fixed["sharding"])}
+    rec_codes = [RECOMPUTES.index(fixed["recompute"])] if "recompute" in fixed else [0, 1, 2]
+    for tp in divisors(world):
+        if not _fixed_ok(fixed, "tp", tp):
+            continue
+        if s.n_heads % tp or s.kv_heads % tp:
+            rejected[f"tp does not divide the {s.n_heads} heads / {s.kv_heads} kv heads"].append(f"tp={tp}")
+            continue
+        sp_opts = [0] if tp == 1 else [0, 1]
+        if s.seq_len % tp:
+            sp_opts = [0]
+        if "sequence_parallel" in fixed:
+            sp_opts = [int(fixed["sequence_parallel"])] if (tp > 1 or not fixed["sequence_parallel"]) else []
+        for pp in divisors(world // tp):
+            if not _fixed_ok(fixed, "pp", pp):
+                continue
+            fam = f"tp={tp} pp={pp}"
+            dp = world // (tp * pp)
+            if not _fixed_ok(fixed, "dp", dp):
+                continue
+            if pp > s.n_layers:
+                rejected[f"pp exceeds the {s.n_layers} layers"].append(fam)
+                continue
+            if global_batch % dp:
+                rejected[f"dp does not divide global batch {global_batch}"].append(f"{fam} dp={dp}")
+                continue
+            sched_opts: list[tuple[int, int]] = []
+            if pp == 1:
+                sched_opts = [(ONEF1B, 1)]
+                if "schedule" in fixed and fixed["schedule"] != "interleaved_1f1b":
+                    sched_opts = [(SCHEDULES.index(fixed["schedule"]), 1)]
+            else:
+                sched_opts = [(GPIPE, 1), (ONEF1B, 1)]
+                sched_opts += [(INTERLEAVED, v) for v in range(2, 9)
+                               if pp * v <= s.n_layers and s.n_layers % (pp * v) == 0]
+            sched_opts = [(sc, v) for sc, v in sched_opts
+                          if _fixed_ok(fixed, "schedule", SCHEDULES[sc])
+                          and _fixed_ok(fixed, "virtual_stages", v)]
+            shards = [NOSHARD] if dp == 1 else [ZERO3, ZERO2] + ([DDP] if tp == 1 else [])
+            shards = [x for x in shards if x in shard_codes]
+            if not shards:
+                rejected[f"sharding {fixed.get('sharding')} impossible at this dp/tp"].append(fam)
+                continue
+            per_rank = global_batch // dp
+            for mb in divisors(per_rank):
+                ga = per_rank // mb
+                if not (_fixed_ok(fixed, "micro_batch", mb) and _fixed_ok(fixed, "grad_accum", ga)):
+                    continue
+                for sc, v in sched_opts:
+                    if pp > 1 and sc == ONEF1B and ga < pp:
+                        continue
+                    if sc == INTERLEAVED and ga % max(1, ga // pp):
+                        continue
+                    for sh, rc, sp in itertools.product(shards, rec_codes, sp_opts):
+                        rows.append((tp, pp, dp, mb, ga, sc, v, sh, rc, sp))
+            if not any(r[0] == tp and r[1] == pp for r in rows[-1:]):
+                reason = ("no micro-batch/schedule combination allowed (1f1b needs grad_accum "
+                          ">= pp; fixed fields)")
+                rejected[reason].append(fam)
+    arr = np.array(rows, dtype=np.int64).reshape(-1, 10)
+    names = ("tp", "pp", "dp", "mb", "ga", "sched", "v", "shard", "rec", "sp")
+    return {n: arr[:, i] for i, n in enumerate(names)}, dict(rejected)
+
+
+def evaluate(s: Shapes, cluster: Any, c: dict[str, np.ndarray], world: int, global_batch: int,
+             calibration: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    """Memory (GB) and predictions for encoded candidates."""
+    mem = memory_breakdown(s, c, cluster.reserved_gb, cluster.fragmentation)
+    pred = predictions(s, cluster, c, world, global_batch, calibration)
+    return {"memory_gb": mem["peak"] / GB, **pred}
+
+
+def _attach(plan: Plan, ev: dict[str, np.ndarray], i: int) -> Plan:
+    plan.predictions = {
+        "step_time_s": float(ev["step_time_s"][i]), "tokens_per_s": float(ev["tokens_per_s"][i]),
+        "tflops_per_device": float(ev["tflops_per_device"][i]), "mfu": float(ev["mfu"][i]),
+        "memory_gb_per_device": float(ev["memory_gb"][i]),
+        "bubble_frac": float(ev["parts"]["bubble_frac"][i]),
+        "compute_s": float(ev["parts"]["compute"][i]), "comm_s": float(ev["parts"]["comm"][i]),
+    }
+    return plan
+
+
+def predict_plan(s: Shapes, cluster: Any, plan: Plan, world: int, global_batch: int,
+                 calibration: dict[str, float] | None = None) -> Plan:
+    """A copy of ``plan`` with predictions filled in (no validity check)."""
+    out = Plan.from_dict({**plan.to_dict(), "predictions": {}})
+    return _attach(out, evaluate(s, cluster, encode([out]), world, global_batch, calibration), 0)
+
+
+def _min_devices_hint(s: Shapes, cluster: Any, world: int, global_batch: int,
+                      fixed: dict[str, Any]) -> str:
+    """Find the smallest multiple-of-two device count at which some plan fits."""
+    for k in range(1, 11):
+        n = world * 2 ** k
+        for gb in (global_batch, global_batch * 2 ** k):  # same batch first, then scaled
+            c, _ = enumerate_plans(s, n, gb, fixed)
+            if len(c["tp"]) == 0:
+                continue
+            mem = memory_breakdown(s, c, cluster.reserved_gb, cluster.fragmentation)["peak"] / GB
+            if (mem <= cluster.memory_gb).any():
+                return f"about {n} devices" + (f" with global batch {gb}" if gb != global_batch else "")
+    return f"more than {world * 2 ** 10} devices"
+
+
+def search(s: Shapes, cluster: Any, world: int, global_batch: int,
+           fixed: dict[str, Any] | None = None, top_k: int = 10,
+           calibration: dict[str, float] | None = None) -> SearchResult:
+    """Rank every plan that fits; raise PlanError saying what would make one fit."""
+    t0 = time.perf_counter()
+    fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    c, rejected = enumerate_plans(s, world, global_batch, fixed)
+    n = len(c["tp"])
+    if n == 0:
+        dps = sorted({world // (tp * pp) for tp in divisors(world) for pp in divisors(world // tp)
+                      if s.n_heads % tp == 0 and s.kv_heads % tp == 0 and pp <= s.n_layers})
+        why = "; ".join(f"{r}: {', '.join(f[:4])}" for r, f in rejected.items())
+        batch_hint = ""
+        if any("global batch" in r for r in rejected) and dps:
+            near = sorted({d * -(-global_batch // d) for d in dps})
+            batch_hint = (f" The data-parallel degree dp must divide train.global_batch="
+                          f"{global_batch}; on {world} devices dp can be {dps}: use a global batch "
+                          f"that is a multiple of one of them (e.g. {near[:4]}), or another "
+                          f"device count.")
+        fix = f" Fixed fields {fixed} narrow the search: free some." if fixed else ""
+        raise PlanError(f"no parallel plan can be formed for {world} devices and global batch "
+                        f"{global_batch} ({why}).{batch_hint}{fix}")
+    ev = evaluate(s, cluster, c, world, global_batch, calibration)
+    fits = ev["memory_gb"] <= cluster.memory_gb
+    # memory-rejected families: every candidate of a (tp, pp) exceeds device memory
+    fam_key = c["tp"] * 1_000_000 + c["pp"]
+    for key in np.unique(fam_key[~fits]):
+        sel = fam_key == key
+        if not fits[sel].any():
+            j = np.flatnonzero(sel)[np.argmin(ev["memory_gb"][sel])]
+            rejected.setdefault(f"exceeds {cluster.memory_gb:g} GB per device", []).append(
+                f"tp={c['tp'][j]} pp={c['pp'][j]} (leanest {ev['memory_gb'][j]:.1f} GB)")
+    if not fits.any():
+        j = int(np.argmin(ev["memory_gb"]))
+        lean = decode(c, j)
+        hint = _min_devices_hint(s, cluster, world, global_batch, fixed)
+        tips = []
+        if fixed.get("recompute") not in (None, "full"):
+            tips.append("recompute=full")
+        if fixed.get("micro_batch", 1) != 1:
+            tips.append("micro_batch=1")
+        if fixed.get("sharding") not in (None, "zero3"):
+            tips.append("sharding=zero3")
+        raise PlanError(
+            f"no plan fits in {cluster.memory_gb:g} GB per device on {world} devices of "
+            f"{cluster.name}: the leanest plan ({lean.describe()}) needs "
+            f"{ev['memory_gb'][j]:.1f} GB. Use more devices ({hint})"
+            + (f", or free/alter fixed fields ({', '.join(tips)})" if tips else "")
+            + (f", or a shorter train.seq_len than {s.seq_len}" if s.seq_len > 512 else "")
+            + ".")
+    idx = np.flatnonzero(fits)
+    # best tokens/s first; ties broken by lower memory
+    order = idx[np.lexsort((ev["memory_gb"][idx], -ev["tokens_per_s"][idx]))]
+    plans = [_attach(decode(c, int(i)), ev, int(i)) for i in order[:top_k]]
+    return SearchResult(plans=plans, rejected=rejected, n_candidates=n, n_fit=int(fits.sum()),
+                        seconds=time.perf_counter() - t0, memory_gb=cluster.memory_gb)
+
+
+def validate_plan(s: Shapes, cluster: Any, plan: Plan, model_cfg: Any, train_cfg: Any,
+                  world: int, calibration: dict[str, float] | None = None) -> Plan:
+    """Check a hand-given plan with the same rules and models as the search; predictions filled."""
+    plan.check(model_cfg, train_cfg, world)
+    out = predict_plan(s, cluster, plan, world, train_cfg.global_batch, calibration)
+    mem = out.predictions["memory_gb_per_device"]
+    if mem > cluster.memory_gb:
+        raise PlanError(
+            f"plan {plan.describe()} needs {mem:.1f} GB per device, more than the "
+            f"{cluster.memory_gb:g} GB of {cluster.name}: use recompute=full, a smaller "
+            f"micro_batch, zero3 sharding, more pp/tp, or more devices")
+    return out

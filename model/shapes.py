@@ -1,0 +1,105 @@
+"""Model shapes and plan encodings shared by the memory model, time model and search.
+
+``Shapes`` holds the few numbers of a GPT that the models need (layers, hidden size,
+heads, vocabulary, sequence length, dtype). ``encode`` turns plans into numpy arrays so
+that the models evaluate thousands of candidate plans at once.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from model.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan
+
+# Integer codes used in the vectorised models (index into the tuples in model.plan).
+GPIPE, ONEF1B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved_1f1b"))
+ZERO3, ZERO2, DDP, NOSHARD = (SHARDINGS.index(s) for s in ("zero3", "zero2", "ddp", "none"))
+REC_NONE, REC_SEL, REC_FULL = (RECOMPUTES.index(s) for s in ("none", "selective", "full"))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The dimensions of a decoder-only GPT that memory and time depend on."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    llama: bool = True
+    """SwiGLU MLP (3 matrices) when True, GELU MLP (2 matrices) when False."""
+    dtype: str = "bfloat16"
+    """Compute dtype: 'bfloat16' (mixed precision, fp32 master weights) or 'float32'."""
+    flash_attention: bool = True
+    """Attention kernel keeps no s x s score matrix (SDPA flash/memory-efficient)."""
+
+    @classmethod
+    def from_configs(cls, model_cfg: Any, train_cfg: Any, flash_attention: bool = True) -> Shapes:
+        """Build from model.config.ModelConfig and TrainConfig."""
+        return cls(
+            n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
+            kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn_dim, vocab=model_cfg.vocab_size,
+            seq_len=train_cfg.seq_len, llama=model_cfg.family == "llama", dtype=train_cfg.dtype,
+            flash_attention=flash_attention,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation / compute-copy element."""
+        return 2 if self.dtype == "bfloat16" else 4
+
+    @property
+    def layer_matrix_params(self) -> int:
+        """Weights of one block's matrices (split by tensor parallelism)."""
+        h, hd = self.d_model, self.head_dim
+        attn = 2 * h * self.n_heads * hd + 2 * h * self.kv_heads * hd
+        mlp = (3 if self.llama else 2) * h * self.ffn
+        return attn + mlp
+
+    @property
+    def layer_norm_params(self) -> int:
+        """Norm weights of one block (replicated over tensor parallelism)."""
+        return (2 if self.llama else 4) * self.d_model
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.d_model
+
+    @property
+    def total_params(self) -> int:
+        """All parameters: blocks, token embedding, final norm and an untied output layer."""
+        return (self.n_layers * (self.layer_matrix_params + self.layer_norm_params)
+                + 2 * self.embedding_params + self.d_model)
+
+    def model_flops_per_token(self) -> float:
+        """Training FLOPs per token without recompute: 6N (matmuls) + 12*L*h*s (attention)."""
+        n_matmul = self.n_layers * self.layer_matrix_params + self.embedding_params
+        return 6.0 * n_matmul + 12.0 * self.n_layers * self.d_model * self.seq_len
+
+
+def encode(plans: Iterable[Plan]) -> dict[str, np.ndarray]:
+    """Plans as a dict of int arrays (tp, pp, dp, mb, ga, sched, v, shard, rec, sp)."""
+    rows = [(p.tp, p.pp, p.dp, p.micro_batch, p.grad_accum, SCHEDULES.index(p.schedule),
+             p.virtual_stages, SHARDINGS.index(p.sharding), RECOMPUTES.index(p.recompute),
+             int(p.sequence_parallel)) for p in plans]
+    arr = np.array(rows, dtype=np.int64).reshape(-1, 10)
+    names = ("tp", "pp", "dp", "mb", "ga", "sched", "v", "shard", "rec", "sp")
+    return {n: arr[:, i] for i, n in enumerate(names)}
+
+
+def decode(c: dict[str, np.ndarray], i: int) -> Plan:
+    """Row i of encoded candidates as a Plan."""
+    return Plan(tp=int(c["tp"][i]), pp=int(c["pp"][i]), dp=int(c["dp"][i]),
+                micro_batch=int(c["mb"][i]), grad_accum=int(c["ga"][i]),
+                schedule=SCHEDULES[int(c["sched"][i])], virtual_stages=int(c["v"][i]),
+                sharding=SHARDINGS[int(c["shard"][i])], recompute=RECOMPUTES[int(c["rec"][i])],
+                sequence_parallel=bool(c["sp"][i]))

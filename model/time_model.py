@@ -1,0 +1,207 @@
+"""Predicted time of one optimizer step under a parallel plan.
+
+Compute: every GEMM of a block (QKV, attention scores and values, output projection, MLP,
+and the logits on the last stage) is timed with a roofline,
+``max(flops / (peak * gemm_efficiency), bytes / hbm_bandwidth) + kernel_overhead``, so
+small GEMMs (small micro-batches, wide tensor parallelism) run below peak. Norms,
+activations, rotary and residual adds are memory bound. Backward costs twice the forward;
+full recompute adds a forward, selective recompute the attention core.
+
+Communication (ring collectives, ``2(n-1)/n * bytes / bw + 2(n-1) * latency`` for an
+all-reduce, half for reduce-scatter or all-gather) runs on the link the mesh places the
+group on. The mesh is ("pp", "dp", "tp") with tp fastest varying, so a tp group is
+consecutive ranks (tp=2: one MI250X on Frontier, tp<=8: one node), a dp group has stride
+tp and a pp group stride tp*dp (usually the network). Per block and micro-batch tensor
+parallelism costs 2 all-reduces forward and 2 backward (2 more with full recompute);
+with sequence parallelism each becomes an all-gather + reduce-scatter of the same volume.
+
+Pipeline: the stage time per micro-batch times (m + (pp-1)/v) (bubble (pp-1)/m, divided
+by the virtual stages for interleaved 1F1B), plus activation send/recv on the critical
+path. Data parallelism: gradient reduce-scatter (all-reduce for DDP) and parameter
+all-gathers, hidden under backward/forward up to the cluster's comm_overlap. FSDP under
+torch pipelining keeps gradients unsharded until the last micro-batch (one reduce-scatter
+per step); without pipelining zero2 reduce-scatters once per step and re-gathers parameters
+each micro-batch, zero3 does both every micro-batch (twice gathering). The optimizer step
+is memory bound (fp32 params, grads and Adam moments read and written).
+
+Fixed host costs (cluster.layer_overhead_us per block and micro-batch,
+microbatch_overhead_us, optimizer_overhead_us per parameter tensor) dominate tiny models
+on CPUs; the local cluster measures them.
+
+Every prediction is split into ``compute`` and ``comm`` seconds so that measured runs can
+calibrate two scales (``calibration = {"compute_scale", "comm_scale"}``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from model.memory_model import stage_layer_counts
+from model.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, ZERO2, ZERO3, Shapes
+
+
+def gemm_time(cluster: Any, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) -> np.ndarray:
+    """Roofline time (s) of ``batch`` GEMMs [m,k] x [k,n]; efficiency falls for small shapes."""
+    cb = 2 if dtype == "bfloat16" else 4
+    flops = 2.0 * m * n * k * batch
+    nbytes = cb * (m * k + k * n + m * n) * batch
+    rate = cluster.peak_for(dtype) * cluster.gemm_efficiency
+    return np.maximum(flops / rate, nbytes / (cluster.hbm_bandwidth_gbps * 1e9)) \
+        + cluster.kernel_overhead_us * 1e-6
+
+
+def _coll(cluster: Any, kind: str, nbytes: Any, n: Any, stride: Any, calls: Any = 1) -> np.ndarray:
+    """Ring collective time (s) of ``nbytes`` per rank over n ranks at the given rank stride,
+    split into ``calls`` collectives (each pays the latency)."""
+    n = np.asarray(n)
+    stride = np.asarray(stride)
+    out = np.zeros(np.broadcast(n, stride, np.asarray(nbytes), np.asarray(calls)).shape)
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    # one link level per distinct (n, stride) pair; few distinct pairs, so loop over them
+    pairs = np.unique(np.stack(np.broadcast_arrays(n, stride)).reshape(2, -1), axis=1)
+    for size, st in pairs.T:
+        if size <= 1:
+            continue
+        link = cluster.link_for(int(st), int(size))
+        bw = cluster.rank_bandwidth(link)
+        lat = link.latency_us * 1e-6
+        meas = cluster.collectives.get(kind) if cluster.collectives else None
+        if meas:  # measured bus bandwidth and per-hop latency of this collective
+            bw, lat = meas["bandwidth_gbps"] * 1e9, meas["latency_us"] * 1e-6
+        mask = (n == size) & (stride == st)
+        t = factor * (size - 1) / size * np.asarray(nbytes) / bw \
+            + np.asarray(calls) * factor * (size - 1) * lat
+        out = np.where(mask, t, out)
+    return out
+
+
+def _p2p(cluster: Any, nbytes: Any, stride: Any) -> np.ndarray:
+    """Point-to-point send/recv time (s) between pipeline neighbours at this rank stride."""
+    stride = np.asarray(stride)
+    out = np.zeros(np.broadcast(stride, np.asarray(nbytes)).shape)
+    for st in np.unique(stride):
+        meas = cluster.collectives.get("send_recv") if cluster.collectives else None
+        if meas:
+            bw, lat = meas["bandwidth_gbps"] * 1e9, meas["latency_us"] * 1e-6
+        else:
+            link = cluster.link_for(int(st), 2)
+            bw, lat = cluster.rank_bandwidth(link), link.latency_us * 1e-6
+        out = np.where(stride == st, np.asarray(nbytes) / bw + lat, out)
+    return out
+
+
+def layer_compute(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray) \
+        -> tuple[np.ndarray, np.ndarray]:
+    """(forward seconds of one block per micro-batch on one tp rank, attention-core part)."""
+    dt = s.dtype
+    tokens = s.seq_len * mb
+    h, hd, f = s.d_model, s.head_dim, s.ffn
+    qkv_out = (s.n_heads + 2 * s.kv_heads) * hd
+    t = gemm_time(cluster, dt, tokens, qkv_out / tp, h)
+    t = t + gemm_time(cluster, dt, tokens, h, s.n_heads * hd / tp)
+    up = 2 if s.llama else 1
+    t = t + up * gemm_time(cluster, dt, tokens, f / tp, h) + gemm_time(cluster, dt, tokens, h, f / tp)
+    # attention core: scores and weighted values per head; causal kernels do half the work
+    heads = mb * s.n_heads / tp
+    core = 0.5 * (gemm_time(cluster, dt, s.seq_len, s.seq_len, hd, heads)
+                  + gemm_time(cluster, dt, s.seq_len, hd, s.seq_len, heads))
+    if not s.flash_attention:  # softmax over the stored score matrix
+        core = core + 3 * s.act_bytes * heads * s.seq_len ** 2 / (cluster.hbm_bandwidth_gbps * 1e9)
+    spf = np.where(sp == 1, 1.0 / tp, 1.0)
+    elem_bytes = s.act_bytes * tokens * (14 * h * spf + 4 * h / tp + (5 if s.llama else 2) * f / tp)
+    elem = elem_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
+    return t + core + elem, core
+
+
+def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
+              calibration: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    """Predicted seconds per optimizer step for encoded plans ``c`` (arrays over candidates).
+
+    Returns compute, comm, step (calibrated) and the parts: stage, bubble_frac, tp_comm,
+    p2p, dp_exposed, optimizer.
+    """
+    tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
+    sched, v, shard, rec, sp = c["sched"], c["v"], c["shard"], c["rec"], c["sp"]
+    cb = s.act_bytes
+    n_first, n_last = stage_layer_counts(s, pp, v)
+    fwd, core = layer_compute(s, cluster, mb, tp, sp)
+    recompute = np.where(rec == REC_FULL, fwd, np.where(rec == REC_SEL, core, 0.0))
+    # forward + backward (2x) + recompute, plus the fixed host cost of a block
+    host = cluster.layer_overhead_us * 1e-6
+    layer = 3 * fwd + recompute + host * np.where(rec == REC_FULL, 4 / 3, 1.0)
+
+    tokens = s.seq_len * mb
+    act_bytes = tokens * s.d_model * cb
+    n_tp_ops = np.where(rec == REC_FULL, 6, 4)
+    tp_layer = n_tp_ops * _coll(cluster, "all_reduce", act_bytes, tp, 1)
+    logits = 3 * gemm_time(cluster, s.dtype, tokens, s.vocab / tp, s.d_model)
+    logits = logits + 3 * tokens * s.vocab / tp * 4 / (cluster.hbm_bandwidth_gbps * 1e9)
+    first_t = n_first * layer
+    last_t = n_last * layer + logits
+    single = pp == 1
+    stage_comp = np.where(single, n_first * layer + logits, np.maximum(first_t, last_t)) \
+        + cluster.microbatch_overhead_us * 1e-6
+    stage_tp = np.maximum(n_first, n_last) * tp_layer + np.where(tp > 1, 2, 0) * \
+        _coll(cluster, "all_reduce", tokens * 4.0, tp, 1)  # loss/vocab-parallel reductions
+    slots = ga + np.where(single, 0.0, (pp - 1) / np.where(sched == INTERLEAVED, v, 1))
+
+    p2p_bytes = act_bytes * np.where(sp == 1, 1.0 / tp, 1.0)
+    p2p = np.where(single, 0.0, 2 * (ga * v + pp - 1) * _p2p(cluster, p2p_bytes, tp * dp))
+
+    # data parallelism over the stage's parameters
+    layer_p = s.layer_matrix_params / tp + s.layer_norm_params
+    params = np.maximum(n_first, n_last) * layer_p + s.embedding_params / tp
+    grad_bytes = params * cb
+    units = np.maximum(n_first, n_last) + 1  # FSDP: one collective per block + the rest
+    ar = _coll(cluster, "all_reduce", grad_bytes, dp, tp)
+    rs = _coll(cluster, "reduce_scatter", grad_bytes, dp, tp, units)
+    ag = _coll(cluster, "all_gather", grad_bytes, dp, tp, units)
+    ov = cluster.comm_overlap
+    bwd_window = 2 * stage_comp / 3
+    fwd_window = stage_comp / 3
+
+    def hidden(t: np.ndarray, window: np.ndarray) -> np.ndarray:
+        return np.maximum(t - ov * window, (1 - ov) * t)
+
+    # Without pipelining FSDP2 re-gathers parameters every micro-batch (zero2: once, in
+    # forward; zero3: forward and backward) and zero3 reduce-scatters every micro-batch;
+    # torch pipelining keeps them unsharded between micro-batches and syncs once.
+    z2_ags = np.where(single, ga, 1)
+    z3_syncs = np.where(single, ga, 1)
+    z3_ags = np.where(single, 2 * ga, ga + 1)
+    dp_exposed = np.where(
+        shard == DDP, hidden(ar, bwd_window),
+        np.where(shard == ZERO2, hidden(rs, bwd_window) + z2_ags * hidden(ag, fwd_window),
+                 np.where(shard == ZERO3, z3_syncs * hidden(rs, bwd_window)
+                          + z3_ags * hidden(ag, fwd_window), 0.0)))
+    dp_exposed = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_exposed)
+
+    opt_params = np.where((shard == ZERO3) | (shard == ZERO2), params / dp, params)
+    tensors = np.maximum(n_first, n_last) * (9 if s.llama else 16) + 3
+    optimizer = opt_params * 36.0 / (cluster.hbm_bandwidth_gbps * 1e9) \
+        + tensors * cluster.optimizer_overhead_us * 1e-6
+
+    compute = slots * stage_comp + optimizer
+    comm = slots * stage_tp + p2p + dp_exposed
+    cal = calibration or {}
+    step = cal.get("compute_scale", 1.0) * compute + cal.get("comm_scale", 1.0) * comm
+    return {"step": step, "compute": compute, "comm": comm, "stage": stage_comp + stage_tp,
+            "bubble_frac": np.where(single, 0.0, (slots - ga) / ga), "tp_comm": slots * stage_tp,
+            "p2p": p2p, "dp_exposed": dp_exposed, "optimizer": optimizer}
+
+
+def predictions(s: Shapes, cluster: Any, c: dict[str, np.ndarray], world: int,
+                global_batch: int, calibration: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    """Step time, tokens/s, model TFLOP/s per device and MFU for encoded plans."""
+    t = step_time(s, cluster, c, calibration)
+    tokens = global_batch * s.seq_len
+    tps = tokens / t["step"]
+    tflops = s.model_flops_per_token() * tps / world / 1e12
+    return {"step_time_s": t["step"], "tokens_per_s": tps, "tflops_per_device": tflops,
+            "mfu": tflops * 1e12 / cluster.peak_for(s.dtype), "parts": t}
+
+
+def bubble_fraction(pp: int, micro_batches: int, virtual_stages: int = 1) -> float:
+    """Pipeline bubble as a fraction of the ideal time: (pp-1)/(m*v)."""
+    return (pp - 1) / (micro_batches * virtual_stages)

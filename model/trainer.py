@@ -1,0 +1,277 @@
+"""The per-rank training loop: build the parallel model, step, log, checkpoint, summarise.
+
+``Trainer`` is created in every rank after the process group is up. It builds the model
+on the meta device, applies the plan (pipeline split -> TP -> activation checkpointing ->
+FSDP2, or DDP), initialises identical weights in every layout, then runs optimizer steps
+of ``global_batch`` sequences. Metrics come from one rank (last pipeline stage, dp 0,
+tp 0). Checkpoints go to ``out_dir/checkpoints`` and training resumes from the latest
+complete one.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from model import checkpoint as ckpt
+from model.config import ModelConfig, TrainConfig
+from model.flops import default_peak_tflops, flops_per_token
+from model.gpt import GPT
+from model.metrics import median_step_time, peak_memory_gb, plot_losses
+from model.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from model.parallel_dims import ParallelDims
+from model.parallelize import apply_ddp, parallelize_chunk
+from model.pipeline import build_chunk, build_schedule, chunk_ids
+from model.plan import Plan
+
+
+class BatchSource(Protocol):
+    """What the trainer needs from a data loader (TokenWindowLoader or SyntheticBatches)."""
+
+    def next_batch(self) -> torch.Tensor: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class MetricSink(Protocol):
+    """The subset of stages.tracking.Tracker the trainer uses."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def flush(self) -> None: ...
+
+
+class RankModel(nn.Module):
+    """All model chunks held by one pipeline rank, under the full model's parameter names.
+
+    It shares (does not copy) the chunks' submodules; the optimizer and checkpoints use it so
+    that keys are FQNs of the unsharded GPT whatever the layout.
+    """
+
+    def __init__(self, chunks: list[GPT]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for chunk in chunks:
+            self.layers.update(chunk.layers)
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(chunk, name) is not None:
+                    setattr(self, name, getattr(chunk, name))
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token loss: logits [B, T, V], targets [B, T] -> scalar (float32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+class Trainer:
+    """Builds this rank's share of the model and runs the optimisation loop."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        plan: Plan,
+        out_dir: str | Path,
+        make_batches: Callable[[int, int], BatchSource],
+        device: torch.device,
+        tracker: MetricSink | None = None,
+        peak_tflops: float | None = None,
+    ) -> None:
+        self.model_cfg, self.cfg, self.plan, self.device = model_cfg, train_cfg, plan, device
+        self.out_dir, self.tracker = Path(out_dir), tracker
+        self.dims = ParallelDims(plan.pp, plan.dp, plan.tp, dist.get_world_size())
+        mesh = self.dims.build_mesh(device.type)
+        self.pp_rank, self.dp_rank, self.tp_rank = (mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
+        self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+        self.param_dtype = torch.bfloat16 if train_cfg.dtype == "bfloat16" else None
+        self.fsdp = plan.sharding in ("zero2", "zero3") and plan.dp > 1
+        self.ddp = plan.sharding == "ddp" and plan.dp > 1
+
+        n_chunks = plan.pp * plan.virtual_stages
+        ids = chunk_ids(self.pp_rank, plan.pp, plan.virtual_stages)
+        self.chunks = [build_chunk(model_cfg, c, n_chunks) for c in ids]
+        for chunk in self.chunks:
+            parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
+                              plan.sequence_parallel, self.param_dtype)
+            chunk.to_empty(device=device)
+            chunk.init_weights(train_cfg.seed)
+        self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
+        self.runners = [apply_ddp(c, mesh["dp"]) if self.ddp else c for c in self.chunks]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        has_dtensor = any(isinstance(p, DTensor) for p in self.params)
+        self.optimizer = build_optimizer(self.model, train_cfg, has_dtensor)
+        self.scheduler = build_scheduler(self.optimizer, train_cfg)
+
+        self.has_first, self.has_last = 0 in ids, n_chunks - 1 in ids
+        self.schedule = None
+        if plan.pp > 1:
+            self.schedule = build_schedule(self.runners, ids, n_chunks, device, self.pp_group,
+                                           plan.schedule, plan.grad_accum, cross_entropy)
+        self.is_logger = self.has_last and self.dp_rank == 0 and self.tp_rank == 0
+        self.batches = make_batches(self.dp_rank, plan.dp)
+        self.flops_per_token = flops_per_token(model_cfg, train_cfg.seq_len)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        self.peak_tflops = peak_tflops or default_peak_tflops(device.type, name)
+        self.losses: list[float] = []
+        self.step = 0
+        self.iteration_times: list[float] = []
+
+    # ---------------------------------------------------------------- one optimizer step
+    def _autocast(self):
+        """bf16 autocast when mixed precision is not already carried by FSDP2."""
+        if self.param_dtype is None or self.fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.param_dtype)
+
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """grad_accum micro-batches through the (single) chunk; returns the mean loss."""
+        runner, accum = self.runners[0], self.plan.grad_accum
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum))):
+            last = i == accum - 1
+            if self.fsdp and self.plan.sharding == "zero2":
+                runner.set_requires_gradient_sync(last)  # reduce-scatter once per step
+            sync = runner.no_sync() if self.ddp and not last else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    logits = runner(x)  # [mb, T, V]
+                loss = cross_entropy(logits, y) / accum
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def _pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One schedule step (grad_accum micro-batches); mean loss on the last stage."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        with self._autocast():
+            self.schedule.step(*args, **kwargs)
+        return torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else None
+
+    def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """batch [b, T+1] -> (dp-mean loss on last-stage ranks else None, global grad norm)."""
+        batch = batch.to(self.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # [b, T] each
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.schedule is not None:
+            loss = self._pipeline(inputs, targets)
+        else:
+            loss = self._accumulate(inputs, targets)
+        norm = clip_grad_norm_(self.params, self.cfg.grad_clip,
+                               self.pp_group if self.plan.pp > 1 else None)
+        self.optimizer.step()
+        self.scheduler.step()
+        if loss is not None and self.plan.dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)  # gloo has no AVG
+            loss = loss / self.plan.dp
+        return loss, norm
+
+    # ---------------------------------------------------------------- checkpoints
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def save(self) -> Path:
+        """Checkpoint the current state (collective)."""
+        extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                 "loader": self.batches.state_dict(), "rng": torch.get_rng_state(),
+                 "losses": list(self.losses)}
+        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer,
+                                    extra, self.model_cfg)
+
+    def resume(self) -> Path | None:
+        """Load the latest complete checkpoint, if any (collective); return its path."""
+        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        if latest is None:
+            return None
+        ckpt.check_model_shape(latest, self.model_cfg)
+        extra = ckpt.load_checkpoint(latest, self.model, self.optimizer)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        self.batches.load_state_dict(extra["loader"])
+        torch.set_rng_state(extra["rng"])
+        self.step, self.losses = int(extra["step"]), list(extra["losses"])
+        return latest
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self, steps: int | None = None, save_final: bool = True) -> dict[str, Any] | None:
+        """Train until ``steps`` (default train.steps) are done; the logger rank returns the summary.
+
+        Checkpoints every train.checkpoint_every steps and, if ``save_final``, at the end.
+        """
+        steps = steps or self.cfg.steps
+        last_ckpt = self.resume()
+        first_step, step_times = self.step, []
+        tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
+        every = self.cfg.checkpoint_every
+        self.iteration_times = []  # whole iterations incl. logging (for loop-overhead checks)
+        while self.step < steps:
+            start = time.perf_counter()
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss, norm = self.train_step(self.batches.next_batch())
+            if self.is_logger:
+                loss_value, norm_value = float(loss), float(norm)  # waits for the step
+                self.losses.append(loss_value)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_times.append(time.perf_counter() - start)
+            self.step += 1
+            if self.is_logger and self.step % self.cfg.log_every == 0:
+                self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step)
+            if self.is_logger and (self.step % max(1, steps // 10) == 0 or self.step == steps):
+                self._progress(loss_value, step_times, steps, tokens_per_step)
+            self.iteration_times.append(time.perf_counter() - start)
+            if (every and self.step % every == 0) or (save_final and self.step == steps):
+                last_ckpt = self.save()
+        return self._finish(step_times, first_step, tokens_per_step, last_ckpt)
+
+    def _throughput(self, step_time: float, tokens_per_step: int) -> dict[str, float]:
+        tokens_per_s = tokens_per_step / step_time if step_time > 0 else 0.0
+        tflops = self.flops_per_token * tokens_per_s / self.dims.world_size / 1e12
+        return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+                "mfu": tflops / self.peak_tflops}
+
+    def _progress(self, loss: float, step_times: list[float], steps: int, tokens: int) -> None:
+        dt = median_step_time(step_times)
+        print(f"[train] step {self.step}/{steps} loss {loss:.4f} {tokens / dt:,.0f} tok/s "
+              f"{dt:.3f} s/step ETA {dt * (steps - self.step):.0f} s", flush=True)
+
+    def _log_step(self, loss: float, norm: float, lr: float, dt: float, tokens: int) -> None:
+        if self.tracker is None:
+            return
+        metrics = {"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": dt,
+                   **self._throughput(dt, tokens), "peak_memory_gb": peak_memory_gb(self.device)}
+        self.tracker.log_metrics(metrics, step=self.step)  # buffered by the tracker
+
+    def _finish(self, step_times: list[float], first_step: int, tokens: int,
+                last_ckpt: Path | None) -> dict[str, Any] | None:
+        peak = torch.tensor(peak_memory_gb(self.device), dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's memory
+        if not self.is_logger:
+            return None
+        step_time = median_step_time(step_times)
+        summary = {"losses": self.losses, "final_loss": self.losses[-1] if self.losses else None,
+                   "steps_done": self.step, "step_time_s": step_time,
+                   **self._throughput(step_time, tokens), "peak_memory_gb": float(peak),
+                   "checkpoint": str(last_ckpt) if last_ckpt else None,
+                   "plan": self.plan.to_dict(), "world_size": self.dims.world_size}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.losses:
+            png = plot_losses(self.losses, 0, self.out_dir / "loss_curve.png")
+            if self.tracker is not None:
+                self.tracker.log_artifact(png)
+        if self.tracker is not None:
+            self.tracker.flush()
+        tmp = self.out_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, self.out_dir / "summary.json")
+        return summary

@@ -1,0 +1,259 @@
+"""Stage evaluate: held-out loss/perplexity, generations, HF export, plots, MLflow model.
+
+Reads the trained checkpoint (``inputs["train"]["checkpoint"]``) and the token store
+(``inputs["tokenize"]["store"]``) and writes into ``out_dir``:
+
+- ``report.json`` / ``report.md``: validation loss and perplexity (token-weighted over
+  ``eval.max_tokens`` tokens of the validation split), per source, lm-eval results;
+- ``generations.txt``: greedy and sampled continuations of ``eval.prompts``;
+- ``hf/``: the Hugging Face export (LlamaForCausalLM / GPTNeoXForCausalLM + tokenizer);
+- ``plots/``: loss, learning rate and tokens/s of the train run, and perplexity (PNG).
+
+All of it is logged to the stage's MLflow run, and the export is logged as an MLflow
+``transformers`` model with a signature (``eval.log_model``).
+
+Per-source breakdown: a store part may carry a ``"source"`` label in the manifest; parts
+without one count as source ``"all"`` (the current tokenizer writes none, so a store built
+from one corpus reports a single ``"all"`` source).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from data_prep.store import SplitReader, StoreInfo, open_store
+from model.eval_loss import heldout_loss, plan_windows
+from stages import tracking
+from stages.config import PipelineConfig
+
+SECTIONS = ("eval",)
+SPLIT = "validation"
+
+
+class EvaluationError(ValueError):
+    """Inputs that cannot be evaluated together; the message says what to change."""
+
+
+# -- checks -----------------------------------------------------------------------------
+def _train_dir(train_outputs: dict[str, Any]) -> Path | None:
+    """The train stage's directory: the nearest ancestor of the checkpoint with status.json."""
+    for parent in Path(train_outputs["checkpoint"]).resolve().parents[:4]:
+        if (parent / "status.json").is_file() or (parent / "spec.json").is_file():
+            return parent
+    return None
+
+
+def training_tokenizer_hash(train_outputs: dict[str, Any]) -> tuple[str | None, str]:
+    """(hash of the tokenizer the checkpoint was trained with, where it was found).
+
+    Looked up in the train outputs ("tokenizer_hash", "store"), else in the train spec
+    ("store"). None when training used synthetic tokens (spec "store": null).
+    """
+    if train_outputs.get("tokenizer_hash"):
+        return train_outputs["tokenizer_hash"], "train outputs"
+    store = train_outputs.get("store")
+    where = "train outputs 'store'"
+    if not store:
+        spec_path = Path(train_outputs["spec"]) if train_outputs.get("spec") else None
+        if spec_path is None:
+            train_dir = _train_dir(train_outputs)
+            spec_path = train_dir / "spec.json" if train_dir else None
+        if spec_path is None or not spec_path.is_file():
+            return None, "no train spec found"
+        store = json.loads(spec_path.read_text()).get("store")
+        where = f"{spec_path} 'store'"
+        if not store:
+            return None, f"{spec_path}: trained on synthetic tokens"
+    return open_store(store).tokenizer_hash, f"{where} ({store})"
+
+
+def check_inputs(cfg: PipelineConfig, store: StoreInfo, train_outputs: dict[str, Any]) -> str:
+    """Refuse a store whose tokenizer or vocabulary differs from the checkpoint's; return a note."""
+    if store.vocab_size > cfg.model.vocab_size:
+        raise EvaluationError(
+            f"token store {store.path} has vocab_size {store.vocab_size} > model.vocab_size "
+            f"{cfg.model.vocab_size}: evaluate with the store the model was trained on"
+        )
+    trained, where = training_tokenizer_hash(train_outputs)
+    if trained is None:
+        return f"tokenizer check skipped ({where})"
+    if trained != store.tokenizer_hash:
+        raise EvaluationError(
+            f"checkpoint {train_outputs['checkpoint']} was trained with tokenizer "
+            f"{trained[:12]}... ({where}) but token store {store.path} was built with tokenizer "
+            f"{store.tokenizer_hash[:12]}...: evaluate with the store used for training "
+            "(same tokenizer.* and data.* settings) or retrain"
+        )
+    return f"tokenizer {trained[:12]}... matches ({where})"
+
+
+def split_sources(store: StoreInfo, split: str) -> list[tuple[int, int, str]]:
+    """(start, stop, source) token spans of a split from its parts' optional "source" label."""
+    spans, pos = [], 0
+    for part in store.splits[split].parts:
+        spans.append((pos, pos + int(part["tokens"]), str(part.get("source", "all"))))
+        pos += int(part["tokens"])
+    return spans
+
+
+def heldout_documents(reader: SplitReader, tokenizer, eos_id: int, limit: int | None) -> list[str]:
+    """The first ``limit`` documents of a split, decoded (eos removed)."""
+    offsets = reader.doc_offsets()
+    count = len(offsets) - 1 if limit is None else min(limit, len(offsets) - 1)
+    docs = []
+    for i in range(count):
+        ids = [int(t) for t in reader.read(int(offsets[i]), int(offsets[i + 1])) if t != eos_id]
+        text = tokenizer.decode(ids)
+        if text.strip():
+            docs.append(text)
+    return docs
+
+
+# -- parts of the run ---------------------------------------------------------------------
+def _write_text(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _train_histories(tracker) -> tuple[str | None, dict[str, list[tuple[int, float]]]]:
+    """The train run id (from this run's input tags) and its loss/lr/tokens_per_s history."""
+    tags = tracking.get_run(tracker.uri, tracker.run_id).data.tags
+    run_id = tags.get("input.train.run_id")
+    if not run_id:
+        return None, {}
+    keys = ("loss", "lr", "tokens_per_s")
+    return run_id, {k: tracking.metric_history(tracker.uri, run_id, k) for k in keys}
+
+
+def _lm_eval(cfg, model, tokenizer, eos_id, reader, out_dir: Path) -> dict[str, dict[str, float]]:
+    from model import lm_eval_adapter as harness
+
+    task_dir = out_dir / "lm_eval_tasks"
+    docs = heldout_documents(reader, tokenizer, eos_id, cfg.eval.task_limit)
+    harness.write_heldout_task(task_dir, docs)
+    include = [str(task_dir)] + ([cfg.eval.task_include] if cfg.eval.task_include else [])
+    lm = harness.GPTHarnessLM(model, tokenizer, eos_id, cfg.eval.batch_size)
+    return harness.run_tasks(lm, cfg.eval.tasks, include, cfg.eval.task_limit)
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    """A short human summary of report.json."""
+    lines = [
+        "# Evaluation",
+        "",
+        f"- checkpoint: `{report['checkpoint']}`",
+        f"- validation loss: **{report['val_loss']:.4f}** nats/token, perplexity "
+        f"**{report['perplexity']:.2f}** over {report['tokens']:,} tokens "
+        f"({report['windows']} windows of {report['seq_len']})",
+        f"- {report['tokenizer_check']}",
+        "",
+        "| source | tokens | loss | perplexity |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, src in report["per_source"].items():
+        lines.append(f"| {name} | {src['tokens']:,} | {src['val_loss']:.4f} | {src['perplexity']:.2f} |")
+    if report.get("lm_eval"):
+        lines += ["", "## lm-eval", ""]
+        for task, metrics in sorted(report["lm_eval"].items()):
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
+            lines.append(f"- {task}: {shown}")
+    if report.get("hf_export"):
+        lines += ["", f"Hugging Face export: `{report['hf_export']}/` beside this report ({report['hf_class']})"]
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
+    """Evaluate the trained checkpoint on the validation split; see the module docstring."""
+    from tokenizers import Tokenizer
+
+    from model.checkpoint import load_for_inference
+    from model.export_hf import export_model, hf_class_name
+    from model.generate import format_generations, generate_text
+    from model.plots import plot_perplexity, plot_training
+
+    out_dir = Path(out_dir)
+    tok_out, train_out = inputs["tokenize"], inputs["train"]
+    store = open_store(tok_out["store"])
+    tokenizer_note = check_inputs(cfg, store, train_out)
+    if SPLIT not in store.splits:
+        raise EvaluationError(f"token store {store.path} has no {SPLIT!r} split")
+    reader = SplitReader(store, SPLIT)
+    try:
+        plan_windows(reader.num_tokens, cfg.train.seq_len, cfg.eval.max_tokens,
+                     f"{SPLIT} split of token store {store.path}")
+    except ValueError as err:
+        raise EvaluationError(str(err)) from None
+    hf_class = hf_class_name(cfg.model.family)  # refuse an unexportable family before work
+    t0 = time.perf_counter()
+    model = load_for_inference(train_out["checkpoint"], cfg.model)
+    tokenizer = Tokenizer.from_file(str(tok_out.get("tokenizer") or store.tokenizer_file))
+
+    result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
+                          cfg.eval.batch_size, sources=split_sources(store, SPLIT))
+    eval_s = time.perf_counter() - t0
+    print(f"[evaluate] val_loss {result['val_loss']:.4f} perplexity {result['perplexity']:.2f} "
+          f"over {result['tokens']:,} tokens in {eval_s:.1f}s", flush=True)
+    metrics = {"val_loss": result["val_loss"], "perplexity": result["perplexity"],
+               "eval_tokens": result["tokens"], "eval_tokens_per_s": result["tokens"] / eval_s}
+    if len(result["per_source"]) > 1:
+        for name, src in result["per_source"].items():
+            metrics[f"val_loss.{name}"] = src["val_loss"]
+            metrics[f"perplexity.{name}"] = src["perplexity"]
+
+    generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
+                                cfg.eval.temperature, cfg.train.seed, store.eos_id)
+    gen_path = _write_text(out_dir / "generations.txt",
+                           format_generations(generations, cfg.eval.temperature))
+
+    lm_eval_results = {}
+    if cfg.eval.tasks:
+        lm_eval_results = _lm_eval(cfg, model, tokenizer, store.eos_id, reader, out_dir)
+        for task, values in lm_eval_results.items():
+            metrics.update({f"{task}.{k}": v for k, v in values.items()})
+
+    hf_dir = export_model(model, out_dir / "hf", tokenizer_file=tok_out.get("tokenizer")
+                          or store.tokenizer_file, eos_token=cfg.tokenizer.eos_token)
+
+    plots_dir = out_dir / "plots"
+    plots_dir.mkdir(exist_ok=True)
+    train_run_id, histories = _train_histories(tracker)
+    plot_training(histories, plots_dir)
+    plot_perplexity(histories.get("loss", []), result["perplexity"],
+                    {n: s["perplexity"] for n, s in result["per_source"].items()},
+                    plots_dir / "perplexity.png")
+
+    report = {
+        "checkpoint": train_out["checkpoint"],
+        "store": store.path,
+        "split": SPLIT,
+        **result,
+        "tokenizer_check": tokenizer_note,
+        "eval_seconds": eval_s,
+        "generations": generations,
+        "lm_eval": lm_eval_results,
+        "hf_export": hf_dir.name,  # relative: the stage directory moves when published
+        "hf_class": hf_class,
+        "train_run_id": train_run_id,
+    }
+    report_path = _write_text(out_dir / "report.json", json.dumps(report, indent=2))
+    md_path = _write_text(out_dir / "report.md", report_markdown(report))
+
+    tracker.log_metrics(metrics)
+    tracker.flush()
+    for path in (report_path, md_path, gen_path):
+        tracker.log_artifact(path)
+    tracker.log_artifact(plots_dir, "plots")
+    tracker.log_artifact(hf_dir, "hf")
+    outputs = {"report": str(report_path), "val_loss": result["val_loss"],
+               "perplexity": result["perplexity"], "tokens": result["tokens"],
+               "hf_export": str(hf_dir), "generations": str(gen_path)}
+    if cfg.eval.log_model:
+        outputs["model_uri"] = tracking.log_hf_model(
+            tracker.uri, tracker.run_id, hf_dir, max_new_tokens=cfg.eval.generate_tokens,
+            temperature=cfg.eval.temperature)
+    return outputs

@@ -1,0 +1,304 @@
+"""Plan stage: choose the parallel layout (tp x pp x dp, micro-batch, schedule, sharding,
+recompute) from the memory and time models, optionally refined by measuring the top plans.
+
+Command line::
+
+    python -m stages.plan --model CONFIG.yaml --cluster frontier --devices 3072 \\
+        --global-batch 3072 [--seq-len 2048] [--json]
+
+CONFIG.yaml is a full pipeline preset or a bare mapping of model shapes (ModelConfig names
+or common aliases such as num_layers / hidden_size / num_attention_heads).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from model.calibration import load_calibration, update_calibration
+from model.cluster import Cluster, load_cluster
+from model.config import ModelConfig, TrainConfig
+from model.plan import Plan, PlanError
+from model.search import SearchResult, predict_plan, search, validate_plan
+from model.shapes import Shapes
+
+SECTIONS = ("model", "parallel", "train")
+MEASURE_STEPS = 4
+
+ALIASES = {
+    "n_layers": ("num_layers", "num_hidden_layers", "n_layer", "layers"),
+    "d_model": ("hidden_size", "n_embd", "hidden", "dim"),
+    "n_heads": ("num_attention_heads", "n_head", "heads"),
+    "n_kv_heads": ("num_key_value_heads", "kv_heads"),
+    "vocab_size": ("padded_vocab_size", "vocab"),
+    "max_seq_len": ("seq_length", "max_position_embeddings", "n_positions", "seq_len"),
+    "ffn_hidden": ("intermediate_size", "ffn_hidden_size"),
+}
+
+
+def model_from_mapping(raw: dict[str, Any], where: str) -> ModelConfig:
+    """A ModelConfig from ModelConfig names or common aliases; unknown keys are an error."""
+    out: dict[str, Any] = {}
+    used = set()
+    for name, aliases in ALIASES.items():
+        for key in (name, *aliases):
+            if key in raw:
+                out[name] = raw[key]
+                used.add(key)
+                break
+    for key in ("family", "parallel_residual", "rope_theta", "norm_eps", "init_std"):
+        if key in raw:
+            out[key] = raw[key]
+            used.add(key)
+    missing = [n for n in ("n_layers", "d_model", "n_heads", "vocab_size") if n not in out]
+    if missing:
+        raise PlanError(f"{where}: model shape lacks {missing} (accepted names: "
+                        + "; ".join(f"{n} or {'/'.join(a)}" for n, a in ALIASES.items()) + ")")
+    extra = sorted(set(raw) - used)
+    if extra:
+        raise PlanError(f"{where}: unknown model keys {extra}")
+    try:
+        return ModelConfig(**out)
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"{where}: {exc}") from exc
+
+
+def load_model_file(path: str | Path) -> tuple[ModelConfig, TrainConfig | None, Any]:
+    """(model, train or None, full PipelineConfig or None) from a preset or a bare model mapping."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise PlanError(f"cannot read model config {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: expected a mapping")
+    if "model" in raw and isinstance(raw["model"], dict):
+        if {"train", "parallel", "data"} & set(raw):
+            from stages.config import load_config
+
+            cfg = load_config(path)
+            return cfg.model, cfg.train, cfg
+        return model_from_mapping(raw["model"], str(path)), None, None
+    return model_from_mapping(raw, str(path)), None, None
+
+
+def fixed_fields(parallel: Any) -> dict[str, Any]:
+    """The plan fields a ParallelConfig fixes (None means the planner chooses)."""
+    names = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "sharding", "recompute")
+    fixed = {n: getattr(parallel, n) for n in names if getattr(parallel, n, None) is not None}
+    # sequence_parallel true allows the planner to use it (with tp > 1), false rules it out
+    if not getattr(parallel, "sequence_parallel", False):
+        fixed["sequence_parallel"] = False
+    return fixed
+
+
+def hand_plan(fixed: dict[str, Any], global_batch: int, world: int) -> Plan | None:
+    """A complete plan when the config fixes every layout field, else None."""
+    core = ("tp", "pp", "micro_batch", "schedule", "sharding", "recompute")
+    if not all(fixed.get(k) is not None for k in core):
+        return None
+    dp = fixed.get("dp") or max(1, world // (fixed["tp"] * fixed["pp"]))
+    # a batch that does not split leaves grad_accum wrong on purpose: Plan.check names it
+    ga = max(1, global_batch // (fixed["micro_batch"] * dp))
+    return Plan(tp=fixed["tp"], pp=fixed["pp"], dp=dp, micro_batch=fixed["micro_batch"],
+                grad_accum=ga,
+                schedule=fixed["schedule"], virtual_stages=fixed.get("virtual_stages") or 1,
+                sharding=fixed["sharding"], recompute=fixed["recompute"],
+                sequence_parallel=bool(fixed.get("sequence_parallel", False)))
+
+
+def choose(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster, world: int,
+           fixed: dict[str, Any] | None = None, calibration: dict[str, float] | None = None,
+           top_k: int = 10) -> tuple[Plan, SearchResult | None]:
+    """The best plan (validated, with predictions) and the search that found it (None: by hand)."""
+    shapes = Shapes.from_configs(model_cfg, train_cfg)
+    fixed = fixed or {}
+    manual = hand_plan(fixed, train_cfg.global_batch, world)
+    if manual is not None:
+        return validate_plan(shapes, cluster, manual, model_cfg, train_cfg, world, calibration), None
+    result = search(shapes, cluster, world, train_cfg.global_batch, fixed, top_k, calibration)
+    for p in result.plans:
+        p.check(model_cfg, train_cfg, world)  # the search and Plan.check agree; fail loudly if not
+    return result.best, result
+
+
+# --- measured refinement -----------------------------------------------------------------
+
+def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE_STEPS,
+                 timeout_s: float = 900.0, peak_tflops: float | None = None) -> dict[str, Any]:
+    """Run ``plan`` for a few steps on synthetic tokens with torchrun; return the measurement.
+
+    Returns {"plan", "ok", "step_time_s", "tokens_per_s", "peak_memory_gb", "seconds",
+    "error"}. Launches ``stages.train_worker`` on plan.world_size local ranks; safe to run
+    several at once (torchrun --standalone picks a free port, each in its own out_dir).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = cfg.to_dict()
+    raw["parallel"].update(nproc=plan.world_size, nodes=1)
+    spec = {"config": raw, "plan": plan.to_dict(), "store": None, "out_dir": str(out_dir),
+            "tracking": None, "steps": steps}
+    if peak_tflops:
+        spec["peak_tflops"] = peak_tflops
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={plan.world_size}", "-m", "stages.train_worker",
+           "--spec", str(spec_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"plan": plan.to_dict(), "ok": False}
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        result["error"] = f"timed out after {timeout_s:.0f} s"
+        return result
+    result["seconds"] = time.perf_counter() - t0
+    (out_dir / "worker.log").write_text(proc.stdout + proc.stderr)
+    summary = out_dir / "summary.json"
+    if proc.returncode != 0 or not summary.exists():
+        result["error"] = f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"
+        return result
+    data = json.loads(summary.read_text())
+    result.update(ok=True, step_time_s=data["step_time_s"], tokens_per_s=data["tokens_per_s"],
+                  peak_memory_gb=data.get("peak_memory_gb"))
+    return result
+
+
+def calibration_path(cfg: Any, cluster: Cluster) -> Path:
+    """Where measured/predicted ratios for this cluster and rank count are kept."""
+    return cfg.runs_dir / "plan_calibration" / f"{cluster.name}-{cfg.parallel.nproc}.json"
+
+
+def refine(cfg: Any, plans: list[Plan], out_dir: Path, cluster: Cluster,
+           log=print) -> tuple[Plan, list[dict[str, Any]]]:
+    """Measure each plan; return the measured best and the measurement records."""
+    records = []
+    for i, plan in enumerate(plans):
+        t0 = time.perf_counter()
+        m = measure_plan(cfg, plan, out_dir / "measure" / f"plan{i}",
+                         peak_tflops=cluster.peak_for(cfg.train.dtype) / 1e12)
+        m["predicted_step_time_s"] = plan.predictions["step_time_s"]
+        m["predicted_memory_gb"] = plan.predictions["memory_gb_per_device"]
+        m["compute_s"], m["comm_s"] = plan.predictions["compute_s"], plan.predictions["comm_s"]
+        records.append(m)
+        eta = (time.perf_counter() - t0) * (len(plans) - i - 1)
+        log(f"[plan] measured {i + 1}/{len(plans)} {plan.describe()}: "
+            + (f"{m['step_time_s']:.4f} s/step (predicted {m['predicted_step_time_s']:.4f})"
+               if m["ok"] else f"failed ({m['error'][:200]})") + f"; ETA {eta:.0f} s")
+    ok = [(r, p) for r, p in zip(records, plans) if r["ok"]]
+    if not ok:
+        raise PlanError("measured refinement failed for every plan: "
+                        + "; ".join(r.get("error", "")[:300] for r in records))
+    best_rec, best = max(ok, key=lambda rp: rp[0]["tokens_per_s"])
+    best.predictions["measured_step_time_s"] = best_rec["step_time_s"]
+    best.predictions["measured_tokens_per_s"] = best_rec["tokens_per_s"]
+    return best, records
+
+
+# --- the stage ---------------------------------------------------------------------------
+
+def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[str, Any]:
+    """Choose the plan for cfg.parallel.nproc ranks on cfg.parallel.cluster; write plan.json."""
+    from stages import plan_report
+
+    out_dir = Path(out_dir)
+    tok = (inputs or {}).get("tokenize") or {}
+    if tok.get("vocab_size") and tok["vocab_size"] > cfg.model.vocab_size:
+        raise PlanError(f"the token store's vocabulary ({tok['vocab_size']}) exceeds "
+                        f"model.vocab_size={cfg.model.vocab_size}: raise model.vocab_size")
+    world = cfg.parallel.nproc
+    cluster = load_cluster(cfg.parallel.cluster, nproc=world,
+                           cache_dir=cfg.runs_dir / "cache" / "microbench")
+    cal_path = calibration_path(cfg, cluster)
+    cal = load_calibration(cal_path)
+    fixed = fixed_fields(cfg.parallel)
+    top = max(10, cfg.parallel.refine_top_k)
+    plan, result = choose(cfg.model, cfg.train, cluster, world, fixed, cal, top_k=top)
+    records: list[dict[str, Any]] = []
+    if result is not None:
+        print(result.table(), flush=True)
+        (out_dir / "plan_table.txt").write_text(result.table(top) + "\n")
+        tracker.log_artifact(out_dir / "plan_table.txt")
+        png = plan_report.comparison_png(result.plans[:top], out_dir / "plan_comparison.png")
+        tracker.log_artifact(png)
+    if cfg.parallel.refine_top_k > 0 and result is not None:
+        tried = result.plans[:cfg.parallel.refine_top_k]
+        plan, records = refine(cfg, tried, out_dir, cluster)
+        points = [{"plan": r["plan"], "compute_s": r["compute_s"], "comm_s": r["comm_s"],
+                   "measured_s": r["step_time_s"]} for r in records if r["ok"]]
+        cal = update_calibration(cal_path, points)
+        (out_dir / "calibration.json").write_text(json.dumps(cal, indent=2))
+        tracker.log_artifact(out_dir / "calibration.json")
+        for art in plan_report.measured_report(records, out_dir):
+            tracker.log_artifact(art)
+    plan_path = plan.to_json(out_dir / "plan.json")
+    tracker.log_params({f"plan.{k}": v for k, v in plan.to_dict().items() if k != "predictions"}
+                       | {"plan.cluster": cluster.name, "plan.world_size": world})
+    tracker.log_metrics({f"predicted_{k}" if not k.startswith("measured") else k: float(v)
+                         for k, v in plan.predictions.items()})
+    out = {"plan": str(plan_path.resolve()),
+           **{k: v for k, v in plan.to_dict().items() if k != "predictions"},
+           "predictions": plan.predictions, "cluster": cluster.name}
+    if records:
+        out["measured"] = str((out_dir / "measured.json").resolve())
+    return out
+
+
+# --- command line ------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the best plans for a model on a cluster (or one JSON object with --json)."""
+    ap = argparse.ArgumentParser(description="Choose a parallel plan from the memory and time models.")
+    ap.add_argument("--model", required=True, help="pipeline preset or model-shape YAML")
+    ap.add_argument("--cluster", required=True, help="cluster name (configs/clusters) or YAML path")
+    ap.add_argument("--devices", type=int, required=True, help="number of ranks (GPUs/GCDs)")
+    ap.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    ap.add_argument("--top", type=int, default=10, help="plans to show")
+    ap.add_argument("--calibration", default=None, help="calibration JSON from a refined plan run")
+    ap.add_argument("--cache", default=None, help="microbenchmark cache file (measured clusters)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        model_cfg, train_cfg, _ = load_model_file(args.model)
+        cluster = load_cluster(args.cluster, nproc=args.devices, cache_path=args.cache)
+        seq = args.seq_len or (train_cfg.seq_len if train_cfg else model_cfg.max_seq_len)
+        model_cfg.max_seq_len = max(model_cfg.max_seq_len, seq)
+        dtype = args.dtype or (train_cfg.dtype if train_cfg else
+                               ("float32" if cluster.measured else "bfloat16"))
+        train = TrainConfig(global_batch=args.global_batch, seq_len=seq, dtype=dtype)
+        cal = load_calibration(args.calibration)
+        plan, result = choose(model_cfg, train, cluster, args.devices, {}, cal, top_k=args.top)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        keys = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
+                "sharding", "recompute", "sequence_parallel")
+        out = {k: getattr(plan, k) for k in keys}
+        out.update({k: plan.predictions[k] for k in ("step_time_s", "tokens_per_s",
+                                                     "tflops_per_device", "mfu",
+                                                     "memory_gb_per_device")})
+        out["search_seconds"] = result.seconds if result else 0.0
+        print(json.dumps(out))
+    else:
+        print(result.table(args.top))
+    return 0
+
+
+__all__ = ["SECTIONS", "choose", "main", "measure_plan", "predict_plan", "run"]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Stage tokenize: raw text -> tokenizer.json + a Zarr token store (train/validation).
+
+``prepare`` saves the corpus and trains (or loads) the tokenizer; ``tokenize_shard`` encodes
+one contiguous range of documents into its own store parts (safe to run in parallel
+processes); ``finalize`` checks every part and writes the manifest last, atomically.
+``run`` does the three serially. The store layout is described in ``data_prep``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from data_prep.corpus import (
+    CorpusInfo,
+    open_corpus,
+    prepare_corpus,
+    shard_range,
+    training_sample,
+    validation_mask,
+)
+from data_prep.errors import DataError
+from data_prep.progress import Progress
+from data_prep.store import FORMAT_VERSION, MANIFEST, SPLITS, open_store
+from data_prep.tokenizer import (
+    load_tokenizer,
+    save_tokenizer,
+    token_dtype,
+    tokenizer_hash,
+    train_tokenizer,
+)
+from data_prep.writer import PartWriter, directory_bytes, part_name, write_json_atomic
+from stages.config import PipelineConfig
+
+SECTIONS = ("data", "tokenizer")
+STORE = "store.zarr"
+TOKENIZER = "tokenizer.json"
+PREPARED = "prepared.json"
+
+
+def prepare(cfg: PipelineConfig, out_dir: Path, tracker) -> int:
+    """Save the corpus, train or load the tokenizer, lay out the store; return the shard count."""
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    prepare_corpus(cfg.data, out_dir)
+    info, ds = open_corpus(out_dir)
+    t1 = time.perf_counter()
+    if cfg.tokenizer.path:
+        tokenizer = load_tokenizer(cfg.tokenizer.path, cfg.tokenizer.eos_token)
+    else:
+        sample = training_sample(ds, cfg.tokenizer.train_sample_bytes, cfg.data.split_seed)
+        tokenizer = train_tokenizer(sample, cfg.tokenizer)
+    t2 = time.perf_counter()
+    vocab = tokenizer.get_vocab_size()
+    dtype = token_dtype(vocab, cfg.data.token_dtype)  # refuse before anything is written
+    save_tokenizer(tokenizer, out_dir / TOKENIZER)
+    store = out_dir / STORE
+    shutil.rmtree(store, ignore_errors=True)  # an earlier, unfinished attempt
+    root = zarr.open_group(str(store), mode="w", zarr_format=3)
+    for split in SPLITS:
+        root.create_group(split)
+    prepared = {
+        "num_shards": cfg.data.num_shards,
+        "vocab_size": vocab,
+        "eos_id": tokenizer.token_to_id(cfg.tokenizer.eos_token),
+        "dtype": dtype.name,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+    }
+    write_json_atomic(out_dir / PREPARED, prepared)
+    tracker.set_tags({"tokenizer_hash": prepared["tokenizer_hash"],
+                      "source_fingerprint": info.fingerprint})
+    tracker.log_metrics({"corpus_documents": info.num_documents, "corpus_bytes": info.num_bytes,
+                         "corpus_load_s": t1 - t0, "tokenizer_train_s": t2 - t1})
+    print(f"tokenize: {info.num_documents} documents ({info.num_bytes / 1e6:.1f} MB) from "
+          f"{cfg.data.source!r}; tokenizer vocab {vocab} in {t2 - t1:.1f}s", flush=True)
+    return cfg.data.num_shards
+
+
+def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]:
+    """Encode input shard ``shard_index`` into its own train and validation parts."""
+    out_dir = Path(out_dir)
+    prepared = json.loads((out_dir / PREPARED).read_text())
+    num_shards = prepared["num_shards"]
+    info, ds = open_corpus(out_dir)
+    tokenizer = load_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
+    if tokenizer_hash(tokenizer) != prepared["tokenizer_hash"]:
+        raise DataError(f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage")
+    eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
+    start, stop = shard_range(info.num_documents, num_shards, shard_index)
+    is_val = validation_mask(info.num_documents, info.num_validation, cfg.data.split_seed)[start:stop]
+    writers = {
+        split: PartWriter(out_dir / STORE, split, shard_index, dtype,
+                          cfg.data.chunk_tokens, cfg.data.chunks_per_shard)
+        for split in SPLITS
+    }
+    progress = Progress(f"tokenize shard {shard_index + 1}/{num_shards}", stop - start,
+                        cfg.data.progress_seconds)
+    began, t0 = time.time(), time.perf_counter()
+    step = cfg.data.encode_batch_documents
+    for a in range(start, stop, step):
+        b = min(a + step, stop)
+        encodings = tokenizer.encode_batch(ds[a:b]["text"])
+        docs: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
+        tokens = 0
+        for offset, enc in enumerate(encodings):
+            ids = enc.ids
+            ids.append(eos)
+            tokens += len(ids)
+            docs["validation" if is_val[a - start + offset] else "train"].append(
+                np.array(ids, dtype=dtype))
+        for split in SPLITS:
+            writers[split].add(docs[split])
+        progress.update(b - a, tokens)
+    attrs = {"shard": shard_index, "tokenizer_hash": prepared["tokenizer_hash"]}
+    parts = {split: writers[split].close({**attrs, "split": split}) for split in SPLITS}
+    progress.emit()
+    return {
+        "shard": shard_index,
+        "documents": stop - start,
+        "tokens": sum(p["tokens"] for p in parts.values()),
+        "splits": parts,
+        "start_time": began,
+        "end_time": began + (time.perf_counter() - t0),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _collect_parts(store: Path, split: str, num_shards: int, token_hash: str) -> list[dict[str, Any]]:
+    """Each shard's part of ``split``, checked against the attributes its writer left."""
+    parts = []
+    for shard in range(num_shards):
+        path = store / part_name(split, shard)
+        if not (path / "zarr.json").is_file():
+            raise DataError(f"tokenize shard {shard} has not written {path}: run tokenize_shard "
+                            f"for shard {shard} before finalize")
+        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
+        if attrs.get("tokenizer_hash") != token_hash:
+            raise DataError(f"{path} was written with another tokenizer; rerun its shard")
+        parts.append({"path": part_name(split, shard), "tokens": attrs["tokens"],
+                      "documents": attrs["documents"]})
+    return parts
+
+
+def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, Any]], tracker) -> dict[str, Any]:
+    """Check all parts, write store attributes and the manifest (last, atomically); log."""
+    out_dir = Path(out_dir)
+    prepared = json.loads((out_dir / PREPARED).read_text())
+    info = CorpusInfo.load(out_dir / "corpus.json")
+    store = out_dir / STORE
+    num_shards = prepared["num_shards"]
+    done = sorted(r["shard"] for r in shard_results)
+    if done != list(range(num_shards)):
+        missing = sorted(set(range(num_shards)) - set(done))
+        raise DataError(f"finalize got results for shards {done}; missing {missing} of {num_shards}")
+    splits = {}
+    for split in SPLITS:
+        parts = _collect_parts(store, split, num_shards, prepared["tokenizer_hash"])
+        splits[split] = {"tokens": sum(p["tokens"] for p in parts),
+                         "documents": sum(p["documents"] for p in parts), "parts": parts}
+    if sum(s["documents"] for s in splits.values()) != info.num_documents:
+        raise DataError(f"store parts hold {sum(s['documents'] for s in splits.values())} documents, "
+                        f"corpus has {info.num_documents}; rerun the tokenize stage")
+    shutil.copyfile(out_dir / TOKENIZER, store / TOKENIZER)
+    summary = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer_hash": prepared["tokenizer_hash"],
+        "vocab_size": prepared["vocab_size"],
+        "eos_id": prepared["eos_id"],
+        "dtype": prepared["dtype"],
+        "chunk_tokens": cfg.data.chunk_tokens,
+        "chunks_per_shard": cfg.data.chunks_per_shard,
+        "source": cfg.data.source,
+        "source_fingerprint": info.fingerprint,
+        "tokens": sum(s["tokens"] for s in splits.values()),
+        "documents": info.num_documents,
+        "split_tokens": {k: v["tokens"] for k, v in splits.items()},
+        "split_documents": {k: v["documents"] for k, v in splits.items()},
+    }
+    zarr.open_group(str(store), mode="r+").update_attributes(summary)
+    manifest = {**summary, "complete": True, "tokenizer_file": TOKENIZER, "num_shards": num_shards,
+                "splits": splits, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json_atomic(store / MANIFEST, manifest)  # the store is complete from here on
+    opened = open_store(store, prepared["tokenizer_hash"])
+    shutil.rmtree(out_dir / info.path, ignore_errors=True)  # the saved corpus copy is no longer needed
+    token_bytes = sum(directory_bytes(store / p["path"] / "tokens")
+                      for s in splits.values() for p in s["parts"])
+    raw_bytes = summary["tokens"] * np.dtype(prepared["dtype"]).itemsize
+    span = (max(r["end_time"] for r in shard_results) - min(r["start_time"] for r in shard_results))
+    tracker.log_metrics({
+        "tokens": summary["tokens"],
+        "documents": summary["documents"],
+        "train_tokens": splits["train"]["tokens"],
+        "validation_tokens": splits["validation"]["tokens"],
+        "tokens_per_s": summary["tokens"] / max(span, 1e-9),
+        "bytes_on_disk": directory_bytes(store),
+        "compression_ratio": raw_bytes / max(token_bytes, 1),
+    })
+    tracker.log_artifact(out_dir / TOKENIZER)
+    tracker.log_artifact(store / MANIFEST)
+    tracker.flush()
+    return {
+        "store": str(store.resolve()),
+        "tokenizer": str((out_dir / TOKENIZER).resolve()),
+        "vocab_size": opened.vocab_size,
+        "eos_id": opened.eos_id,
+        "train_tokens": splits["train"]["tokens"],
+        "validation_tokens": splits["validation"]["tokens"],
+        "documents": summary["documents"],
+        "tokenizer_hash": opened.tokenizer_hash,
+        "source_fingerprint": info.fingerprint,
+    }
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
+    """prepare + every shard + finalize, in this process."""
+    del inputs  # tokenize has no upstream stage
+    num_shards = prepare(cfg, out_dir, tracker)
+    results = [tokenize_shard(cfg, out_dir, i) for i in range(num_shards)]
+    return finalize(cfg, out_dir, results, tracker)

@@ -1,0 +1,152 @@
+"""TokenWindowLoader: windows, chunk-aware shuffle, dp slicing, resume, dp change."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from data_prep.errors import DataError
+from data_prep.loader import TokenWindowLoader
+from data_prep.store import SplitReader
+from stages import tokenize
+from tests.test_data_common import make_cfg, make_corpus, make_tracker
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("loader")
+    make_corpus(tmp / "corpus", n_docs=60, seed=11)
+    cfg = make_cfg(tmp, tmp / "corpus", "data.validation_fraction=0.1")
+    out = tmp / "out"
+    out.mkdir()
+    return tokenize.run(cfg, {}, out, make_tracker(tmp / "ml")[0])["store"]
+
+
+def run_steps(loader: TokenWindowLoader, steps: int) -> list[torch.Tensor]:
+    return [loader.next_batch() for _ in range(steps)]
+
+
+def test_batches_are_packed_windows(store: str) -> None:
+    reader = SplitReader(store, "train")
+    tokens = reader.read(0, reader.num_tokens)
+    loader = TokenWindowLoader(store, "train", SEQ, global_batch=8, seed=0)
+    assert loader.num_windows == (len(tokens) - 1) // SEQ > 4 * loader.block_windows
+    batch = loader.next_batch()
+    assert batch.dtype == torch.long and batch.shape == (8, SEQ + 1)
+    for pos, row in enumerate(batch):
+        w = loader.window_index(pos)
+        assert np.array_equal(row.numpy(), tokens[w * SEQ : w * SEQ + SEQ + 1])
+    assert (tokens == 0).sum() > 10  # eos (id 0) separates the packed documents
+
+
+def test_shuffle_covers_each_window_once_per_epoch_and_reads_chunks_once(store: str) -> None:
+    loader = TokenWindowLoader(store, "train", SEQ, global_batch=8, seed=5)
+    n = loader.num_windows
+    first = loader.window_indices(0, n)
+    assert sorted(first.tolist()) == list(range(n))
+    assert not np.array_equal(first, np.arange(n))  # actually shuffled
+    second = loader.window_indices(n, n)
+    assert sorted(second.tolist()) == list(range(n)) and not np.array_equal(first, second)
+    other_seed = TokenWindowLoader(store, "train", SEQ, global_batch=8, seed=6)
+    assert not np.array_equal(other_seed.window_indices(0, n), first)
+    loader.consumed = 0
+    for _ in range(n // 8):
+        loader.next_batch()
+    # Every chunk is decompressed about once per epoch, not once per window.
+    chunks = -(-loader.reader.num_tokens // loader.reader.chunk_tokens) + len(loader.reader.parts)
+    assert loader.reader.chunk_reads <= 2 * chunks
+    assert loader.reader.chunk_reads < n // 8
+
+
+def test_ranks_read_disjoint_slices_covering_the_global_batch(store: str) -> None:
+    whole = run_steps(TokenWindowLoader(store, "train", SEQ, 8, seed=2), 6)
+    for dp in (2, 4):
+        ranks = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=dp, seed=2)
+                 for r in range(dp)]
+        for step in range(6):
+            parts = [rank.next_batch() for rank in ranks]
+            assert all(p.shape == (8 // dp, SEQ + 1) for p in parts)
+            assert torch.equal(torch.cat(parts), whole[step])
+    # Over one epoch the ranks' windows are disjoint and cover every window.
+    dp = 2
+    ranks = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=dp, seed=2) for r in range(dp)]
+    n = ranks[0].num_windows
+    seen = [ranks[r].window_indices(r * 4 + 8 * s, 4) for s in range(n // 8) for r in range(dp)]
+    seen = np.concatenate(seen)
+    assert len(set(seen.tolist())) == len(seen) == (n // 8) * 8
+
+
+def test_resume_continues_exactly(store: str) -> None:
+    straight = run_steps(TokenWindowLoader(store, "train", SEQ, 8, seed=9), 10)
+    first = TokenWindowLoader(store, "train", SEQ, 8, seed=9)
+    run_steps(first, 4)
+    state = first.state_dict()
+    resumed = TokenWindowLoader(store, "train", SEQ, 8, seed=9)
+    resumed.load_state_dict(state)
+    for expected, got in zip(straight[4:], run_steps(resumed, 6)):
+        assert torch.equal(expected, got)
+    # Resuming across an epoch boundary as well.
+    n = first.num_windows
+    a = TokenWindowLoader(store, "train", SEQ, 8, seed=9)
+    a.consumed = n - 4
+    b = TokenWindowLoader(store, "train", SEQ, 8, seed=9)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.next_batch(), b.next_batch()) and a.epoch == 1
+
+
+def test_resume_with_another_dp_degree(store: str) -> None:
+    whole = run_steps(TokenWindowLoader(store, "train", SEQ, 8, seed=4), 8)
+    old = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=2, seed=4) for r in range(2)]
+    for step in range(3):
+        assert torch.equal(torch.cat([rank.next_batch() for rank in old]), whole[step])
+    state = old[0].state_dict()
+    new = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=4, seed=4) for r in range(4)]
+    for rank in new:
+        rank.load_state_dict(state)
+    for step in range(3, 8):
+        assert torch.equal(torch.cat([rank.next_batch() for rank in new]), whole[step])
+
+
+def test_state_mismatch_and_bad_arguments(store: str) -> None:
+    state = TokenWindowLoader(store, "train", SEQ, 8, seed=1).state_dict()
+    with pytest.raises(ValueError, match="seed=1 but this loader has 2"):
+        TokenWindowLoader(store, "train", SEQ, 8, seed=2).load_state_dict(state)
+    with pytest.raises(ValueError, match="split='train' but this loader has 'validation'"):
+        TokenWindowLoader(store, "validation", SEQ, 8, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="not divisible by dp_size=3"):
+        TokenWindowLoader(store, "train", SEQ, 8, dp_rank=0, dp_size=3)
+    with pytest.raises(ValueError, match=r"dp_rank=2 must be in \[0, dp_size=2\)"):
+        TokenWindowLoader(store, "train", SEQ, 8, dp_rank=2, dp_size=2)
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        TokenWindowLoader(store, "validation", 10**7, 8)
+    with pytest.raises(DataError, match="no split 'test'"):
+        TokenWindowLoader(store, "test", SEQ, 8)
+
+
+def test_sequential_iteration(store: str) -> None:
+    reader = SplitReader(store, "validation")
+    tokens = reader.read(0, reader.num_tokens)
+    loader = TokenWindowLoader(store, "validation", SEQ, global_batch=4, shuffle=False)
+    batches = list(loader.iter_sequential())
+    rows = torch.cat(batches)
+    assert len(rows) == loader.num_windows == (len(tokens) - 1) // SEQ
+    for w, row in enumerate(rows):
+        assert np.array_equal(row.numpy(), tokens[w * SEQ : w * SEQ + SEQ + 1])
+    limited = torch.cat(list(loader.iter_sequential(max_tokens=5 * SEQ)))
+    assert torch.equal(limited, rows[:5])
+    # dp ranks split each sequential batch; next_batch walks the same windows in order.
+    halves = [torch.cat(list(TokenWindowLoader(store, "validation", SEQ, 4, dp_rank=r, dp_size=2,
+                                               shuffle=False).iter_sequential())) for r in range(2)]
+    assert sorted(map(tuple, torch.cat(halves).tolist())) == sorted(map(tuple, rows.tolist()))
+    assert torch.equal(torch.cat(run_steps(loader, 2)), rows[:8])
+    assert loader.consumed == 8
+
+
+def test_never_reads_the_whole_store(store: str) -> None:
+    loader = TokenWindowLoader(store, "train", SEQ, 8, seed=0, group_blocks=1)
+    run_steps(loader, 3)
+    cached = sum(b.nbytes for b in loader._blocks.values())
+    cached += sum(c.nbytes for c in loader.reader._cache.values())
+    assert cached < loader.reader.num_tokens * 2 / 2

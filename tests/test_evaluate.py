@@ -1,0 +1,162 @@
+"""The evaluate stage over a real micro pipeline (store, 2-rank training, MLflow on SQLite)."""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from mlflow.tracking import MlflowClient
+
+from data_prep.store import MANIFEST, SplitReader, open_store
+from data_prep.writer import PartWriter
+from model.checkpoint import load_for_inference
+from model.eval_loss import EmptySplitError, plan_windows
+from model.generate import generate_tokens
+from stages import evaluate, tracking
+from tests.evalkit import micro_config, micro_pipeline, open_pipeline, run_stages  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def _outputs(micro_pipeline):
+    cfg, ctx, results = micro_pipeline
+    return cfg, ctx, results["tokenize"].outputs, results["train"].outputs, results["evaluate"]
+
+
+def test_report_loss_matches_direct_computation(micro_pipeline):
+    cfg, _, tok, train, ev = _outputs(micro_pipeline)
+    report = json.loads(Path(ev.outputs["report"]).read_text())
+    # Recompute window by window (batch of one) from the checkpoint and the raw split.
+    model = load_for_inference(train["checkpoint"], cfg.model)
+    reader = SplitReader(tok["store"], "validation")
+    T = cfg.train.seq_len
+    windows = cfg.eval.max_tokens // T
+    assert reader.num_tokens > windows * T + 1  # the split is longer than the budget
+    total = 0.0
+    with torch.no_grad():
+        for w in range(windows):
+            x = torch.from_numpy(reader.read(w * T, w * T + T + 1).astype(np.int64))
+            total += F.cross_entropy(model(x[None, :-1])[0], x[1:], reduction="sum").item()
+    expected = total / (windows * T)
+    assert report["tokens"] == windows * T == ev.outputs["tokens"]
+    assert report["val_loss"] == pytest.approx(expected, rel=1e-6)
+    assert report["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
+    assert ev.outputs["val_loss"] == report["val_loss"]
+    # One corpus, no source labels: a single "all" source equal to the total.
+    assert report["per_source"] == {
+        "all": {"val_loss": report["val_loss"], "perplexity": report["perplexity"],
+                "tokens": report["tokens"]}}
+    # Six steps of training already beat the uniform distribution over the vocabulary.
+    assert report["val_loss"] < math.log(cfg.model.vocab_size)
+    md = (Path(ev.out_dir) / "report.md").read_text()
+    assert f"{report['val_loss']:.4f}" in md and "| all |" in md
+
+
+def test_generations_are_the_models_greedy_continuations(micro_pipeline):
+    from tokenizers import Tokenizer
+
+    cfg, _, tok, train, ev = _outputs(micro_pipeline)
+    model = load_for_inference(train["checkpoint"], cfg.model)
+    tokenizer = Tokenizer.from_file(tok["tokenizer"])
+    text = Path(ev.outputs["generations"]).read_text()
+    report = json.loads(Path(ev.outputs["report"]).read_text())
+    assert [g["prompt"] for g in report["generations"]] == cfg.eval.prompts
+    for item in report["generations"]:
+        ids = tokenizer.encode(item["prompt"]).ids
+        greedy = generate_tokens(model, ids, cfg.eval.generate_tokens, eos_id=tok["eos_id"])
+        assert item["greedy"] == tokenizer.decode(greedy)
+        assert f"--- greedy:\n{item['prompt']}{item['greedy']}\n" in text
+        assert f"--- sampled (temperature {cfg.eval.temperature}):" in text
+
+
+def test_mlflow_run_has_metrics_artifacts_plots_and_model(micro_pipeline):
+    cfg, ctx, _, _, ev = _outputs(micro_pipeline)
+    run = tracking.get_run(ctx.tracking_uri, ev.run_id)
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert metrics["val_loss"] == pytest.approx(ev.outputs["val_loss"])
+    assert metrics["perplexity"] == pytest.approx(ev.outputs["perplexity"])
+    assert metrics["eval_tokens"] == ev.outputs["tokens"]
+    client = MlflowClient(ctx.tracking_uri)
+    top = {a.path for a in client.list_artifacts(ev.run_id)}
+    assert {"report.json", "report.md", "generations.txt", "plots", "hf"} <= top
+    plots = {a.path for a in client.list_artifacts(ev.run_id, "plots")}
+    assert plots == {"plots/loss.png", "plots/lr.png", "plots/tokens_per_s.png", "plots/perplexity.png"}
+    for png in (Path(ev.out_dir) / "plots").glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    hf = {a.path for a in client.list_artifacts(ev.run_id, "hf")}
+    assert {"hf/config.json", "hf/model.safetensors", "hf/tokenizer.json"} <= hf
+    # The export is an MLflow model with a signature, linked to the run, that generates text.
+    assert run.data.tags["model_uri"] == ev.outputs["model_uri"]
+    model = tracking.load_logged_model(ctx.tracking_uri, ev.outputs["model_uri"])
+    signature = model.metadata.signature
+    assert [c["type"] for c in signature.inputs.to_dict()] == ["string"]
+    assert [c["type"] for c in signature.outputs.to_dict()] == ["string"]
+    assert {p.name for p in signature.params.params} >= {"max_new_tokens", "temperature"}
+    out = model.predict(["def "], params={"max_new_tokens": 4})
+    # The text-generation flavour returns prompt + continuation (whitespace-stripped).
+    assert isinstance(out, list) and len(out) == 1 and out[0].startswith("def")
+    # The plots are drawn from the train run's metric history.
+    train_run = tracking.get_run(ctx.tracking_uri, run.data.tags["input.train.run_id"])
+    assert train_run.data.tags["stage"] == "train"
+    report = json.loads(Path(ev.outputs["report"]).read_text())
+    assert report["train_run_id"] == train_run.info.run_id
+
+
+def test_tokenizer_mismatch_is_refused_before_any_work(micro_pipeline, tmp_path):
+    cfg, ctx, _, train, _ = _outputs(micro_pipeline)
+    other_cfg = micro_config(Path(ctx.runs_dir), "tokenizer.vocab_size=400")
+    other = run_stages(other_cfg, ctx, ("tokenize",))["tokenize"].outputs
+    assert other["tokenizer_hash"] != open_store(json.loads(
+        (Path(train["checkpoint"]).parents[1] / "spec.json").read_text())["store"]).tokenizer_hash
+    tracker = tracking.Tracker(ctx.tracking_uri, tracking.start_run(
+        ctx.tracking_uri, ctx.experiment_id, "mismatch"))
+    out = tmp_path / "eval"
+    out.mkdir()
+    with pytest.raises(evaluate.EvaluationError, match=r"trained with tokenizer .* spec.json .* "
+                       r"built with tokenizer .*evaluate with the store used for training"):
+        evaluate.run(cfg, {"tokenize": other, "train": train}, out, tracker)
+    assert list(out.iterdir()) == []
+
+
+def _store_with_empty_validation(store: Path, target: Path) -> Path:
+    """A copy of ``store`` whose validation split is one empty (but complete) part."""
+    shutil.copytree(store, target)
+    info = open_store(target)
+    for part in info.splits["validation"].parts:
+        shutil.rmtree(target / part["path"])
+    summary = PartWriter(target, "validation", 0, np.dtype(info.dtype), info.chunk_tokens, 1).close(
+        {"tokenizer_hash": info.tokenizer_hash})
+    manifest = dict(info.manifest)
+    manifest["splits"] = {**manifest["splits"], "validation": {
+        "tokens": 0, "documents": 0,
+        "parts": [{"path": "validation/00000", "tokens": summary["tokens"], "documents": 0}]}}
+    (target / MANIFEST).write_text(json.dumps(manifest))
+    return target
+
+
+def test_empty_validation_split_is_a_clear_error(micro_pipeline, tmp_path):
+    cfg, ctx, tok, train, _ = _outputs(micro_pipeline)
+    empty = _store_with_empty_validation(Path(tok["store"]), tmp_path / "store.zarr")
+    assert open_store(empty).splits["validation"].tokens == 0
+    tracker = tracking.Tracker(ctx.tracking_uri, tracking.start_run(
+        ctx.tracking_uri, ctx.experiment_id, "empty"))
+    out = tmp_path / "eval"
+    out.mkdir()
+    with pytest.raises(evaluate.EvaluationError, match=r"validation split of token store .* has 0 "
+                       r"tokens.*raise data.validation_fraction"):
+        evaluate.run(cfg, {"tokenize": {**tok, "store": str(empty)}, "train": train}, out, tracker)
+    assert list(out.iterdir()) == []
+
+
+def test_window_plan_bounds():
+    assert plan_windows(10_000, 64, 2048).windows == 32  # budget-bound
+    assert plan_windows(129, 64, 10_000).windows == 2  # split-bound: 2*64 + 1 tokens
+    short = plan_windows(20, 64, 2048)  # shorter than a window: one shorter window
+    assert (short.seq_len, short.windows, short.tokens) == (19, 1, 19)
+    for n in (0, 1):
+        with pytest.raises(EmptySplitError, match=f"has {n} tokens"):
+            plan_windows(n, 64, 2048)

@@ -1,0 +1,131 @@
+"""Hugging Face export: transformers loads it and computes our logits (both families)."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.export_hf import ExportError, export_checkpoint, export_model
+from model.generate import generate_tokens
+from model.gpt import GPT
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+CASES = {
+    "llama-gqa": dict(family="llama", n_kv_heads=2),
+    "neox-sequential": dict(family="neox"),
+    "neox-parallel-residual": dict(family="neox", parallel_residual=True),
+}
+
+
+def tiny_model(seed: int = 0, **shape) -> GPT:
+    """A random tiny GPT whose norm weights and biases are perturbed too (not just 1/0)."""
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=300, max_seq_len=32,
+                      **shape)
+    model = GPT(cfg)
+    model.init_weights(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def load_hf(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_export_logits_match_transformers(tmp_path, case):
+    ours = tiny_model(**CASES[case])
+    out = export_model(ours, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    expected_class = {"llama": "LlamaForCausalLM", "neox": "GPTNeoXForCausalLM"}
+    assert config["architectures"] == [expected_class[ours.cfg.family]]
+    assert (out / "model.safetensors").is_file() and not (tmp_path / "hf.partial").exists()
+    hf = load_hf(out)
+    assert type(hf).__name__ == expected_class[ours.cfg.family]
+    tokens = torch.randint(0, 300, (3, 32), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    assert diff < 1e-4, f"{case}: max |logit difference| {diff}"
+
+
+def test_export_greedy_generation_and_tokenizer_match(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    texts = [open(p).read() for p in sorted(glob.glob(json.__path__[0] + "/*.py"))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = tiny_model(3, family="llama")
+    out = export_model(ours, tmp_path / "hf", tokenizer_file=tmp_path / "tokenizer.json")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "def main(argv):\n    return json.dumps(argv)"
+    assert hf_tok(text)["input_ids"] == tok.encode(text).ids
+    assert hf_tok.eos_token == "<|endoftext|>"
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.token_to_id(
+        "<|endoftext|>")
+    prompt = tok.encode("def main(").ids
+    new = generate_tokens(ours, prompt, 12)
+    with torch.no_grad():
+        hf_ids = load_hf(out).generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
+    assert hf_ids[0, len(prompt):].tolist() == new
+
+
+def test_export_refuses_family_without_transformers_class(tmp_path):
+    model = tiny_model(family="llama")
+    model.cfg = ModelConfig(family="rwkv", n_layers=2, d_model=32, n_heads=4, vocab_size=300,
+                            max_seq_len=32)
+    with pytest.raises(ExportError, match=r"model.family='rwkv'.*supported families: \['llama', 'neox'\]"):
+        export_model(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+def test_export_refuses_partial_state_dict(tmp_path):
+    model = tiny_model(family="neox")
+    model.output = None  # a pipeline stage without the head
+    with pytest.raises(ExportError, match=r"lacks \['output.weight'\].*full GPT"):
+        export_model(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_export_of_tp2_pp2_checkpoint_matches(tmp_path):
+    """Train 2 steps under tp=2 x pp=2 (4 gloo ranks), export the DCP checkpoint, compare."""
+    from model.checkpoint import load_for_inference
+    from model.plan import Plan
+    from stages.config import load_config
+    from stages.train import launch_local
+
+    cfg = load_config("micro", [f"tracking.runs_dir={tmp_path}", "train.global_batch=2",
+                                "train.steps=2", "train.checkpoint_every=0"])
+    plan = Plan(tp=2, pp=2, dp=1, micro_batch=1, grad_accum=2, schedule="1f1b", sharding="none")
+    plan.check(cfg.model, cfg.train, 4)
+    spec = {"config": cfg.to_dict(), "plan": plan.to_dict(), "store": None,
+            "out_dir": str(tmp_path / "train"), "tracking": None, "steps": 2}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    launch_local(tmp_path / "spec.json", 4, tmp_path / "train.log")
+    summary = json.loads((tmp_path / "train" / "summary.json").read_text())
+    assert summary["steps_done"] == 2
+    ckpt = summary["checkpoint"]
+    ours = load_for_inference(ckpt, cfg.model)
+    fresh = GPT(cfg.model)
+    fresh.init_weights(cfg.train.seed)
+    moved = (ours.output.weight - fresh.output.weight).abs().max().item()
+    assert moved > 1e-5, "the checkpoint holds trained (not initial) weights"
+    out = export_checkpoint(ckpt, cfg.model, tmp_path / "hf")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.max_seq_len),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (ours(tokens) - load_hf(out)(tokens).logits).abs().max().item()
+    assert diff < 1e-4

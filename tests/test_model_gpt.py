@@ -1,0 +1,187 @@
+"""The GPT model on one process: shapes, parameter counts, init, rotary/HF equivalence, helpers."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.batches import SyntheticBatches
+from model.config import ModelConfig, TrainConfig
+from model.dist_env import expand_first_host, from_environ
+from model.flops import flops_per_token, param_count
+from model.gpt import GPT, apply_rotary, rotary_tables
+from model.optim import clip_grad_norm_, lr_factor
+from model.pipeline import build_chunk, chunk_ids
+
+CONFIGS = {
+    "llama_gqa": ModelConfig(family="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
+                             vocab_size=300, max_seq_len=32),
+    "neox_parallel": ModelConfig(family="neox", n_layers=2, d_model=64, n_heads=4,
+                                 vocab_size=300, max_seq_len=32, parallel_residual=True),
+    "neox_sequential": ModelConfig(family="neox", n_layers=2, d_model=64, n_heads=4,
+                                   vocab_size=300, max_seq_len=32),
+}
+
+
+def built(cfg: ModelConfig, seed: int = 0) -> GPT:
+    """Meta-device build, materialise, deterministic init (the trainer's path)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_shapes_and_parameter_count(name: str) -> None:
+    cfg = CONFIGS[name]
+    model = built(cfg)
+    logits = model(torch.randint(0, cfg.vocab_size, (2, 16)))
+    assert logits.shape == (2, 16, cfg.vocab_size)
+    assert model.num_params() == param_count(cfg)
+    assert list(model.layers.keys()) == ["0", "1"]
+    assert "rope_cos" not in model.state_dict()  # rotary tables are not checkpointed
+
+
+def test_init_is_deterministic_and_seeded() -> None:
+    cfg = CONFIGS["llama_gqa"]
+    a, b, c = built(cfg, 7), built(cfg, 7), built(cfg, 8)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if "norm" not in name:
+            assert not torch.equal(pa, pc), name
+    std = a.layers["0"].attention.wq.weight.std().item()
+    assert abs(std - cfg.init_std) < 0.003
+    wo_std = a.layers["0"].attention.wo.weight.std().item()
+    assert abs(wo_std - cfg.init_std / math.sqrt(2 * cfg.n_layers)) < 0.003
+    assert torch.equal(a.layers["1"].ffn_norm.weight, torch.ones(64))
+
+
+def test_causality() -> None:
+    model = built(CONFIGS["llama_gqa"])
+    tokens = torch.randint(0, 300, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8] = (changed[0, 8] + 1) % 300
+    a, b = model(tokens), model(changed)
+    assert torch.allclose(a[:, :8], b[:, :8], atol=1e-6)
+    assert not torch.allclose(a[:, 8:], b[:, 8:], atol=1e-4)
+
+
+def test_rotary_preserves_norms_and_encodes_relative_position() -> None:
+    cos, sin = rotary_tables(16, 32, 10000.0)
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    def rot(x, p):
+        return apply_rotary(x, cos[p : p + 1], sin[p : p + 1])
+    assert torch.allclose(rot(q, 5).norm(), q.norm(), atol=1e-5)
+    # <R_m q, R_n k> depends on m - n only.
+    assert torch.allclose((rot(q, 3) * rot(k, 1)).sum(), (rot(q, 12) * rot(k, 10)).sum(), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_hugging_face_after_export(name: str, tmp_path) -> None:
+    """Same logits as LlamaForCausalLM / GPTNeoXForCausalLM loaded from our export."""
+    import transformers
+
+    from model.export_hf import export_model
+
+    cfg = CONFIGS[name]
+    model = built(cfg, 3)
+    export_model(model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    hf.eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 20))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf(tokens).logits
+    assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+
+
+def test_pipeline_chunks_keep_full_model_names() -> None:
+    cfg = ModelConfig(n_layers=5, d_model=32, n_heads=4, vocab_size=300, max_seq_len=32)
+    assert chunk_ids(1, 2, 2) == [1, 3]
+    chunks = [build_chunk(cfg, c, 4) for c in range(4)]
+    assert [list(c.layers.keys()) for c in chunks] == [["0", "1"], ["2"], ["3"], ["4"]]
+    assert chunks[0].tok_embeddings is not None and chunks[0].output is None
+    assert chunks[3].tok_embeddings is None and chunks[3].norm is not None
+    names = set().union(*(dict(c.named_parameters()).keys() for c in chunks))
+    with torch.device("meta"):
+        assert names == set(dict(GPT(cfg).named_parameters()).keys())
+
+
+def test_flops_formula() -> None:
+    cfg = CONFIGS["llama_gqa"]
+    n = param_count(cfg) - cfg.vocab_size * cfg.d_model  # without the input embedding
+    assert flops_per_token(cfg, 32) == 6 * n + 12 * 2 * 64 * 32
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    cfg = TrainConfig(steps=20, warmup_steps=4, min_lr_ratio=0.1)
+    factors = [lr_factor(s, cfg) for s in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert lr_factor(20, cfg) == pytest.approx(0.1)
+
+
+def test_clip_grad_norm_single_process() -> None:
+    p1, p2 = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    p1.grad, p2.grad = torch.full((3,), 2.0), torch.full((4,), 2.0)
+    norm = clip_grad_norm_([p1, p2], max_norm=1.0)
+    assert norm.item() == pytest.approx(math.sqrt(7 * 4.0))
+    clipped = torch.cat([p1.grad, p2.grad]).norm().item()
+    assert clipped == pytest.approx(1.0, rel=1e-4)
+
+
+def test_synthetic_batches_are_layout_independent() -> None:
+    whole = SyntheticBatches(300, 16, 8, 0, 1, seed=5)
+    halves = [SyntheticBatches(300, 16, 8, r, 2, seed=5) for r in range(2)]
+    for _ in range(3):
+        full = whole.next_batch()
+        assert full.shape == (8, 17)
+        assert torch.equal(torch.cat([h.next_batch() for h in halves]), full)
+    resumed = SyntheticBatches(300, 16, 8, 0, 1, seed=5)
+    resumed.load_state_dict(whole.state_dict())
+    assert torch.equal(resumed.next_batch(), whole.next_batch())
+
+
+def test_rank_identity_from_torchrun_and_slurm() -> None:
+    env = from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
+                        "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port) == (
+        3, 1, 8, "h0", 1234)
+    slurm = from_environ({"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16",
+                          "SLURM_JOB_NODELIST": "frontier[00012-00013]", "SLURM_JOB_ID": "123456"})
+    assert (slurm.rank, slurm.local_rank, slurm.world_size) == (9, 1, 16)
+    assert slurm.master_addr == "frontier00012"
+    assert slurm.master_port == 20000 + 123456 % 20000
+    assert expand_first_host("login1,nid[3-4]") == "login1"
+    assert expand_first_host("nid[007,010-012]") == "nid007"
+    single = from_environ({})
+    assert (single.rank, single.world_size) == (0, 1)
+
+
+def _grads_and_saved_bytes(mode: str) -> tuple[dict[str, torch.Tensor], int]:
+    from model.parallelize import apply_activation_checkpointing
+
+    model = built(ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=300, max_seq_len=64), 1)
+    apply_activation_checkpointing(model, mode)
+    tokens = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0))
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
+
+
+def test_recompute_modes_keep_gradients_and_save_memory() -> None:
+    base, none_bytes = _grads_and_saved_bytes("none")
+    sel, sel_bytes = _grads_and_saved_bytes("selective")
+    full, full_bytes = _grads_and_saved_bytes("full")
+    for name in base:
+        assert torch.allclose(sel[name], base[name], atol=1e-6), name
+        assert torch.allclose(full[name], base[name], atol=1e-6), name
+    assert full_bytes < sel_bytes < none_bytes

@@ -1,0 +1,154 @@
+"""Plan search, plan.json, the command line and bad inputs."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from model.cluster import ClusterError, load_cluster
+from model.config import ModelConfig, TrainConfig
+from model.plan import Plan, PlanError
+from model.search import search
+from model.shapes import Shapes
+from stages.plan import choose
+
+ROOT = Path(__file__).resolve().parent.parent
+ONE_T = ModelConfig(family="neox", n_layers=128, d_model=25600, n_heads=160, vocab_size=51200,
+                    max_seq_len=2048)
+
+
+def _shapes(model: ModelConfig, gb: int, seq: int = 2048) -> tuple[Shapes, TrainConfig]:
+    train = TrainConfig(global_batch=gb, seq_len=seq, dtype="bfloat16")
+    return Shapes.from_configs(model, train), train
+
+
+def test_every_ranked_plan_passes_check_and_fits() -> None:
+    model = ModelConfig(family="neox", n_layers=48, d_model=6144, n_heads=48, vocab_size=51200,
+                        max_seq_len=2048)
+    s, train = _shapes(model, 512)
+    cl = load_cluster("frontier")
+    res = search(s, cl, 256, 512, top_k=50)
+    assert len(res.plans) == 50 and res.n_fit <= res.n_candidates
+    tps = [p.predictions["tokens_per_s"] for p in res.plans]
+    assert tps == sorted(tps, reverse=True)
+    for p in res.plans:
+        p.check(model, train, 256)
+        assert p.predictions["memory_gb_per_device"] <= 64
+        assert 0 < p.predictions["mfu"] < 1
+    # the 22B model does not fit one GCD without sharding: the table explains rejections
+    assert "rejected families" in res.table()
+
+
+def test_fixed_fields_are_honoured() -> None:
+    model = ModelConfig(family="neox", n_layers=24, d_model=2048, n_heads=16, vocab_size=51200,
+                        max_seq_len=2048)
+    cl = load_cluster("dgx-a100")
+    train = TrainConfig(global_batch=64, seq_len=2048, dtype="bfloat16")
+    fixed = {"tp": 2, "schedule": "gpipe", "recompute": "selective", "sequence_parallel": False}
+    plan, res = choose(model, train, cl, 32, fixed)
+    assert res is not None and res.plans
+    for p in res.plans:
+        assert (p.tp, p.recompute, p.sequence_parallel) == (2, "selective", False)
+        assert p.pp == 1 or p.schedule == "gpipe"
+    # a fully fixed plan is validated rather than searched, with the same messages
+    hand = {"tp": 2, "pp": 2, "dp": 8, "micro_batch": 2, "schedule": "1f1b",
+            "sharding": "zero2", "recompute": "none"}
+    plan, res = choose(model, train, cl, 32, hand)
+    assert res is None and (plan.tp, plan.pp, plan.dp, plan.grad_accum) == (2, 2, 8, 4)
+    assert plan.predictions["step_time_s"] > 0
+    with pytest.raises(PlanError, match=r"pp\*dp\*tp = 2\*8\*4 = 64 must equal the world size 32"):
+        choose(model, train, cl, 32, {**hand, "tp": 4})
+
+
+def test_1t_on_3072_frontier_gcds_returns_a_valid_plan() -> None:
+    s, train = _shapes(ONE_T, 1536)
+    res = search(s, load_cluster("frontier"), 3072, 1536)
+    best = res.best
+    best.check(ONE_T, train, 3072)
+    assert best.tp * best.pp * best.dp == 3072
+    assert best.predictions["memory_gb_per_device"] <= 64
+    assert best.pp > 1 and best.tp > 1  # 1T parameters need both to fit 64 GB
+
+
+def test_model_that_fits_nowhere_says_what_would_work() -> None:
+    s, _ = _shapes(ONE_T, 64)
+    with pytest.raises(PlanError) as err:
+        search(s, load_cluster("frontier"), 16, 64)
+    msg = str(err.value)
+    assert "no plan fits in 64 GB" in msg and "more devices" in msg and "devices" in msg
+
+
+def test_global_batch_no_plan_can_form() -> None:
+    model = ModelConfig(n_layers=1, d_model=64, n_heads=2, vocab_size=256, max_seq_len=64)
+    s, _ = _shapes(model, 3, 64)
+    with pytest.raises(PlanError, match=r"dp must divide train.global_batch=3.*dp can be \[4, 8\]"):
+        search(s, load_cluster("h100"), 8, 3)
+
+
+def test_cluster_with_a_missing_field(tmp_path: Path) -> None:
+    raw = yaml.safe_load((ROOT / "configs/clusters/frontier.yaml").read_text())
+    del raw["memory_gb"]
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ClusterError) as err:
+        load_cluster(path)
+    msg = str(err.value)
+    assert str(path) in msg and "memory_gb" in msg and "Required fields" in msg
+    raw = yaml.safe_load((ROOT / "configs/clusters/frontier.yaml").read_text())
+    del raw["links"]["pair"]["bandwidth_gbps"]
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ClusterError, match=r"links.pair: missing field\(s\) \['bandwidth_gbps'\]"):
+        load_cluster(path)
+
+
+def test_plan_json_round_trip(tmp_path: Path) -> None:
+    plan = Plan(tp=2, pp=4, dp=3, micro_batch=2, grad_accum=8, schedule="interleaved_1f1b",
+                virtual_stages=2, sharding="zero2", recompute="selective", sequence_parallel=True,
+                predictions={"step_time_s": 1.5, "mfu": 0.4})
+    path = plan.to_json(tmp_path / "sub" / "plan.json")
+    back = Plan.from_json(path)
+    assert back == plan and back.to_dict() == json.loads(path.read_text())
+    with pytest.raises(PlanError, match="unknown plan keys"):
+        Plan.from_dict({**plan.to_dict(), "bogus": 1})
+    with pytest.raises(PlanError, match="plan.schedule"):
+        Plan.from_dict({**plan.to_dict(), "schedule": "zigzag"})
+
+
+def test_check_names_every_factor() -> None:
+    model = ModelConfig(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=256)
+    train = TrainConfig(global_batch=8, seq_len=64)
+    with pytest.raises(ValueError) as err:
+        Plan(tp=4, pp=8, dp=1, micro_batch=1, grad_accum=4, schedule="interleaved_1f1b",
+             virtual_stages=1).check(model, train, 16)
+    msg = str(err.value)
+    for part in ("pp*dp*tp = 8*1*4 = 32 must equal the world size 16",
+                 "tp=4 must divide the key/value heads (2)",
+                 "pp*virtual_stages = 8*1 = 8 must be at most model.n_layers=4",
+                 "micro_batch*grad_accum*dp = 1*4*1 = 4 must equal train.global_batch=8",
+                 "interleaved_1f1b needs virtual_stages > 1"):
+        assert part in msg
+
+
+def test_cli_json(tmp_path: Path) -> None:
+    shape = tmp_path / "m.yaml"
+    shape.write_text(yaml.safe_dump({"num_layers": 48, "hidden_size": 6144,
+                                     "num_attention_heads": 48, "vocab_size": 51200,
+                                     "seq_length": 2048}))
+    out = subprocess.run([sys.executable, "-m", "stages.plan", "--model", str(shape), "--cluster",
+                          "frontier", "--devices", "1024", "--global-batch", "1024", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "sharding",
+                "recompute", "step_time_s", "tflops_per_device", "mfu", "memory_gb_per_device"):
+        assert key in data
+    assert data["tp"] * data["pp"] * data["dp"] == 1024
+    assert data["micro_batch"] * data["grad_accum"] * data["dp"] == 1024
+    bad = subprocess.run([sys.executable, "-m", "stages.plan", "--model", str(shape), "--cluster",
+                          "frontier", "--devices", "4", "--global-batch", "8", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
+    assert bad.returncode == 2 and "more devices" in bad.stderr

@@ -1,0 +1,184 @@
+"""The micro pipeline with ``--site slurm`` on the local Slurm cluster (.ci/start_slurm.sh).
+
+Training runs as 2 gloo ranks launched by srun inside a Slurm job that Parsl's SlurmProvider
+submits for the MPIExecutor. The second test cancels that job mid-training and checks that
+Parsl retries the app in a new job and training resumes from the last complete checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import tracking
+from stages.registry import STAGE_ORDER
+from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# Short heartbeat/poll so a cancelled job is noticed within seconds; sbatch walltime in minutes.
+SLURM_SETTINGS = ["site.walltime=00:15:00", "site.heartbeat_threshold=10", "site.retries=1"]
+
+
+def start_cli(runs_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
+           "--runs-dir", str(runs_dir), "--site", "slurm",
+           "--set", *SLURM_SETTINGS, *overrides]
+    with open(runs_dir.parent / f"{runs_dir.name}-driver.log", "w") as log:
+        # The child keeps its own copy of the file descriptor.
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+
+
+def wait_cli(proc: subprocess.Popen, runs_dir: Path, timeout: float) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    output = (runs_dir.parent / f"{runs_dir.name}-driver.log").read_text()
+    assert proc.returncode == 0, f"pipeline failed ({proc.returncode}):\n{output[-5000:]}"
+    return output
+
+
+def train_block_jobs(runs_dir: Path) -> dict[str, str]:
+    """Slurm job name -> job id of this run's training blocks (from Parsl's log)."""
+    jobs = {}
+    for log in runs_dir.glob("parsl/*/parsl.log"):
+        for block, job in re.findall(
+            r"\[Scaling executor train\] Launched block (\d+) with job ID (\d+)", log.read_text()
+        ):
+            jobs[block] = job
+    return jobs
+
+
+def jobcomp_states() -> dict[str, tuple[str, str]]:
+    """Job id -> (name, state) for every finished job, as recorded by slurmctld."""
+    out = subprocess.run(["sacct", "-c", "--noheader", "-P", "-o", "JobID,JobName,State"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    rows = [line.split("|") for line in out.splitlines() if line.strip()]
+    return {row[0]: (row[1], row[2]) for row in rows}
+
+
+def srun_steps(job_id: str) -> list[str]:
+    """Steps slurmd launched for a job (each srun inside the job is one step)."""
+    log = (SLURM_DIR / "log" / "slurmd.log").read_text()
+    return re.findall(rf"launch task StepId={job_id}\.(\d+)", log)
+
+
+def pipeline_stage_runs(runs_dir: Path) -> tuple[list, dict]:
+    uri = tracking.default_tracking_uri(runs_dir)
+    runs = tracking.search_runs(uri, "micro")
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    children = {r.data.tags["stage"]: r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    return parents, children
+
+
+def train_summary(runs_dir: Path) -> tuple[Path, dict]:
+    summaries = sorted(runs_dir.rglob("summary.json"))
+    train = [p for p in summaries if (p.parent / "checkpoints").is_dir()]
+    assert len(train) == 1, summaries
+    return train[0].parent, json.loads(train[0].read_text())
+
+
+def wait_for_slurm_to_finish(job_ids: list[str], timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if all(j in jobcomp_states() for j in job_ids):
+            return
+        time.sleep(1)
+
+
+def test_micro_pipeline_trains_through_srun(slurm_env, tmp_path):  # noqa: F811
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    proc = start_cli(runs_dir, "train.steps=6")
+    output = wait_cli(proc, runs_dir, timeout=900)
+
+    parents, children = pipeline_stage_runs(runs_dir)
+    assert parents[0].info.status == "FINISHED"
+    assert sorted(children) == sorted(STAGE_ORDER)
+    for name, run in children.items():
+        assert run.info.status == "FINISHED", (name, output[-3000:])
+
+    # Slurm ran the training block as a batch job, and the ranks as an srun step in it.
+    jobs = train_block_jobs(runs_dir)
+    assert list(jobs) == ["0"], jobs
+    job_id = jobs["0"]
+    wait_for_slurm_to_finish([job_id])
+    name, _ = jobcomp_states()[job_id]
+    assert name.startswith("parsl.train.block-0"), name
+    assert srun_steps(job_id), f"no srun step of job {job_id} in slurmd.log"
+
+    _, summary = train_summary(runs_dir)
+    assert summary["steps_done"] == 6 and len(summary["losses"]) == 6
+    assert summary["world_size"] == 2
+
+
+def _cancel_after_first_checkpoint(runs_dir: Path, found: dict, stop: threading.Event) -> None:
+    """Once a complete checkpoint exists, scancel the running training job."""
+    while not stop.is_set():
+        ckpts = [p.parent for p in runs_dir.rglob("checkpoints/step-*/extra.pt")
+                 if not p.parent.name.endswith(".tmp")]
+        jobs = train_block_jobs(runs_dir)
+        if ckpts and "0" in jobs:
+            found["checkpoint"] = min(ckpts)
+            found["job"] = jobs["0"]
+            found["cancelled_at"] = time.time()
+            subprocess.run(["scancel", jobs["0"]], check=True, timeout=30)
+            return
+        time.sleep(0.2)
+
+
+def test_cancelled_training_job_is_retried_and_resumes(slurm_env, tmp_path):  # noqa: F811
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    steps, every = 200, 10
+    proc = start_cli(runs_dir, f"train.steps={steps}", f"train.checkpoint_every={every}")
+    found: dict = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_cancel_after_first_checkpoint, args=(runs_dir, found, stop))
+    watcher.start()
+    try:
+        output = wait_cli(proc, runs_dir, timeout=1200)
+    finally:
+        stop.set()
+        watcher.join()
+    assert "job" in found, "training finished before a checkpoint could be cancelled"
+
+    parents, children = pipeline_stage_runs(runs_dir)
+    assert parents[0].info.status == "FINISHED"
+    assert children["train"].info.status == "FINISHED", output[-3000:]
+
+    # Parsl replaced the cancelled block (job) with a new one and reran the ranks there.
+    jobs = train_block_jobs(runs_dir)
+    assert set(jobs) == {"0", "1"}, jobs
+    wait_for_slurm_to_finish(list(jobs.values()))
+    states = jobcomp_states()
+    assert jobs["0"] == found["job"] and states[jobs["0"]][1].startswith("CANCELLED")
+    assert srun_steps(jobs["1"]), f"no srun step of retry job {jobs['1']}"
+
+    # Training resumed: the checkpoint from before the cancel was not rewritten, the run ended
+    # at the requested step with every step's loss, and the last checkpoint is newer.
+    first = found["checkpoint"]
+    resumed_from = int(first.name.split("-")[1])
+    assert resumed_from > 0
+    assert first.is_dir() and first.stat().st_mtime < found["cancelled_at"], (
+        f"{first} was rewritten after the cancel: training restarted from scratch"
+    )
+    _, summary = train_summary(runs_dir)
+    assert summary["steps_done"] == steps and len(summary["losses"]) == steps
+    final = Path(summary["checkpoint"])
+    assert final.name == f"step-{steps:08d}" and final.stat().st_mtime > found["cancelled_at"]

@@ -1,0 +1,51 @@
+"""Shared helpers for the training tests: tiny configs and real multi-rank launches."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from stages.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY = [
+    "model.family=llama", "model.n_layers=4", "model.d_model=32", "model.n_heads=4",
+    "model.n_kv_heads=2", "model.vocab_size=384", "tokenizer.vocab_size=384",
+    "model.max_seq_len=32", "train.seq_len=32", "train.steps=4", "train.global_batch=8",
+    "train.warmup_steps=1", "train.checkpoint_every=0", "train.lr=0.01",
+]
+
+
+def tiny_config(*overrides: str):
+    """A 4-layer, d_model 32 GQA LLaMA over a 384-token vocabulary, 4 steps of 8 x 32 tokens."""
+    return load_config(None, TINY + list(overrides))
+
+
+def run_worker(
+    out_dir: Path, plan: dict[str, Any], nproc: int, *overrides: str, steps: int | None = None,
+    timeout: int = 240,
+) -> dict[str, Any]:
+    """Run stages.train_worker on ``nproc`` gloo ranks (torchrun; plain python for 1); return summary."""
+    cfg = tiny_config(*overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = {"config": cfg.to_dict(), "plan": plan, "store": None, "out_dir": str(out_dir),
+            "tracking": None, "steps": steps}
+    spec_path = out_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "stages.train_worker", "--spec", str(spec_path)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", "stages.train_worker", "--spec", str(spec_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{nproc} ranks failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}"
+                             f"\n{proc.stderr[-6000:]}")
+    return json.loads((out_dir / "summary.json").read_text())
