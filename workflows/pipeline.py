@@ -138,10 +138,14 @@ def _wait(results: dict[str, Any], ctx, log_dir: Path) -> dict[str, stage.StageR
     """Wait for every stage, tailing logs; mark attempts whose later parts failed."""
     opened = results.pop("_opened")
     offsets: dict[Path, int] = {}
-    futures = [r for r in results.values() if hasattr(r, "done")]
-    while not all(f.done() for f in futures):
+    pending = {name: f for name, f in results.items() if hasattr(f, "done")}
+    started = time.time()
+    while pending:
         _tail_logs(log_dir, offsets)
-        time.sleep(1.0)
+        for name in [n for n, f in pending.items() if f.done()]:
+            outcome = "failed" if pending.pop(name).exception() else "done"
+            print(f"[pipeline] {name} {outcome} at +{time.time() - started:.1f}s", flush=True)
+        time.sleep(0.5)
     _tail_logs(log_dir, offsets)
     done: dict[str, stage.StageResult] = {}
     errors: list[str] = []
