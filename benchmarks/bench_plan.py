@@ -7,7 +7,8 @@
    (recompute none, no sequence parallelism: on these models memory never binds, so
    recompute only costs time) is run for a few steps through stages.plan.measure_plan.
    --max-plans N keeps the N best predicted plus evenly spaced others per setting.
-   Reported: pick_ratio (measured tokens/s of the planner's pick / measured best), the
+   The pick and the three fastest are run twice (the faster run counts: the machine may be
+   shared). Reported: pick_ratio (measured tokens/s of the planner's pick / measured best), the
    step-time MAPE of the raw model and of the model calibrated leave-one-out (scales fitted on
    the other plans of the same setting, as the plan stage's refinement does).
 
@@ -107,6 +108,16 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
             print(f"  {done}/{len(plans)} {p.describe():<40} FAILED: {m['error'][-300:]}", flush=True)
     if not rows:
         return {"label": label, "nproc": nproc, "ok": False}
+    # the machine is shared: interference only adds time, so the planner's pick and the
+    # three fastest are measured once more and each keeps its faster run
+    recheck = {id(rows[0])} | {id(r) for r in sorted(rows, key=lambda r: r["meas"])[:3]}
+    by_desc = {p.describe(): p for p in plans}
+    for j, r in enumerate([r for r in rows if id(r) in recheck]):
+        m = measure_plan(cfg, by_desc[r["plan"]], work / f"{label}-n{nproc}-re{j}", steps=steps)
+        if m["ok"] and m["step_time_s"] < r["meas"]:
+            r["meas"], r["meas_tps"] = m["step_time_s"], m["tokens_per_s"]
+        print(f"  recheck {r['plan']:<40} measured {m.get('step_time_s', float('nan')):.4f} s"
+              f" -> kept {r['meas']:.4f} s", flush=True)
     best = max(rows, key=lambda r: r["meas_tps"])
     pick = rows[0] if plans and rows[0]["plan"] == plans[0].describe() else None
     raw_ape = [abs(r["pred"]["step_time_s"] - r["meas"]) / r["meas"] for r in rows]
@@ -129,7 +140,7 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-plans", type=int, default=0, help="plans per setting (0: all)")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--skip-local", action="store_true", help="only the search and Frontier parts")
     args = ap.parse_args()
     speed = search_speed()

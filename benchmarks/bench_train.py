@@ -25,21 +25,22 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from model.batches import SyntheticBatches  # noqa: E402
-from model.config import ModelConfig, TrainConfig  # noqa: E402
-from model.dist_env import DistEnv, init_distributed  # noqa: E402
-from model.flops import param_count  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from model.optim import lr_factor  # noqa: E402
-from model.plan import Plan  # noqa: E402
-from model.trainer import Trainer  # noqa: E402
+from model.batches import SyntheticBatches
+from model.config import ModelConfig, TrainConfig
+from model.dist_env import DistEnv, init_distributed
+from model.flops import param_count
+from model.gpt import GPT
+from model.metrics import BackgroundSink
+from model.optim import lr_factor
+from model.plan import Plan
+from model.trainer import Trainer
 
-# ~1.0B parameters: 16 layers x d_model 2048, SwiGLU 5632, 32k vocabulary (untied).
-GPU_MODEL = ModelConfig(family="llama", n_layers=16, d_model=2048, n_heads=16, n_kv_heads=8,
+# ~0.98B parameters: 18 layers x d_model 2048, GQA 16/8 heads, SwiGLU 5632, 32k vocabulary (untied).
+GPU_MODEL = ModelConfig(family="llama", n_layers=18, d_model=2048, n_heads=16, n_kv_heads=8,
                         ffn_hidden=5632, vocab_size=32768, max_seq_len=2048)
 CPU_MODEL = ModelConfig(family="llama", n_layers=4, d_model=128, n_heads=4, vocab_size=2048,
                         max_seq_len=128)
@@ -110,7 +111,7 @@ def ratio_mode(args, device: torch.device, tmp: Path) -> dict:
     plan = Plan(micro_batch=args.batch, grad_accum=1, sharding="none")
     trainer = Trainer(model_cfg, cfg, plan, tmp / "trainer",
                       lambda r, n: SyntheticBatches(model_cfg.vocab_size, seq, args.batch, r, n, cfg.seed),
-                      device, tracker=make_tracker(tmp))
+                      device, tracker=BackgroundSink(make_tracker(tmp)))
     ours, plain = trainer_steps(trainer, args.steps), plain_loop(model_cfg, cfg, device, args.steps)
     next(ours), next(plain)  # warm-up round
     ours_t, plain_t = [], []
@@ -134,7 +135,7 @@ def gpu_mode(args, device: torch.device, tmp: Path) -> dict:
     model_cfg = TINY_MODEL if args.tiny else GPU_MODEL
     seq = model_cfg.max_seq_len
     cfg = TrainConfig(steps=args.steps, global_batch=args.batch, seq_len=seq, warmup_steps=2,
-                      checkpoint_every=0, dtype="bfloat16")
+                      checkpoint_every=0, dtype="bfloat16", compile=args.compile)
     plan = Plan(micro_batch=args.micro_batch or args.batch,
                 grad_accum=args.batch // (args.micro_batch or args.batch), sharding="none",
                 recompute=args.recompute)
@@ -155,14 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke runs, tests)")
     parser.add_argument("--steps", type=int, default=None, help="steps per round (gpu: total)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating measurement rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating measurement rounds")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step")
     parser.add_argument("--micro-batch", type=int, default=None, help="gpu mode: sequences per micro-batch")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    parser.add_argument("--compile", action="store_true", help="gpu mode: torch.compile each block")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for mfu")
     args = parser.parse_args(argv)
-    args.steps = args.steps or (20 if args.gpu else 10)
-    args.batch = args.batch or (8 if args.gpu else 8)
+    args.steps = args.steps or (20 if args.gpu else 6)
+    args.batch = args.batch or 8
     device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = init_distributed(DistEnv(0, 0, 1, "127.0.0.1", 0)) if device_type == "cuda" else None
     if device is None:

@@ -36,8 +36,10 @@ class DataConfig:
     """Zarr chunks per storage shard (file) so a parallel file system sees few large files."""
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"
     """Integer type of stored tokens; 'auto' picks uint16 when every id fits, else uint32."""
-    encode_batch_documents: int = 256
-    """Documents per encode_batch call (bounds memory; progress is reported between calls)."""
+    encode_batch_bytes: int = 4_000_000
+    """Bytes of text per encode_batch call (whole documents; bounds memory, and large batches
+    keep the encoder threads balanced). The next batch is encoded while the previous one is
+    written; progress is reported between calls."""
     progress_seconds: float = 10.0
     """Seconds between progress lines (documents/s, tokens/s, ETA) while tokenizing."""
 
@@ -55,7 +57,7 @@ class DataConfig:
             self.token_dtype in ("auto", "uint16", "uint32"),
             f"data.token_dtype must be auto, uint16 or uint32, got {self.token_dtype!r}",
         )
-        _require(self.encode_batch_documents > 0, "data.encode_batch_documents must be > 0")
+        _require(self.encode_batch_bytes > 0, "data.encode_batch_bytes must be > 0")
         _require(self.progress_seconds >= 0, "data.progress_seconds must be >= 0")
         for name in ("max_documents", "max_document_bytes"):
             value = getattr(self, name)

@@ -29,13 +29,15 @@ class Progress:
             self.last = now
             self.emit()
 
-    def line(self) -> str:
+    def line(self, done: bool = False) -> str:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         docs_s = self.docs / elapsed
         eta = (self.total - self.docs) / docs_s if docs_s > 0 else float("inf")
         pct = 100.0 * self.docs / self.total if self.total else 100.0
         return (f"{self.label}: {self.docs}/{self.total} docs ({pct:.0f}%) | {docs_s:,.0f} docs/s | "
-                f"{self.tokens / elapsed:,.0f} tokens/s | ETA {eta:,.0f}s")
+                f"{self.tokens / elapsed:,.0f} tokens/s | "
+                + (f"done in {elapsed:,.1f}s" if done else f"ETA {eta:,.0f}s"))
 
-    def emit(self) -> None:
-        print(self.line(), file=self.stream or sys.stdout, flush=True)
+    def emit(self, done: bool = False) -> None:
+        """Print the current line now (``done``: the final line, with the elapsed time)."""
+        print(self.line(done), file=self.stream or sys.stdout, flush=True)

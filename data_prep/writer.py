@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,9 @@ class PartWriter:
     def __init__(self, store: Path, split: str, shard_index: int, dtype: np.dtype,
                  chunk_tokens: int, chunks_per_shard: int) -> None:
         self.final = store / part_name(split, shard_index)
-        self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}")
+        # Unique per writer process (host and pid): a retried shard never shares a temp dir.
+        self.tmp = self.final.with_name(
+            f".{self.final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.dtype = np.dtype(dtype)
         self.shard_tokens = chunk_tokens * chunks_per_shard

@@ -73,6 +73,9 @@ class Cluster:
     None: 60 kernel launches."""
     microbatch_overhead_us: float | None = None
     """Fixed cost per micro-batch (embedding, head, loss, schedule); None: 30 kernel launches."""
+    fsdp_unit_overhead_us: float = 0.0
+    """Host cost per FSDP2 unit (block) per micro-batch beyond its collectives (measured on
+    CPU; hidden by asynchronous execution on GPUs)."""
     optimizer_overhead_us: float | None = None
     """Fixed optimizer cost per parameter tensor; None: 12 kernel launches (unfused AdamW)."""
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -160,7 +163,8 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
         raise ClusterError(f"{where}: gemm_efficiency must be in (0, 1], got {eff}")
     optional = {}
     for key in ("kernel_overhead_us", "reserved_gb", "fragmentation", "comm_overlap",
-                "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us"):
+                "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
+                "fsdp_unit_overhead_us"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
     known = set(REQUIRED) | set(optional) | {"measured", "collectives", "source", "notes"}

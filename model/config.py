@@ -175,6 +175,9 @@ class TrainConfig:
     """Save a checkpoint every K steps (0: only at the end)."""
     log_every: int = 1
     """Log metrics every N steps."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (fuses norms/rotary/SwiGLU on GPU;
+    costs tens of seconds of warm-up, so off by default)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every"):

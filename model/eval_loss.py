@@ -89,8 +89,9 @@ def heldout_loss(
 ) -> dict:
     """Token-weighted loss over the first ``max_tokens`` predicted tokens of ``reader``.
 
-    Returns {"val_loss", "perplexity", "tokens", "windows", "seq_len", "per_source":
-    {name: {"val_loss", "perplexity", "tokens"}}}; identical on every rank.
+    Returns {"val_loss", "perplexity", "tokens", "windows", "local_windows", "seq_len",
+    "per_source": {name: {"val_loss", "perplexity", "tokens"}}}; identical on every rank
+    except ``local_windows`` (the windows this rank evaluated).
     """
     rank, world = _rank_world(rank, world)
     plan = plan_windows(reader.num_tokens, seq_len, max_tokens)
@@ -126,10 +127,10 @@ def heldout_loss(
     if world > 1 and dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     loss_sums, counts = totals[: len(names)].numpy(), totals[len(names) :].numpy()
-    total_loss, total_tokens = float(loss_sums.sum()), int(round(counts.sum()))
+    total_loss, total_tokens = float(loss_sums.sum()), round(counts.sum())
     val_loss = total_loss / total_tokens
     per_source = {
-        name: {"val_loss": float(ls / n), "perplexity": math.exp(ls / n), "tokens": int(round(n))}
+        name: {"val_loss": float(ls / n), "perplexity": math.exp(ls / n), "tokens": round(n)}
         for name, ls, n in zip(names, loss_sums, counts) if n > 0
     }
     return {
@@ -137,6 +138,7 @@ def heldout_loss(
         "perplexity": math.exp(val_loss),
         "tokens": total_tokens,
         "windows": plan.windows,
+        "local_windows": len(mine),  # evaluated by this rank
         "seq_len": plan.seq_len,
         "per_source": per_source,
     }

@@ -60,18 +60,18 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
     import transformers
 
     hf_class_name(cfg.family)
-    common = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        intermediate_size=cfg.ffn_dim,
-        max_position_embeddings=cfg.max_seq_len,
-        tie_word_embeddings=False,
-        bos_token_id=eos_id,  # documents are separated by eos; there is no separate bos
-        eos_token_id=eos_id,
-        initializer_range=cfg.init_std,
-    )
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "intermediate_size": cfg.ffn_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": False,
+        "bos_token_id": eos_id,  # documents are separated by eos; there is no separate bos
+        "eos_token_id": eos_id,
+        "initializer_range": cfg.init_std,
+    }
     if cfg.family == "llama":
         config = transformers.LlamaConfig(
             **common,

@@ -237,7 +237,7 @@ def _initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: in
     if leaf == "bias":
         return torch.zeros(shape)
     std = cfg.init_std
-    if name.endswith("attention.wo.weight") or name.endswith("feed_forward.w2.weight"):
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
         std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     return torch.empty(shape).normal_(0.0, std, generator=gen)

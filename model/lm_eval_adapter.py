@@ -140,8 +140,7 @@ def write_heldout_task(task_dir: str | Path, documents: list[str], name: str = H
     task_dir.mkdir(parents=True, exist_ok=True)
     data = task_dir / f"{name}.jsonl"
     with open(data, "w") as handle:
-        for text in documents:
-            handle.write(json.dumps({"text": text}) + "\n")
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in documents)
     spec = {
         "task": name,
         "dataset_path": "json",

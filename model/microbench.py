@@ -3,7 +3,8 @@
 All ``nproc`` ranks run at once (one thread each), so the figures include the
 contention a real run of that many ranks sees. Measured per rank: matmul FLOP/s at a few
 shapes (the fastest gives the achievable rate, the small ones the per-kernel overhead),
-copy bandwidth, and all-reduce / all-gather / reduce-scatter / send-recv time at a small
+copy bandwidth, the fixed host costs of a GPT block, a micro-batch, an AdamW step per
+tensor and an FSDP2 unit, and all-reduce / all-gather / reduce-scatter / send-recv time at a small
 and a large size over gloo (latency from the small, bus bandwidth from the difference).
 The result is cached as JSON keyed by hostname, rank count and torch version.
 """
@@ -99,7 +100,38 @@ def _host_overheads(repeat: int = 5) -> dict[str, float]:
     n_tensors = sum(1 for _ in model.parameters())
     per_block = max((t3 - t1) / 2, 1e-6)
     return {"layer_overhead_s": per_block, "microbatch_overhead_s": max(t1 - per_block, 1e-6),
+            "plain3_s": t3,
             "optimizer_overhead_per_tensor_s": t_opt / n_tensors}
+
+
+def _fsdp_overhead(nproc: int, plain_s: float, repeat: int = 5) -> float:
+    """Extra seconds per FSDP2 unit per micro-batch (hooks, copies, collectives) at tiny sizes.
+
+    The same 3-block GPT as in _host_overheads, each block and the root sharded over all
+    ranks (ZeRO-3 style); compared with its unsharded time ``plain_s``, per unit.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=2, vocab_size=32, max_seq_len=8)
+    model = GPT(cfg)
+    mesh = init_device_mesh("cpu", (nproc,))
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    x = torch.randint(0, 32, (1, 9))
+
+    def run() -> None:
+        logits = model(x[:, :-1])
+        F.cross_entropy(logits.reshape(-1, 32), x[:, 1:].reshape(-1)).backward()
+
+    return max(_time(run, repeat) - plain_s, 0.0) / (cfg.n_layers + 1)
 
 
 def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
@@ -123,6 +155,9 @@ def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
         res["matmul"].append({"m": m, "n": n, "k": k, "seconds": t, "flops": 2.0 * m * n * k})
     dist.barrier()
     res["host"] = _host_overheads()
+    if nproc > 1:
+        dist.barrier()
+        res["host"]["fsdp_unit_overhead_s"] = _fsdp_overhead(nproc, res["host"]["plain3_s"])
     x = torch.randn(8 * 1024 * 1024)  # 32 MB
     y = torch.empty_like(x)
     dist.barrier()
@@ -193,6 +228,7 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
         "layer_overhead_us": max(host.get("layer_overhead_s", 0.0) - 21 * overhead, 0.0) * 1e6,
         "microbatch_overhead_us": host.get("microbatch_overhead_s", 0.0) * 1e6,
         "optimizer_overhead_us": host.get("optimizer_overhead_per_tensor_s", 0.0) * 1e6,
+        "fsdp_unit_overhead_us": host.get("fsdp_unit_overhead_s", 0.0) * 1e6,
         "comm_overlap": 0.0,  # gloo runs on the same cores as the compute
         "links": {"node": {"group": nproc, "bandwidth_gbps": link_bw, "latency_us": link_lat}},
         "collectives": collectives,

@@ -1,8 +1,8 @@
 """Parallelism as plain functions applied to a meta-device model in a fixed order.
 
 ``parallelize_chunk`` applies: tensor parallelism (DTensor Colwise/Rowwise, vocab-parallel
-embedding and head, optional sequence parallelism) -> activation checkpointing -> FSDP2
-(``fully_shard`` per block, then the chunk). DDP is applied after the weights are
+embedding and head, optional sequence parallelism) -> activation checkpointing ->
+torch.compile per block (optional) -> FSDP2 (``fully_shard`` per block, then the chunk). DDP is applied after the weights are
 initialised (``apply_ddp``) because it broadcasts parameters when it is constructed.
 """
 from __future__ import annotations
@@ -88,6 +88,12 @@ def apply_activation_checkpointing(model: GPT, mode: str) -> None:
         block.attention.recompute_core = mode == "selective"
 
 
+def apply_compile(model: GPT) -> None:
+    """torch.compile every block in place (``Module.compile`` keeps parameter names)."""
+    for block in model.layers.values():
+        block.compile()
+
+
 def apply_fsdp(
     model: GPT, dp_mesh: DeviceMesh, reshard_after_forward: bool, param_dtype: torch.dtype | None
 ) -> None:
@@ -118,10 +124,33 @@ def parallelize_chunk(
     recompute: str,
     sequence_parallel: bool,
     param_dtype: torch.dtype | None,
+    compile: bool = False,
 ) -> None:
-    """Apply TP -> activation checkpointing -> FSDP2 to one (meta-device) model chunk."""
+    """Apply TP -> activation checkpointing -> compile -> FSDP2 to one (meta-device) chunk."""
     if tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel)
     apply_activation_checkpointing(model, recompute)
+    if compile:
+        apply_compile(model)
     if sharding in ("zero2", "zero3") and dp > 1:
         apply_fsdp(model, mesh["dp"], sharding == "zero3", param_dtype)
+
+
+@torch.no_grad()
+def allreduce_gradients(params: list[torch.Tensor], dp_mesh: DeviceMesh) -> None:
+    """Average plain-tensor gradients over the dp group with one flat all-reduce.
+
+    Used for sharding 'ddp' under pipeline parallelism, where wrapping each stage in
+    DistributedDataParallel breaks (its reducer cannot follow several micro-batch backward
+    passes of a pipeline schedule in torch 2.13).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    torch.distributed.all_reduce(flat, group=dp_mesh.get_group())
+    flat /= dp_mesh.size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -8,7 +8,7 @@ names stay those of the full model.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

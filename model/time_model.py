@@ -25,7 +25,8 @@ each micro-batch, zero3 does both every micro-batch (twice gathering). The optim
 is memory bound (fp32 params, grads and Adam moments read and written).
 
 Fixed host costs (cluster.layer_overhead_us per block and micro-batch,
-microbatch_overhead_us, optimizer_overhead_us per parameter tensor) dominate tiny models
+microbatch_overhead_us, optimizer_overhead_us per parameter tensor, fsdp_unit_overhead_us
+per FSDP unit and micro-batch) dominate tiny models
 on CPUs; the local cluster measures them.
 
 Every prediction is split into ``compute`` and ``comm`` seconds so that measured runs can
@@ -140,8 +141,10 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     first_t = n_first * layer
     last_t = n_last * layer + logits
     single = pp == 1
-    stage_comp = np.where(single, n_first * layer + logits, np.maximum(first_t, last_t)) \
-        + cluster.microbatch_overhead_us * 1e-6
+    # the per-micro-batch host cost (embedding, head, loss) splits between first and last stage
+    mb_host = cluster.microbatch_overhead_us * 1e-6
+    stage_comp = np.where(single, n_first * layer + logits + mb_host,
+                          np.maximum(first_t, last_t) + mb_host / 2)
     stage_tp = np.maximum(n_first, n_last) * tp_layer + np.where(tp > 1, 2, 0) * \
         _coll(cluster, "all_reduce", tokens * 4.0, tp, 1)  # loss/vocab-parallel reductions
     slots = ga + np.where(single, 0.0, (pp - 1) / np.where(sched == INTERLEAVED, v, 1))
@@ -175,6 +178,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
         np.where(shard == ZERO2, hidden(rs, bwd_window) + z2_ags * hidden(ag, fwd_window),
                  np.where(shard == ZERO3, z3_syncs * hidden(rs, bwd_window)
                           + z3_ags * hidden(ag, fwd_window), 0.0)))
+    fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
+    dp_exposed = dp_exposed + np.where(fsdp, ga * units * cluster.fsdp_unit_overhead_us * 1e-6, 0.0)
     dp_exposed = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_exposed)
 
     opt_params = np.where((shard == ZERO3) | (shard == ZERO2), params / dp, params)

@@ -13,8 +13,9 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from model.gpt import GPT
 from model.metrics import median_step_time, peak_memory_gb, plot_losses
 from model.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from model.parallel_dims import ParallelDims
-from model.parallelize import apply_ddp, parallelize_chunk
+from model.parallelize import allreduce_gradients, apply_ddp, parallelize_chunk
 from model.pipeline import build_chunk, build_schedule, chunk_ids
 from model.plan import Plan
 
@@ -94,14 +95,18 @@ class Trainer:
         self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
         self.param_dtype = torch.bfloat16 if train_cfg.dtype == "bfloat16" else None
         self.fsdp = plan.sharding in ("zero2", "zero3") and plan.dp > 1
-        self.ddp = plan.sharding == "ddp" and plan.dp > 1
+        # DDP wraps the model without pipelining; under pipelining gradients are averaged
+        # by one flat all-reduce after the schedule (see allreduce_gradients).
+        self.ddp = plan.sharding == "ddp" and plan.dp > 1 and plan.pp == 1
+        self.grad_allreduce = plan.sharding == "ddp" and plan.dp > 1 and plan.pp > 1
+        self.dp_mesh = mesh["dp"]
 
         n_chunks = plan.pp * plan.virtual_stages
         ids = chunk_ids(self.pp_rank, plan.pp, plan.virtual_stages)
         self.chunks = [build_chunk(model_cfg, c, n_chunks) for c in ids]
         for chunk in self.chunks:
             parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
-                              plan.sequence_parallel, self.param_dtype)
+                              plan.sequence_parallel, self.param_dtype, train_cfg.compile)
             chunk.to_empty(device=device)
             chunk.init_weights(train_cfg.seed)
         self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
@@ -117,6 +122,7 @@ class Trainer:
             self.schedule = build_schedule(self.runners, ids, n_chunks, device, self.pp_group,
                                            plan.schedule, plan.grad_accum, cross_entropy)
         self.is_logger = self.has_last and self.dp_rank == 0 and self.tp_rank == 0
+        self.logger_rank = (plan.pp - 1) * plan.dp * plan.tp  # global rank of (last, 0, 0)
         self.batches = make_batches(self.dp_rank, plan.dp)
         self.flops_per_token = flops_per_token(model_cfg, train_cfg.seq_len)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
@@ -165,6 +171,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.schedule is not None:
             loss = self._pipeline(inputs, targets)
+            if self.grad_allreduce:
+                allreduce_gradients(self.params, self.dp_mesh)
         else:
             loss = self._accumulate(inputs, targets)
         norm = clip_grad_norm_(self.params, self.cfg.grad_clip,
@@ -183,9 +191,12 @@ class Trainer:
 
     def save(self) -> Path:
         """Checkpoint the current state (collective)."""
+        # Rank 0 writes extra.pt, but the loss history lives on the logging rank.
+        history = [list(self.losses)]
+        dist.broadcast_object_list(history, src=self.logger_rank)
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "loader": self.batches.state_dict(), "rng": torch.get_rng_state(),
-                 "losses": list(self.losses)}
+                 "losses": history[0]}
         return ckpt.save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer,
                                     extra, self.model_cfg)
 
@@ -258,10 +269,13 @@ class Trainer:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's memory
         if not self.is_logger:
             return None
-        step_time = median_step_time(step_times)
+        # No step ran (already trained to ``steps``): no timing to report.
+        step_time = median_step_time(step_times) if step_times else None
+        rates = (self._throughput(step_time, tokens) if step_time
+                 else dict.fromkeys(("tokens_per_s", "tflops_per_device", "mfu")))
         summary = {"losses": self.losses, "final_loss": self.losses[-1] if self.losses else None,
                    "steps_done": self.step, "step_time_s": step_time,
-                   **self._throughput(step_time, tokens), "peak_memory_gb": float(peak),
+                   **rates, "peak_memory_gb": float(peak),
                    "checkpoint": str(last_ckpt) if last_ckpt else None,
                    "plan": self.plan.to_dict(), "world_size": self.dims.world_size}
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,7 +284,7 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.log_artifact(png)
         if self.tracker is not None:
-            self.tracker.flush()
+            self.tracker.flush()  # waits for queued metrics and the artifact
         tmp = self.out_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, self.out_dir / "summary.json")

@@ -112,6 +112,9 @@ class SiteConfig:
     """Request whole nodes (#SBATCH --exclusive); None: the site default (Frontier yes, slurm no)."""
     cores_per_node: int | None = None
     """CPUs requested per node for a non-exclusive training job; None: one per rank."""
+    address: str | None = None
+    """Address of the submitting node that compute-node workers connect back to (slurm,
+    frontier); None: Parsl offers all of this node's addresses and workers probe them."""
     heartbeat_threshold: int = 120
     """Seconds without a heartbeat before Parsl declares a job's workers lost and retries
     their tasks (e.g. after a cancelled or preempted Slurm job)."""

@@ -147,9 +147,9 @@ def report_markdown(report: dict[str, Any]) -> str:
         "# Evaluation",
         "",
         f"- checkpoint: `{report['checkpoint']}`",
-        f"- validation loss: **{report['val_loss']:.4f}** nats/token, perplexity "
+        (f"- validation loss: **{report['val_loss']:.4f}** nats/token, perplexity "
         f"**{report['perplexity']:.2f}** over {report['tokens']:,} tokens "
-        f"({report['windows']} windows of {report['seq_len']})",
+        f"({report['windows']} windows of {report['seq_len']})"),
         f"- {report['tokenizer_check']}",
         "",
         "| source | tokens | loss | perplexity |",
@@ -189,9 +189,9 @@ def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) ->
     except ValueError as err:
         raise EvaluationError(str(err)) from None
     hf_class = hf_class_name(cfg.model.family)  # refuse an unexportable family before work
-    t0 = time.perf_counter()
     model = load_for_inference(train_out["checkpoint"], cfg.model)
     tokenizer = Tokenizer.from_file(str(tok_out.get("tokenizer") or store.tokenizer_file))
+    t0 = time.perf_counter()
 
     result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
                           cfg.eval.batch_size, sources=split_sources(store, SPLIT))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -170,6 +171,8 @@ def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE
         result["error"] = f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"
         return result
     data = json.loads(summary.read_text())
+    # a measurement needs no weights: drop the checkpoint the worker wrote at the end
+    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
     result.update(ok=True, step_time_s=data["step_time_s"], tokens_per_s=data["tokens_per_s"],
                   peak_memory_gb=data.get("peak_memory_gb"))
     return result

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import zarr
 
 from data_prep.corpus import (
@@ -54,6 +56,8 @@ def prepare(cfg: PipelineConfig, out_dir: Path, tracker) -> int:
         tokenizer = load_tokenizer(cfg.tokenizer.path, cfg.tokenizer.eos_token)
     else:
         sample = training_sample(ds, cfg.tokenizer.train_sample_bytes, cfg.data.split_seed)
+        print(f"tokenize: training a {cfg.tokenizer.vocab_size}-id byte-level BPE on {len(sample)} "
+              f"documents ({sum(len(t) for t in sample) / 1e6:.1f} M characters)", flush=True)
         tokenizer = train_tokenizer(sample, cfg.tokenizer)
     t2 = time.perf_counter()
     vocab = tokenizer.get_vocab_size()
@@ -101,24 +105,23 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
     progress = Progress(f"tokenize shard {shard_index + 1}/{num_shards}", stop - start,
                         cfg.data.progress_seconds)
     began, t0 = time.time(), time.perf_counter()
-    step = cfg.data.encode_batch_documents
-    for a in range(start, stop, step):
-        b = min(a + step, stop)
-        encodings = tokenizer.encode_batch(ds[a:b]["text"])
-        docs: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
-        tokens = 0
-        for offset, enc in enumerate(encodings):
-            ids = enc.ids
-            ids.append(eos)
-            tokens += len(ids)
-            docs["validation" if is_val[a - start + offset] else "train"].append(
-                np.array(ids, dtype=dtype))
-        for split in SPLITS:
-            writers[split].add(docs[split])
-        progress.update(b - a, tokens)
+    batches = _batches(ds, start, stop, cfg.data.encode_batch_bytes)
+
+    def encode(batch: tuple[int, int]) -> list:
+        return tokenizer.encode_batch(ds[batch[0] : batch[1]]["text"])
+
+    # encode_batch releases the GIL: encode the next batch while this one is converted and
+    # written, so the Python and Zarr work does not leave the encoder idle.
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(encode, batches[0]) if batches else None
+        for k, (a, b) in enumerate(batches):
+            encodings = pending.result()
+            if k + 1 < len(batches):
+                pending = pool.submit(encode, batches[k + 1])
+            _write_batch(encodings, is_val[a - start : b - start], eos, dtype, writers, progress)
     attrs = {"shard": shard_index, "tokenizer_hash": prepared["tokenizer_hash"]}
     parts = {split: writers[split].close({**attrs, "split": split}) for split in SPLITS}
-    progress.emit()
+    progress.emit(done=True)
     return {
         "shard": shard_index,
         "documents": stop - start,
@@ -128,6 +131,36 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
         "end_time": began + (time.perf_counter() - t0),
         "seconds": time.perf_counter() - t0,
     }
+
+
+def _batches(ds, start: int, stop: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Document ranges of about ``max_bytes`` of text each (at least one document)."""
+    sizes = pc.binary_length(ds.data.column("text").slice(start, stop - start)).to_numpy(
+        zero_copy_only=False)
+    batches, first, total = [], start, 0
+    for i, size in enumerate(sizes.tolist(), start=start):
+        if total and total + size > max_bytes:
+            batches.append((first, i))
+            first, total = i, 0
+        total += size
+    if first < stop:
+        batches.append((first, stop))
+    return batches
+
+
+def _write_batch(encodings: list, is_val: np.ndarray, eos: int, dtype: np.dtype,
+                 writers: dict[str, PartWriter], progress: Progress) -> None:
+    """Append one encoded batch (eos after every document) to the train/validation parts."""
+    docs: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
+    tokens = 0
+    for enc, val in zip(encodings, is_val, strict=True):
+        ids = enc.ids
+        ids.append(eos)
+        tokens += len(ids)
+        docs["validation" if val else "train"].append(np.array(ids, dtype=dtype))
+    for split in SPLITS:
+        writers[split].add(docs[split])
+    progress.update(len(encodings), tokens)
 
 
 def _collect_parts(store: Path, split: str, num_shards: int, token_hash: str) -> list[dict[str, Any]]:
@@ -165,6 +198,9 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
     if sum(s["documents"] for s in splits.values()) != info.num_documents:
         raise DataError(f"store parts hold {sum(s['documents'] for s in splits.values())} documents, "
                         f"corpus has {info.num_documents}; rerun the tokenize stage")
+    for split in SPLITS:  # temp dirs of writers that died (their shard was rerun since)
+        for stale in (store / split).glob(".*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
     shutil.copyfile(out_dir / TOKENIZER, store / TOKENIZER)
     summary = {
         "format_version": FORMAT_VERSION,

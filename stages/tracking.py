@@ -197,6 +197,8 @@ def log_hf_model(
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)  # Model.log resolves its client from the global URI
     try:
+        # The logged model belongs to the run's experiment (else: experiment 0, under ./mlruns).
+        mlflow.set_experiment(experiment_id=MlflowClient(uri).get_run(run_id).info.experiment_id)
         info = mlflow.transformers.log_model(
             pipe,
             name=name,

@@ -8,6 +8,7 @@ srun from the spec that ``prepare`` wrote.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from model.cluster import ClusterError, load_cluster
 from model.plan import Plan
 from model.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.config import PipelineConfig
@@ -42,6 +44,18 @@ def load_plan(cfg: PipelineConfig, inputs: dict[str, dict]) -> Plan:
     return plan_from_parallel(cfg.parallel, cfg.train)
 
 
+def peak_tflops(cfg: PipelineConfig, plan: Plan) -> float | None:
+    """Device peak (TFLOP/s) that MFU is reported against: the one the plan's predictions
+    used, else the cluster description's for train.dtype, else None (trainer default)."""
+    pred = plan.predictions
+    if pred.get("mfu") and pred.get("tflops_per_device"):
+        return pred["tflops_per_device"] / pred["mfu"]
+    try:
+        return load_cluster(cfg.parallel.cluster).peak_for(cfg.train.dtype) / 1e12
+    except ClusterError:  # e.g. a cluster measured at plan time
+        return None
+
+
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict:
     """Validate everything, write ``out_dir/spec.json``; return {"spec", "nproc", "nodes"}."""
     out_dir = Path(out_dir)
@@ -53,8 +67,10 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     if tracker is not None and getattr(tracker, "run_id", None):
         tracking = {"uri": tracker.uri, "run_id": tracker.run_id}
         tracker.log_params({"plan": plan.to_dict()})
+    peak = peak_tflops(cfg, plan)
     spec = {"config": cfg.to_dict(), "plan": plan.to_dict(), "store": tok.get("store"),
-            "out_dir": str(out_dir.resolve()), "tracking": tracking, "steps": None}
+            "out_dir": str(out_dir.resolve()), "tracking": tracking, "steps": None,
+            "peak_tflops": peak}
     path = out_dir / "spec.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(spec, indent=2))
@@ -69,8 +85,8 @@ def launch_local(spec: str | Path, nproc: int, log_path: Path | None = None) -> 
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     tail: collections.deque[str] = collections.deque(maxlen=40)
-    log = open(log_path, "a") if log_path else None
-    try:
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(log_path, "a")) if log_path else None
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env, cwd=REPO_ROOT, bufsize=1)
         assert proc.stdout is not None
@@ -80,9 +96,6 @@ def launch_local(spec: str | Path, nproc: int, log_path: Path | None = None) -> 
             if log:
                 log.write(line)
         rc = proc.wait()
-    finally:
-        if log:
-            log.close()
     if rc != 0:
         raise RuntimeError(f"training ranks failed (torchrun exit {rc}); last output:\n"
                            + "".join(tail))

@@ -16,13 +16,14 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
 
-import torch.distributed as dist  # noqa: E402
+import torch.distributed as dist
 
-from model.batches import SyntheticBatches  # noqa: E402
-from model.dist_env import from_environ, init_distributed  # noqa: E402
-from model.plan import Plan  # noqa: E402
-from model.trainer import Trainer  # noqa: E402
-from stages.config import config_from_dict  # noqa: E402
+from model.batches import SyntheticBatches
+from model.dist_env import from_environ, init_distributed
+from model.metrics import BackgroundSink
+from model.plan import Plan
+from model.trainer import Trainer
+from stages.config import config_from_dict
 
 
 def make_batch_factory(spec: dict[str, Any], cfg):
@@ -55,7 +56,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any] | None:
         if tracking and trainer.is_logger:
             from stages.tracking import Tracker
 
-            trainer.tracker = Tracker(tracking["uri"], tracking["run_id"])
+            # Metric writes happen on a background thread, off the training step.
+            trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]))
         return trainer.fit(spec.get("steps"))
     finally:
         dist.destroy_process_group()

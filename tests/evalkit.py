@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ from stages import stage, tracking
 from stages.config import PipelineConfig, load_config
 from stages.registry import STAGE_ORDER, UPSTREAM, stage_module
 
+REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,3 +57,39 @@ def micro_pipeline(tmp_path_factory):
     results = run_stages(cfg, ctx)
     tracking.end_run(ctx.tracking_uri, ctx.parent_run_id)
     return cfg, ctx, results
+
+
+@dataclass
+class StageRun:
+    """A stage as the pipeline driver recorded it: its MLflow run, key and outputs."""
+
+    run_id: str
+    key: str
+    out_dir: str
+    outputs: dict
+
+
+def run_driver(runs_dir: Path, *overrides: str, timeout: int = 1200) -> tuple:
+    """Run the real pipeline CLI (micro preset) once; return (ctx, {stage: StageRun}).
+
+    ``ctx`` is the PipelineContext the driver used, rebuilt from the MLflow store."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
+           "--runs-dir", str(runs_dir)] + (["--set", *overrides] if overrides else [])
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"pipeline failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    uri = tracking.default_tracking_uri(runs_dir)
+    runs = tracking.search_runs(uri, "micro")
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    stages = {}
+    for run in runs:
+        if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id:
+            out_dir = run.data.tags["out_dir"]
+            outputs = json.loads((Path(out_dir) / stage.OUTPUTS_FILE).read_text())
+            stages[run.data.tags["stage"]] = StageRun(run.info.run_id, run.data.tags["stage_key"],
+                                                      out_dir, outputs)
+    ctx = stage.PipelineContext(str(runs_dir), uri, parent.info.experiment_id, parent.info.run_id)
+    return ctx, stages

@@ -35,7 +35,7 @@ def make_cfg(tmp: Path, source: str | Path, *overrides: str) -> PipelineConfig:
         "data.chunk_tokens=1024",
         "data.chunks_per_shard=2",
         "data.validation_fraction=0.2",
-        "data.encode_batch_documents=7",
+        "data.encode_batch_bytes=3000",
         "data.progress_seconds=0",
         "tokenizer.vocab_size=320",
         "tokenizer.train_sample_bytes=200000",

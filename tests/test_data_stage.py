@@ -127,9 +127,9 @@ def test_progress_lines(tmp_path: Path, capsys: pytest.CaptureFixture, tracker) 
     tokenize.run(cfg, {}, tmp_path / "o", tracker)
     lines = [line for line in capsys.readouterr().out.splitlines() if "tokenize shard 1/1" in line]
     assert len(lines) >= 2  # one per encode batch with progress_seconds=0, plus the last
-    assert "12/12 docs (100%)" in lines[-1]
+    assert "12/12 docs (100%)" in lines[-1] and "done in" in lines[-1]
     for word in ("docs/s", "tokens/s", "ETA"):
-        assert word in lines[-1]
+        assert word in lines[0]
 
 
 def test_same_tokens_for_any_shard_count_and_parallel_processes(built: dict, tracker) -> None:
@@ -195,6 +195,13 @@ def test_incomplete_store_and_other_tokenizer_are_refused(built: dict, tmp_path:
     with pytest.raises(DataError, match=r"missing \[2\]"):
         tokenize.finalize(cfg, out, results, tracker)
     assert not (out / "store.zarr" / "manifest.json").exists()
+    # The missing shard is rerun; a dead writer's temp dir is cleared; the store completes.
+    stale = out / "store.zarr" / "train" / ".00001.tmp-otherhost-999"
+    stale.mkdir()
+    results.append(tokenize.tokenize_shard(cfg, out, n - 1))
+    outputs = tokenize.finalize(cfg, out, results, tracker)
+    assert not stale.exists()
+    assert open_store(outputs["store"]).documents == N_DOCS
 
 
 @pytest.mark.parametrize("case", ["non_utf8", "malformed_json", "missing_field", "not_string",
@@ -237,3 +244,16 @@ def test_bad_input_leaves_no_complete_store(case: str, tmp_path: Path, tracker) 
     assert not (out / "store.zarr" / "manifest.json").exists()
     with pytest.raises(StoreError):
         open_store(out / "store.zarr")
+
+
+def test_more_shards_than_documents(tmp_path: Path, tracker) -> None:
+    texts = make_corpus(tmp_path / "c", n_docs=3, seed=8)
+    cfg = make_cfg(tmp_path, tmp_path / "c", "data.num_shards=5", "data.validation_fraction=0.4")
+    (tmp_path / "o").mkdir()
+    out = tokenize.run(cfg, {}, tmp_path / "o", tracker)
+    info = open_store(out["store"])
+    assert [p["documents"] for p in info.splits["train"].parts].count(0) >= 2  # empty parts
+    assert (info.splits["train"].documents, info.splits["validation"].documents) == (2, 1)
+    tok = Tokenizer.from_file(out["tokenizer"])
+    docs = [tok.decode(d[:-1].tolist()) for s in ("train", "validation") for d in split_docs(out["store"], s)]
+    assert sorted(docs) == sorted(texts)

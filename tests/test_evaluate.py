@@ -16,9 +16,10 @@ from model.checkpoint import load_for_inference
 from model.eval_loss import EmptySplitError, plan_windows
 from model.generate import generate_tokens
 from stages import evaluate, tracking
-from tests.evalkit import micro_config, micro_pipeline, open_pipeline, run_stages  # noqa: F401
 
-pytestmark = pytest.mark.slow
+pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture
+# The first test also builds the session's pipeline (several minutes on 2 busy cores).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 
 def _outputs(micro_pipeline):
@@ -73,7 +74,7 @@ def test_generations_are_the_models_greedy_continuations(micro_pipeline):
 
 
 def test_mlflow_run_has_metrics_artifacts_plots_and_model(micro_pipeline):
-    cfg, ctx, _, _, ev = _outputs(micro_pipeline)
+    _cfg, ctx, _, _, ev = _outputs(micro_pipeline)
     run = tracking.get_run(ctx.tracking_uri, ev.run_id)
     assert run.info.status == "FINISHED"
     metrics = run.data.metrics
@@ -91,6 +92,10 @@ def test_mlflow_run_has_metrics_artifacts_plots_and_model(micro_pipeline):
     assert {"hf/config.json", "hf/model.safetensors", "hf/tokenizer.json"} <= hf
     # The export is an MLflow model with a signature, linked to the run, that generates text.
     assert run.data.tags["model_uri"] == ev.outputs["model_uri"]
+    (logged,) = [m for m in client.search_logged_models(experiment_ids=[ctx.experiment_id])
+                 if m.source_run_id == ev.run_id]
+    assert ev.outputs["model_uri"] == f"models:/{logged.model_id}"
+    assert logged.artifact_location.startswith(Path(ctx.runs_dir).as_uri())  # not ./mlruns
     model = tracking.load_logged_model(ctx.tracking_uri, ev.outputs["model_uri"])
     signature = model.metadata.signature
     assert [c["type"] for c in signature.inputs.to_dict()] == ["string"]
@@ -107,6 +112,8 @@ def test_mlflow_run_has_metrics_artifacts_plots_and_model(micro_pipeline):
 
 
 def test_tokenizer_mismatch_is_refused_before_any_work(micro_pipeline, tmp_path):
+    from tests.evalkit import micro_config, run_stages  # after pytest registered the plugin
+
     cfg, ctx, _, train, _ = _outputs(micro_pipeline)
     other_cfg = micro_config(Path(ctx.runs_dir), "tokenizer.vocab_size=400")
     other = run_stages(other_cfg, ctx, ("tokenize",))["tokenize"].outputs
@@ -116,7 +123,7 @@ def test_tokenizer_mismatch_is_refused_before_any_work(micro_pipeline, tmp_path)
         ctx.tracking_uri, ctx.experiment_id, "mismatch"))
     out = tmp_path / "eval"
     out.mkdir()
-    with pytest.raises(evaluate.EvaluationError, match=r"trained with tokenizer .* spec.json .* "
+    with pytest.raises(evaluate.EvaluationError, match=r"trained with tokenizer .*spec\.json.* "
                        r"built with tokenizer .*evaluate with the store used for training"):
         evaluate.run(cfg, {"tokenize": other, "train": train}, out, tracker)
     assert list(out.iterdir()) == []

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 CASES = {
-    "llama-gqa": dict(family="llama", n_kv_heads=2),
-    "neox-sequential": dict(family="neox"),
-    "neox-parallel-residual": dict(family="neox", parallel_residual=True),
+    "llama-gqa": {"family": "llama", "n_kv_heads": 2},
+    "neox-sequential": {"family": "neox"},
+    "neox-parallel-residual": {"family": "neox", "parallel_residual": True},
 }
 
 
@@ -59,7 +60,7 @@ def test_export_logits_match_transformers(tmp_path, case):
 def test_export_greedy_generation_and_tokenizer_match(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    texts = [open(p).read() for p in sorted(glob.glob(json.__path__[0] + "/*.py"))]
+    texts = [Path(p).read_text() for p in sorted(glob.glob(json.__path__[0] + "/*.py"))]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(texts, trainers.BpeTrainer(

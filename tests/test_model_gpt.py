@@ -1,6 +1,7 @@
 """The GPT model on one process: shapes, parameter counts, init, rotary/HF equivalence, helpers."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -118,7 +119,7 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     cfg = TrainConfig(steps=20, warmup_steps=4, min_lr_ratio=0.1)
     factors = [lr_factor(s, cfg) for s in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert all(a >= b for a, b in itertools.pairwise(factors[3:]))
     assert lr_factor(20, cfg) == pytest.approx(0.1)
 
 

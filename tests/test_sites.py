@@ -156,7 +156,7 @@ def test_slurm_config(tmp_path):
     cfg = load_config(None, [
         "site.name=slurm", "site.account=proj1", "site.partition=debug",
         "site.scheduler_options='#SBATCH --constraint=cpu'", "site.retries=1",
-        "parallel.nproc=4", "parallel.nodes=2",
+        "parallel.nproc=4", "parallel.nodes=2", "site.address=10.1.2.3",
     ])
     config = sites.make_parsl_config(cfg, tmp_path)
     by_label = {e.label: e for e in config.executors}
@@ -164,7 +164,7 @@ def test_slurm_config(tmp_path):
     assert isinstance(by_label["cpu"].provider, LocalProvider)
     train = by_label["train"]
     assert isinstance(train, MPIExecutor) and train.mpi_launcher == "srun"
-    assert train.max_workers_per_block == 1
+    assert train.max_workers_per_block == 1 and train.address == "10.1.2.3"
     provider = train.provider
     assert isinstance(provider, SlurmProvider) and isinstance(provider.launcher, SimpleLauncher)
     assert provider.nodes_per_block == 2 and provider.init_blocks == 0

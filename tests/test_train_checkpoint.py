@@ -11,6 +11,8 @@ from tests.train_helpers import run_worker, tiny_config
 
 SINGLE = {"micro_batch": 4, "grad_accum": 2, "sharding": "none"}
 TP_FSDP = {"tp": 2, "dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "zero3"}
+PP_FSDP = {"pp": 2, "dp": 2, "micro_batch": 2, "grad_accum": 2, "schedule": "interleaved_1f1b",
+           "virtual_stages": 2, "sharding": "zero3"}
 INTERLEAVED = {"pp": 2, "micro_batch": 2, "grad_accum": 4, "schedule": "interleaved_1f1b",
                "virtual_stages": 2, "sharding": "none"}
 STEPS = ("train.steps=6", "train.checkpoint_every=3")
@@ -25,8 +27,9 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_gives_the_uninterrupted_losses(uninterrupted, tmp_path) -> None:
+    """Stop after the step-3 checkpoint of pp2 (interleaved) x dp2 FSDP; resume as tp2 x dp2."""
     _, full = uninterrupted
-    first = run_worker(tmp_path, TP_FSDP, 4, *STEPS, steps=3)  # stops after the step-3 checkpoint
+    first = run_worker(tmp_path, PP_FSDP, 4, *STEPS, steps=3)
     assert first["steps_done"] == 3 and first["checkpoint"].endswith("step-00000003")
     resumed = run_worker(tmp_path, TP_FSDP, 4, *STEPS)
     assert resumed["steps_done"] == 6
@@ -68,7 +71,7 @@ def test_checkpoint_loads_into_another_layout(uninterrupted, tmp_path) -> None:
 
 
 def test_load_for_inference_refuses_another_shape(uninterrupted) -> None:
-    src, full = uninterrupted
+    _, full = uninterrupted
     other = tiny_config("model.d_model=64").model
     with pytest.raises(CheckpointError, match="d_model"):
         load_for_inference(full["checkpoint"], other)

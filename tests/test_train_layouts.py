@@ -23,6 +23,8 @@ LAYOUTS = {
                               "sharding": "none"}, 2),
     "dp2_fsdp_zero3": ({"dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "zero3"}, 2),
     "dp2_ddp": ({"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}, 2),
+    "pp2_dp2_ddp": ({"pp": 2, "dp": 2, "micro_batch": 2, "grad_accum": 2, "schedule": "gpipe",
+                     "sharding": "ddp"}, 4),
     "pp2_dp2_tp2": ({"pp": 2, "dp": 2, "tp": 2, "micro_batch": 2, "grad_accum": 2,
                      "schedule": "1f1b", "sharding": "zero2"}, 8),
 }
@@ -71,3 +73,4 @@ def test_bf16_mixed_precision_fsdp_tracks_float32(reference: list[float], tmp_pa
     assert summary["losses"] != reference  # really computed in bf16
     for got, want in zip(summary["losses"], reference, strict=True):
         assert abs(got - want) < 0.05
+

@@ -84,6 +84,11 @@ def test_good_setup_writes_the_spec(tmp_path) -> None:
     assert out["nproc"] == 2 and out["nodes"] == 1
     assert spec["plan"]["tp"] == 2 and spec["store"] is None
     assert spec["config"]["model"]["n_layers"] == 4
+    assert spec["peak_tflops"] is None  # no predictions; the local cluster is measured at plan time
+    predicted = Plan(tp=2, micro_batch=4, grad_accum=2,
+                     predictions={"tflops_per_device": 0.02, "mfu": 0.1}).to_json(tmp_path / "p2.json")
+    out = train.prepare(cfg, {"plan": {"plan": str(predicted)}}, tmp_path, None)
+    assert json.loads(Path(out["spec"]).read_text())["peak_tflops"] == pytest.approx(0.2)
 
 
 def test_parallel_dims_names_every_factor() -> None:

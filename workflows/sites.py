@@ -203,6 +203,7 @@ def _slurm_train_executor(cfg: PipelineConfig) -> MPIExecutor:
         mpi_launcher="srun",
         max_workers_per_block=1,
         provider=slurm_provider(cfg),
+        address=cfg.site.address,
         interchange_launch_cmd=_interchange_cmd(),
         heartbeat_threshold=threshold,
         heartbeat_period=max(1, threshold // 4),
