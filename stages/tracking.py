@@ -6,19 +6,21 @@ code in Parsl workers and by training ranks in other processes, and closed by th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 # import mlflow writes a telemetry file unless told not to.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
 
@@ -53,7 +55,10 @@ def ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
     if uri.startswith("sqlite:"):
         location = (Path(runs_dir).resolve() / "mlartifacts").as_uri()
     try:
-        return client.create_experiment(name, artifact_location=location)
+        # Without the kind tag MLflow 3 opens new experiments on its GenAI overview page.
+        return client.create_experiment(
+            name, artifact_location=location, tags={"mlflow.experimentKind": "custom_model_development"}
+        )
     except Exception:  # created concurrently by another process
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
@@ -194,9 +199,7 @@ def log_hf_model(
         ["def main(args):"],
         params={"max_new_tokens": max_new_tokens, "temperature": temperature, "do_sample": False},
     )
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)  # Model.log resolves its client from the global URI
-    try:
+    with _global_tracking_uri(uri):  # Model.log resolves its client from the global URI
         # The logged model belongs to the run's experiment (else: experiment 0, under ./mlruns).
         mlflow.set_experiment(experiment_id=MlflowClient(uri).get_run(run_id).info.experiment_id)
         info = mlflow.transformers.log_model(
@@ -209,8 +212,6 @@ def log_hf_model(
             pip_requirements=[f"transformers=={transformers.__version__}", "torch", "safetensors"],
             model_config={"max_new_tokens": max_new_tokens},
         )
-    finally:
-        mlflow.set_tracking_uri(previous)
     MlflowClient(uri).set_tag(run_id, "model_uri", info.model_uri)
     return info.model_uri
 
@@ -220,9 +221,29 @@ def load_logged_model(uri: str, model_uri: str):
     import mlflow
     import mlflow.pyfunc
 
+    with _global_tracking_uri(uri):
+        return mlflow.pyfunc.load_model(model_uri)
+
+
+@contextlib.contextmanager
+def _global_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's process-wide URI at ``uri`` for a fluent-API call, then undo it.
+
+    ``mlflow.set_tracking_uri`` and ``set_experiment`` also write environment variables
+    that later code (and child processes) would inherit, so those are restored exactly.
+    """
+    import mlflow
+
+    saved_env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID",
+                                                 "MLFLOW_EXPERIMENT_NAME")}
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
-        return mlflow.pyfunc.load_model(model_uri)
+        yield
     finally:
         mlflow.set_tracking_uri(previous)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,6 +1,7 @@
 """The evaluate stage over a real micro pipeline (store, 2-rank training, MLflow on SQLite)."""
 import json
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -97,6 +98,8 @@ def test_mlflow_run_has_metrics_artifacts_plots_and_model(micro_pipeline):
     assert ev.outputs["model_uri"] == f"models:/{logged.model_id}"
     assert logged.artifact_location.startswith(Path(ctx.runs_dir).as_uri())  # not ./mlruns
     model = tracking.load_logged_model(ctx.tracking_uri, ev.outputs["model_uri"])
+    # Logging and loading the model leave MLflow's process-wide settings as they were.
+    assert "MLFLOW_TRACKING_URI" not in os.environ
     signature = model.metadata.signature
     assert [c["type"] for c in signature.inputs.to_dict()] == ["string"]
     assert [c["type"] for c in signature.outputs.to_dict()] == ["string"]

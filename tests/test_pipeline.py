@@ -20,7 +20,7 @@ def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.Comple
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro", "--runs-dir", str(runs_dir), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -117,7 +117,7 @@ def test_config_error_stops_before_any_work(tmp_path):
     env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, "-m", "workflows.pipeline", "--runs-dir", str(tmp_path), "--set", "train.stepz=3"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
     assert "unknown key 'train.stepz'" in proc.stderr

@@ -8,8 +8,9 @@ only in Parsl's worker logs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from parsl import bash_app, python_app
 
@@ -18,9 +19,12 @@ from parsl import bash_app, python_app
 def _logged(log_path: str) -> Iterator[None]:
     """Send this app's stdout/stderr to ``log_path`` (line buffered, appended)."""
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", buffering=1) as log:
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            yield
+    with (
+        open(log_path, "a", buffering=1) as log,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+    ):
+        yield
 
 
 @python_app(executors=["cpu"])

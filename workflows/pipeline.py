@@ -168,7 +168,8 @@ def _fail_open_attempt(ctx, opened_future, error: BaseException) -> None:
     if isinstance(opened, stage.StageResult):
         return
     attempt, _ = opened
-    if stage.read_status(attempt.work_dir) and stage.read_status(attempt.work_dir)["state"] == "running":
+    status = stage.read_status(attempt.work_dir)
+    if status and status["state"] == "running":
         stage.fail(ctx, attempt, error)
 
 
