@@ -85,8 +85,10 @@ def test_stage_validates_a_hand_plan_with_the_same_messages(runs: Path) -> None:
         plan_stage.run(_cfg(runs, *fixed), {}, out_dir, tracker)
     good = ["parallel.tp=1", "parallel.pp=2", "parallel.micro_batch=2", "parallel.schedule=1f1b",
             "parallel.sharding=none", "parallel.recompute=full"]
-    out = plan_stage.run(_cfg(runs, *good), {}, out_dir, tracker)
-    assert (out["tp"], out["pp"], out["dp"], out["grad_accum"]) == (1, 2, 1, 4)
+    cfg = _cfg(runs, *good)
+    out = plan_stage.run(cfg, {}, out_dir, tracker)
+    # micro_batch 2 on one data-parallel rank: the rest of the global batch is accumulation.
+    assert (out["tp"], out["pp"], out["dp"], out["grad_accum"]) == (1, 2, 1, cfg.train.global_batch // 2)
     assert not (out_dir / "plan_table.txt").exists()  # validated, not searched
 
 
