@@ -70,7 +70,7 @@ def measure_encode(cfg, out: Path, tracker, reps: int) -> dict[str, float]:
     then ``tokenize_shard``; finalize runs once at the end and its time is added to every
     repetition. The result is the median over repetitions of the per-repetition ratio.
     """
-    n = tokenize.prepare(cfg, out, tracker)
+    n = tokenize.prepare(cfg, {}, out, tracker)
     info, ds = open_corpus(out)
     ratios, ratios_cpu, e2e_rates, raw_rates = [], [], [], []
     per_rep = []
@@ -134,7 +134,7 @@ def measure_scaling(cfg, out: Path, tracker, run_dir: Path, reps: int) -> dict[i
     from parsl.executors import HighThroughputExecutor
     from parsl.providers import LocalProvider
 
-    n = tokenize.prepare(cfg, out, tracker)
+    n = tokenize.prepare(cfg, {}, out, tracker)
     bin_dir = Path(sys.executable).parent
     init = (f"export PATH={shlex.quote(str(bin_dir))}:$PATH; export RAYON_NUM_THREADS=1; "
             f"export PYTHONPATH={shlex.quote(str(REPO))}")

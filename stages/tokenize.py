@@ -45,8 +45,11 @@ TOKENIZER = "tokenizer.json"
 PREPARED = "prepared.json"
 
 
-def prepare(cfg: PipelineConfig, out_dir: Path, tracker) -> int:
-    """Save the corpus, train or load the tokenizer, lay out the store; return the shard count."""
+def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> int:
+    """Save the corpus, train or load the tokenizer, lay out the store; return the shard count.
+
+    ``inputs`` is empty (the first stage); it keeps the signature every stage shares.
+    """
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
     prepare_corpus(cfg.data, out_dir)
@@ -254,7 +257,6 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
 
 def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
     """prepare + every shard + finalize, in this process."""
-    del inputs  # tokenize has no upstream stage
-    num_shards = prepare(cfg, out_dir, tracker)
+    num_shards = prepare(cfg, inputs, out_dir, tracker)
     results = [tokenize_shard(cfg, out_dir, i) for i in range(num_shards)]
     return finalize(cfg, out_dir, results, tracker)

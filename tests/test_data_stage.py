@@ -144,7 +144,7 @@ def test_same_tokens_for_any_shard_count_and_parallel_processes(built: dict, tra
     cfg = make_cfg(tmp, tmp / "corpus", "data.num_shards=4")
     out = tmp / "out4p"
     out.mkdir()
-    n = tokenize.prepare(cfg, out, tracker)
+    n = tokenize.prepare(cfg, {}, out, tracker)
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         results = pool.starmap(tokenize.tokenize_shard, [(cfg, out, i) for i in range(n)])
     stores["4p"] = tokenize.finalize(cfg, out, results, tracker)
@@ -188,7 +188,7 @@ def test_incomplete_store_and_other_tokenizer_are_refused(built: dict, tmp_path:
     cfg = make_cfg(tmp_path, built["tmp"] / "corpus")
     out = tmp_path / "partial"
     out.mkdir()
-    n = tokenize.prepare(cfg, out, tracker)
+    n = tokenize.prepare(cfg, {}, out, tracker)
     results = [tokenize.tokenize_shard(cfg, out, i) for i in range(n - 1)]
     with pytest.raises(StoreError, match="incomplete"):
         open_store(out / "store.zarr")

@@ -55,11 +55,7 @@ def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
             return attempt
         tracker = attempt.tracker(ctx)
         try:
-            work_dir = Path(attempt.work_dir)
-            if name == "tokenize":  # the first stage has no inputs
-                prepared = module.prepare(cfg, work_dir, tracker)
-            else:
-                prepared = module.prepare(cfg, attempt.inputs, work_dir, tracker)
+            prepared = module.prepare(cfg, attempt.inputs, Path(attempt.work_dir), tracker)
             tracker.flush()
         except BaseException as error:
             stage.fail(ctx, attempt, error)
