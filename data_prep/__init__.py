@@ -1,7 +1,7 @@
 """Corpus -> tokenizer -> sharded Zarr token store -> packed training windows.
 
-Modules: ``sources`` (data.source as a Hugging Face Dataset), ``corpus`` (saved corpus,
-fingerprint, train/validation assignment, input shards), ``tokenizer`` (byte-level BPE,
+Modules: ``sources`` (one source as a Hugging Face Dataset), ``corpus`` (saved corpus of one
+or several labelled sources, fingerprint, train/validation assignment, input shards), ``tokenizer`` (byte-level BPE,
 hash), ``writer`` (store parts, manifest), ``store`` (``open_store``, ``SplitReader``),
 ``loader`` (``TokenWindowLoader``), ``progress``, ``errors`` (``DataError``, ``StoreError``).
 The tokenize stage (stages/tokenize.py) drives them.
@@ -13,15 +13,16 @@ One Zarr v3 group per dataset, ``<out_dir>/store.zarr``::
     store.zarr/
       zarr.json              root group; attributes (written by finalize): format_version,
                              tokenizer_hash, vocab_size, eos_id, dtype, chunk_tokens,
-                             chunks_per_shard, source, source_fingerprint, tokens, documents,
-                             split_tokens, split_documents
+                             chunks_per_shard, source, sources, source_fingerprint, tokens,
+                             documents, split_tokens, split_documents
       tokenizer.json         the tokenizer the tokens were made with
       manifest.json          written LAST and atomically: the store is complete only when it
                              exists ({"complete": true, "format_version": 1, ...,
-                             "splits": {split: {"tokens", "documents", "parts": [...]}}})
+                             "splits": {split: {"tokens", "documents", "parts": [...]}},
+                             "sources": [...]})
       train/                 group per split ("train", "validation")
         00000/               one part per input shard (group; attributes: shard, split,
-          tokens             tokenizer_hash, tokens, documents)
+          tokens             tokenizer_hash, tokens, documents, and source when labelled)
           doc_offsets
         00001/ ...
       validation/ ...
@@ -33,6 +34,20 @@ uint16 when every id fits (vocab <= 65536) else uint32 (``data.token_dtype``), c
 ``data.chunks_per_shard`` chunks per shard file. ``doc_offsets`` (int64, documents + 1
 entries, starting at 0) gives where each document starts inside the part; every document
 ends with the eos token. Documents are in corpus order within each split.
+
+Sources. A store built from ``data.source`` has unlabelled parts, ``source`` (the spec
+string) and ``sources: []``. A store built from ``data.sources`` (label -> spec) holds the
+sources' documents in the order given, each source one contiguous document range; every
+input shard lies inside one source, so every part belongs to exactly one source and carries
+its label (``"source"`` in the part's attributes and in ``splits.<split>.parts[i]``).
+``source`` is then null and ``sources`` lists, in corpus order, ``{"label", "source" (spec),
+"tokens", "documents", "split_tokens": {split: n}, "split_documents": {split: n}}``; the
+fingerprint covers the labels and their document ranges. ``data.num_shards`` is divided
+among the sources in proportion to their documents (at least one each), and the validation
+documents are drawn per source (``round(validation_fraction * n)``, at least 1 for a source
+of 2+ documents, seeded by ``split_seed`` and the label). ``open_store`` exposes them as
+``StoreInfo.sources`` (``SourceInfo``). Stores without these keys (written before sources
+existed) read as single-source stores, so the format version is still 1.
 
 Why parts instead of one merged array: each input shard is tokenized by its own process
 and writes only its own arrays (Zarr loses updates when processes write different chunks

@@ -1,8 +1,11 @@
 """Typed configuration for the corpus and the tokenizer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Literal
+
+LABEL_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -14,14 +17,19 @@ def _require(ok: bool, message: str) -> None:
 class DataConfig:
     """Where the text comes from and how the token store is laid out."""
 
-    source: str = "stdlib"
+    source: str | None = None
     """'stdlib' (this interpreter's standard-library .py files), a local path, directory or glob
     of .txt/.jsonl/.json/.parquet files, a directory written by datasets' save_to_disk, or
-    'hf:<dataset id>' for a hub dataset (needs internet)."""
+    'hf:<dataset id>' for a hub dataset (needs internet). None: 'stdlib', unless data.sources
+    is given (then it must be None: set exactly one of the two)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Several labelled sources, label -> source (same syntax as data.source), concatenated in
+    the order given. Labels ([A-Za-z0-9_.-], unique ignoring case) tag the store parts, so
+    evaluation reports a loss per source. Empty: the single data.source."""
     text_field: str = "text"
     """Field holding the document text in jsonl/json/parquet/hub records."""
     max_documents: int | None = None
-    """Use at most this many documents (None: all)."""
+    """Use at most this many documents (None: all); with data.sources, per source."""
     max_document_bytes: int | None = None
     """Skip documents larger than this many bytes (None: keep all)."""
     validation_fraction: float = 0.05
@@ -29,7 +37,9 @@ class DataConfig:
     split_seed: int = 1234
     """Seed of the document-level train/validation split."""
     num_shards: int = 2
-    """Input shards: one tokenization task per shard, fanned out in parallel."""
+    """Input shards: one tokenization task per shard, fanned out in parallel. With data.sources
+    the shards are divided among the sources in proportion to their documents (at least one
+    each, so it must be >= the number of sources); a shard never spans two sources."""
     chunk_tokens: int = 65536
     """Tokens per Zarr chunk (the unit of compression and of loader reads)."""
     chunks_per_shard: int = 16
@@ -44,7 +54,9 @@ class DataConfig:
     """Seconds between progress lines (documents/s, tokens/s, ETA) while tokenizing."""
 
     def __post_init__(self) -> None:
-        _require(bool(self.source), "data.source must not be empty")
+        _require(self.source is None or bool(self.source),
+                 "data.source must not be empty (null: the standard library, or data.sources)")
+        self._check_sources()
         _require(bool(self.text_field), "data.text_field must not be empty")
         _require(
             0 < self.validation_fraction < 1,
@@ -62,6 +74,39 @@ class DataConfig:
         for name in ("max_documents", "max_document_bytes"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"data.{name} must be > 0 or null, got {value}")
+
+    def _check_sources(self) -> None:
+        if not self.sources:
+            return
+        _require(
+            self.source is None,
+            f"data.source={self.source!r} and data.sources are both set: set exactly one "
+            "(data.source=null to use data.sources, or data.sources={} to use data.source)",
+        )
+        seen: dict[str, str] = {}
+        for label, spec in self.sources.items():
+            _require(
+                isinstance(label, str) and LABEL_PATTERN.fullmatch(label) is not None,
+                f"data.sources label {label!r} is not allowed: use letters, digits, '_', '.' or "
+                "'-' (labels become metric names such as val_loss.<label>)",
+            )
+            _require(isinstance(spec, str) and bool(spec),
+                     f"data.sources.{label} must be a non-empty source string, got {spec!r}")
+            _require(label.lower() not in seen,
+                     f"data.sources labels {seen.get(label.lower())!r} and {label!r} differ only "
+                     "in case: give every source a distinct label")
+            seen[label.lower()] = label
+        _require(
+            self.num_shards >= len(self.sources),
+            f"data.num_shards={self.num_shards} is less than the {len(self.sources)} data.sources: "
+            f"every source needs its own input shard; set data.num_shards >= {len(self.sources)}",
+        )
+
+    def labelled_sources(self) -> list[tuple[str | None, str]]:
+        """(label, source) of every source in corpus order; data.source alone has label None."""
+        if self.sources:
+            return list(self.sources.items())
+        return [(None, self.source or "stdlib")]
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """The document corpus of one tokenization: saved once, then read by every shard task.
 
-``prepare_corpus`` loads the source, saves it as an Arrow dataset (memory-mapped by the
-shard tasks, so they never re-read or re-parse the raw files), fingerprints it, and fixes
-the train/validation assignment of every document. Shards are contiguous document
-ranges, so concatenating the shards in order gives the corpus order whatever their number.
+``prepare_corpus`` loads the source (or each labelled source of ``data.sources``, in the
+order given, as one contiguous document range per source), saves it as an Arrow dataset
+(memory-mapped by the shard tasks, so they never re-read or re-parse the raw files),
+fingerprints it, and fixes the train/validation assignment of every document. Shards are
+contiguous document ranges that never span two sources, so concatenating the shards in
+order gives the corpus order whatever their number.
 """
 from __future__ import annotations
 
@@ -11,15 +13,16 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
 
 from data_prep.config import DataConfig
 from data_prep.errors import DataError
-from data_prep.sources import load_source
+from data_prep.sources import FEATURES, load_source
 
 BATCH = 2048
 
@@ -33,6 +36,9 @@ class CorpusInfo:
     num_bytes: int
     fingerprint: str
     num_validation: int
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """Labelled sources in corpus order, each {"label", "source", "start", "stop",
+    "num_validation"} (its document range [start, stop)); empty for a single data.source."""
 
     def save(self, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -56,11 +62,34 @@ def validation_count(num_documents: int, fraction: float) -> int:
     return min(num_documents - 1, max(1, round(fraction * num_documents)))
 
 
-def validation_mask(num_documents: int, num_validation: int, seed: int) -> np.ndarray:
+def validation_mask(num_documents: int, num_validation: int, seed: int | list[int]) -> np.ndarray:
     """Boolean mask over document indices: True for the seeded validation documents."""
     rng = np.random.default_rng(seed)
     mask = np.zeros(num_documents, dtype=bool)
     mask[rng.choice(num_documents, size=num_validation, replace=False)] = True
+    return mask
+
+
+def _label_seed(seed: int, label: str) -> list[int]:
+    # Seeded by the label, not its position: adding or reordering sources leaves each
+    # source's own validation documents unchanged.
+    return [seed, int.from_bytes(hashlib.sha256(label.encode("utf-8")).digest()[:8], "little")]
+
+
+def source_validation_count(num_documents: int, fraction: float) -> int:
+    """Held-out documents of one labelled source: as ``validation_count``, 0 for one document."""
+    return 0 if num_documents < 2 else validation_count(num_documents, fraction)
+
+
+def corpus_validation_mask(info: CorpusInfo, seed: int) -> np.ndarray:
+    """Validation mask of the whole corpus; with labelled sources, drawn per source (stratified)."""
+    if not info.sources:
+        return validation_mask(info.num_documents, info.num_validation, seed)
+    mask = np.zeros(info.num_documents, dtype=bool)
+    for src in info.sources:
+        start, stop = src["start"], src["stop"]
+        mask[start:stop] = validation_mask(stop - start, src["num_validation"],
+                                           _label_seed(seed, src["label"]))
     return mask
 
 
@@ -71,10 +100,63 @@ def shard_range(num_documents: int, num_shards: int, index: int) -> tuple[int, i
     return index * num_documents // num_shards, (index + 1) * num_documents // num_shards
 
 
+def allocate_shards(sizes: list[int], num_shards: int) -> list[int]:
+    """Shards per source: one each, the rest in proportion to ``sizes`` (largest remainder).
+
+    The counts sum to ``num_shards``; ties go to the earlier source.
+    """
+    if num_shards < len(sizes):
+        raise DataError(f"data.num_shards={num_shards} is less than the {len(sizes)} sources: "
+                        f"set data.num_shards >= {len(sizes)}")
+    total = sum(sizes)
+    shares = [(num_shards - len(sizes)) * n for n in sizes]
+    counts = [1 + share // total for share in shares]
+    order = sorted(range(len(sizes)), key=lambda i: (-(shares[i] % total), i))
+    for i in order[: num_shards - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def shard_plan(info: CorpusInfo, num_shards: int) -> list[dict[str, Any]]:
+    """Every input shard as {"start", "stop", "source"}: contiguous document ranges in corpus
+    order, each inside one labelled source ("source" None for a single data.source)."""
+    if not info.sources:
+        return [{"start": a, "stop": b, "source": None}
+                for a, b in (shard_range(info.num_documents, num_shards, i) for i in range(num_shards))]
+    counts = allocate_shards([s["stop"] - s["start"] for s in info.sources], num_shards)
+    plan = []
+    for src, count in zip(info.sources, counts, strict=True):
+        for i in range(count):
+            a, b = shard_range(src["stop"] - src["start"], count, i)
+            plan.append({"start": src["start"] + a, "stop": src["start"] + b, "source": src["label"]})
+    return plan
+
+
+def load_corpus(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, list[dict[str, Any]]]:
+    """The corpus as one Dataset and its labelled sources ({"label", "source", "start", "stop"};
+    empty for a single data.source). Errors name the label (``data.sources.<label>``)."""
+    labelled = cfg.labelled_sources()
+    if labelled[0][0] is None:
+        return load_source(cfg, cache_dir), []
+    parts, ranges, start = [], [], 0
+    for label, spec in labelled:
+        key = f"data.sources.{label}"
+        try:
+            ds = load_source(cfg, cache_dir, source=spec, key=key)
+        except DataError as err:
+            raise DataError(str(err) if key in str(err) else f"{key}: {err}") from None
+        if ds.features != FEATURES:  # e.g. large_string from parquet: one schema to concatenate
+            ds = ds.cast(FEATURES)
+        parts.append(ds)
+        ranges.append({"label": label, "source": spec, "start": start, "stop": start + len(ds)})
+        start += len(ds)
+    return datasets.concatenate_datasets(parts), ranges
+
+
 def prepare_corpus(cfg: DataConfig, out_dir: Path) -> CorpusInfo:
-    """Load ``cfg.source``, save it to out_dir/corpus and write out_dir/corpus.json."""
+    """Load the source(s), save them to out_dir/corpus and write out_dir/corpus.json."""
     cache = out_dir / "hf_cache"
-    ds = load_source(cfg, cache)
+    ds, sources = load_corpus(cfg, cache)
     target = out_dir / "corpus"
     tmp = out_dir / ".corpus.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -91,12 +173,26 @@ def prepare_corpus(cfg: DataConfig, out_dir: Path) -> CorpusInfo:
             num_bytes += len(raw)
             digest.update(len(raw).to_bytes(8, "little"))
             digest.update(raw)
+    if sources:  # the labels and their document ranges are part of what was tokenized
+        digest.update(json.dumps([[s["label"], s["start"], s["stop"]] for s in sources]).encode())
+        for src in sources:
+            src["num_validation"] = source_validation_count(src["stop"] - src["start"],
+                                                            cfg.validation_fraction)
+        num_validation = sum(s["num_validation"] for s in sources)
+        if num_validation == 0:
+            raise DataError(
+                f"every source in data.sources ({', '.join(s['label'] for s in sources)}) has a "
+                "single document; the validation split needs a source with at least 2"
+            )
+    else:
+        num_validation = validation_count(len(saved), cfg.validation_fraction)
     info = CorpusInfo(
         path="corpus",
         num_documents=len(saved),
         num_bytes=num_bytes,
         fingerprint=digest.hexdigest(),
-        num_validation=validation_count(len(saved), cfg.validation_fraction),
+        num_validation=num_validation,
+        sources=sources,
     )
     info.save(out_dir / "corpus.json")
     return info

@@ -1,4 +1,5 @@
-"""Turn ``data.source`` into a Hugging Face ``datasets.Dataset`` with one document per row.
+"""Turn one source (``data.source`` or one entry of ``data.sources``) into a Hugging Face
+``datasets.Dataset`` with one document per row.
 
 Supported sources (the result always has a single string column ``text``):
 
@@ -13,7 +14,8 @@ Supported sources (the result always has a single string column ``text``):
 - ``hf:<dataset id>``: the ``train`` split of a hub dataset (needs internet).
 
 Empty documents are dropped; documents over ``data.max_document_bytes`` are skipped; at most
-``data.max_documents`` are kept. Bad input raises ``DataError`` naming the file and line.
+``data.max_documents`` are kept. Bad input raises ``DataError`` naming the file and line and
+the config key of the source (``data.source`` or ``data.sources.<label>``).
 """
 from __future__ import annotations
 
@@ -46,13 +48,13 @@ def stdlib_files() -> list[Path]:
     )
 
 
-def _decode(path: Path, data: bytes, where: str = "") -> str:
+def _decode(path: Path, data: bytes, key: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise DataError(
-            f"{path}{where}: not valid UTF-8 (byte {err.start}): convert the file to UTF-8 "
-            "or remove it from data.source"
+            f"{path}: not valid UTF-8 (byte {err.start}): convert the file to UTF-8 "
+            f"or remove it from {key}"
         ) from None
 
 
@@ -72,8 +74,8 @@ def _record_text(record: object, field: str, where: str) -> str:
     return text
 
 
-def _json_texts(path: Path, field: str) -> Iterator[str]:
-    raw = _decode(path, path.read_bytes())
+def _json_texts(path: Path, field: str, key: str) -> Iterator[str]:
+    raw = _decode(path, path.read_bytes(), key)
     if path.suffix == ".json":
         try:
             whole = json.loads(raw)
@@ -97,7 +99,7 @@ def _json_texts(path: Path, field: str) -> Iterator[str]:
 
 
 def _generate(files: tuple[str, ...], field: str, skip_undecodable: bool, max_bytes: int | None,
-              max_docs: int | None, stamp: tuple) -> Iterator[dict[str, str]]:
+              max_docs: int | None, stamp: tuple, key: str) -> Iterator[dict[str, str]]:
     """Rows of text/json files. ``stamp`` (sizes, mtimes) only keys the datasets cache."""
     del stamp
     count = 0
@@ -105,13 +107,13 @@ def _generate(files: tuple[str, ...], field: str, skip_undecodable: bool, max_by
         path = Path(name)
         if path.suffix in TEXT_SUFFIXES or path.suffix == ".py":
             try:
-                texts: Iterator[str] = iter([_decode(path, path.read_bytes())])
+                texts: Iterator[str] = iter([_decode(path, path.read_bytes(), key)])
             except DataError:
                 if skip_undecodable:
                     continue
                 raise
         else:
-            texts = _json_texts(path, field)
+            texts = _json_texts(path, field, key)
         for text in texts:
             if not text or (max_bytes is not None and len(text.encode("utf-8")) > max_bytes):
                 continue
@@ -121,12 +123,13 @@ def _generate(files: tuple[str, ...], field: str, skip_undecodable: bool, max_by
                 return
     if count == 0:
         raise DataError(
-            f"data.source files ({len(files)}, first {files[0] if files else None}) yielded no "
+            f"{key} files ({len(files)}, first {files[0] if files else None}) yielded no "
             f"documents (empty documents are dropped; max_document_bytes={max_bytes})"
         )
 
 
-def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undecodable: bool) -> datasets.Dataset:
+def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undecodable: bool,
+                source: str, key: str) -> datasets.Dataset:
     # Tuples, not lists: datasets splits list-valued gen_kwargs into separate generator calls.
     stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     try:
@@ -141,6 +144,7 @@ def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undeco
                 "max_bytes": cfg.max_document_bytes,
                 "max_docs": cfg.max_documents,
                 "stamp": stamp,
+                "key": key,
             },
         )
     except DatasetGenerationError as err:
@@ -150,7 +154,7 @@ def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undeco
         if cause is not None:
             raise cause from None
         if "empty" in str(err).lower() or "no data" in str(err).lower():
-            raise DataError(f"data.source {cfg.source!r} yielded no documents") from None
+            raise DataError(f"{key} {source!r} yielded no documents") from None
         raise
 
 
@@ -186,7 +190,7 @@ def _select_text(ds: datasets.Dataset, cfg: DataConfig, where: str) -> datasets.
     return ds
 
 
-def _expand(source: str) -> list[Path]:
+def _expand(source: str, key: str) -> list[Path]:
     """The data files a local source names (file, directory or glob), sorted."""
     path = Path(source).expanduser()
     if path.is_file():
@@ -195,16 +199,16 @@ def _expand(source: str) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED)
         if not files:
             raise DataError(
-                f"data.source directory {source!r} has no {'/'.join(SUPPORTED)} files"
+                f"{key} directory {source!r} has no {'/'.join(SUPPORTED)} files"
             )
     elif glob.has_magic(source):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)
                        if Path(p).is_file())
         if not files:
-            raise DataError(f"data.source glob {source!r} matched no files")
+            raise DataError(f"{key} glob {source!r} matched no files")
     else:
         raise DataError(
-            f"data.source {source!r} does not exist: give 'stdlib', a file, directory or glob "
+            f"{key} {source!r} does not exist: give 'stdlib', a file, directory or glob "
             "of .txt/.jsonl/.json/.parquet files, a save_to_disk directory, or 'hf:<id>'"
         )
     bad = [p for p in files if p.suffix not in SUPPORTED]
@@ -219,20 +223,27 @@ def _is_saved_dataset(path: Path) -> bool:
     )
 
 
-def load_source(cfg: DataConfig, cache_dir: str | Path) -> datasets.Dataset:
-    """Load ``cfg.source`` as a Dataset with one non-empty document per row in column 'text'.
+def load_source(cfg: DataConfig, cache_dir: str | Path, source: str | None = None,
+                key: str = "data.source") -> datasets.Dataset:
+    """Load one source as a Dataset with one non-empty document per row in column 'text'.
 
-    ``cache_dir`` holds the datasets cache (keep it under the stage's directory or the
-    runs directory, never the user's home).
+    ``source`` defaults to ``cfg.source`` ('stdlib' when None); ``key`` is the config key that
+    named it, used in error messages (``data.sources.<label>`` for a labelled source). The
+    other ``cfg`` fields (text_field, limits) apply to it. ``cache_dir`` holds the datasets
+    cache (keep it under the stage's directory or the runs directory, never the user's home).
     """
     datasets.disable_progress_bars()  # tokenization prints its own progress lines
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    source = cfg.source
+    if source is None:
+        if cfg.sources:
+            raise DataError("data.sources is set: load each source by name "
+                            "(data_prep.corpus.load_corpus loads them all)")
+        source = cfg.source or "stdlib"
     if source == "stdlib":
-        ds = _from_files(stdlib_files(), cfg, cache_dir, skip_undecodable=True)
+        ds = _from_files(stdlib_files(), cfg, cache_dir, skip_undecodable=True, source=source, key=key)
     elif source.startswith("hf:"):
-        where = f"hub dataset {source[3:]!r}"
+        where = f"{key}: hub dataset {source[3:]!r}"
         ds = _select_text(
             datasets.load_dataset(source[3:], split="train", cache_dir=str(cache_dir)), cfg, where
         )
@@ -240,26 +251,27 @@ def load_source(cfg: DataConfig, cache_dir: str | Path) -> datasets.Dataset:
         loaded = datasets.load_from_disk(source)
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
-                raise DataError(f"{source}: saved DatasetDict has no 'train' split ({list(loaded)})")
+                raise DataError(f"{key}: {source}: saved DatasetDict has no 'train' split "
+                                f"({list(loaded)})")
             loaded = loaded["train"]
-        ds = _select_text(loaded, cfg, source)
+        ds = _select_text(loaded, cfg, f"{key}: {source}")
     else:
-        files = _expand(source)
+        files = _expand(source, key)
         parquet = [p for p in files if p.suffix in PARQUET_SUFFIXES]
         if parquet and len(parquet) != len(files):
             raise DataError(
-                f"data.source {source!r} mixes parquet and text/json files; point it at one kind"
+                f"{key} {source!r} mixes parquet and text/json files; point it at one kind"
             )
         if parquet:
             loaded = datasets.load_dataset(
                 "parquet", data_files=[str(p) for p in parquet], split="train", cache_dir=str(cache_dir)
             )
-            ds = _select_text(loaded, cfg, f"parquet files of data.source {source!r}")
+            ds = _select_text(loaded, cfg, f"parquet files of {key} {source!r}")
         else:
-            ds = _from_files(files, cfg, cache_dir, skip_undecodable=False)
+            ds = _from_files(files, cfg, cache_dir, skip_undecodable=False, source=source, key=key)
     if len(ds) == 0:
         raise DataError(
-            f"data.source {source!r} yielded no documents (empty files are dropped; "
+            f"{key} {source!r} yielded no documents (empty files are dropped; "
             f"max_document_bytes={cfg.max_document_bytes})"
         )
     return ds

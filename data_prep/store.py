@@ -27,6 +27,18 @@ class SplitInfo:
 
 
 @dataclass
+class SourceInfo:
+    """One labelled source of a multi-source store: its counts in total and per split."""
+
+    label: str
+    source: str
+    tokens: int
+    documents: int
+    split_tokens: dict[str, int]
+    split_documents: dict[str, int]
+
+
+@dataclass
 class StoreInfo:
     """A complete store as described by its manifest."""
 
@@ -39,6 +51,8 @@ class StoreInfo:
     source_fingerprint: str
     format_version: int
     splits: dict[str, SplitInfo] = field(default_factory=dict)
+    sources: list[SourceInfo] = field(default_factory=list)
+    """Labelled sources in corpus order (empty for a store built from one data.source)."""
     manifest: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -86,6 +100,8 @@ def open_store(path: str | Path, expected_tokenizer_hash: str | None = None) -> 
             if not (root / part["path"] / "zarr.json").is_file():
                 raise StoreError(f"token store {root}: part {part['path']} listed in {MANIFEST} is missing")
         splits[name] = SplitInfo(split["tokens"], split["documents"], split["parts"])
+    sources = [SourceInfo(**src) for src in manifest.get("sources") or []]
+    _check_sources(manifest_path, splits, sources)
     return StoreInfo(
         path=str(root.resolve()),
         vocab_size=manifest["vocab_size"],
@@ -96,8 +112,22 @@ def open_store(path: str | Path, expected_tokenizer_hash: str | None = None) -> 
         source_fingerprint=manifest["source_fingerprint"],
         format_version=manifest["format_version"],
         splits=splits,
+        sources=sources,
         manifest=manifest,
     )
+
+
+def _check_sources(manifest_path: Path, splits: dict[str, SplitInfo], sources: list[SourceInfo]) -> None:
+    """Every labelled part names a listed source, and the per-source counts add up."""
+    labels = {s.label for s in sources}
+    for name, split in splits.items():
+        for part in split.parts:
+            if "source" in part and part["source"] not in labels:
+                raise StoreError(f"{manifest_path}: part {part['path']} has source "
+                                 f"{part['source']!r}, which the manifest's sources do not list")
+        if sources and sum(s.split_tokens.get(name, 0) for s in sources) != split.tokens:
+            raise StoreError(f"{manifest_path}: the sources' {name} tokens do not add up to the "
+                             f"split's {split.tokens}; rerun the tokenize stage")
 
 
 class SplitReader:

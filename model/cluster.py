@@ -76,8 +76,19 @@ class Cluster:
     fsdp_unit_overhead_us: float = 0.0
     """Host cost per FSDP2 unit (block) per micro-batch beyond its collectives (measured on
     CPU; hidden by asynchronous execution on GPUs)."""
+    tp_layer_overhead_us: float = 0.0
+    """Extra host cost per block per micro-batch under tensor parallelism (DTensor dispatch
+    and redistribution bookkeeping) beyond its collectives; measured on CPU, hidden by
+    asynchronous execution on GPUs."""
+    tp_microbatch_overhead_us: float = 0.0
+    """Extra host cost per micro-batch under tensor parallelism (vocab-parallel embedding,
+    head and loss) beyond its collectives; measured on CPU."""
     optimizer_overhead_us: float | None = None
     """Fixed optimizer cost per parameter tensor; None: 12 kernel launches (unfused AdamW)."""
+    cores_per_node: float = 0.0
+    """CPU cores the ranks of one node share (measured clusters on CPUs); 0: every rank has
+    its own device. With more ranks than cores a rank waiting in a pipeline bubble leaves
+    its core to another rank, which the time model accounts for."""
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     """Optional measured bus bandwidth/latency per collective (local clusters)."""
     measured: bool = False
@@ -164,7 +175,8 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
     optional = {}
     for key in ("kernel_overhead_us", "reserved_gb", "fragmentation", "comm_overlap",
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
-                "fsdp_unit_overhead_us"):
+                "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
+                "cores_per_node"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
     known = set(REQUIRED) | set(optional) | {"measured", "collectives", "source", "notes"}

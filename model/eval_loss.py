@@ -2,7 +2,10 @@
 
 The split is cut into consecutive windows of ``seq_len + 1`` tokens that overlap by one
 token (window w covers tokens [w*T, w*T + T + 1)), so every evaluated token is predicted
-exactly once, from the window's own context. Windows are dealt round-robin to ranks; each
+exactly once, from the window's own context. When ``max_tokens`` allows fewer windows than
+the split holds, the evaluated windows are spread evenly over the whole split (not its
+prefix), so every part of it, and every source of a multi-source store, is sampled.
+Windows are dealt round-robin to ranks; each
 rank sums per-token losses (float64) and counts, and the sums are all-reduced when
 ``torch.distributed`` is initialised, so the result does not depend on the number of ranks.
 
@@ -34,10 +37,17 @@ class WindowPlan:
 
     seq_len: int
     windows: int
+    available: int = 0
+    """Windows the split holds (0: same as ``windows``)."""
 
     @property
     def tokens(self) -> int:
         return self.seq_len * self.windows
+
+    def window_index(self, k: int) -> int:
+        """Position (in windows) of the k-th evaluated window: evenly spaced over the split."""
+        available = self.available or self.windows
+        return k * available // self.windows
 
 
 def plan_windows(num_tokens: int, seq_len: int, max_tokens: int, what: str = "split") -> WindowPlan:
@@ -52,8 +62,9 @@ def plan_windows(num_tokens: int, seq_len: int, max_tokens: int, what: str = "sp
             "add documents (data.source, data.max_documents) or raise data.validation_fraction"
         )
     seq_len = min(seq_len, num_tokens - 1)
-    windows = min((num_tokens - 1) // seq_len, max(1, max_tokens // seq_len))
-    return WindowPlan(seq_len, windows)
+    available = (num_tokens - 1) // seq_len
+    windows = min(available, max(1, max_tokens // seq_len))
+    return WindowPlan(seq_len, windows, available)
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -87,7 +98,7 @@ def heldout_loss(
     sources: list[tuple[int, int, str]] | None = None,
     progress_seconds: float = 10.0,
 ) -> dict:
-    """Token-weighted loss over the first ``max_tokens`` predicted tokens of ``reader``.
+    """Token-weighted loss over ``max_tokens`` predicted tokens spread over ``reader``.
 
     Returns {"val_loss", "perplexity", "tokens", "windows", "local_windows", "seq_len",
     "per_source": {name: {"val_loss", "perplexity", "tokens"}}}; identical on every rank
@@ -102,7 +113,7 @@ def heldout_loss(
     t0 = last = time.monotonic()
     model.eval()
     for b in range(0, len(mine), batch_size):
-        batch = mine[b : b + batch_size]
+        batch = [plan.window_index(k) for k in mine[b : b + batch_size]]
         rows = np.stack([reader.read(w * plan.seq_len, w * plan.seq_len + plan.seq_len + 1)
                          for w in batch]).astype(np.int64)  # [B, T+1]
         tokens = torch.from_numpy(rows)

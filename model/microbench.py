@@ -4,7 +4,7 @@ All ``nproc`` ranks run at once (one thread each), so the figures include the
 contention a real run of that many ranks sees. Measured per rank: matmul FLOP/s at a few
 shapes (the fastest gives the achievable rate, the small ones the per-kernel overhead),
 copy bandwidth, the fixed host costs of a GPT block, a micro-batch, an AdamW step per
-tensor and an FSDP2 unit, and all-reduce / all-gather / reduce-scatter / send-recv time at a small
+tensor, an FSDP2 unit and DTensor tensor parallelism (per block and per micro-batch), and all-reduce / all-gather / reduce-scatter / send-recv time at a small
 and a large size over gloo (latency from the small, bus bandwidth from the difference).
 The result is cached as JSON keyed by hostname, rank count and torch version.
 """
@@ -134,6 +134,42 @@ def _fsdp_overhead(nproc: int, plain_s: float, repeat: int = 5) -> float:
     return max(_time(run, repeat) - plain_s, 0.0) / (cfg.n_layers + 1)
 
 
+def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
+    """(seconds per block, per micro-batch) of a tp=2 GPT at tiny sizes, forward + backward.
+
+    The same tiny GPT as in _host_overheads under DTensor tensor parallelism over rank
+    pairs (vocab-parallel embedding and head included), 1 and 3 blocks: the difference per
+    block is the per-block cost, the rest the per-micro-batch cost. Its collectives are
+    included; summarise() takes their modelled latency off.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from model.parallelize import apply_tp
+
+    mesh = init_device_mesh("cpu", (nproc // 2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randint(0, 32, (1, 9))
+
+    def fwd_bwd(n_layers: int) -> float:
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(n_layers=n_layers, d_model=16, n_heads=2, vocab_size=32,
+                                max_seq_len=8))
+        apply_tp(model, mesh["tp"])
+
+        def run() -> None:
+            logits = model(x[:, :-1])
+            F.cross_entropy(logits.reshape(-1, 32), x[:, 1:].reshape(-1)).backward()
+
+        return _time(run, repeat)
+
+    t1, t3 = fwd_bwd(1), fwd_bwd(3)
+    per_block = max((t3 - t1) / 2, 1e-6)
+    return per_block, max(t1 - per_block, 1e-6)
+
+
 def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -158,6 +194,9 @@ def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
     if nproc > 1:
         dist.barrier()
         res["host"]["fsdp_unit_overhead_s"] = _fsdp_overhead(nproc, res["host"]["plain3_s"])
+    if nproc % 2 == 0:
+        dist.barrier()
+        res["host"]["tp_block_s"], res["host"]["tp_microbatch_s"] = _tp_overhead(nproc)
     x = torch.randn(8 * 1024 * 1024)  # 32 MB
     y = torch.empty_like(x)
     dist.barrier()
@@ -216,6 +255,15 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
     host = {k: max(r["host"][k] for r in ranks) for k in ranks[0].get("host", {})}
     link_bw = collectives.get("all_reduce", {}).get("bandwidth_gbps", copy)
     link_lat = collectives.get("all_reduce", {}).get("latency_us", 1.0)
+    tp_layer_us = tp_mb_us = 0.0
+    if "tp_block_s" in host:
+        # a tp=2 all-reduce: two ring hops of the measured per-hop latency
+        ar2 = 2 * collectives.get("all_reduce", {}).get("latency_us", 0.0) * 1e-6
+        # per block: 4 all-reduces (2 forward, 2 backward); per micro-batch: the embedding
+        # and head reductions (2 forward, 2 backward) and the loss's gathered logits
+        tp_layer_us = float(max(host["tp_block_s"] - host["layer_overhead_s"] - 4 * ar2, 0.0)) * 1e6
+        tp_mb_us = float(max(host["tp_microbatch_s"] - host["microbatch_overhead_s"] - 4 * ar2,
+                             0.0)) * 1e6
     import psutil
 
     return {
@@ -229,7 +277,10 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
         "microbatch_overhead_us": host.get("microbatch_overhead_s", 0.0) * 1e6,
         "optimizer_overhead_us": host.get("optimizer_overhead_per_tensor_s", 0.0) * 1e6,
         "fsdp_unit_overhead_us": host.get("fsdp_unit_overhead_s", 0.0) * 1e6,
+        "tp_layer_overhead_us": tp_layer_us,
+        "tp_microbatch_overhead_us": tp_mb_us,
         "comm_overlap": 0.0,  # gloo runs on the same cores as the compute
+        "cores_per_node": float(len(os.sched_getaffinity(0))),
         "links": {"node": {"group": nproc, "bandwidth_gbps": link_bw, "latency_us": link_lat}},
         "collectives": collectives,
     }

@@ -17,7 +17,8 @@ with sequence parallelism each becomes an all-gather + reduce-scatter of the sam
 
 Pipeline: the stage time per micro-batch times (m + (pp-1)/v) (bubble (pp-1)/m, divided
 by the virtual stages for interleaved 1F1B), plus activation send/recv on the critical
-path. Data parallelism: gradient reduce-scatter (all-reduce for DDP) and parameter
+path. On CPUs with more ranks than cores (``cores_per_node``) the bubble is partly filled
+by other ranks' work. Data parallelism: gradient reduce-scatter (all-reduce for DDP) and parameter
 all-gathers, hidden under backward/forward up to the cluster's comm_overlap. FSDP under
 torch pipelining keeps gradients unsharded until the last micro-batch (one reduce-scatter
 per step); without pipelining zero2 reduce-scatters once per step and re-gathers parameters
@@ -26,8 +27,8 @@ is memory bound (fp32 params, grads and Adam moments read and written).
 
 Fixed host costs (cluster.layer_overhead_us per block and micro-batch,
 microbatch_overhead_us, optimizer_overhead_us per parameter tensor, fsdp_unit_overhead_us
-per FSDP unit and micro-batch) dominate tiny models
-on CPUs; the local cluster measures them.
+per FSDP unit and micro-batch, tp_layer_overhead_us / tp_microbatch_overhead_us for DTensor
+tensor parallelism) dominate tiny models on CPUs; the local cluster measures them.
 
 Every prediction is split into ``compute`` and ``comm`` seconds so that measured runs can
 calibrate two scales (``calibration = {"compute_scale", "comm_scale"}``).
@@ -129,7 +130,7 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     fwd, core = layer_compute(s, cluster, mb, tp, sp)
     recompute = np.where(rec == REC_FULL, fwd, np.where(rec == REC_SEL, core, 0.0))
     # forward + backward (2x) + recompute, plus the fixed host cost of a block
-    host = cluster.layer_overhead_us * 1e-6
+    host = (cluster.layer_overhead_us + np.where(tp > 1, cluster.tp_layer_overhead_us, 0.0)) * 1e-6
     layer = 3 * fwd + recompute + host * np.where(rec == REC_FULL, 4 / 3, 1.0)
 
     tokens = s.seq_len * mb
@@ -142,7 +143,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     last_t = n_last * layer + logits
     single = pp == 1
     # the per-micro-batch host cost (embedding, head, loss) splits between first and last stage
-    mb_host = cluster.microbatch_overhead_us * 1e-6
+    mb_host = (cluster.microbatch_overhead_us
+               + np.where(tp > 1, cluster.tp_microbatch_overhead_us, 0.0)) * 1e-6
     stage_comp = np.where(single, n_first * layer + logits + mb_host,
                           np.maximum(first_t, last_t) + mb_host / 2)
     stage_tp = np.maximum(n_first, n_last) * tp_layer + np.where(tp > 1, 2, 0) * \
@@ -187,7 +189,14 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     optimizer = opt_params * 36.0 / (cluster.hbm_bandwidth_gbps * 1e9) \
         + tensors * cluster.optimizer_overhead_us * 1e-6
 
-    compute = slots * stage_comp + optimizer
+    # Ranks sharing too few cores (CPU runs): the figures were measured with every rank busy,
+    # but a rank idle in the pipeline bubble lends its core, so the step takes the larger of
+    # the busy work (all ranks' micro-batches spread over the cores) and the critical path
+    # at the speed of a rank that has a core to itself.
+    world = tp * pp * dp
+    share = np.maximum(1.0, np.minimum(world, cluster.ranks_per_node) / cluster.cores_per_node) \
+        if cluster.cores_per_node else np.ones_like(slots, dtype=float)
+    compute = np.maximum(ga * stage_comp, slots * stage_comp / share) + optimizer
     comm = slots * stage_tp + p2p + dp_exposed
     cal = calibration or {}
     step = cal.get("compute_scale", 1.0) * compute + cal.get("comm_scale", 1.0) * comm

@@ -49,8 +49,17 @@ class EvalConfig:
     """Directory of extra lm-eval task YAML files (custom local tasks)."""
     log_model: bool = True
     """Log the Hugging Face export as an MLflow model (text-generation, with a signature)."""
+    ranks: int = 1
+    """Processes that compute the held-out loss data-parallel (windows dealt round-robin,
+    sums all-reduced over gloo: the result does not depend on it). They start like the
+    training ranks (torchrun locally, srun on slurm/frontier inside the training job's
+    allocation) and all run on one node: on slurm the job asks for at least this many CPUs
+    per node, on Frontier it must be <= 8 (one rank per GCD). Generations, lm-eval and the
+    export then run once, in the driver-side app."""
 
     def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"eval.ranks must be >= 1, got {self.ranks}")
         if self.task_limit is not None and self.task_limit <= 0:
             raise ValueError(f"eval.task_limit must be > 0 or null, got {self.task_limit}")
         if self.max_tokens <= 0:
@@ -203,6 +212,12 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_type, value_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return {_convert(k, key_type, f"{key} key {k!r}"): _convert(v, value_type, f"{key}.{k}")
+                for k, v in value.items()}
     if annotation is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")

@@ -4,6 +4,10 @@
 one contiguous range of documents into its own store parts (safe to run in parallel
 processes); ``finalize`` checks every part and writes the manifest last, atomically.
 ``run`` does the three serially. The store layout is described in ``data_prep``.
+
+With ``data.sources`` every input shard lies inside one labelled source, so each part carries
+its source label (part attributes and manifest), and the manifest lists every source with its
+token and document counts per split.
 """
 from __future__ import annotations
 
@@ -20,11 +24,11 @@ import zarr
 
 from data_prep.corpus import (
     CorpusInfo,
+    corpus_validation_mask,
     open_corpus,
     prepare_corpus,
-    shard_range,
+    shard_plan,
     training_sample,
-    validation_mask,
 )
 from data_prep.errors import DataError
 from data_prep.progress import Progress
@@ -48,7 +52,9 @@ PREPARED = "prepared.json"
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> int:
     """Save the corpus, train or load the tokenizer, lay out the store; return the shard count.
 
-    ``inputs`` is empty (the first stage); it keeps the signature every stage shares.
+    The count is ``data.num_shards``; with ``data.sources`` they are divided among the sources
+    in proportion to their documents (at least one each). ``inputs`` is empty (the first
+    stage); it keeps the signature every stage shares.
     """
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
@@ -71,8 +77,10 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     root = zarr.open_group(str(store), mode="w", zarr_format=3)
     for split in SPLITS:
         root.create_group(split)
+    shards = shard_plan(info, cfg.data.num_shards)
     prepared = {
-        "num_shards": cfg.data.num_shards,
+        "num_shards": len(shards),
+        "shards": shards,
         "vocab_size": vocab,
         "eos_id": tokenizer.token_to_id(cfg.tokenizer.eos_token),
         "dtype": dtype.name,
@@ -83,9 +91,17 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
                       "source_fingerprint": info.fingerprint})
     tracker.log_metrics({"corpus_documents": info.num_documents, "corpus_bytes": info.num_bytes,
                          "corpus_load_s": t1 - t0, "tokenizer_train_s": t2 - t1})
+    if info.sources:
+        counts = {s["label"]: sum(1 for p in shards if p["source"] == s["label"]) for s in info.sources}
+        origin = "sources " + ", ".join(
+            f"{s['label']} ({s['stop'] - s['start']} docs, {counts[s['label']]} "
+            f"shard{'s' if counts[s['label']] > 1 else ''})"
+            for s in info.sources)
+    else:
+        origin = repr(cfg.data.source or "stdlib")
     print(f"tokenize: {info.num_documents} documents ({info.num_bytes / 1e6:.1f} MB) from "
-          f"{cfg.data.source!r}; tokenizer vocab {vocab} in {t2 - t1:.1f}s", flush=True)
-    return cfg.data.num_shards
+          f"{origin}; tokenizer vocab {vocab} in {t2 - t1:.1f}s", flush=True)
+    return len(shards)
 
 
 def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]:
@@ -93,27 +109,32 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
     out_dir = Path(out_dir)
     prepared = json.loads((out_dir / PREPARED).read_text())
     num_shards = prepared["num_shards"]
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard index {shard_index} out of range for {num_shards} shards")
     info, ds = open_corpus(out_dir)
     tokenizer = load_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
     if tokenizer_hash(tokenizer) != prepared["tokenizer_hash"]:
         raise DataError(f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage")
     eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
-    start, stop = shard_range(info.num_documents, num_shards, shard_index)
-    is_val = validation_mask(info.num_documents, info.num_validation, cfg.data.split_seed)[start:stop]
+    shard = prepared["shards"][shard_index]
+    start, stop, label = shard["start"], shard["stop"], shard["source"]
+    is_val = corpus_validation_mask(info, cfg.data.split_seed)[start:stop]
     writers = {
         split: PartWriter(out_dir / STORE, split, shard_index, dtype,
                           cfg.data.chunk_tokens, cfg.data.chunks_per_shard)
         for split in SPLITS
     }
-    progress = Progress(f"tokenize shard {shard_index + 1}/{num_shards}", stop - start,
+    progress = Progress(f"tokenize shard {shard_index + 1}/{num_shards}"
+                        + (f" [{label}]" if label is not None else ""), stop - start,
                         cfg.data.progress_seconds)
     began, t0 = time.time(), time.perf_counter()
     batches = _batches(ds, start, stop, cfg.data.encode_batch_bytes)
 
     def encode(batch: tuple[int, int]) -> list:
-        return tokenizer.encode_batch(ds[batch[0] : batch[1]]["text"])
+        # The fast variant skips character offsets, which a token store never needs (same ids).
+        return tokenizer.encode_batch_fast(ds[batch[0] : batch[1]]["text"])
 
-    # encode_batch releases the GIL: encode the next batch while this one is converted and
+    # Encoding releases the GIL: encode the next batch while this one is converted and
     # written, so the Python and Zarr work does not leave the encoder idle.
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(encode, batches[0]) if batches else None
@@ -123,10 +144,13 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
                 pending = pool.submit(encode, batches[k + 1])
             _write_batch(encodings, is_val[a - start : b - start], eos, dtype, writers, progress)
     attrs = {"shard": shard_index, "tokenizer_hash": prepared["tokenizer_hash"]}
+    if label is not None:
+        attrs["source"] = label
     parts = {split: writers[split].close({**attrs, "split": split}) for split in SPLITS}
     progress.emit(done=True)
     return {
         "shard": shard_index,
+        "source": label,
         "documents": stop - start,
         "tokens": sum(p["tokens"] for p in parts.values()),
         "splits": parts,
@@ -166,10 +190,11 @@ def _write_batch(encodings: list, is_val: np.ndarray, eos: int, dtype: np.dtype,
     progress.update(len(encodings), tokens)
 
 
-def _collect_parts(store: Path, split: str, num_shards: int, token_hash: str) -> list[dict[str, Any]]:
+def _collect_parts(store: Path, split: str, shards: list[dict[str, Any]],
+                   token_hash: str) -> list[dict[str, Any]]:
     """Each shard's part of ``split``, checked against the attributes its writer left."""
     parts = []
-    for shard in range(num_shards):
+    for shard, plan in enumerate(shards):
         path = store / part_name(split, shard)
         if not (path / "zarr.json").is_file():
             raise DataError(f"tokenize shard {shard} has not written {path}: run tokenize_shard "
@@ -177,9 +202,34 @@ def _collect_parts(store: Path, split: str, num_shards: int, token_hash: str) ->
         attrs = dict(zarr.open_group(str(path), mode="r").attrs)
         if attrs.get("tokenizer_hash") != token_hash:
             raise DataError(f"{path} was written with another tokenizer; rerun its shard")
-        parts.append({"path": part_name(split, shard), "tokens": attrs["tokens"],
-                      "documents": attrs["documents"]})
+        if attrs.get("source") != plan["source"]:
+            raise DataError(f"{path} holds source {attrs.get('source')!r}, the shard plan says "
+                            f"{plan['source']!r}; rerun its shard")
+        part = {"path": part_name(split, shard), "tokens": attrs["tokens"],
+                "documents": attrs["documents"]}
+        if plan["source"] is not None:
+            part["source"] = plan["source"]
+        parts.append(part)
     return parts
+
+
+def _source_summary(info: CorpusInfo, splits: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per labelled source: its token and document counts, in total and per split."""
+    out = []
+    for src in info.sources:
+        label = src["label"]
+        mine = {split: [p for p in splits[split]["parts"] if p.get("source") == label]
+                for split in SPLITS}
+        split_tokens = {split: sum(p["tokens"] for p in parts) for split, parts in mine.items()}
+        split_docs = {split: sum(p["documents"] for p in parts) for split, parts in mine.items()}
+        if sum(split_docs.values()) != src["stop"] - src["start"]:
+            raise DataError(f"store parts of source {label!r} hold {sum(split_docs.values())} "
+                            f"documents, the corpus has {src['stop'] - src['start']}; rerun the "
+                            "tokenize stage")
+        out.append({"label": label, "source": src["source"], "tokens": sum(split_tokens.values()),
+                    "documents": sum(split_docs.values()), "split_tokens": split_tokens,
+                    "split_documents": split_docs})
+    return out
 
 
 def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, Any]], tracker) -> dict[str, Any]:
@@ -189,13 +239,14 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
     info = CorpusInfo.load(out_dir / "corpus.json")
     store = out_dir / STORE
     num_shards = prepared["num_shards"]
+    shards = prepared["shards"]
     done = sorted(r["shard"] for r in shard_results)
     if done != list(range(num_shards)):
         missing = sorted(set(range(num_shards)) - set(done))
         raise DataError(f"finalize got results for shards {done}; missing {missing} of {num_shards}")
     splits = {}
     for split in SPLITS:
-        parts = _collect_parts(store, split, num_shards, prepared["tokenizer_hash"])
+        parts = _collect_parts(store, split, shards, prepared["tokenizer_hash"])
         splits[split] = {"tokens": sum(p["tokens"] for p in parts),
                          "documents": sum(p["documents"] for p in parts), "parts": parts}
     if sum(s["documents"] for s in splits.values()) != info.num_documents:
@@ -213,7 +264,9 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
         "dtype": prepared["dtype"],
         "chunk_tokens": cfg.data.chunk_tokens,
         "chunks_per_shard": cfg.data.chunks_per_shard,
-        "source": cfg.data.source,
+        # One source: its spec; several: null, and "sources" lists them in corpus order.
+        "source": None if info.sources else (cfg.data.source or "stdlib"),
+        "sources": _source_summary(info, splits),
         "source_fingerprint": info.fingerprint,
         "tokens": sum(s["tokens"] for s in splits.values()),
         "documents": info.num_documents,
@@ -238,6 +291,8 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
         "tokens_per_s": summary["tokens"] / max(span, 1e-9),
         "bytes_on_disk": directory_bytes(store),
         "compression_ratio": raw_bytes / max(token_bytes, 1),
+        **{f"{key}.{src['label']}": src[key] for src in summary["sources"]
+           for key in ("tokens", "documents")},
     })
     tracker.log_artifact(out_dir / TOKENIZER)
     tracker.log_artifact(store / MANIFEST)
@@ -250,6 +305,7 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
         "train_tokens": splits["train"]["tokens"],
         "validation_tokens": splits["validation"]["tokens"],
         "documents": summary["documents"],
+        "sources": [src.label for src in opened.sources],
         "tokenizer_hash": opened.tokenizer_hash,
         "source_fingerprint": info.fingerprint,
     }
