@@ -3,7 +3,8 @@
 1. Search speed: the full plan search for a 1T model on 3,072 Frontier GCDs (median of 5).
 2. Frontier predictions: the chosen plan's TFLOPS per device and MFU for the 22B, 175B and
    1T presets at 1,024 and 3,072 GCDs.
-3. Local truth: for the tiny model and a small model on 2 and 4 gloo ranks, every valid plan
+3. Local truth: for the tiny preset (4 x 128) and a small model (4 x 256, 8 heads) on 2 and
+   4 gloo ranks, every valid plan
    (recompute none, no sequence parallelism: on these models memory never binds, so
    recompute only costs time) is run for a few steps through stages.plan.measure_plan.
    --max-plans N keeps the N best predicted plus evenly spaced others per setting.
@@ -34,7 +35,7 @@ from model.shapes import Shapes, decode
 from stages.config import load_config
 from stages.plan import choose, measure_plan
 
-SMALL = ["model.n_layers=4", "model.d_model=128", "model.n_heads=4", "train.global_batch=8"]
+SMALL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "train.global_batch=8"]
 
 
 def search_speed() -> float:

@@ -137,3 +137,40 @@ def test_small_gemms_run_below_peak() -> None:
     big, small = rate(8192, 8192, 8192), rate(256, 256, 256)
     assert big == pytest.approx(cl.peak_tflops * 1e12 * cl.gemm_efficiency, rel=0.01)
     assert small < 0.2 * big
+
+
+def _cpu_cluster(**fields):
+    """A measured-style CPU cluster written by hand (no microbenchmark)."""
+    from model.cluster import cluster_from_dict
+
+    raw = {"name": "cpu", "ranks_per_node": 4, "memory_gb": 4, "peak_tflops": 0.05,
+           "fp32_tflops": 0.05, "hbm_bandwidth_gbps": 10, "gemm_efficiency": 1.0,
+           "comm_overlap": 0.0, "links": {"node": {"group": 4, "bandwidth_gbps": 1,
+                                                   "latency_us": 100}}, **fields}
+    return cluster_from_dict(raw, "test")
+
+
+def test_shared_cores_fill_the_pipeline_bubble() -> None:
+    s = Shapes(4, 128, 4, 4, 512, 2048, 128, llama=True, dtype="float32")
+    plans = encode([Plan(pp=2, dp=2, micro_batch=2, grad_accum=4, schedule="gpipe", sharding="ddp"),
+                    Plan(pp=1, dp=4, micro_batch=2, grad_accum=2, sharding="ddp")])
+    own = step_time(s, _cpu_cluster(), plans)
+    shared = step_time(s, _cpu_cluster(cores_per_node=2), plans)
+    # Data parallelism has no bubble: sharing cores changes nothing the figures do not hold.
+    assert shared["compute"][1] == pytest.approx(own["compute"][1])
+    # 4 ranks on 2 cores: the bubble's idle rank lends its core, so the pipeline step takes
+    # the busy work (m stage slots) rather than the m + p - 1 slots of the critical path.
+    slot = (own["compute"][0] - shared["optimizer"][0]) / (4 + 1)
+    assert shared["compute"][0] - shared["optimizer"][0] == pytest.approx(4 * slot)
+
+
+def test_tensor_parallel_host_cost_applies_to_tp_plans_only() -> None:
+    s = Shapes(4, 128, 4, 4, 512, 2048, 128, llama=True, dtype="float32")
+    plans = encode([Plan(tp=2, micro_batch=4, grad_accum=2, sharding="none"),
+                    Plan(pp=2, micro_batch=4, grad_accum=2, schedule="gpipe", sharding="none")])
+    base = step_time(s, _cpu_cluster(), plans)
+    extra = step_time(s, _cpu_cluster(tp_layer_overhead_us=1000, tp_microbatch_overhead_us=500),
+                      plans)
+    # tp plan: 4 blocks x (2 micro-batches) x 1 ms + 2 micro-batches x 0.5 ms
+    assert extra["step"][0] - base["step"][0] == pytest.approx(4 * 2 * 1e-3 + 2 * 0.5e-3)
+    assert extra["step"][1] == pytest.approx(base["step"][1])
