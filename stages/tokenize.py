@@ -113,20 +113,8 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
         raise ValueError(f"shard index {shard_index} out of range for {num_shards} shards")
     info, ds = open_corpus(out_dir)
     tokenizer = load_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
-    if tokenizer_hash(tokenizer) != prepared["tokenizer_hash"]:
-        raise DataError(f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage")
-    eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
     shard = prepared["shards"][shard_index]
     start, stop, label = shard["start"], shard["stop"], shard["source"]
-    is_val = corpus_validation_mask(info, cfg.data.split_seed)[start:stop]
-    writers = {
-        split: PartWriter(out_dir / STORE, split, shard_index, dtype,
-                          cfg.data.chunk_tokens, cfg.data.chunks_per_shard)
-        for split in SPLITS
-    }
-    progress = Progress(f"tokenize shard {shard_index + 1}/{num_shards}"
-                        + (f" [{label}]" if label is not None else ""), stop - start,
-                        cfg.data.progress_seconds)
     began, t0 = time.time(), time.perf_counter()
     batches = _batches(ds, start, stop, cfg.data.encode_batch_bytes)
 
@@ -134,10 +122,23 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
         # The fast variant skips character offsets, which a token store never needs (same ids).
         return tokenizer.encode_batch_fast(ds[batch[0] : batch[1]]["text"])
 
-    # Encoding releases the GIL: encode the next batch while this one is converted and
-    # written, so the Python and Zarr work does not leave the encoder idle.
+    # Encoding releases the GIL: the first batch is encoding while the checks and writers are
+    # set up, and the next batch while this one is converted and written, so the Python and
+    # Zarr work does not leave the encoder idle.
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(encode, batches[0]) if batches else None
+        if tokenizer_hash(tokenizer) != prepared["tokenizer_hash"]:
+            raise DataError(f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage")
+        eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
+        is_val = corpus_validation_mask(info, cfg.data.split_seed)[start:stop]
+        writers = {
+            split: PartWriter(out_dir / STORE, split, shard_index, dtype,
+                              cfg.data.chunk_tokens, cfg.data.chunks_per_shard)
+            for split in SPLITS
+        }
+        progress = Progress(f"tokenize shard {shard_index + 1}/{num_shards}"
+                            + (f" [{label}]" if label is not None else ""), stop - start,
+                            cfg.data.progress_seconds)
         for k, (a, b) in enumerate(batches):
             encodings = pending.result()
             if k + 1 < len(batches):

@@ -204,6 +204,19 @@ def test_incomplete_store_and_other_tokenizer_are_refused(built: dict, tmp_path:
     assert open_store(outputs["store"]).documents == N_DOCS
 
 
+def test_shard_refuses_a_tokenizer_replaced_after_prepare(built: dict, tmp_path: Path,
+                                                          tracker) -> None:
+    cfg = make_cfg(tmp_path, built["tmp"] / "corpus")
+    out = tmp_path / "swapped"
+    out.mkdir()
+    tokenize.prepare(cfg, {}, out, tracker)
+    shutil.copyfile(big_vocab_tokenizer(tmp_path / "other.json"), out / tokenize.TOKENIZER)
+    with pytest.raises(DataError, match="changed since prepare"):
+        tokenize.tokenize_shard(cfg, out, 0)
+    parts = out / "store.zarr" / "train"
+    assert [p.name for p in parts.iterdir()] == ["zarr.json"]  # no part, not even a temporary one
+
+
 @pytest.mark.parametrize("case", ["non_utf8", "malformed_json", "missing_field", "not_string",
                                   "empty", "big_vocab"])
 def test_bad_input_leaves_no_complete_store(case: str, tmp_path: Path, tracker) -> None:
