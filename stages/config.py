@@ -51,11 +51,12 @@ class EvalConfig:
     """Log the Hugging Face export as an MLflow model (text-generation, with a signature)."""
     ranks: int = 1
     """Processes that compute the held-out loss data-parallel (windows dealt round-robin,
-    sums all-reduced over gloo: the result does not depend on it). They start like the
-    training ranks (torchrun locally, srun on slurm/frontier inside the training job's
-    allocation) and all run on one node: on slurm the job asks for at least this many CPUs
-    per node, on Frontier it must be <= 8 (one rank per GCD). Generations, lm-eval and the
-    export then run once, in the driver-side app."""
+    sums all-reduced over gloo: the result does not depend on it). 1: computed inside the
+    evaluate stage's own process (Parsl "cpu" executor, the submitting node), no launch.
+    > 1: ranks started like the training ranks (torchrun locally; srun on slurm/frontier,
+    inside the training job's allocation), all on one node: on slurm a non-exclusive job
+    asks for at least this many CPUs per node, on Frontier it must be <= 8 (one rank per
+    GCD). Generations, lm-eval and the export run once, in the stage's driver-side app."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:

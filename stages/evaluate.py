@@ -4,10 +4,18 @@ Reads the trained checkpoint (``inputs["train"]["checkpoint"]``) and the token s
 (``inputs["tokenize"]["store"]``) and writes into ``out_dir``:
 
 - ``report.json`` / ``report.md``: validation loss and perplexity (token-weighted over
-  ``eval.max_tokens`` tokens of the validation split), per source, lm-eval results;
+  ``eval.max_tokens`` tokens of the validation split), per source, the number of ranks
+  (``eval_ranks``), lm-eval results;
 - ``generations.txt``: greedy and sampled continuations of ``eval.prompts``;
 - ``hf/``: the Hugging Face export (LlamaForCausalLM / GPTNeoXForCausalLM + tokenizer);
 - ``plots/``: loss, learning rate and tokens/s of the train run, and perplexity (PNG).
+
+The stage has three parts, like train: ``prepare`` (every input check, then ``spec.json``),
+the ranks (``python -m stages.eval_worker --spec spec.json`` on ``eval.ranks`` processes,
+each computing the loss over its share of the windows; rank 0 writes ``loss.json``) and
+``finalize`` (everything else, once, in the driver-side app). The pipeline launches the
+ranks like the training ranks; ``run`` chains the three on this machine, computing the loss
+in this process when ``eval.ranks`` is 1.
 
 All of it is logged to the stage's MLflow run, and the export is logged as an MLflow
 ``transformers`` model with a signature (``eval.log_model``).
@@ -20,17 +28,18 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 from data_prep.store import SplitReader, StoreInfo, open_store
-from model.eval_loss import heldout_loss, plan_windows
+from model.eval_loss import plan_windows
 from stages import tracking
 from stages.config import PipelineConfig
 
 SECTIONS = ("eval",)
 SPLIT = "validation"
+SPEC_FILE = "spec.json"
+LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
 
 
 class EvaluationError(ValueError):
@@ -149,7 +158,8 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"- checkpoint: `{report['checkpoint']}`",
         (f"- validation loss: **{report['val_loss']:.4f}** nats/token, perplexity "
         f"**{report['perplexity']:.2f}** over {report['tokens']:,} tokens "
-        f"({report['windows']} windows of {report['seq_len']})"),
+        f"({report['windows']} windows of {report['seq_len']}, "
+        f"{report.get('eval_ranks', 1)} rank(s))"),
         f"- {report['tokenizer_check']}",
         "",
         "| source | tokens | loss | perplexity |",
@@ -167,14 +177,20 @@ def report_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
-    """Evaluate the trained checkpoint on the validation split; see the module docstring."""
-    from tokenizers import Tokenizer
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise EvaluationError(f"{path} is missing: {what}")
+    return json.loads(path.read_text())
 
-    from model.checkpoint import load_for_inference
-    from model.export_hf import export_model, hf_class_name
-    from model.generate import format_generations, generate_text
-    from model.plots import plot_perplexity, plot_training
+
+def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict:
+    """Every check before a rank starts; write ``out_dir/spec.json``.
+
+    Refuses (EvaluationError) a store whose tokenizer differs from the checkpoint's, a store
+    without a validation split or with too few tokens, and a model family that cannot be
+    exported. Returns {"spec", "nproc": eval.ranks, "nodes": 1}.
+    """
+    from model.export_hf import hf_class_name
 
     out_dir = Path(out_dir)
     tok_out, train_out = inputs["tokenize"], inputs["train"]
@@ -189,22 +205,51 @@ def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) ->
     except ValueError as err:
         raise EvaluationError(str(err)) from None
     hf_class = hf_class_name(cfg.model.family)  # refuse an unexportable family before work
-    model = load_for_inference(train_out["checkpoint"], cfg.model)
-    tokenizer = Tokenizer.from_file(str(tok_out.get("tokenizer") or store.tokenizer_file))
-    t0 = time.perf_counter()
+    spec = {
+        "config": cfg.to_dict(),
+        "checkpoint": str(train_out["checkpoint"]),
+        "store": str(store.path),
+        "tokenizer": str(tok_out.get("tokenizer") or store.tokenizer_file),
+        "split": SPLIT,
+        "sources": [list(span) for span in split_sources(store, SPLIT)],
+        "out_dir": str(out_dir.resolve()),
+        "ranks": cfg.eval.ranks,
+        "tokenizer_check": tokenizer_note,
+        "hf_class": hf_class,
+    }
+    path = out_dir / SPEC_FILE
+    _write_text(path, json.dumps(spec, indent=2))
+    return {"spec": str(path.resolve()), "nproc": cfg.eval.ranks, "nodes": 1}
 
-    result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
-                          cfg.eval.batch_size, sources=split_sources(store, SPLIT))
-    eval_s = time.perf_counter() - t0
+
+def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]:
+    """Read the ranks' loss.json; write generations, lm-eval, export, plots and the report;
+    log it all to MLflow; return the stage outputs."""
+    from tokenizers import Tokenizer
+
+    from model.checkpoint import load_for_inference
+    from model.export_hf import export_model
+    from model.generate import format_generations, generate_text
+    from model.plots import plot_perplexity, plot_training
+
+    out_dir = Path(out_dir)
+    spec = _read_json(out_dir / SPEC_FILE, "run stages.evaluate.prepare first")
+    result = _read_json(out_dir / LOSS_FILE, "the evaluation ranks did not finish")
+    store = open_store(spec["store"])
+    reader = SplitReader(store, spec["split"])
+    eval_s, ranks = result["eval_seconds"], result["ranks"]
     print(f"[evaluate] val_loss {result['val_loss']:.4f} perplexity {result['perplexity']:.2f} "
-          f"over {result['tokens']:,} tokens in {eval_s:.1f}s", flush=True)
+          f"over {result['tokens']:,} tokens on {ranks} rank(s) in {eval_s:.1f}s", flush=True)
     metrics = {"val_loss": result["val_loss"], "perplexity": result["perplexity"],
-               "eval_tokens": result["tokens"], "eval_tokens_per_s": result["tokens"] / eval_s}
+               "eval_tokens": result["tokens"], "eval_tokens_per_s": result["tokens"] / eval_s,
+               "eval_ranks": ranks}
     if len(result["per_source"]) > 1:
         for name, src in result["per_source"].items():
             metrics[f"val_loss.{name}"] = src["val_loss"]
             metrics[f"perplexity.{name}"] = src["perplexity"]
 
+    model = load_for_inference(spec["checkpoint"], cfg.model)
+    tokenizer = Tokenizer.from_file(spec["tokenizer"])
     generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
                                 cfg.eval.temperature, cfg.train.seed, store.eos_id)
     gen_path = _write_text(out_dir / "generations.txt",
@@ -216,8 +261,8 @@ def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) ->
         for task, values in lm_eval_results.items():
             metrics.update({f"{task}.{k}": v for k, v in values.items()})
 
-    hf_dir = export_model(model, out_dir / "hf", tokenizer_file=tok_out.get("tokenizer")
-                          or store.tokenizer_file, eos_token=cfg.tokenizer.eos_token)
+    hf_dir = export_model(model, out_dir / "hf", tokenizer_file=spec["tokenizer"],
+                          eos_token=cfg.tokenizer.eos_token)
 
     plots_dir = out_dir / "plots"
     plots_dir.mkdir(exist_ok=True)
@@ -227,17 +272,20 @@ def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) ->
                     {n: s["perplexity"] for n, s in result["per_source"].items()},
                     plots_dir / "perplexity.png")
 
+    loss_keys = ("val_loss", "perplexity", "tokens", "windows", "seq_len", "per_source")
     report = {
-        "checkpoint": train_out["checkpoint"],
+        "checkpoint": spec["checkpoint"],
         "store": store.path,
-        "split": SPLIT,
-        **result,
-        "tokenizer_check": tokenizer_note,
+        "split": spec["split"],
+        **{k: result[k] for k in loss_keys},
+        "eval_ranks": ranks,
+        "windows_per_rank": result["windows_per_rank"],
+        "tokenizer_check": spec["tokenizer_check"],
         "eval_seconds": eval_s,
         "generations": generations,
         "lm_eval": lm_eval_results,
         "hf_export": hf_dir.name,  # relative: the stage directory moves when published
-        "hf_class": hf_class,
+        "hf_class": spec["hf_class"],
         "train_run_id": train_run_id,
     }
     report_path = _write_text(out_dir / "report.json", json.dumps(report, indent=2))
@@ -251,9 +299,25 @@ def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) ->
     tracker.log_artifact(hf_dir, "hf")
     outputs = {"report": str(report_path), "val_loss": result["val_loss"],
                "perplexity": result["perplexity"], "tokens": result["tokens"],
-               "hf_export": str(hf_dir), "generations": str(gen_path)}
+               "eval_ranks": ranks, "hf_export": str(hf_dir), "generations": str(gen_path)}
     if cfg.eval.log_model:
         outputs["model_uri"] = tracking.log_hf_model(
             tracker.uri, tracker.run_id, hf_dir, max_new_tokens=cfg.eval.generate_tokens,
             temperature=cfg.eval.temperature)
     return outputs
+
+
+def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
+    """prepare + the held-out loss (in this process for eval.ranks == 1, else a local
+    torchrun of stages.eval_worker) + finalize; see the module docstring."""
+    from stages import eval_worker
+
+    prepared = prepare(cfg, inputs, out_dir, tracker)
+    if prepared["nproc"] == 1:
+        eval_worker.run_single(json.loads(Path(prepared["spec"]).read_text()))
+    else:
+        from stages.train import launch_local
+
+        launch_local(prepared["spec"], prepared["nproc"], Path(out_dir) / "eval-ranks.log",
+                     worker="stages.eval_worker", what="evaluation")
+    return finalize(cfg, out_dir, tracker)

@@ -78,10 +78,12 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     return {"spec": str(path.resolve()), "nproc": cfg.parallel.nproc, "nodes": cfg.parallel.nodes}
 
 
-def launch_local(spec: str | Path, nproc: int, log_path: Path | None = None) -> None:
-    """Run ``nproc`` ranks with torchrun on this machine, streaming their output."""
+def launch_local(spec: str | Path, nproc: int, log_path: Path | None = None,
+                 worker: str = "stages.train_worker", what: str = "training") -> None:
+    """Run ``nproc`` ranks of ``python -m <worker> --spec SPEC`` with torchrun on this
+    machine, streaming their output (shared by the train and evaluate stages)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", "stages.train_worker", "--spec", str(spec)]
+           "--nproc-per-node", str(nproc), "-m", worker, "--spec", str(spec)]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -97,7 +99,7 @@ def launch_local(spec: str | Path, nproc: int, log_path: Path | None = None) -> 
                 log.write(line)
         rc = proc.wait()
     if rc != 0:
-        raise RuntimeError(f"training ranks failed (torchrun exit {rc}); last output:\n"
+        raise RuntimeError(f"{what} ranks failed (torchrun exit {rc}); last output:\n"
                            + "".join(tail))
 
 

@@ -5,13 +5,14 @@ import shutil
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from data_prep.store import MANIFEST, SplitReader, open_store
 from model.checkpoint import load_for_inference
-from model.eval_loss import heldout_loss
+from model.eval_loss import heldout_loss, plan_windows
 from stages.config import config_from_dict
 from stages.evaluate import split_sources
 
@@ -63,11 +64,17 @@ def test_two_gloo_ranks_match_one_process(micro_pipeline, tmp_path):
             assert r["per_source"][name]["tokens"] == single["per_source"][name]["tokens"]
             assert r["per_source"][name]["val_loss"] == pytest.approx(
                 single["per_source"][name]["val_loss"], rel=1e-6)
-    # Predicted positions 1..BOUNDARY-1 belong to "a", the rest to "b"; the total is their
-    # token-weighted mean.
+    # Predicted positions below BOUNDARY belong to "a", the rest to "b" (the evaluated
+    # windows are spread over the split); the total is their token-weighted mean.
+    plan = plan_windows(SplitReader(store, "validation").num_tokens, cfg.train.seq_len,
+                        cfg.eval.max_tokens)
+    positions = np.concatenate([plan.window_index(k) * plan.seq_len + np.arange(1, plan.seq_len + 1)
+                                for k in range(plan.windows)])
+    in_a = int((positions < BOUNDARY).sum())
     per = single["per_source"]
-    assert per["a"]["tokens"] == BOUNDARY - 1
-    assert per["b"]["tokens"] == single["tokens"] - (BOUNDARY - 1)
+    assert 0 < in_a < single["tokens"]
+    assert per["a"]["tokens"] == in_a
+    assert per["b"]["tokens"] == single["tokens"] - in_a
     mean = (per["a"]["val_loss"] * per["a"]["tokens"] + per["b"]["val_loss"] * per["b"]["tokens"])
     assert mean / single["tokens"] == pytest.approx(single["val_loss"], rel=1e-9)
     assert per["a"]["val_loss"] != pytest.approx(per["b"]["val_loss"], rel=1e-6)
@@ -84,6 +91,16 @@ def test_part_source_labels_become_spans(micro_pipeline, tmp_path):
     assert len(parts) == 2
     for part, label in zip(parts, ("code", "docs")):
         part["source"] = label
+    # A labelled part must name a source the manifest lists, with counts that add up
+    # (the train split is counted as "code" here).
+    train = manifest["splits"]["train"]
+    manifest["sources"] = []
+    for part, label, with_train in zip(parts, ("code", "docs"), (1, 0)):
+        tokens = {"validation": part["tokens"], "train": with_train * train["tokens"]}
+        docs = {"validation": part["documents"], "train": with_train * train["documents"]}
+        manifest["sources"].append({"label": label, "source": label, "tokens": sum(tokens.values()),
+                                    "documents": sum(docs.values()), "split_tokens": tokens,
+                                    "split_documents": docs})
     (target / MANIFEST).write_text(json.dumps(manifest))
     spans = split_sources(open_store(target), "validation")
     sizes = [p["tokens"] for p in parts]

@@ -1,4 +1,7 @@
-"""End to end: the micro preset through real Parsl (HTEX), real ranks and MLflow on SQLite."""
+"""End to end: the micro preset through real Parsl (HTEX), real ranks and MLflow on SQLite.
+
+Every run here evaluates on 2 ranks (eval.ranks=2), so the evaluate stage's ranks app is
+exercised through Parsl as well as the training ranks."""
 import json
 import os
 import subprocess
@@ -14,12 +17,14 @@ from stages.stage import package_version
 from workflows.pipeline import plan_stages
 
 REPO = Path(__file__).resolve().parent.parent
+EVAL_RANKS = ("--set", "eval.ranks=2")
 
 
 def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro", "--runs-dir", str(runs_dir), *args]
+    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro", "--runs-dir", str(runs_dir),
+           *EVAL_RANKS, *args]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
@@ -58,6 +63,7 @@ def test_first_run_logs_one_parent_and_four_finished_stage_runs(first_run):
     assert sorted(step for step, _ in losses) == list(range(1, 7))
     evaluate = stages["evaluate"].data.metrics
     assert evaluate["val_loss"] > 0
+    assert evaluate["eval_ranks"] == 2 and stages["evaluate"].data.params["eval.ranks"] == "2"
     assert evaluate["perplexity"] == pytest.approx(pytest.importorskip("math").exp(evaluate["val_loss"]), rel=1e-4)
     assert stages["tokenize"].data.metrics["tokens"] > 0
     # The resolved config is an artifact of the parent and of every stage run.
@@ -65,6 +71,10 @@ def test_first_run_logs_one_parent_and_four_finished_stage_runs(first_run):
     assert (client_dir / "config.yaml").exists()
     report = json.loads((Path(json.loads((runs_dir / "stages" / "evaluate").glob("*/outputs.json").__next__().read_text())["report"])).read_text())
     assert report["perplexity"] == pytest.approx(evaluate["perplexity"], rel=1e-6)
+    assert report["eval_ranks"] == 2 and len(report["windows_per_rank"]) == 2
+    assert sum(report["windows_per_rank"]) == report["windows"]
+    # The ranks' output reached the driver's log tail.
+    assert "[evaluate-ranks] [eval] val_loss" in proc.stdout
     assert "MLflow store: sqlite:///" in proc.stdout and "mlflow ui --backend-store-uri" in proc.stdout
 
 
@@ -100,6 +110,8 @@ def test_dry_run_prints_keys_and_runs_nothing(first_run):
     proc = run_cli(runs_dir, "--dry-run", "--set", "eval.max_tokens=1024")
     lines = {line.split()[0]: line for line in proc.stdout.splitlines() if " key " in line}
     assert "reuse" in lines["train"] and " run " in lines["evaluate"] + " "
+    assert lines["evaluate"].endswith("on 2 ranks")
+    assert "--nproc-per-node 2 -m stages.eval_worker" in proc.stdout  # the evaluate launch
     assert len(pipeline_runs(runs_dir)) == count
 
 

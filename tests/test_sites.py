@@ -212,3 +212,57 @@ def test_local_executors_run_without_venv_on_path(tmp_path):
                           capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "where.out").read_text().strip() == "train-worker-ok"
+
+
+def test_eval_ranks_use_the_same_launch_lines():
+    """The evaluation ranks start like the training ranks, all on one node (eval.ranks)."""
+    one = load_config(None)
+    assert one.eval.ranks == 1
+    # One rank: no launch at all (computed in the stage's own app); the dry run says so.
+    assert "evaluation (eval.ranks=1) runs in one process" in sites.dry_run_text(one, RUN_DIR)
+    frontier_one = sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES), RUN_DIR)
+    assert "eval_worker" not in frontier_one and "eval.ranks=1" in frontier_one
+    cfg = load_config(None, ["eval.ranks=3"])
+    command = sites.eval_command(cfg, "/runs/ev/spec.json", {"nproc": 3, "nodes": 1})
+    assert command.splitlines()[-1] == (
+        f"{sites.BIN_DIR / 'torchrun'} --standalone --nnodes 1 --nproc-per-node 3 "
+        "-m stages.eval_worker --spec /runs/ev/spec.json"
+    )
+    assert "export OMP_NUM_THREADS=1" in command
+    assert sites.ranks_resource_spec("evaluate", cfg) is None  # local: no MPIExecutor
+    local = sites.dry_run_text(cfg, RUN_DIR)
+    assert "--nproc-per-node 3 -m stages.eval_worker" in local and "\n" not in local
+
+    slurm = load_config(None, ["site.name=slurm", "parallel.nproc=4", "parallel.nodes=2",
+                               "eval.ranks=3"])
+    assert sites.ranks_resource_spec("evaluate", slurm) == {
+        "num_nodes": 1, "ranks_per_node": 3, "num_ranks": 3,
+        "launcher_options": "--cpus-per-task=1",
+    }
+    # A non-exclusive job asks for enough CPUs per node for either set of ranks.
+    assert sites.slurm_provider(slurm).cores_per_node == 3
+    assert sites.eval_command(slurm, "/r/spec.json").splitlines()[-1] == (
+        f"$PARSL_MPI_PREFIX {sys.executable} -m stages.eval_worker --spec /r/spec.json"
+    )
+    with pytest.raises(ValueError, match="stage 'plan' has no ranks"):
+        sites.ranks_command("plan", slurm, "/r/spec.json")
+
+
+def test_frontier_eval_srun_line_golden():
+    cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=8"])
+    text = _normalise(sites.srun_line(cfg, RUN_DIR, stage="evaluate"))
+    _check_golden("frontier_eval_srun.txt", text)
+    launch = text.splitlines()[-1]
+    assert launch.startswith("srun --ntasks 8 --ntasks-per-node 8 --nodelist <node0> --nodes 1 ")
+    assert "-c7 --gpus-per-task=1 --gpu-bind=closest" in launch
+    assert "stages.eval_worker --spec" in launch
+    # Same environment as the training ranks.
+    train = _normalise(sites.srun_line(cfg, RUN_DIR))
+    assert text.splitlines()[:-1] == train.splitlines()[:-1]
+    dry = sites.dry_run_text(cfg, RUN_DIR)
+    assert sites.srun_line(cfg, RUN_DIR, stage="evaluate") in dry
+    assert "8 ranks on one node" in dry
+    with pytest.raises(sites.SiteError, match="eval.ranks=9.*one node.*8 GCDs"):
+        sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=9"]), RUN_DIR)
+    with pytest.raises(ConfigError, match="eval.ranks must be >= 1"):
+        load_config(None, ["eval.ranks=0"])

@@ -1,7 +1,8 @@
 """The micro pipeline with ``--site slurm`` on the local Slurm cluster (.ci/start_slurm.sh).
 
 Training runs as 2 gloo ranks launched by srun inside a Slurm job that Parsl's SlurmProvider
-submits for the MPIExecutor. The second test cancels that job mid-training and checks that
+submits for the MPIExecutor; the first test also evaluates on 2 ranks (eval.ranks=2), a
+second srun step in the same job. The second test cancels that job mid-training and checks that
 Parsl retries the app in a new job and training resumes from the last complete checkpoint.
 """
 from __future__ import annotations
@@ -106,7 +107,7 @@ def wait_for_slurm_to_finish(job_ids: list[str], timeout: float = 60) -> None:
 def test_micro_pipeline_trains_through_srun(slurm_env, tmp_path):  # noqa: F811
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()
-    proc = start_cli(runs_dir, "train.steps=6")
+    proc = start_cli(runs_dir, "train.steps=6", "eval.ranks=2")
     output = wait_cli(proc, runs_dir, timeout=900)
 
     parents, children = pipeline_stage_runs(runs_dir)
@@ -122,7 +123,11 @@ def test_micro_pipeline_trains_through_srun(slurm_env, tmp_path):  # noqa: F811
     wait_for_slurm_to_finish([job_id])
     name, _ = jobcomp_states()[job_id]
     assert name.startswith("parsl.train.block-0"), name
-    assert srun_steps(job_id), f"no srun step of job {job_id} in slurmd.log"
+    # Two srun steps: the training ranks, then the evaluation ranks.
+    assert len(set(srun_steps(job_id))) == 2, f"job {job_id}: steps {srun_steps(job_id)}"
+    assert children["evaluate"].data.metrics["eval_ranks"] == 2
+    report = json.loads((Path(children["evaluate"].data.tags["out_dir"]) / "report.json").read_text())
+    assert report["eval_ranks"] == 2 and len(report["windows_per_rank"]) == 2
 
     _, summary = train_summary(runs_dir)
     assert summary["steps_done"] == 6 and len(summary["losses"]) == 6

@@ -1,7 +1,8 @@
 """Parsl apps: thin wrappers that run stage functions on executors.
 
-Light stages run on the "cpu" executor; the training ranks run as one bash app on the
-"train" executor (torchrun locally, ``$PARSL_MPI_PREFIX`` under Slurm). Every python app
+Light stages and the driver-side parts of multi-part stages run on the "cpu" executor; the
+ranks of train and evaluate each run as one bash app on the "train" executor (torchrun
+locally, ``$PARSL_MPI_PREFIX`` under Slurm). Every python app
 sends its prints to a log file that the driver tails, since worker output is otherwise
 only in Parsl's worker logs.
 """
@@ -29,7 +30,7 @@ def _logged(log_path: str) -> Iterator[None]:
 
 @python_app(executors=["cpu"])
 def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
-    """Run a whole one-function stage (plan, evaluate) under the stage mechanism."""
+    """Run a whole one-function stage (plan; evaluate on one rank) under the stage mechanism."""
     from stages import stage
     from stages.registry import stage_module
 
@@ -39,7 +40,7 @@ def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
 
 @python_app(executors=["cpu"])
 def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
-    """Open a multi-part stage (tokenize, train) and run its ``prepare`` step.
+    """Open a multi-part stage (tokenize, train, evaluate) and run its ``prepare`` step.
 
     Returns the stage's StageResult when it is reused, else (attempt, prepared).
     """
@@ -101,12 +102,13 @@ def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts):
 
 
 @bash_app(executors=["train"])
-def train_ranks_app(cfg, opened, stdout=None, stderr=None, parsl_resource_specification=None):
-    """The shell command that starts every training rank (``true`` when reused)."""
+def ranks_app(name: str, cfg, opened, stdout=None, stderr=None, parsl_resource_specification=None):
+    """The shell command that starts every rank of stage ``name`` (train, evaluate) from the
+    spec its ``prepare`` wrote (``true`` when the stage is reused)."""
     from stages import stage
     from workflows import sites
 
     if isinstance(opened, stage.StageResult):
         return "true"
     _, prepared = opened
-    return sites.train_command(cfg, prepared["spec"])
+    return sites.ranks_command(name, cfg, prepared["spec"], prepared)

@@ -3,11 +3,13 @@
 Every pipeline has two executors:
 
 - ``cpu``: a HighThroughputExecutor on the submitting machine for the light stages
-  (tokenize fan-out, plan, evaluate);
-- ``train``: where the multi-rank training app runs. Locally a one-worker HTEX whose bash
-  app calls ``torchrun``; on Slurm sites an ``MPIExecutor`` whose block is a Slurm job and
-  whose app launches the ranks with ``$PARSL_MPI_PREFIX`` (an ``srun`` line Parsl composes
-  from the task's resource specification).
+  (tokenize fan-out, plan, the driver-side parts of train and evaluate);
+- ``train``: where the multi-rank apps run (the training ranks, then the evaluation
+  ranks when eval.ranks > 1; one evaluation rank runs inside its "cpu" app). Locally a one-worker HTEX whose bash app calls ``torchrun``; on Slurm sites an
+  ``MPIExecutor`` whose block is a Slurm job and whose apps launch the ranks with
+  ``$PARSL_MPI_PREFIX`` (an ``srun`` line Parsl composes from the task's resource
+  specification). Both stages' ranks are launched by one command builder
+  (``ranks_command``), so they start the same way on every site.
 
 All site settings come from ``cfg.site`` (stages/config.py SiteConfig), so moving between a
 laptop, a generic Slurm cluster and Frontier is a config change, never a code change.
@@ -42,6 +44,14 @@ FRONTIER_MODULES = ("PrgEnv-gnu", "rocm/6.2.4", "craype-accel-amd-gfx90a", "mini
 
 FRONTIER_GCDS_PER_NODE = 8
 """One training rank per MI250X GCD."""
+
+WORKER_MODULES = {"train": "stages.train_worker", "evaluate": "stages.eval_worker"}
+"""The per-rank entry (``python -m MODULE --spec SPEC``) of each multi-rank stage."""
+
+EVAL_IN_PROCESS = (
+    "evaluation (eval.ranks=1) runs in one process inside its Parsl app on the cpu executor "
+    "(set eval.ranks > 1 to launch evaluation ranks like the training ranks)"
+)
 
 SITE_SRUN_OPTIONS = {
     # 7 cores per rank (56 usable per node), one GCD each, bound to the nearest NIC/cores.
@@ -141,6 +151,12 @@ def _check_slurm_site(cfg: PipelineConfig) -> None:
                 f"gives {cfg.parallel.ranks_per_node} ranks per node; Frontier has "
                 f"{FRONTIER_GCDS_PER_NODE} GCDs per node: raise parallel.nodes"
             )
+        if cfg.eval.ranks > FRONTIER_GCDS_PER_NODE:
+            raise SiteError(
+                f"eval.ranks={cfg.eval.ranks}: the evaluation ranks run on one node, and a "
+                f"Frontier node has {FRONTIER_GCDS_PER_NODE} GCDs: set eval.ranks <= "
+                f"{FRONTIER_GCDS_PER_NODE}"
+            )
 
 
 def _exclusive(cfg: PipelineConfig) -> bool:
@@ -170,13 +186,14 @@ def slurm_provider(cfg: PipelineConfig) -> SlurmProvider:
 
     No block is submitted until the training app is ready (init_blocks=0), so the allocation
     is not held while the light stages run. A non-exclusive job asks for one CPU per rank
-    (or site.cores_per_node) so srun can place the ranks inside it.
+    (or site.cores_per_node) so srun can place the ranks inside it: per node, the training
+    ranks or the evaluation ranks (all on one node), whichever are more.
     """
     site = cfg.site
     exclusive = _exclusive(cfg)
     cores = site.cores_per_node
     if cores is None and not exclusive:
-        cores = cfg.parallel.ranks_per_node
+        cores = max(cfg.parallel.ranks_per_node, cfg.eval.ranks)
     return PolledSlurmProvider(
         poll_seconds=min(60, site.heartbeat_threshold),
         account=site.account,
@@ -260,6 +277,29 @@ def train_layout(cfg: PipelineConfig, plan: Any = None) -> tuple[int, int]:
     return nodes, world // nodes
 
 
+def eval_layout(cfg: PipelineConfig, prepared: Any = None) -> tuple[int, int]:
+    """(nodes, ranks_per_node) for the evaluation ranks: all on one node (EvalConfig.ranks).
+
+    ``prepared`` is the evaluate stage's prepared launch info ({"nproc", ...}) or None
+    (eval.ranks).
+    """
+    ranks = _get(prepared, "nproc") if prepared is not None else None
+    return 1, int(ranks or cfg.eval.ranks)
+
+
+def stage_layout(stage: str, cfg: PipelineConfig, prepared: Any = None) -> tuple[int, int]:
+    """(nodes, ranks_per_node) of a multi-rank stage ("train" or "evaluate")."""
+    if stage == "train":
+        return train_layout(cfg, prepared)
+    if stage == "evaluate":
+        return eval_layout(cfg, prepared)
+    raise _no_ranks(stage)
+
+
+def _no_ranks(stage: str) -> ValueError:
+    return ValueError(f"stage {stage!r} has no ranks; choose one of {sorted(WORKER_MODULES)}")
+
+
 def _srun_options(cfg: PipelineConfig) -> str:
     if cfg.site.srun_options is not None:
         return cfg.site.srun_options
@@ -268,9 +308,14 @@ def _srun_options(cfg: PipelineConfig) -> str:
 
 def train_resource_spec(cfg: PipelineConfig, plan: Any = None) -> dict | None:
     """The MPIExecutor resource specification of the training app (None for local)."""
+    return ranks_resource_spec("train", cfg, plan)
+
+
+def ranks_resource_spec(stage: str, cfg: PipelineConfig, prepared: Any = None) -> dict | None:
+    """The MPIExecutor resource specification of a stage's ranks app (None for local)."""
     if cfg.site.name == "local":
         return None
-    nodes, per_node = train_layout(cfg, plan)
+    nodes, per_node = stage_layout(stage, cfg, prepared)
     spec: dict[str, Any] = {
         "num_nodes": nodes,
         "ranks_per_node": per_node,
@@ -319,15 +364,28 @@ def _worker_python(cfg: PipelineConfig) -> str:
 
 
 def train_command(cfg: PipelineConfig, spec_path: str, plan: Any = None) -> str:
-    """The shell command the training bash app returns.
+    """The shell command the training bash app returns (see ``ranks_command``)."""
+    return ranks_command("train", cfg, spec_path, plan)
+
+
+def eval_command(cfg: PipelineConfig, spec_path: str, prepared: Any = None) -> str:
+    """The shell command the evaluation bash app returns (see ``ranks_command``)."""
+    return ranks_command("evaluate", cfg, spec_path, prepared)
+
+
+def ranks_command(stage: str, cfg: PipelineConfig, spec_path: str, prepared: Any = None) -> str:
+    """The shell command that starts every rank of ``stage`` ("train" or "evaluate").
 
     local: torchrun on this machine; slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line
-    Parsl composes from ``train_resource_spec``) runs one worker per rank.
+    Parsl composes from ``ranks_resource_spec``) runs one worker per rank.
     """
+    if stage not in WORKER_MODULES:
+        raise _no_ranks(stage)
+    module = WORKER_MODULES[stage]
     exports = [f"export {key}={value}" for key, value in rank_env(cfg).items()]
     spec = shlex.quote(str(spec_path))
     if cfg.site.name == "local":
-        nodes, per_node = train_layout(cfg, plan)
+        nodes, per_node = stage_layout(stage, cfg, prepared)
         if nodes != 1:
             raise SiteError(
                 f"site.name=local runs on one node but parallel.nodes={nodes}: "
@@ -336,10 +394,10 @@ def train_command(cfg: PipelineConfig, spec_path: str, plan: Any = None) -> str:
         torchrun = BIN_DIR / "torchrun"
         launch = (
             f"{shlex.quote(str(torchrun))} --standalone --nnodes 1 --nproc-per-node {per_node} "
-            f"-m stages.train_worker --spec {spec}"
+            f"-m {module} --spec {spec}"
         )
     else:
-        worker = f"{shlex.quote(_worker_python(cfg))} -m stages.train_worker --spec {spec}"
+        worker = f"{shlex.quote(_worker_python(cfg))} -m {module} --spec {spec}"
         if cfg.site.name == "frontier":
             # Each node creates its own MIOpen cache directory before the rank starts.
             worker = (
@@ -417,30 +475,44 @@ def batch_script(cfg: PipelineConfig, run_dir: Path) -> str:
     )
 
 
-def srun_line(cfg: PipelineConfig, run_dir: Path, plan: Any = None) -> str:
-    """The rank launch Parsl composes for the training app (node names known at run time)."""
-    spec = train_resource_spec(cfg, plan)
+def srun_line(cfg: PipelineConfig, run_dir: Path, plan: Any = None, stage: str = "train") -> str:
+    """The rank launch Parsl composes for a stage's ranks app (node names known at run time)."""
+    spec = ranks_resource_spec(stage, cfg, plan)
     assert spec is not None
     hosts = [f"<node{i}>" for i in range(spec["num_nodes"])]
     _, prefix = compose_srun_launch_cmd(
         {k: str(v) for k, v in spec.items()}, hosts
     )
-    command = train_command(cfg, f"{run_dir}/train/spec.json", plan)
+    command = ranks_command(stage, cfg, f"{run_dir}/{stage}/spec.json", plan)
     return command.replace("$PARSL_MPI_PREFIX", " ".join(prefix.split()))
 
 
 def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
-    """What would be submitted: the batch script and the rank launch (slurm/frontier)."""
+    """What would be submitted: the batch script and both rank launches (slurm/frontier)."""
     if cfg.site.name == "local":
         _, per_node = train_layout(cfg, None)
+        if cfg.eval.ranks > 1:
+            launch = ranks_command("evaluate", cfg, f"{run_dir}/evaluate/spec.json")
+            evaluation = f"evaluation runs {launch.splitlines()[-1]}"
+        else:
+            evaluation = EVAL_IN_PROCESS
         return (
             f"site local: light stages on {cfg.site.max_workers} local Parsl workers; training "
-            f"runs torchrun --nproc-per-node {per_node} on this machine; outputs in {run_dir}"
+            f"runs torchrun --nproc-per-node {per_node} on this machine; {evaluation}; "
+            f"outputs in {run_dir}"
         )
     _check_slurm_site(cfg)
+    if cfg.eval.ranks > 1:
+        evaluation = (
+            f"# --- evaluation app: the same block, after training; {cfg.eval.ranks} ranks on "
+            f"one node ---\n{srun_line(cfg, run_dir, stage='evaluate')}\n"
+        )
+    else:
+        evaluation = f"# --- {EVAL_IN_PROCESS} ---\n"
     return (
         f"# --- batch script for the training block (sbatch) ---\n"
         f"{batch_script(cfg, run_dir)}\n"
         f"# --- training app: environment and rank launch (run by the Parsl worker) ---\n"
         f"{srun_line(cfg, run_dir)}\n"
+        f"{evaluation}"
     )

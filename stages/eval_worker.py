@@ -1,0 +1,113 @@
+"""Per-rank held-out evaluation: ``python -m stages.eval_worker --spec SPEC.json``.
+
+Launched by torchrun locally or srun under Slurm (rank identity from either environment,
+``model.dist_env.from_environ``); with no launcher it runs as a single process. Every rank
+loads the checkpoint, computes the loss over its round-robin share of the validation
+windows (``model.eval_loss.heldout_loss``, sums all-reduced), and rank 0 writes
+``<out_dir>/loss.json`` atomically.
+
+SPEC.json (written by ``stages.evaluate.prepare``): {"config": cfg.to_dict(), "checkpoint",
+"store", "split", "sources": [[start, stop, name], ...], "out_dir", ...}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from data_prep.store import SplitReader, open_store
+from model.checkpoint import load_for_inference
+from model.dist_env import DistEnv, from_environ
+from model.eval_loss import heldout_loss
+from stages.config import config_from_dict
+
+LOSS_FILE = "loss.json"
+
+
+def evaluate_spec(spec: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """This rank's share of the held-out loss (totals all-reduced when world > 1).
+
+    Returns heldout_loss's dict plus "ranks", "load_seconds" and "eval_seconds".
+    """
+    cfg = config_from_dict(spec["config"])
+    t0 = time.perf_counter()
+    model = load_for_inference(spec["checkpoint"], cfg.model)
+    reader = SplitReader(open_store(spec["store"]), spec["split"])
+    t1 = time.perf_counter()
+    sources = [(int(a), int(b), str(name)) for a, b, name in spec["sources"]]
+    result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
+                          cfg.eval.batch_size, rank=rank, world=world, sources=sources)
+    # Ends after the all-reduce, so rank 0's time is the slowest rank's.
+    eval_s = time.perf_counter() - t1
+    return {**result, "ranks": world, "load_seconds": t1 - t0, "eval_seconds": eval_s}
+
+
+def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
+    """Write ``loss.json`` atomically (temp file, then rename)."""
+    path = Path(out_dir) / LOSS_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def _init_gloo(env: DistEnv) -> None:
+    # gloo even on GPU nodes: model.eval_loss reads, computes and all-reduces CPU tensors.
+    os.environ["MASTER_ADDR"] = env.master_addr
+    os.environ["MASTER_PORT"] = str(env.master_port)
+    dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(minutes=10))
+
+
+def run_single(spec: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate the whole split in this process (no process group); write loss.json."""
+    result = evaluate_spec(spec)
+    result["windows_per_rank"] = [result["local_windows"]]
+    write_loss(spec["out_dir"], result)
+    return result
+
+
+def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate as described by ``spec`` in this (already launched) rank; return the result."""
+    env = from_environ()
+    expected = int(spec.get("ranks") or env.world_size)
+    if env.world_size != expected:
+        # A launch that does not match the spec (e.g. Slurm variables leaking into a local
+        # run) would wait forever for ranks that never come: stop with a clear error.
+        raise ValueError(f"{spec['out_dir']}: launched on {env.world_size} rank(s) but the spec "
+                         f"asks for eval.ranks={expected}: launch exactly that many ranks")
+    if env.world_size == 1:
+        return run_single(spec)
+    _init_gloo(env)
+    try:
+        result = evaluate_spec(spec, env.rank, env.world_size)
+        per_rank: list[Any] = [None] * env.world_size
+        dist.all_gather_object(per_rank, result["local_windows"])
+        result["windows_per_rank"] = per_rank
+        if env.rank == 0:
+            write_loss(spec["out_dir"], result)
+            print(f"[eval] val_loss {result['val_loss']:.4f} over {result['tokens']:,} tokens on "
+                  f"{env.world_size} ranks in {result['eval_seconds']:.1f}s", flush=True)
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="path of the SPEC.json written by stages.evaluate")
+    args = parser.parse_args(argv)
+    run_spec(json.loads(Path(args.spec).read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
