@@ -193,10 +193,13 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     # but a rank idle in the pipeline bubble lends its core, so the step takes the larger of
     # the busy work (all ranks' micro-batches spread over the cores) and the critical path
     # at the speed of a rank that has a core to itself.
+    # The busy work is the mean stage's: a rank idle behind a slower stage lends its core too.
     world = tp * pp * dp
     share = np.maximum(1.0, np.minimum(world, cluster.ranks_per_node) / cluster.cores_per_node) \
         if cluster.cores_per_node else np.ones_like(slots, dtype=float)
-    compute = np.maximum(ga * stage_comp, slots * stage_comp / share) + optimizer
+    mean_stage = np.where(single, stage_comp, (s.n_layers * layer + logits + mb_host) / pp)
+    busy = ga * np.where(share > 1, mean_stage, stage_comp)
+    compute = np.maximum(busy, slots * stage_comp / share) + optimizer
     comm = slots * stage_tp + p2p + dp_exposed
     cal = calibration or {}
     step = cal.get("compute_scale", 1.0) * compute + cal.get("comm_scale", 1.0) * comm

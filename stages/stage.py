@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -264,8 +265,9 @@ def fail(ctx: PipelineContext, attempt: StageAttempt, error: BaseException) -> N
     try:
         tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags({"error": str(error)[:4000]})
         tracking.end_run(ctx.tracking_uri, attempt.run_id, "FAILED")
-    except Exception:  # tracking must not hide the original error
-        pass
+    except Exception as tracking_error:  # noqa: BLE001 - tracking must not hide the original error
+        print(f"[stage] could not mark MLflow run {attempt.run_id} FAILED: {tracking_error}",
+              file=sys.stderr, flush=True)
 
 
 def run_stage(
