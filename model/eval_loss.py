@@ -110,17 +110,18 @@ def heldout_loss(
     loss_sums = np.zeros(len(names), dtype=np.float64)
     counts = np.zeros(len(names), dtype=np.float64)
     mine = list(range(rank, plan.windows, world))
+    device = next(model.parameters()).device  # batches go where the model is (CPU or a GPU)
     t0 = last = time.monotonic()
     model.eval()
     for b in range(0, len(mine), batch_size):
         batch = [plan.window_index(k) for k in mine[b : b + batch_size]]
         rows = np.stack([reader.read(w * plan.seq_len, w * plan.seq_len + plan.seq_len + 1)
                          for w in batch]).astype(np.int64)  # [B, T+1]
-        tokens = torch.from_numpy(rows)
+        tokens = torch.from_numpy(rows).to(device)
         logits = model(tokens[:, :-1])  # [B, T, V]
         losses = F.cross_entropy(
             logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
-        ).view(len(batch), plan.seq_len).double().numpy()  # [B, T]
+        ).view(len(batch), plan.seq_len).double().cpu().numpy()  # [B, T]
         # Position of each predicted token in the split -> its source.
         pos = np.array(batch, dtype=np.int64)[:, None] * plan.seq_len + np.arange(1, plan.seq_len + 1)
         which = span_ids[np.searchsorted(span_starts, pos, side="right") - 1]

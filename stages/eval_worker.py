@@ -20,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from data_prep.store import SplitReader, open_store
@@ -31,14 +32,18 @@ from stages.config import config_from_dict
 LOSS_FILE = "loss.json"
 
 
-def evaluate_spec(spec: dict[str, Any], rank: int = 0, world: int = 1) -> dict[str, Any]:
+def evaluate_spec(spec: dict[str, Any], rank: int = 0, world: int = 1,
+                  local_rank: int = 0) -> dict[str, Any]:
     """This rank's share of the held-out loss (totals all-reduced when world > 1).
 
-    Returns heldout_loss's dict plus "ranks", "load_seconds" and "eval_seconds".
+    The model runs on this rank's GPU when there is one (``local_rank``), else on the CPU.
+    Returns heldout_loss's dict plus "ranks", "device", "load_seconds" and "eval_seconds".
     """
     cfg = config_from_dict(spec["config"])
     t0 = time.perf_counter()
     model = load_for_inference(spec["checkpoint"], cfg.model)
+    if torch.cuda.is_available():
+        model = model.to(f"cuda:{local_rank % torch.cuda.device_count()}")
     reader = SplitReader(open_store(spec["store"]), spec["split"])
     t1 = time.perf_counter()
     sources = [(int(a), int(b), str(name)) for a, b, name in spec["sources"]]
@@ -46,7 +51,8 @@ def evaluate_spec(spec: dict[str, Any], rank: int = 0, world: int = 1) -> dict[s
                           cfg.eval.batch_size, rank=rank, world=world, sources=sources)
     # Ends after the all-reduce, so rank 0's time is the slowest rank's.
     eval_s = time.perf_counter() - t1
-    return {**result, "ranks": world, "load_seconds": t1 - t0, "eval_seconds": eval_s}
+    return {**result, "ranks": world, "device": str(next(model.parameters()).device),
+            "load_seconds": t1 - t0, "eval_seconds": eval_s}
 
 
 def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
@@ -59,7 +65,7 @@ def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
 
 
 def _init_gloo(env: DistEnv) -> None:
-    # gloo even on GPU nodes: model.eval_loss reads, computes and all-reduces CPU tensors.
+    # gloo even on GPU nodes: model.eval_loss all-reduces its sums as CPU tensors.
     os.environ["MASTER_ADDR"] = env.master_addr
     os.environ["MASTER_PORT"] = str(env.master_port)
     dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size,
@@ -87,7 +93,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         return run_single(spec)
     _init_gloo(env)
     try:
-        result = evaluate_spec(spec, env.rank, env.world_size)
+        result = evaluate_spec(spec, env.rank, env.world_size, env.local_rank)
         per_rank: list[Any] = [None] * env.world_size
         dist.all_gather_object(per_rank, result["local_windows"])
         result["windows_per_rank"] = per_rank

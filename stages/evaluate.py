@@ -280,6 +280,7 @@ def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]
         **{k: result[k] for k in loss_keys},
         "eval_ranks": ranks,
         "windows_per_rank": result["windows_per_rank"],
+        "eval_device": result.get("device", "cpu"),
         "tokenizer_check": spec["tokenizer_check"],
         "eval_seconds": eval_s,
         "generations": generations,

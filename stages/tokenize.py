@@ -36,6 +36,7 @@ from data_prep.store import FORMAT_VERSION, MANIFEST, SPLITS, open_store
 from data_prep.tokenizer import (
     load_tokenizer,
     save_tokenizer,
+    shared_tokenizer,
     token_dtype,
     tokenizer_hash,
     train_tokenizer,
@@ -112,7 +113,7 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard index {shard_index} out of range for {num_shards} shards")
     info, ds = open_corpus(out_dir)
-    tokenizer = load_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
+    tokenizer = shared_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
     shard = prepared["shards"][shard_index]
     start, stop, label = shard["start"], shard["stop"], shard["source"]
     began, t0 = time.time(), time.perf_counter()
@@ -161,8 +162,16 @@ def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict
     }
 
 
+TAIL_FRACTION = 0.125
+
+
 def _batches(ds, start: int, stop: int, max_bytes: int) -> list[tuple[int, int]]:
-    """Document ranges of about ``max_bytes`` of text each (at least one document)."""
+    """Document ranges of about ``max_bytes`` of text each (at least one document).
+
+    The last range is cut again so that its final ~1/8 of the bytes is a batch of its own:
+    the writes of the long batch then overlap the encoding of the short one, and only the
+    short batch's writes are left after the encoder finishes.
+    """
     sizes = pc.binary_length(ds.data.column("text").slice(start, stop - start)).to_numpy(
         zero_copy_only=False)
     batches, first, total = [], start, 0
@@ -173,6 +182,12 @@ def _batches(ds, start: int, stop: int, max_bytes: int) -> list[tuple[int, int]]
         total += size
     if first < stop:
         batches.append((first, stop))
+    if batches:
+        a, b = batches[-1]
+        tail = np.cumsum(sizes[a - start : b - start][::-1])
+        cut = b - int(np.searchsorted(tail, TAIL_FRACTION * tail[-1]))  # first doc of the tail
+        if a < cut < b:
+            batches[-1:] = [(a, cut), (cut, b)]
     return batches
 
 

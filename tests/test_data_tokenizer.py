@@ -87,3 +87,16 @@ def test_big_vocab_tokenizer_needs_uint32(tmp_path: Path) -> None:
     tok = load_tokenizer(big_vocab_tokenizer(tmp_path / "big.json"), EOS)
     assert tok.get_vocab_size() == 70_000
     assert token_dtype(tok.get_vocab_size()) == np.uint32
+
+
+def test_shared_tokenizer_is_loaded_once_per_file_version(tmp_path: Path) -> None:
+    from data_prep.tokenizer import shared_tokenizer
+
+    path = big_vocab_tokenizer(tmp_path / "tok.json", size=300)
+    first = shared_tokenizer(path, EOS)
+    assert shared_tokenizer(path, EOS) is first  # one object per process
+    big_vocab_tokenizer(path, size=400)  # rewritten in place: loaded afresh
+    second = shared_tokenizer(path, EOS)
+    assert second is not first and second.get_vocab_size() == 400
+    with pytest.raises(DataError, match="does not exist"):
+        shared_tokenizer(tmp_path / "missing.json", EOS)

@@ -35,6 +35,7 @@ def test_two_ranks_give_the_one_rank_loss(micro_pipeline):
     assert (r1["eval_ranks"], r1["windows_per_rank"]) == (1, [windows])
     # Windows are dealt round-robin: each rank evaluated half of them.
     assert (r2["eval_ranks"], r2["windows_per_rank"]) == (2, [windows // 2, windows - windows // 2])
+    assert r1["eval_device"] == r2["eval_device"] == "cpu"  # no GPU on the test machine
     assert r2["perplexity"] == pytest.approx(r1["perplexity"], rel=1e-6)
     assert r2["per_source"].keys() == r1["per_source"].keys()
     for name, src in r2["per_source"].items():
