@@ -16,8 +16,8 @@ parallelism costs 2 all-reduces forward and 2 backward (2 more with full recompu
 with sequence parallelism each becomes an all-gather + reduce-scatter of the same volume.
 
 Pipeline: the stage time per micro-batch times (m + (pp-1)/v) (bubble (pp-1)/m, divided
-by the virtual stages for interleaved 1F1B), plus activation send/recv on the critical
-path. On CPUs with more ranks than cores (``cores_per_node``) the bubble is partly filled
+by the virtual stages for interleaved 1F1B when m >= pp), plus activation send/recv on the
+critical path. On CPUs with more ranks than cores (``cores_per_node``) the bubble is partly filled
 by other ranks' work. Data parallelism: gradient reduce-scatter (all-reduce for DDP) and parameter
 all-gathers, hidden under backward/forward up to the cluster's comm_overlap. FSDP under
 torch pipelining keeps gradients unsharded until the last micro-batch (one reduce-scatter
@@ -149,7 +149,10 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
                           np.maximum(first_t, last_t) + mb_host / 2)
     stage_tp = np.maximum(n_first, n_last) * tp_layer + np.where(tp > 1, 2, 0) * \
         _coll(cluster, "all_reduce", tokens * 4.0, tp, 1)  # loss/vocab-parallel reductions
-    slots = ga + np.where(single, 0.0, (pp - 1) / np.where(sched == INTERLEAVED, v, 1))
+    # Interleaving shortens the bubble only when micro-batches fill every stage: with fewer
+    # than pp of them a micro-batch still passes all pp*v chunks one after another.
+    v_eff = np.where((sched == INTERLEAVED) & (ga >= pp), v, 1)
+    slots = ga + np.where(single, 0.0, (pp - 1) / v_eff)
 
     p2p_bytes = act_bytes * np.where(sp == 1, 1.0 / tp, 1.0)
     p2p = np.where(single, 0.0, 2 * (ga * v + pp - 1) * _p2p(cluster, p2p_bytes, tp * dp))

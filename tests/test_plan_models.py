@@ -112,6 +112,19 @@ def test_bubble_matches_formula() -> None:
     assert t["step"][1] >= t["step"][0] * 0.999 and t["step"][2] < t["step"][0]
 
 
+def test_interleaving_needs_enough_micro_batches_to_shorten_the_bubble() -> None:
+    cl = load_cluster("frontier")
+    s = Shapes(32, 4096, 32, 32, 16384, 51200, 2048, llama=False)
+    mk = lambda sched, v, ga: Plan(pp=4, dp=1, micro_batch=1, grad_accum=ga, schedule=sched,
+                                   virtual_stages=v, sharding="none")
+    t = step_time(s, cl, encode([mk("1f1b", 1, 2), mk("interleaved_1f1b", 2, 2),
+                                 mk("interleaved_1f1b", 2, 4)]))
+    # 2 micro-batches on 4 stages: each still crosses all 8 chunks in turn, no gain
+    assert t["bubble_frac"][1] == pytest.approx(t["bubble_frac"][0]) == pytest.approx(3 / 2)
+    assert t["step"][1] > t["step"][0]  # the same compute plus twice the send/recv
+    assert t["bubble_frac"][2] == pytest.approx(bubble_fraction(4, 4, 2))
+
+
 def test_tp_collectives_use_the_link_the_mesh_places_them_on() -> None:
     cl = load_cluster("frontier")
     assert cl.link_for(1, 2).name == "pair"        # tp=2: both GCDs of one MI250X
