@@ -72,6 +72,24 @@ def _collective(kind: str, rank: int, nproc: int, n_el: int):
     return send_recv
 
 
+TINY_GPT = {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 32, "max_seq_len": 8}
+
+
+def _gpt_fwd_bwd_seconds(model: Any, micro_batch: int, repeat: int) -> float:
+    """Mean seconds of one forward + backward (cross-entropy) of ``model`` on random tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    vocab, seq = model.cfg.vocab_size, model.cfg.max_seq_len
+    x = torch.randint(0, vocab, (micro_batch, seq + 1))
+
+    def run() -> None:
+        logits = model(x[:, :-1])
+        F.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1)).backward()
+
+    return _time(run, repeat)
+
+
 def _host_overheads(repeat: int = 5) -> dict[str, float]:
     """Fixed host costs of eager PyTorch training at negligible tensor sizes (seconds).
 
@@ -80,24 +98,13 @@ def _host_overheads(repeat: int = 5) -> dict[str, float]:
     head, loss). AdamW (foreach=False, as used with DTensor) gives the cost per tensor.
     """
     import torch
-    import torch.nn.functional as F
 
     from model.config import ModelConfig
     from model.gpt import GPT
 
-    def fwd_bwd(n_layers: int) -> tuple[float, Any]:
-        cfg = ModelConfig(n_layers=n_layers, d_model=16, n_heads=2, vocab_size=32, max_seq_len=8)
-        model = GPT(cfg)
-        x = torch.randint(0, 32, (1, 9))
-
-        def run() -> None:
-            logits = model(x[:, :-1])
-            F.cross_entropy(logits.reshape(-1, 32), x[:, 1:].reshape(-1)).backward()
-
-        return _time(run, repeat), model
-
-    t1, _ = fwd_bwd(1)
-    t3, model = fwd_bwd(3)
+    t1 = _gpt_fwd_bwd_seconds(GPT(ModelConfig(**TINY_GPT)), 1, repeat)
+    model = GPT(ModelConfig(**{**TINY_GPT, "n_layers": 3}))
+    t3 = _gpt_fwd_bwd_seconds(model, 1, repeat)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     t_opt = _time(opt.step, repeat)
     n_tensors = sum(1 for _ in model.parameters())
@@ -114,7 +121,6 @@ def _fsdp_overhead(nproc: int, plain_s: float, repeat: int = 5) -> float:
     ranks (ZeRO-3 style); compared with its unsharded time ``plain_s``, per unit.
     """
     import torch
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -122,19 +128,13 @@ def _fsdp_overhead(nproc: int, plain_s: float, repeat: int = 5) -> float:
     from model.gpt import GPT
 
     torch.manual_seed(0)
-    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=2, vocab_size=32, max_seq_len=8)
-    model = GPT(cfg)
+    model = GPT(ModelConfig(**{**TINY_GPT, "n_layers": 3}))
     mesh = init_device_mesh("cpu", (nproc,))
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    x = torch.randint(0, 32, (1, 9))
-
-    def run() -> None:
-        logits = model(x[:, :-1])
-        F.cross_entropy(logits.reshape(-1, 32), x[:, 1:].reshape(-1)).backward()
-
-    return max(_time(run, repeat) - plain_s, 0.0) / (cfg.n_layers + 1)
+    units = len(model.layers) + 1
+    return max(_gpt_fwd_bwd_seconds(model, 1, repeat) - plain_s, 0.0) / units
 
 
 REFERENCE_GPT = {"n_layers": 2, "d_model": 128, "n_heads": 4, "vocab_size": 512,
@@ -145,21 +145,12 @@ REFERENCE_MICRO_BATCH = 4
 def _reference_gpt(repeat: int = 5) -> float:
     """Seconds of one forward + backward of a small real GPT (REFERENCE_GPT, float32)."""
     import torch
-    import torch.nn.functional as F
 
     from model.config import ModelConfig
     from model.gpt import GPT
 
     torch.manual_seed(0)
-    cfg = ModelConfig(**REFERENCE_GPT)
-    model = GPT(cfg)
-    x = torch.randint(0, cfg.vocab_size, (REFERENCE_MICRO_BATCH, cfg.max_seq_len + 1))
-
-    def run() -> None:
-        logits = model(x[:, :-1])
-        F.cross_entropy(logits.reshape(-1, cfg.vocab_size), x[:, 1:].reshape(-1)).backward()
-
-    return _time(run, repeat)
+    return _gpt_fwd_bwd_seconds(GPT(ModelConfig(**REFERENCE_GPT)), REFERENCE_MICRO_BATCH, repeat)
 
 
 def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
@@ -209,7 +200,6 @@ def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
     included; summarise() takes their modelled latency off.
     """
     import torch
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from model.config import ModelConfig
@@ -217,19 +207,12 @@ def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
     from model.parallelize import apply_tp
 
     mesh = init_device_mesh("cpu", (nproc // 2, 2), mesh_dim_names=("dp", "tp"))
-    x = torch.randint(0, 32, (1, 9))
 
     def fwd_bwd(n_layers: int) -> float:
         torch.manual_seed(0)
-        model = GPT(ModelConfig(n_layers=n_layers, d_model=16, n_heads=2, vocab_size=32,
-                                max_seq_len=8))
+        model = GPT(ModelConfig(**{**TINY_GPT, "n_layers": n_layers}))
         apply_tp(model, mesh["tp"])
-
-        def run() -> None:
-            logits = model(x[:, :-1])
-            F.cross_entropy(logits.reshape(-1, 32), x[:, 1:].reshape(-1)).backward()
-
-        return _time(run, repeat)
+        return _gpt_fwd_bwd_seconds(model, 1, repeat)
 
     t1, t3 = fwd_bwd(1), fwd_bwd(3)
     per_block = max((t3 - t1) / 2, 1e-6)
