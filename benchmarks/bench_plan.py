@@ -28,10 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model.calibration import fit_scales
-from model.cluster import load_cluster
-from model.search import enumerate_plans, evaluate, search
-from model.shapes import Shapes, decode
+from model.planner.calibration import fit_scales
+from model.planner.cluster import load_cluster
+from model.planner.microbench import load_measured_cluster
+from model.planner.search import enumerate_plans, evaluate, search
+from model.planner.shapes import Shapes, decode
 from stages.config import load_config
 from stages.plan import choose, measure_plan
 
@@ -69,7 +70,7 @@ def frontier_predictions() -> dict[str, dict]:
 
 def candidates(cfg, nproc: int, max_plans: int):
     """Valid plans of one setting, best predicted first (optionally thinned)."""
-    cl = load_cluster("local", nproc=nproc, cache_dir=cfg.runs_dir / "cache" / "microbench")
+    cl = load_measured_cluster("local", nproc, cache_dir=cfg.runs_dir / "cache" / "microbench")
     s = Shapes.from_configs(cfg.model, cfg.train)
     c, _ = enumerate_plans(s, nproc, cfg.train.global_batch,
                            {"recompute": "none", "sequence_parallel": False})

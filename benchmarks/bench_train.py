@@ -1,7 +1,7 @@
 """Training-loop throughput: our Trainer vs a minimal plain-PyTorch loop, and GPU MFU.
 
 Default mode (one rank): the same model, batches and optimizer are run through
-``model.trainer.Trainer.fit`` (with per-step metrics going to a real MLflow store) and
+``model.training.trainer.Trainer.fit`` (with per-step metrics going to a real MLflow store) and
 through a ten-line plain PyTorch loop, alternating in rounds so machine noise hits both;
 ``trainer_ratio`` = trainer tokens/s / plain tokens/s (target >= 0.95).
 
@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model.batches import SyntheticBatches
 from model.config import ModelConfig, TrainConfig
-from model.dist_env import DistEnv, init_distributed
 from model.flops import param_count
 from model.gpt import GPT
-from model.metrics import BackgroundSink
-from model.optim import lr_factor
-from model.plan import Plan
-from model.trainer import Trainer
+from model.parallel.dist_env import DistEnv, init_distributed
+from model.planner.plan import Plan
+from model.training.batches import SyntheticBatches
+from model.training.metrics import BackgroundSink
+from model.training.optim import lr_factor
+from model.training.trainer import Trainer
 
 # ~0.98B parameters: 18 layers x d_model 2048, GQA 16/8 heads, SwiGLU 5632, 32k vocabulary (untied).
 GPU_MODEL = ModelConfig(family="llama", n_layers=18, d_model=2048, n_heads=16, n_kv_heads=8,

@@ -133,7 +133,7 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: sequential (x + attn, then + mlp) or neox parallel residual.
 
     ``recompute`` (full) and ``attention.recompute_core`` (selective) are set by
-    ``model.parallelize.apply_activation_checkpointing``: the block's (or only the attention
+    ``model.parallel.parallelize.apply_activation_checkpointing``: the block's (or only the attention
     core's) activations are recomputed in backward with torch.utils.checkpoint. Keeping them
     attributes (not wrapper modules) keeps parameter names unchanged.
     """

@@ -1,9 +1,9 @@
 """Per-rank held-out evaluation: ``python -m stages.eval_worker --spec SPEC.json``.
 
 Launched by torchrun locally or srun under Slurm (rank identity from either environment,
-``model.dist_env.from_environ``); with no launcher it runs as a single process. Every rank
+``model.parallel.dist_env.from_environ``); with no launcher it runs as a single process. Every rank
 loads the checkpoint, computes the loss over its round-robin share of the validation
-windows (``model.eval_loss.heldout_loss``, sums all-reduced), and rank 0 writes
+windows (``model.evaluation.loss.heldout_loss``, sums all-reduced), and rank 0 writes
 ``<out_dir>/loss.json`` atomically.
 
 SPEC.json (written by ``stages.evaluate.prepare``): {"config": cfg.to_dict(), "checkpoint",
@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from data_prep.store import SplitReader, open_store
-from model.checkpoint import load_for_inference
-from model.dist_env import DistEnv, from_environ
-from model.eval_loss import heldout_loss
+from model.evaluation.loss import heldout_loss
+from model.parallel.dist_env import DistEnv, from_environ
+from model.training.checkpoint import load_for_inference
 from stages.config import config_from_dict
 
 LOSS_FILE = "loss.json"
@@ -65,7 +65,7 @@ def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
 
 
 def _init_gloo(env: DistEnv) -> None:
-    # gloo even on GPU nodes: model.eval_loss all-reduces its sums as CPU tensors.
+    # gloo even on GPU nodes: model.evaluation.loss all-reduces its sums as CPU tensors.
     os.environ["MASTER_ADDR"] = env.master_addr
     os.environ["MASTER_PORT"] = str(env.master_port)
     dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.store import SplitReader, StoreInfo, open_store
-from model.eval_loss import plan_windows
+from model.evaluation.loss import plan_windows
 from stages import tracking
 from stages.config import PipelineConfig
 
@@ -140,7 +140,7 @@ def _train_histories(tracker) -> tuple[str | None, dict[str, list[tuple[int, flo
 
 
 def _lm_eval(cfg, model, tokenizer, eos_id, reader, out_dir: Path) -> dict[str, dict[str, float]]:
-    from model import lm_eval_adapter as harness
+    from model.evaluation import lm_eval_adapter as harness
 
     task_dir = out_dir / "lm_eval_tasks"
     docs = heldout_documents(reader, tokenizer, eos_id, cfg.eval.task_limit)
@@ -190,7 +190,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     without a validation split or with too few tokens, and a model family that cannot be
     exported. Returns {"spec", "nproc": eval.ranks, "nodes": 1}.
     """
-    from model.export_hf import hf_class_name
+    from model.evaluation.export_hf import hf_class_name
 
     out_dir = Path(out_dir)
     tok_out, train_out = inputs["tokenize"], inputs["train"]
@@ -227,10 +227,10 @@ def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]
     log it all to MLflow; return the stage outputs."""
     from tokenizers import Tokenizer
 
-    from model.checkpoint import load_for_inference
-    from model.export_hf import export_model
-    from model.generate import format_generations, generate_text
-    from model.plots import plot_perplexity, plot_training
+    from model.evaluation.export_hf import export_model
+    from model.evaluation.generate import format_generations, generate_text
+    from model.training.checkpoint import load_for_inference
+    from model.training.plots import plot_perplexity, plot_training
 
     out_dir = Path(out_dir)
     spec = _read_json(out_dir / SPEC_FILE, "run stages.evaluate.prepare first")

@@ -23,12 +23,13 @@ from typing import Any
 
 import yaml
 
-from model.calibration import load_calibration, update_calibration
-from model.cluster import Cluster, load_cluster
 from model.config import ModelConfig, TrainConfig
-from model.plan import Plan, PlanError
-from model.search import SearchResult, predict_plan, search, validate_plan
-from model.shapes import Shapes
+from model.planner.calibration import load_calibration, update_calibration
+from model.planner.cluster import Cluster
+from model.planner.microbench import load_measured_cluster
+from model.planner.plan import Plan, PlanError
+from model.planner.search import SearchResult, predict_plan, search, validate_plan
+from model.planner.shapes import Shapes
 
 SECTIONS = ("model", "parallel", "train")
 MEASURE_STEPS = 4
@@ -221,8 +222,8 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
         raise PlanError(f"the token store's vocabulary ({tok['vocab_size']}) exceeds "
                         f"model.vocab_size={cfg.model.vocab_size}: raise model.vocab_size")
     world = cfg.parallel.nproc
-    cluster = load_cluster(cfg.parallel.cluster, nproc=world,
-                           cache_dir=cfg.runs_dir / "cache" / "microbench")
+    cluster = load_measured_cluster(cfg.parallel.cluster, world,
+                                    cache_dir=cfg.runs_dir / "cache" / "microbench")
     cal_path = calibration_path(cfg, cluster)
     cal = load_calibration(cal_path)
     fixed = fixed_fields(cfg.parallel)
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         model_cfg, train_cfg, _ = load_model_file(args.model)
-        cluster = load_cluster(args.cluster, nproc=args.devices, cache_path=args.cache)
+        cluster = load_measured_cluster(args.cluster, args.devices, cache_path=args.cache)
         seq = args.seq_len or (train_cfg.seq_len if train_cfg else model_cfg.max_seq_len)
         model_cfg.max_seq_len = max(model_cfg.max_seq_len, seq)
         dtype = args.dtype or (train_cfg.dtype if train_cfg else

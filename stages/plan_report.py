@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from model.plan import Plan
+from model.planner.plan import Plan
 
 
 def comparison_png(plans: list[Plan], path: Path) -> Path:

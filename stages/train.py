@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from model.cluster import ClusterError, load_cluster
-from model.plan import Plan
-from model.validate import TrainSetupError, plan_from_parallel, validate_training
+from model.planner.cluster import ClusterError, load_cluster
+from model.planner.plan import Plan
+from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.config import PipelineConfig
 
 SECTIONS = ("model", "train")

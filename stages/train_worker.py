@@ -18,11 +18,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread 
 
 import torch.distributed as dist
 
-from model.batches import SyntheticBatches
-from model.dist_env import from_environ, init_distributed
-from model.metrics import BackgroundSink
-from model.plan import Plan
-from model.trainer import Trainer
+from model.parallel.dist_env import from_environ, init_distributed
+from model.planner.plan import Plan
+from model.training.batches import SyntheticBatches
+from model.training.metrics import BackgroundSink
+from model.training.trainer import Trainer
 from stages.config import config_from_dict
 
 

@@ -18,7 +18,7 @@ from data_prep.corpus import CorpusInfo, allocate_shards, prepare_corpus, shard_
 from data_prep.errors import DataError, StoreError
 from data_prep.store import SplitReader, open_store
 from model.config import ModelConfig
-from model.eval_loss import heldout_loss
+from model.evaluation.loss import heldout_loss
 from model.gpt import GPT
 from stages import tokenize, tracking
 from stages.config import ConfigError, load_config

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.eval_loss import heldout_loss, plan_windows
+from model.evaluation.loss import heldout_loss, plan_windows
 from model.gpt import GPT
 
 

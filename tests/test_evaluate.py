@@ -13,9 +13,9 @@ from mlflow.tracking import MlflowClient
 
 from data_prep.store import MANIFEST, SplitReader, open_store
 from data_prep.writer import PartWriter
-from model.checkpoint import load_for_inference
-from model.eval_loss import EmptySplitError, plan_windows
-from model.generate import generate_tokens
+from model.evaluation.generate import generate_tokens
+from model.evaluation.loss import EmptySplitError, plan_windows
+from model.training.checkpoint import load_for_inference
 from stages import evaluate, tracking
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.export_hf import ExportError, export_checkpoint, export_model
-from model.generate import generate_tokens
+from model.evaluation.export_hf import ExportError, export_checkpoint, export_model
+from model.evaluation.generate import generate_tokens
 from model.gpt import GPT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -103,8 +103,8 @@ def test_export_refuses_partial_state_dict(tmp_path):
 @pytest.mark.slow
 def test_export_of_tp2_pp2_checkpoint_matches(tmp_path):
     """Train 2 steps under tp=2 x pp=2 (4 gloo ranks), export the DCP checkpoint, compare."""
-    from model.checkpoint import load_for_inference
-    from model.plan import Plan
+    from model.planner.plan import Plan
+    from model.training.checkpoint import load_for_inference
     from stages.config import load_config
     from stages.train import launch_local
 

@@ -13,9 +13,9 @@ from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer
 
 from data_prep.store import SplitReader
-from model.checkpoint import load_for_inference
-from model.generate import generate_tokens
-from model.lm_eval_adapter import GPTHarnessLM, run_tasks
+from model.evaluation.generate import generate_tokens
+from model.evaluation.lm_eval_adapter import GPTHarnessLM, run_tasks
+from model.training.checkpoint import load_for_inference
 from stages import tracking
 from stages.evaluate import heldout_documents
 

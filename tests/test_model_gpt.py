@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from model.batches import SyntheticBatches
 from model.config import ModelConfig, TrainConfig
-from model.dist_env import expand_first_host, from_environ
 from model.flops import flops_per_token, param_count
 from model.gpt import GPT, apply_rotary, rotary_tables
-from model.optim import clip_grad_norm_, lr_factor
-from model.pipeline import build_chunk, chunk_ids
+from model.parallel.dist_env import expand_first_host, from_environ
+from model.parallel.pipeline import build_chunk, chunk_ids
+from model.training.batches import SyntheticBatches
+from model.training.optim import clip_grad_norm_, lr_factor
 
 CONFIGS = {
     "llama_gqa": ModelConfig(family="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
@@ -84,7 +84,7 @@ def test_matches_hugging_face_after_export(name: str, tmp_path) -> None:
     """Same logits as LlamaForCausalLM / GPTNeoXForCausalLM loaded from our export."""
     import transformers
 
-    from model.export_hf import export_model
+    from model.evaluation.export_hf import export_model
 
     cfg = CONFIGS[name]
     model = built(cfg, 3)
@@ -161,7 +161,7 @@ def test_rank_identity_from_torchrun_and_slurm() -> None:
 
 
 def _grads_and_saved_bytes(mode: str) -> tuple[dict[str, torch.Tensor], int]:
-    from model.parallelize import apply_activation_checkpointing
+    from model.parallel.parallelize import apply_activation_checkpointing
 
     model = built(ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=300, max_seq_len=64), 1)
     apply_activation_checkpointing(model, mode)

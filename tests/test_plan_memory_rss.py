@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from model.config import ModelConfig, TrainConfig
-from model.memory_model import peak_memory_gb
-from model.plan import Plan
-from model.shapes import Shapes
+from model.planner.memory_model import peak_memory_gb
+from model.planner.plan import Plan
+from model.planner.shapes import Shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model.cluster import load_cluster
-from model.memory_model import activation_elems_per_layer, memory_breakdown, stage_layer_counts
-from model.plan import Plan, stage_layers
-from model.shapes import REC_FULL, REC_NONE, REC_SEL, Shapes, encode
-from model.time_model import bubble_fraction, step_time
+from model.planner.cluster import load_cluster
+from model.planner.memory_model import (
+    activation_elems_per_layer,
+    memory_breakdown,
+    stage_layer_counts,
+)
+from model.planner.plan import Plan, stage_layers
+from model.planner.shapes import REC_FULL, REC_NONE, REC_SEL, Shapes, encode
+from model.planner.time_model import bubble_fraction, step_time
 
 
 def _mem(shapes: Shapes, **plan) -> dict[str, float]:
@@ -143,7 +147,7 @@ def test_tp_collectives_use_the_link_the_mesh_places_them_on() -> None:
 
 
 def test_small_gemms_run_below_peak() -> None:
-    from model.time_model import gemm_time
+    from model.planner.time_model import gemm_time
 
     cl = load_cluster("frontier")
     rate = lambda m, n, k: 2 * m * n * k / gemm_time(cl, "bfloat16", m, n, k)
@@ -154,7 +158,7 @@ def test_small_gemms_run_below_peak() -> None:
 
 def _cpu_cluster(**fields):
     """A measured-style CPU cluster written by hand (no microbenchmark)."""
-    from model.cluster import cluster_from_dict
+    from model.planner.cluster import cluster_from_dict
 
     raw = {"name": "cpu", "ranks_per_node": 4, "memory_gb": 4, "peak_tflops": 0.05,
            "fp32_tflops": 0.05, "hbm_bandwidth_gbps": 10, "gemm_efficiency": 1.0,
@@ -193,9 +197,9 @@ def test_tensor_parallel_host_cost_applies_to_tp_plans_only() -> None:
 def test_block_rate_scale_inverts_the_time_model() -> None:
     from types import SimpleNamespace
 
-    from model.cluster import cluster_from_dict
     from model.config import ModelConfig
-    from model.microbench import REFERENCE_GPT, REFERENCE_MICRO_BATCH, block_rate_scale
+    from model.planner.cluster import cluster_from_dict
+    from model.planner.microbench import REFERENCE_GPT, REFERENCE_MICRO_BATCH, block_rate_scale
 
     fields = {"name": "cpu", "ranks_per_node": 2, "memory_gb": 4, "peak_tflops": 0.1,
               "fp32_tflops": 0.1, "hbm_bandwidth_gbps": 10, "gemm_efficiency": 1.0,

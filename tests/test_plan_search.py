@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from model.cluster import ClusterError, load_cluster
 from model.config import ModelConfig, TrainConfig
-from model.plan import Plan, PlanError
-from model.search import search
-from model.shapes import Shapes
+from model.planner.cluster import ClusterError, load_cluster
+from model.planner.plan import Plan, PlanError
+from model.planner.search import search
+from model.planner.shapes import Shapes
 from stages.plan import choose
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from model.calibration import load_calibration
-from model.plan import Plan, PlanError
+from model.planner.calibration import load_calibration
+from model.planner.plan import Plan, PlanError
 from stages import plan as plan_stage
 from stages import tracking
 from stages.config import load_config
@@ -57,11 +57,11 @@ def test_local_cluster_is_measured_once_and_cached(runs: Path, tmp_path: Path) -
     import shutil
     import time
 
-    from model.cluster import load_cluster
+    from model.planner.microbench import load_measured_cluster
 
     cache_dir = runs / "cache" / "microbench"  # filled by the stage test above
     t0 = time.perf_counter()
-    cl = load_cluster("local", nproc=2, cache_dir=cache_dir)
+    cl = load_measured_cluster("local", 2, cache_dir=cache_dir)
     assert time.perf_counter() - t0 < 5  # read from the cache, not measured again
     assert cl.measured and cl.ranks_per_node == 2 and cl.source.startswith(str(cache_dir))
     assert set(cl.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
@@ -72,7 +72,7 @@ def test_local_cluster_is_measured_once_and_cached(runs: Path, tmp_path: Path) -
     src = next(cache_dir.glob("microbench-*-n2-*.json"))
     mine = tmp_path / "bench.json"
     shutil.copy(src, mine)
-    assert load_cluster("local", nproc=2, cache_path=mine).source == str(mine)
+    assert load_measured_cluster("local", 2, cache_path=mine).source == str(mine)
 
 
 def test_stage_validates_a_hand_plan_with_the_same_messages(runs: Path) -> None:

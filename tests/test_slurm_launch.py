@@ -107,7 +107,7 @@ ALLREDUCE_SCRIPT = textwrap.dedent(
     import json
     import torch
     import torch.distributed as dist
-    from model.dist_env import from_environ, init_distributed
+    from model.parallel.dist_env import from_environ, init_distributed
 
     env = from_environ()  # SLURM_PROCID / SLURM_NTASKS / first node of the job
     init_distributed(env)
@@ -123,7 +123,7 @@ ALLREDUCE_SCRIPT = textwrap.dedent(
 
 
 def test_gloo_allreduce_under_srun(slurm_env, tmp_path):
-    """Two srun tasks form a gloo group from Slurm's rank identity (model.dist_env) and all-reduce."""
+    """Two srun tasks form a gloo group from Slurm's rank identity (model.parallel.dist_env) and all-reduce."""
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE_SCRIPT)
     from workflows.sites import REPO_ROOT

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from model.checkpoint import CheckpointError, latest_checkpoint, load_for_inference
+from model.training.checkpoint import CheckpointError, latest_checkpoint, load_for_inference
 from tests.train_helpers import run_worker, tiny_config
 
 SINGLE = {"micro_batch": 4, "grad_accum": 2, "sharding": "none"}

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from model.parallel_dims import LayoutError, ParallelDims
-from model.plan import Plan
-from model.validate import TrainSetupError, plan_from_parallel, validate_training
+from model.parallel.dims import LayoutError, ParallelDims
+from model.planner.plan import Plan
+from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages import train
 from tests.train_helpers import tiny_config
 

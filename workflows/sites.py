@@ -331,7 +331,7 @@ def rank_env(cfg: PipelineConfig) -> dict[str, str]:
     """Environment exported before the ranks start (values may use shell expansions).
 
     The rendezvous address and port are not set here: every rank derives them from the
-    Slurm job (model/dist_env.py: first node of the job, port from the job id).
+    Slurm job (model/parallel/dist_env.py: first node of the job, port from the job id).
     """
     env: dict[str, str] = {"PYTHONPATH": f"{REPO_ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"}
     if cfg.site.name == "frontier":

@@ -23,6 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from model.planner.cluster import (
+    Cluster,
+    ClusterError,
+    cluster_from_dict,
+    load_cluster,
+    read_cluster_file,
+)
+
 MATMUL_SHAPES = ((64, 64, 64), (256, 64, 256), (512, 256, 256), (1024, 512, 512))
 SIZES = (4 * 1024, 1024 * 1024, 8 * 1024 * 1024)  # bytes per rank for the collectives
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
@@ -163,11 +171,10 @@ def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
     """
     from types import SimpleNamespace
 
-    from model.cluster import cluster_from_dict
     from model.config import ModelConfig
-    from model.plan import Plan
-    from model.shapes import Shapes, encode
-    from model.time_model import step_time
+    from model.planner.plan import Plan
+    from model.planner.shapes import Shapes, encode
+    from model.planner.time_model import step_time
 
     shapes = Shapes.from_configs(ModelConfig(**REFERENCE_GPT), SimpleNamespace(
         seq_len=REFERENCE_GPT["max_seq_len"], dtype="float32"))
@@ -204,7 +211,7 @@ def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
 
     from model.config import ModelConfig
     from model.gpt import GPT
-    from model.parallelize import apply_tp
+    from model.parallel.parallelize import apply_tp
 
     mesh = init_device_mesh("cpu", (nproc // 2, 2), mesh_dim_names=("dp", "tp"))
 
@@ -279,7 +286,7 @@ def run_microbench(nproc: int) -> dict[str, Any]:
 
 
 def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
-    """Cluster fields (see model.cluster) from raw per-rank measurements (slowest rank counts)."""
+    """Cluster fields (see model.planner.cluster) from raw per-rank measurements (slowest rank counts)."""
     ranks = raw["ranks"]
     n_shapes = len(ranks[0]["matmul"])
     mm = [max(r["matmul"][i]["seconds"] for r in ranks) for i in range(n_shapes)]
@@ -372,6 +379,20 @@ def measured_cluster_fields(nproc: int, cache_path: str | Path | None = None,
           f"GFLOP/s per rank, all-reduce {fields['links']['node']['bandwidth_gbps']:.2f} GB/s",
           flush=True)
     return {**fields, "source": str(path)}
+
+
+
+def load_measured_cluster(name_or_path: str | Path, nproc: int | None,
+                          cache_path: str | Path | None = None,
+                          cache_dir: str | Path | None = None) -> Cluster:
+    """Load a cluster file; one that says ``measured: true`` is first measured on this machine
+    with ``nproc`` ranks (or read from the microbenchmark cache)."""
+    path, raw = read_cluster_file(name_or_path)
+    if not raw.get("measured"):
+        return load_cluster(path)
+    if not nproc:
+        raise ClusterError(f"{path} is measured at plan time: give the number of ranks (nproc)")
+    return load_cluster(path, measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir))
 
 
 if __name__ == "__main__":

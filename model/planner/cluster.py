@@ -5,8 +5,8 @@ link levels. Ranks are numbered node-major, so consecutive ranks share the inner
 level first: on Frontier ranks 2k and 2k+1 are the two GCDs of one MI250X ("pair"),
 ranks 8n..8n+7 share a node ("node"), everything else crosses the network.
 
-``measured: true`` (local.yaml) means the speed figures come from model/microbench.py,
-run on this machine at plan time and cached.
+``measured: true`` (local.yaml) means the speed figures come from model/planner/microbench.py,
+run on this machine at plan time (``microbench.load_measured_cluster``) and cached.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-CLUSTER_DIR = Path(__file__).resolve().parent.parent / "configs" / "clusters"
+CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "clusters"
 
 REQUIRED = {
     "name": "cluster name",
@@ -205,12 +205,8 @@ def resolve_cluster_path(name_or_path: str | Path) -> Path:
     raise ClusterError(f"cluster {str(name_or_path)!r} not found: give a YAML path or one of {known}")
 
 
-def load_cluster(name_or_path: str | Path, nproc: int | None = None,
-                 cache_path: str | Path | None = None, cache_dir: str | Path | None = None) -> Cluster:
-    """Load and validate a cluster; a ``measured: true`` file is filled in by the microbenchmark.
-
-    nproc is needed for measured clusters (collectives are measured with that many ranks).
-    """
+def read_cluster_file(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The resolved path and raw mapping of a cluster file (nothing validated or measured)."""
     path = resolve_cluster_path(name_or_path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -218,10 +214,19 @@ def load_cluster(name_or_path: str | Path, nproc: int | None = None,
         raise ClusterError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ClusterError(f"{path}: a cluster file must be a mapping")
-    if raw.get("measured"):
-        from model.microbench import measured_cluster_fields
+    return path, raw
 
-        if not nproc:
-            raise ClusterError(f"{path} is measured at plan time: give the number of ranks (nproc)")
-        raw = {**raw, **measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir)}
+
+def load_cluster(name_or_path: str | Path, measured_fields: dict[str, Any] | None = None) -> Cluster:
+    """Load and validate a cluster file. Loading never measures anything: a ``measured: true``
+    file needs ``measured_fields`` (``model.planner.microbench.load_measured_cluster`` measures
+    this machine and passes them)."""
+    path, raw = read_cluster_file(name_or_path)
+    if raw.get("measured"):
+        if measured_fields is None:
+            raise ClusterError(
+                f"{path} is measured on this machine at plan time: load it with "
+                "model.planner.microbench.load_measured_cluster"
+            )
+        raw = {**raw, **measured_fields}
     return cluster_from_dict(raw, str(path))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model import checkpoint as ckpt
 from model.config import ModelConfig, ParallelConfig, TrainConfig
-from model.plan import Plan
+from model.planner.plan import Plan
+from model.training import checkpoint as ckpt
 
 
 class TrainSetupError(ValueError):

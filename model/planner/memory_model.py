@@ -33,13 +33,23 @@ from typing import Any
 
 import numpy as np
 
-from model.shapes import DDP, GPIPE, INTERLEAVED, NOSHARD, REC_FULL, REC_NONE, ZERO2, ZERO3, Shapes
+from model.planner.shapes import (
+    DDP,
+    GPIPE,
+    INTERLEAVED,
+    NOSHARD,
+    REC_FULL,
+    REC_NONE,
+    ZERO2,
+    ZERO3,
+    Shapes,
+)
 
 GB = 1e9
 
 
 def stage_layer_counts(s: Shapes, pp: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Layers on the first pipeline rank (the largest) and on the last one (model.plan.stage_layers)."""
+    """Layers on the first pipeline rank (the largest) and on the last one (model.planner.plan.stage_layers)."""
     chunks = pp * v
     base, extra = np.divmod(s.n_layers, chunks)
     # Rank 0 owns chunks 0, pp, 2pp, ...: chunk c gets base+1 layers when c < extra.
@@ -85,7 +95,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
                      fragmentation: float = 0.0) -> dict[str, np.ndarray]:
     """Per-rank bytes (arrays over candidates) of the first and last pipeline stages and the peak.
 
-    c: encoded plans (model.shapes.encode). Keys returned: params_first, params_last,
+    c: encoded plans (model.planner.shapes.encode). Keys returned: params_first, params_last,
     states_first, states_last, act_first, act_last, first, last, peak (all bytes).
     """
     tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
@@ -134,7 +144,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
 
 def peak_memory_gb(s: Shapes, plan: Any, cluster: Any = None) -> float:
     """Peak bytes (GB) per rank of one Plan; cluster supplies reserved memory and fragmentation."""
-    from model.shapes import encode
+    from model.planner.shapes import encode
 
     res = memory_breakdown(s, encode([plan]), getattr(cluster, "reserved_gb", 0.0),
                            getattr(cluster, "fragmentation", 0.0))

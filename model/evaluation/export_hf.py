@@ -259,7 +259,7 @@ def export_model(model: torch.nn.Module, out_dir: str | Path, **kwargs) -> Path:
 
 def export_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, out_dir: str | Path, **kwargs) -> Path:
     """Export a DCP checkpoint directory (any training layout) via ``load_for_inference``."""
-    from model.checkpoint import load_for_inference
+    from model.training.checkpoint import load_for_inference
 
     hf_class_name(cfg.family)  # fail before loading weights
     model = load_for_inference(ckpt_dir, cfg)

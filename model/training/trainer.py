@@ -23,16 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model import checkpoint as ckpt
 from model.config import ModelConfig, TrainConfig
 from model.flops import default_peak_tflops, flops_per_token
 from model.gpt import GPT
-from model.metrics import median_step_time, peak_memory_gb, plot_losses
-from model.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from model.parallel_dims import ParallelDims
-from model.parallelize import allreduce_gradients, apply_ddp, parallelize_chunk
-from model.pipeline import build_chunk, build_schedule, chunk_ids
-from model.plan import Plan
+from model.parallel.dims import ParallelDims
+from model.parallel.parallelize import allreduce_gradients, apply_ddp, parallelize_chunk
+from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
+from model.planner.plan import Plan
+from model.training import checkpoint as ckpt
+from model.training.metrics import median_step_time, peak_memory_gb, plot_losses
+from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
 
 class BatchSource(Protocol):

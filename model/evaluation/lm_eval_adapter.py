@@ -27,7 +27,7 @@ except ImportError as err:  # the optional extra is missing
         f"(or pip install lm-eval); import failed: {err}"
     ) from err
 
-from model.generate import generate_tokens
+from model.evaluation.generate import generate_tokens
 
 HELDOUT_TASK = "heldout_perplexity"
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from model.memory_model import stage_layer_counts
-from model.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, ZERO2, ZERO3, Shapes
+from model.planner.memory_model import stage_layer_counts
+from model.planner.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, ZERO2, ZERO3, Shapes
 
 
 def gemm_time(cluster: Any, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) -> np.ndarray:

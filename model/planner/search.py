@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from model.memory_model import GB, memory_breakdown
-from model.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan, PlanError
-from model.shapes import (
+from model.planner.memory_model import GB, memory_breakdown
+from model.planner.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan, PlanError
+from model.planner.shapes import (
     DDP,
     GPIPE,
     INTERLEAVED,
@@ -28,7 +28,7 @@ from model.shapes import (
     decode,
     encode,
 )
-from model.time_model import predictions
+from model.planner.time_model import predictions
 
 FIXABLE = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
            "sharding", "recompute", "sequence_parallel")
