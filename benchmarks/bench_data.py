@@ -69,7 +69,7 @@ def measure_encode(cfg, out: Path, tracker, reps: int) -> dict[str, float]:
     """End-to-end (shard tasks + finalize) vs raw encode_batch on the same documents.
 
     The machine is shared, so measurements are short and paired: for every shard, raw
-    ``encode_batch`` of its documents and then ``tokenize_shard``; finalize runs once at the
+    ``encode_batch`` of its documents and then ``part``; finalize runs once at the
     end and its time is added to every repetition. The result is the median over
     repetitions of the per-repetition ratio. Both sides use one Tokenizer for the whole
     process (the shard task through ``shared_tokenizer``), as a long-lived worker does:
@@ -98,7 +98,7 @@ def measure_encode(cfg, out: Path, tracker, reps: int) -> dict[str, float]:
             fast_s += time.perf_counter() - t0
             del fast_encodings
             t0, c0 = time.perf_counter(), cpu_seconds()
-            results.append(tokenize.tokenize_shard(cfg, out, i))
+            results.append(tokenize.part(cfg, out, i))
             e2e_s += time.perf_counter() - t0
             e2e_cpu += cpu_seconds() - c0
         assert sum(r["tokens"] for r in results) == tokens
@@ -134,7 +134,7 @@ def _warm(seconds: float) -> int:
 
 def _shard(cfg, out: Path, index: int) -> dict:
     """Parsl app body: tokenize one shard."""
-    from stages.tokenize import tokenize_shard
+    from stages.tokenize import part as tokenize_shard
 
     return tokenize_shard(cfg, out, index)
 

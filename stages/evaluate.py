@@ -35,8 +35,21 @@ from data_prep.store import SplitReader, StoreInfo, open_store
 from model.evaluation.loss import plan_windows
 from stages import tracking
 from stages.config import PipelineConfig
+from stages.stage import RANKS, SINGLE, StageShape
 
 SECTIONS = ("eval",)
+UPSTREAM = ("tokenize", "train")
+RESUMABLE = False
+WORKER = "stages.eval_worker"
+
+
+def shape(cfg: PipelineConfig) -> StageShape:
+    """Ranks when ``eval.ranks`` > 1; else one app computes everything in one process (a
+    separate rank process would only add its start-up, ~5 s of the tiny preset's run)."""
+    if cfg.eval.ranks > 1:
+        return StageShape(RANKS, nproc=cfg.eval.ranks, nodes=1, worker=WORKER,
+                          note=f"on {cfg.eval.ranks} ranks")
+    return StageShape(SINGLE, note="in one process")
 SPLIT = "validation"
 SPEC_FILE = "spec.json"
 LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker

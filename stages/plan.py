@@ -30,8 +30,18 @@ from model.planner.microbench import load_measured_cluster
 from model.planner.plan import Plan, PlanError
 from model.planner.search import SearchResult, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
+from stages.stage import SINGLE, StageShape
 
 SECTIONS = ("model", "parallel", "train")
+UPSTREAM = ("tokenize",)  # checks that the store's vocabulary fits the model
+RESUMABLE = False
+
+
+def shape(cfg: Any) -> StageShape:
+    """One app (the search is cheap; measured refinement launches its own ranks)."""
+    return StageShape(SINGLE)
+
+
 MEASURE_STEPS = 4
 
 ALIASES = {

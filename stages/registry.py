@@ -1,4 +1,10 @@
-"""The pipeline's stages, their order and what each one consumes."""
+"""The pipeline's stages and their order; each stage module declares the rest.
+
+A stage module ``stages/<name>.py`` declares ``SECTIONS`` (the config sections its key
+hashes), ``UPSTREAM`` (the stages whose outputs it consumes), ``RESUMABLE`` (whether a
+failed attempt's work directory is kept to continue from) and ``shape(cfg)`` (see
+``stages.stage.StageShape``). The workflow reads these and knows no stage by name.
+"""
 from __future__ import annotations
 
 import importlib
@@ -6,17 +12,14 @@ from types import ModuleType
 
 STAGE_ORDER: tuple[str, ...] = ("tokenize", "plan", "train", "evaluate")
 
-# Upstream stages whose outputs (and keys) a stage consumes.
-UPSTREAM: dict[str, tuple[str, ...]] = {
-    "tokenize": (),
-    "plan": ("tokenize",),  # checks that the store's vocabulary fits the model
-    "train": ("tokenize", "plan"),
-    "evaluate": ("tokenize", "train"),
-}
-
 
 def stage_module(name: str) -> ModuleType:
     """Import ``stages.<name>`` (lazily: training pulls in torch)."""
     if name not in STAGE_ORDER:
         raise ValueError(f"unknown stage {name!r}; choose one of {list(STAGE_ORDER)}")
     return importlib.import_module(f"stages.{name}")
+
+
+def upstream(name: str) -> tuple[str, ...]:
+    """The stages whose outputs (and keys) stage ``name`` consumes."""
+    return tuple(stage_module(name).UPSTREAM)

@@ -32,6 +32,34 @@ from stages import tracking
 from stages.config import PipelineConfig
 
 STATUS_FILE = "status.json"
+
+SINGLE, FAN_OUT, RANKS = "single", "fan-out", "ranks"
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """How the workflow runs a stage; each stage module's ``shape(cfg)`` returns one.
+
+    - ``single``: one app calls ``run(cfg, inputs, out_dir, tracker) -> outputs``.
+    - ``fan-out``: ``prepare(cfg, inputs, out_dir, tracker)``, then ``parts`` apps each call
+      ``part(cfg, out_dir, index) -> dict``, then ``finalize(cfg, out_dir, parts, tracker)``.
+    - ``ranks``: ``prepare`` writes a ``stages.launch.RankSpec`` and returns its path, the
+      launcher starts ``nproc`` ranks of ``python -m <worker> --spec PATH`` on ``nodes``
+      nodes, then ``finalize(cfg, out_dir, [], tracker)``.
+    """
+
+    kind: str
+    parts: int = 0
+    nproc: int = 1
+    nodes: int = 1
+    worker: str = ""
+    note: str = ""  # what --dry-run prints after the stage, e.g. "x2 shards"
+
+    def __post_init__(self) -> None:
+        if self.kind not in (SINGLE, FAN_OUT, RANKS):
+            raise ValueError(f"unknown stage shape {self.kind!r}")
+        if self.kind == RANKS and not self.worker:
+            raise ValueError("a ranks stage names its worker module")
 OUTPUTS_FILE = "outputs.json"
 
 

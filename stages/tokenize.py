@@ -1,6 +1,6 @@
 """Stage tokenize: raw text -> tokenizer.json + a Zarr token store (train/validation).
 
-``prepare`` saves the corpus and trains (or loads) the tokenizer; ``tokenize_shard`` encodes
+``prepare`` saves the corpus and trains (or loads) the tokenizer; ``part`` encodes
 one contiguous range of documents into its own store parts (safe to run in parallel
 processes); ``finalize`` checks every part and writes the manifest last, atomically.
 ``run`` does the three serially. The store layout is described in ``data_prep``.
@@ -43,8 +43,16 @@ from data_prep.tokenizer import (
 )
 from data_prep.writer import PartWriter, directory_bytes, part_name, write_json_atomic
 from stages.config import PipelineConfig
+from stages.stage import FAN_OUT, StageShape
 
 SECTIONS = ("data", "tokenizer")
+UPSTREAM: tuple[str, ...] = ()
+RESUMABLE = True  # finished shards are kept and not encoded again
+
+
+def shape(cfg: PipelineConfig) -> StageShape:
+    """Fan-out: one part per input shard."""
+    return StageShape(FAN_OUT, parts=cfg.data.num_shards, note=f"x{cfg.data.num_shards} shards")
 STORE = "store.zarr"
 TOKENIZER = "tokenizer.json"
 PREPARED = "prepared.json"
@@ -105,7 +113,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     return len(shards)
 
 
-def tokenize_shard(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]:
+def part(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]:
     """Encode input shard ``shard_index`` into its own train and validation parts."""
     out_dir = Path(out_dir)
     prepared = json.loads((out_dir / PREPARED).read_text())
@@ -213,7 +221,7 @@ def _collect_parts(store: Path, split: str, shards: list[dict[str, Any]],
     for shard, plan in enumerate(shards):
         path = store / part_name(split, shard)
         if not (path / "zarr.json").is_file():
-            raise DataError(f"tokenize shard {shard} has not written {path}: run tokenize_shard "
+            raise DataError(f"tokenize shard {shard} has not written {path}: run part "
                             f"for shard {shard} before finalize")
         attrs = dict(zarr.open_group(str(path), mode="r").attrs)
         if attrs.get("tokenizer_hash") != token_hash:
@@ -330,5 +338,5 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
 def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
     """prepare + every shard + finalize, in this process."""
     num_shards = prepare(cfg, inputs, out_dir, tracker)
-    results = [tokenize_shard(cfg, out_dir, i) for i in range(num_shards)]
+    results = [part(cfg, out_dir, i) for i in range(num_shards)]
     return finalize(cfg, out_dir, results, tracker)

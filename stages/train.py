@@ -20,8 +20,18 @@ from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.config import PipelineConfig
+from stages.stage import RANKS, StageShape
 
 SECTIONS = ("model", "train")
+UPSTREAM = ("tokenize", "plan")
+RESUMABLE = True  # a failed attempt's checkpoints are kept and resumed from
+WORKER = "stages.train_worker"
+
+
+def shape(cfg: PipelineConfig) -> StageShape:
+    """Ranks: ``parallel.nproc`` processes of stages.train_worker on ``parallel.nodes`` nodes."""
+    return StageShape(RANKS, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes, worker=WORKER,
+                      note=f"on {cfg.parallel.nproc} ranks")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -147,7 +147,7 @@ def test_same_tokens_for_any_shard_count_and_shard_order(built: dict, tracker) -
     out.mkdir()
     n = tokenize.prepare(cfg, {}, out, tracker)
     assert n == 7
-    results = [tokenize.tokenize_shard(cfg, out, i) for i in reversed(range(n))]
+    results = [tokenize.part(cfg, out, i) for i in reversed(range(n))]
     stores[7] = tokenize.finalize(cfg, out, results, tracker)
     for count, other in stores.items():
         info = open_store(other["store"])

@@ -146,7 +146,7 @@ def test_same_tokens_for_any_shard_count_and_parallel_processes(built: dict, tra
     out.mkdir()
     n = tokenize.prepare(cfg, {}, out, tracker)
     with multiprocessing.get_context("spawn").Pool(2) as pool:
-        results = pool.starmap(tokenize.tokenize_shard, [(cfg, out, i) for i in range(n)])
+        results = pool.starmap(tokenize.part, [(cfg, out, i) for i in range(n)])
     stores["4p"] = tokenize.finalize(cfg, out, results, tracker)
     for other in stores.values():
         assert other["tokenizer_hash"] == base["tokenizer_hash"]
@@ -189,7 +189,7 @@ def test_incomplete_store_and_other_tokenizer_are_refused(built: dict, tmp_path:
     out = tmp_path / "partial"
     out.mkdir()
     n = tokenize.prepare(cfg, {}, out, tracker)
-    results = [tokenize.tokenize_shard(cfg, out, i) for i in range(n - 1)]
+    results = [tokenize.part(cfg, out, i) for i in range(n - 1)]
     with pytest.raises(StoreError, match="incomplete"):
         open_store(out / "store.zarr")
     with pytest.raises(DataError, match=r"missing \[2\]"):
@@ -198,7 +198,7 @@ def test_incomplete_store_and_other_tokenizer_are_refused(built: dict, tmp_path:
     # The missing shard is rerun; a dead writer's temp dir is cleared; the store completes.
     stale = out / "store.zarr" / "train" / ".00001.tmp-otherhost-999"
     stale.mkdir()
-    results.append(tokenize.tokenize_shard(cfg, out, n - 1))
+    results.append(tokenize.part(cfg, out, n - 1))
     outputs = tokenize.finalize(cfg, out, results, tracker)
     assert not stale.exists()
     assert open_store(outputs["store"]).documents == N_DOCS
@@ -212,7 +212,7 @@ def test_shard_refuses_a_tokenizer_replaced_after_prepare(built: dict, tmp_path:
     tokenize.prepare(cfg, {}, out, tracker)
     shutil.copyfile(big_vocab_tokenizer(tmp_path / "other.json"), out / tokenize.TOKENIZER)
     with pytest.raises(DataError, match="changed since prepare"):
-        tokenize.tokenize_shard(cfg, out, 0)
+        tokenize.part(cfg, out, 0)
     parts = out / "store.zarr" / "train"
     assert [p.name for p in parts.iterdir()] == ["zarr.json"]  # no part, not even a temporary one
 

@@ -73,7 +73,7 @@ def shard_app(cfg, opened, shard_index: int, log_path: str) -> dict[str, Any] | 
         return None
     attempt, _ = opened
     with _logged(log_path):
-        return tokenize.tokenize_shard(cfg, Path(attempt.work_dir), shard_index)
+        return tokenize.part(cfg, Path(attempt.work_dir), shard_index)
 
 
 @python_app(executors=["cpu"])
