@@ -1,0 +1,72 @@
+"""Atomic file writes: the one way this project writes a file that another process may read.
+
+Every write goes to a temporary file with a unique name in the target's directory (two
+writers never share one), is flushed and fsync'ed, then renamed over the target. A reader
+sees the old file or the new one, never half of one, and a crash leaves at most a
+``.<name>.tmp-*`` file that no reader looks at.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, fsync: bool = True) -> Iterator[Path]:
+    """Yield a unique temporary path beside ``path``; rename it to ``path`` if the block succeeds.
+
+    For writers that want a path (``savefig``, ``torch.save``). On an exception the
+    temporary file is removed and ``path`` is left as it was.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        _fsync_dir(target.parent)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, fsync: bool = True) -> Path:
+    """Write ``data`` to ``path`` atomically; return ``path``."""
+    with atomic_path(path, fsync) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_text_atomic(path: str | Path, text: str, fsync: bool = True) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; return ``path``."""
+    return write_bytes_atomic(path, text.encode("utf-8"), fsync)
+
+
+def write_json_atomic(path: str | Path, obj: Any, fsync: bool = True, indent: int | None = 2) -> Path:
+    """Write ``obj`` as JSON (non-JSON values as ``str``) to ``path`` atomically; return ``path``."""
+    return write_text_atomic(path, json.dumps(obj, indent=indent, default=str), fsync)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable (some filesystems refuse to open a directory: then skip)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
