@@ -14,6 +14,8 @@ line, one JSON object:
   from a numpy memmap of the same tokens (target >= 0.3); loader_tokens_per_s;
 - compression_ratio: raw token bytes / bytes of the compressed token arrays.
 
+The same figures, with the commit and machine, are written to benchmarks/results/bench_data.json.
+
 The machine may be shared, so each figure is the median over ``--reps`` repetitions of a
 ratio between runs made back to back (a baseline run, then the measured run).
 
@@ -38,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.results import RESULTS_DIR, write_results
 from data_prep.corpus import open_corpus, shard_range
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
@@ -224,6 +227,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=600, help="stdlib documents to use")
     parser.add_argument("--reps", type=int, default=5, help="paired repetitions (median kept)")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench_data"), help="work directory")
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR),
+                        help="where bench_data.json is written")
     args = parser.parse_args()
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -262,6 +267,8 @@ def main() -> None:
         "tokens": tokens,
         "documents": info.documents,
     }
+    path = write_results("bench_data", result, {"args": vars(args)}, args.results_dir)
+    log(f"figures written to {path}")
     print(json.dumps(result), flush=True)
 
 

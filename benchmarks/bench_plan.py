@@ -13,7 +13,8 @@
    step-time MAPE of the raw model and of the model calibrated leave-one-out (scales fitted on
    the other plans of the same setting, as the plan stage's refinement does).
 
-The last line printed is one JSON object.
+The last line printed is one JSON object; the same figures, with the commit and machine, go to
+benchmarks/results/bench_plan.json (bench_plan_search.json with --skip-local).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results import RESULTS_DIR, write_results
 from model.planner.calibration import fit_scales
 from model.planner.cluster import load_cluster
 from model.planner.microbench import load_measured_cluster
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--max-plans", type=int, default=0, help="plans per setting (0: all)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--skip-local", action="store_true", help="only the search and Frontier parts")
+    ap.add_argument("--results-dir", default=str(RESULTS_DIR),
+                    help="where bench_plan.json (bench_plan_search.json with --skip-local) goes")
     args = ap.parse_args()
     speed = search_speed()
     print(f"[search] 1T on 3,072 Frontier GCDs: {speed:.3f} s (median of 5)", flush=True)
@@ -177,6 +181,10 @@ def main() -> None:
                 plans_valid=sum(s["n_valid"] for s in ok))
     result.update({f"{k}_tflops_per_device": v["tflops_per_device"] for k, v in frontier.items()})
     result.update({f"{k}_mfu": v["mfu"] for k, v in frontier.items()})
+    name = "bench_plan_search" if args.skip_local else "bench_plan"
+    path = write_results(name, result, {"args": vars(args), "frontier": frontier,
+                                        "settings": settings}, args.results_dir)
+    print(f"[results] written to {path}", file=sys.stderr, flush=True)
     print(json.dumps(result))
 
 

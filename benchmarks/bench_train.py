@@ -9,7 +9,8 @@ through a ten-line plain PyTorch loop, alternating in rounds so machine noise hi
 ``mfu`` (model FLOPs, see model/flops.py, against the device's bf16 peak; target >= 0.45
 on an H200). ``--device cpu --tiny`` runs the same path with a tiny model (for tests).
 
-The last line printed is one JSON object.
+The last line printed is one JSON object; the same figures, with the commit and machine, go to
+benchmarks/results/bench_train.json (bench_train_gpu.json with --gpu; nothing with --tiny).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.results import RESULTS_DIR, write_results
 from model.config import ModelConfig, TrainConfig
 from model.flops import param_count
 from model.gpt import GPT
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     parser.add_argument("--compile", action="store_true", help="gpu mode: torch.compile each block")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for mfu")
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR),
+                        help="where bench_train.json / bench_train_gpu.json go (not with --tiny)")
     args = parser.parse_args(argv)
     args.steps = args.steps or (20 if args.gpu else 6)
     args.batch = args.batch or 8
@@ -174,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         result = gpu_mode(args, device, Path(tmp)) if args.gpu else ratio_mode(args, device, Path(tmp))
     dist.destroy_process_group()
+    if args.tiny:  # a smoke run of the code path: its figures measure nothing worth keeping
+        print("[bench] --tiny: figures not recorded", file=sys.stderr, flush=True)
+    else:
+        name = "bench_train_gpu" if args.gpu else "bench_train"
+        path = write_results(name, result, {"args": vars(args)}, args.results_dir)
+        print(f"[bench] figures written to {path}", file=sys.stderr, flush=True)
     print(json.dumps(result))
     return 0
 
