@@ -6,13 +6,12 @@ loads the checkpoint, computes the loss over its round-robin share of the valida
 windows (``model.evaluation.loss.heldout_loss``, sums all-reduced), and rank 0 writes
 ``<out_dir>/loss.json`` atomically.
 
-SPEC.json (written by ``stages.evaluate.prepare``): {"config": cfg.to_dict(), "checkpoint",
-"store", "split", "sources": [[start, stop, name], ...], "out_dir", ...}.
+The ``stages.launch.RankSpec`` (written by ``stages.evaluate.prepare``) carries the config,
+the store and the output directory; its ``extra`` holds "checkpoint", "split" and
+"sources" ([[start, stop, name], ...]).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -23,30 +22,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from data_prep.atomic import write_json_atomic
 from data_prep.store import SplitReader, open_store
 from model.evaluation.loss import heldout_loss
 from model.parallel.dist_env import DistEnv, from_environ
 from model.training.checkpoint import load_for_inference
 from stages.config import config_from_dict
+from stages.launch import RankSpec, rank_main
 
 LOSS_FILE = "loss.json"
 
 
-def evaluate_spec(spec: dict[str, Any], rank: int = 0, world: int = 1,
+def evaluate_spec(spec: RankSpec, rank: int = 0, world: int = 1,
                   local_rank: int = 0) -> dict[str, Any]:
     """This rank's share of the held-out loss (totals all-reduced when world > 1).
 
     The model runs on this rank's GPU when there is one (``local_rank``), else on the CPU.
     Returns heldout_loss's dict plus "ranks", "device", "load_seconds" and "eval_seconds".
     """
-    cfg = config_from_dict(spec["config"])
+    cfg = config_from_dict(spec.config)
     t0 = time.perf_counter()
-    model = load_for_inference(spec["checkpoint"], cfg.model)
+    model = load_for_inference(spec.extra["checkpoint"], cfg.model)
     if torch.cuda.is_available():
         model = model.to(f"cuda:{local_rank % torch.cuda.device_count()}")
-    reader = SplitReader(open_store(spec["store"]), spec["split"])
+    reader = SplitReader(open_store(spec.store), spec.extra["split"])
     t1 = time.perf_counter()
-    sources = [(int(a), int(b), str(name)) for a, b, name in spec["sources"]]
+    sources = [(int(a), int(b), str(name)) for a, b, name in spec.extra["sources"]]
     result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
                           cfg.eval.batch_size, rank=rank, world=world, sources=sources)
     # Ends after the all-reduce, so rank 0's time is the slowest rank's.
@@ -56,12 +57,8 @@ def evaluate_spec(spec: dict[str, Any], rank: int = 0, world: int = 1,
 
 
 def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
-    """Write ``loss.json`` atomically (temp file, then rename)."""
-    path = Path(out_dir) / LOSS_FILE
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, path)
-    return path
+    """Write ``loss.json`` atomically."""
+    return write_json_atomic(Path(out_dir) / LOSS_FILE, result)
 
 
 def _init_gloo(env: DistEnv) -> None:
@@ -72,22 +69,22 @@ def _init_gloo(env: DistEnv) -> None:
                             timeout=timedelta(minutes=10))
 
 
-def run_single(spec: dict[str, Any]) -> dict[str, Any]:
+def run_single(spec: RankSpec) -> dict[str, Any]:
     """Evaluate the whole split in this process (no process group); write loss.json."""
     result = evaluate_spec(spec)
     result["windows_per_rank"] = [result["local_windows"]]
-    write_loss(spec["out_dir"], result)
+    write_loss(spec.out_dir, result)
     return result
 
 
-def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
+def run_spec(spec: RankSpec) -> dict[str, Any]:
     """Evaluate as described by ``spec`` in this (already launched) rank; return the result."""
     env = from_environ()
-    expected = int(spec.get("ranks") or env.world_size)
+    expected = spec.nproc
     if env.world_size != expected:
         # A launch that does not match the spec (e.g. Slurm variables leaking into a local
         # run) would wait forever for ranks that never come: stop with a clear error.
-        raise ValueError(f"{spec['out_dir']}: launched on {env.world_size} rank(s) but the spec "
+        raise ValueError(f"{spec.out_dir}: launched on {env.world_size} rank(s) but the spec "
                          f"asks for eval.ranks={expected}: launch exactly that many ranks")
     if env.world_size == 1:
         return run_single(spec)
@@ -98,7 +95,7 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_object(per_rank, result["local_windows"])
         result["windows_per_rank"] = per_rank
         if env.rank == 0:
-            write_loss(spec["out_dir"], result)
+            write_loss(spec.out_dir, result)
             print(f"[eval] val_loss {result['val_loss']:.4f} over {result['tokens']:,} tokens on "
                   f"{env.world_size} ranks in {result['eval_seconds']:.1f}s", flush=True)
         return result
@@ -107,12 +104,8 @@ def run_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="path of the SPEC.json written by stages.evaluate")
-    args = parser.parse_args(argv)
-    run_spec(json.loads(Path(args.spec).read_text()))
-    return 0
+    """Command-line entry: ``--spec PATH``."""
+    return rank_main(__doc__.splitlines()[0], run_spec, argv)
 
 
 if __name__ == "__main__":

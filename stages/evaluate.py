@@ -33,8 +33,9 @@ from typing import Any
 
 from data_prep.store import SplitReader, StoreInfo, open_store
 from model.evaluation.loss import plan_windows
-from stages import tracking
+from stages import launch, tracking
 from stages.config import PipelineConfig
+from stages.launch import RankSpec
 from stages.stage import RANKS, SINGLE, StageShape
 
 SECTIONS = ("eval",)
@@ -60,36 +61,20 @@ class EvaluationError(ValueError):
 
 
 # -- checks -----------------------------------------------------------------------------
-def _train_dir(train_outputs: dict[str, Any]) -> Path | None:
-    """The train stage's directory: the nearest ancestor of the checkpoint with status.json."""
-    for parent in Path(train_outputs["checkpoint"]).resolve().parents[:4]:
-        if (parent / "status.json").is_file() or (parent / "spec.json").is_file():
-            return parent
-    return None
-
-
 def training_tokenizer_hash(train_outputs: dict[str, Any]) -> tuple[str | None, str]:
     """(hash of the tokenizer the checkpoint was trained with, where it was found).
 
-    Looked up in the train outputs ("tokenizer_hash", "store"), else in the train spec
-    ("store"). None when training used synthetic tokens (spec "store": null).
+    The train stage's outputs carry it ("tokenizer_hash", with the "store" it came from);
+    None when training used synthetic tokens.
     """
     if train_outputs.get("tokenizer_hash"):
-        return train_outputs["tokenizer_hash"], "train outputs"
-    store = train_outputs.get("store")
-    where = "train outputs 'store'"
-    if not store:
-        spec_path = Path(train_outputs["spec"]) if train_outputs.get("spec") else None
-        if spec_path is None:
-            train_dir = _train_dir(train_outputs)
-            spec_path = train_dir / "spec.json" if train_dir else None
-        if spec_path is None or not spec_path.is_file():
-            return None, "no train spec found"
-        store = json.loads(spec_path.read_text()).get("store")
-        where = f"{spec_path} 'store'"
-        if not store:
-            return None, f"{spec_path}: trained on synthetic tokens"
-    return open_store(store).tokenizer_hash, f"{where} ({store})"
+        return train_outputs["tokenizer_hash"], f"train outputs (store {train_outputs.get('store')})"
+    if "tokenizer_hash" in train_outputs and not train_outputs.get("store"):
+        return None, "trained on synthetic tokens"
+    raise EvaluationError(
+        "the train outputs carry no tokenizer_hash (they come from an older version): "
+        "rerun the train stage (python -m workflows.pipeline --from train)"
+    )
 
 
 def check_inputs(cfg: PipelineConfig, store: StoreInfo, train_outputs: dict[str, Any]) -> str:
@@ -196,12 +181,12 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict:
+def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> str:
     """Every check before a rank starts; write ``out_dir/spec.json``.
 
     Refuses (EvaluationError) a store whose tokenizer differs from the checkpoint's, a store
     without a validation split or with too few tokens, and a model family that cannot be
-    exported. Returns {"spec", "nproc": eval.ranks, "nodes": 1}.
+    exported. Returns the path of the ranks' ``stages.launch.RankSpec``.
     """
     from model.evaluation.export_hf import hf_class_name
 
@@ -218,24 +203,23 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     except ValueError as err:
         raise EvaluationError(str(err)) from None
     hf_class = hf_class_name(cfg.model.family)  # refuse an unexportable family before work
-    spec = {
-        "config": cfg.to_dict(),
-        "checkpoint": str(train_out["checkpoint"]),
-        "store": str(store.path),
-        "tokenizer": str(tok_out.get("tokenizer") or store.tokenizer_file),
-        "split": SPLIT,
-        "sources": [list(span) for span in split_sources(store, SPLIT)],
-        "out_dir": str(out_dir.resolve()),
-        "ranks": cfg.eval.ranks,
-        "tokenizer_check": tokenizer_note,
-        "hf_class": hf_class,
-    }
-    path = out_dir / SPEC_FILE
-    _write_text(path, json.dumps(spec, indent=2))
-    return {"spec": str(path.resolve()), "nproc": cfg.eval.ranks, "nodes": 1}
+    (out_dir / LOSS_FILE).unlink(missing_ok=True)
+    spec = RankSpec(
+        worker=WORKER, nproc=cfg.eval.ranks, nodes=1, out_dir=str(out_dir.resolve()),
+        config=cfg.to_dict(), store=str(store.path),
+        extra={
+            "checkpoint": str(train_out["checkpoint"]),
+            "tokenizer": str(tok_out.get("tokenizer") or store.tokenizer_file),
+            "split": SPLIT,
+            "sources": [list(span) for span in split_sources(store, SPLIT)],
+            "tokenizer_check": tokenizer_note,
+            "hf_class": hf_class,
+        },
+    )
+    return str(spec.write(out_dir / SPEC_FILE))
 
 
-def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]:
+def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any) -> dict[str, Any]:
     """Read the ranks' loss.json; write generations, lm-eval, export, plots and the report;
     log it all to MLflow; return the stage outputs."""
     from tokenizers import Tokenizer
@@ -246,10 +230,13 @@ def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]
     from model.training.plots import plot_perplexity, plot_training
 
     out_dir = Path(out_dir)
-    spec = _read_json(out_dir / SPEC_FILE, "run stages.evaluate.prepare first")
+    if not (out_dir / SPEC_FILE).is_file():
+        raise EvaluationError(f"{out_dir / SPEC_FILE} is missing: run stages.evaluate.prepare first")
+    spec = RankSpec.read(out_dir / SPEC_FILE)
+    extra = spec.extra
     result = _read_json(out_dir / LOSS_FILE, "the evaluation ranks did not finish")
-    store = open_store(spec["store"])
-    reader = SplitReader(store, spec["split"])
+    store = open_store(spec.store)
+    reader = SplitReader(store, extra["split"])
     eval_s, ranks = result["eval_seconds"], result["ranks"]
     print(f"[evaluate] val_loss {result['val_loss']:.4f} perplexity {result['perplexity']:.2f} "
           f"over {result['tokens']:,} tokens on {ranks} rank(s) in {eval_s:.1f}s", flush=True)
@@ -261,8 +248,8 @@ def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]
             metrics[f"val_loss.{name}"] = src["val_loss"]
             metrics[f"perplexity.{name}"] = src["perplexity"]
 
-    model = load_for_inference(spec["checkpoint"], cfg.model)
-    tokenizer = Tokenizer.from_file(spec["tokenizer"])
+    model = load_for_inference(extra["checkpoint"], cfg.model)
+    tokenizer = Tokenizer.from_file(extra["tokenizer"])
     generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
                                 cfg.eval.temperature, cfg.train.seed, store.eos_id)
     gen_path = _write_text(out_dir / "generations.txt",
@@ -274,7 +261,7 @@ def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]
         for task, values in lm_eval_results.items():
             metrics.update({f"{task}.{k}": v for k, v in values.items()})
 
-    hf_dir = export_model(model, out_dir / "hf", tokenizer_file=spec["tokenizer"],
+    hf_dir = export_model(model, out_dir / "hf", tokenizer_file=extra["tokenizer"],
                           eos_token=cfg.tokenizer.eos_token)
 
     plots_dir = out_dir / "plots"
@@ -287,19 +274,19 @@ def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]
 
     loss_keys = ("val_loss", "perplexity", "tokens", "windows", "seq_len", "per_source")
     report = {
-        "checkpoint": spec["checkpoint"],
+        "checkpoint": extra["checkpoint"],
         "store": store.path,
-        "split": spec["split"],
+        "split": extra["split"],
         **{k: result[k] for k in loss_keys},
         "eval_ranks": ranks,
         "windows_per_rank": result["windows_per_rank"],
         "eval_device": result.get("device", "cpu"),
-        "tokenizer_check": spec["tokenizer_check"],
+        "tokenizer_check": extra["tokenizer_check"],
         "eval_seconds": eval_s,
         "generations": generations,
         "lm_eval": lm_eval_results,
         "hf_export": hf_dir.name,  # relative: the stage directory moves when published
-        "hf_class": spec["hf_class"],
+        "hf_class": extra["hf_class"],
         "train_run_id": train_run_id,
     }
     report_path = _write_text(out_dir / "report.json", json.dumps(report, indent=2))
@@ -322,16 +309,14 @@ def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
-    """prepare + the held-out loss (in this process for eval.ranks == 1, else a local
-    torchrun of stages.eval_worker) + finalize; see the module docstring."""
+    """prepare + the held-out loss (in this process for eval.ranks == 1, else ranks started
+    by ``stages.launch.run_local``) + finalize; see the module docstring."""
     from stages import eval_worker
 
-    prepared = prepare(cfg, inputs, out_dir, tracker)
-    if prepared["nproc"] == 1:
-        eval_worker.run_single(json.loads(Path(prepared["spec"]).read_text()))
+    spec_path = prepare(cfg, inputs, out_dir, tracker)
+    spec = RankSpec.read(spec_path)
+    if spec.nproc == 1:
+        eval_worker.run_single(spec)
     else:
-        from stages.train import launch_local
-
-        launch_local(prepared["spec"], prepared["nproc"], Path(out_dir) / "eval-ranks.log",
-                     worker="stages.eval_worker", what="evaluation")
-    return finalize(cfg, out_dir, tracker)
+        launch.run_local(spec_path, Path(out_dir) / "eval-ranks.log", what="evaluation")
+    return finalize(cfg, out_dir, [], tracker)

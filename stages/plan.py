@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,8 @@ from model.planner.microbench import load_measured_cluster
 from model.planner.plan import Plan, PlanError
 from model.planner.search import SearchResult, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
+from stages import launch
+from stages.launch import RankSpec
 from stages.stage import SINGLE, StageShape
 
 SECTIONS = ("model", "parallel", "train")
@@ -145,41 +145,37 @@ def choose(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster, wor
 
 def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE_STEPS,
                  timeout_s: float = 900.0, peak_tflops: float | None = None) -> dict[str, Any]:
-    """Run ``plan`` for a few steps on synthetic tokens with torchrun; return the measurement.
+    """Run ``plan`` for a few steps on synthetic tokens; return the measurement.
 
     Returns {"plan", "ok", "step_time_s", "tokens_per_s", "peak_memory_gb", "seconds",
-    "error"}. Launches ``stages.train_worker`` on plan.world_size local ranks; safe to run
-    several at once (torchrun --standalone picks a free port, each in its own out_dir).
+    "error"}. Starts ``stages.train_worker`` on plan.world_size local ranks through
+    ``stages.launch``; safe to run several at once (torchrun --standalone picks a free port,
+    each in its own out_dir).
     """
+    from stages.train import WORKER  # the training worker, on synthetic tokens
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = cfg.to_dict()
     raw["parallel"].update(nproc=plan.world_size, nodes=1)
-    spec = {"config": raw, "plan": plan.to_dict(), "store": None, "out_dir": str(out_dir),
-            "tracking": None, "steps": steps}
-    if peak_tflops:
-        spec["peak_tflops"] = peak_tflops
-    spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={plan.world_size}", "-m", "stages.train_worker",
-           "--spec", str(spec_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    root = Path(__file__).resolve().parent.parent
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
+    spec = RankSpec(worker=WORKER, nproc=plan.world_size, nodes=1,
+                    out_dir=str(out_dir.resolve()), config=raw, plan=plan.to_dict(), steps=steps,
+                    peak_tflops=peak_tflops)
+    spec_path = spec.write(out_dir / "spec.json")
     t0 = time.perf_counter()
     result: dict[str, Any] = {"plan": plan.to_dict(), "ok": False}
+    log = out_dir / "worker.log"
+    log.unlink(missing_ok=True)
     try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, check=False,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        result["error"] = f"timed out after {timeout_s:.0f} s"
+        launch.run_local(spec_path, log, what="measurement", echo=False, timeout_s=timeout_s)
+    except launch.RanksFailed as error:
+        timed_out = time.perf_counter() - t0 >= timeout_s
+        result["error"] = f"timed out after {timeout_s:.0f} s" if timed_out else str(error)[-1500:]
         return result
     result["seconds"] = time.perf_counter() - t0
-    (out_dir / "worker.log").write_text(proc.stdout + proc.stderr)
     summary = out_dir / "summary.json"
-    if proc.returncode != 0 or not summary.exists():
-        result["error"] = f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"
+    if not summary.exists():
+        result["error"] = f"{summary} is missing after the ranks exited"
         return result
     data = json.loads(summary.read_text())
     # a measurement needs no weights: drop the checkpoint the worker wrote at the end

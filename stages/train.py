@@ -1,38 +1,37 @@
 """The train stage: validate, write the rank spec, launch the ranks, collect the summary.
 
-``run`` = ``prepare`` (all checks before any rank starts; writes spec.json) + a
-``torchrun --standalone`` subprocess of ``stages.train_worker`` (output streamed) +
+``run`` = ``prepare`` (all checks before any rank starts; writes the ranks' spec.json) +
+``stages.launch.run_local`` (torchrun of ``stages.train_worker``, output streamed) +
 ``finalize`` (reads summary.json). Under Slurm the workflow launches the same worker with
 srun from the spec that ``prepare`` wrote.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
+from stages import launch
 from stages.config import PipelineConfig
+from stages.launch import RANK_ERROR_FILE, RankSpec
 from stages.stage import RANKS, StageShape
 
 SECTIONS = ("model", "train")
 UPSTREAM = ("tokenize", "plan")
 RESUMABLE = True  # a failed attempt's checkpoints are kept and resumed from
 WORKER = "stages.train_worker"
+SPEC_FILE = "spec.json"
+SUMMARY_FILE = "summary.json"
+LOSS_CURVE_FILE = "loss_curve.png"
 
 
 def shape(cfg: PipelineConfig) -> StageShape:
     """Ranks: ``parallel.nproc`` processes of stages.train_worker on ``parallel.nodes`` nodes."""
     return StageShape(RANKS, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes, worker=WORKER,
                       note=f"on {cfg.parallel.nproc} ranks")
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _store_vocab(tok: dict[str, Any]) -> int | None:
@@ -66,79 +65,62 @@ def peak_tflops(cfg: PipelineConfig, plan: Plan) -> float | None:
         return None
 
 
-def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict:
-    """Validate everything, write ``out_dir/spec.json``; return {"spec", "nproc", "nodes"}."""
+def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> str:
+    """Validate everything and write the ranks' ``spec.json``; return its path.
+
+    Leftovers of an earlier attempt that this attempt must not adopt (a summary, a loss
+    curve, a rank's error) are removed; its complete checkpoints stay and are resumed from.
+    """
     out_dir = Path(out_dir)
     plan = load_plan(cfg, inputs)
     tok = (inputs or {}).get("tokenize") or {}
     validate_training(cfg.model, cfg.train, plan, cfg.parallel.nproc,
                       store_vocab=_store_vocab(tok), checkpoint_root=out_dir / "checkpoints")
+    for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE):
+        (out_dir / leftover).unlink(missing_ok=True)
     tracking = None
     if tracker is not None and getattr(tracker, "run_id", None):
         tracking = {"uri": tracker.uri, "run_id": tracker.run_id}
         tracker.log_params({"plan": plan.to_dict()})
-    peak = peak_tflops(cfg, plan)
-    spec = {"config": cfg.to_dict(), "plan": plan.to_dict(), "store": tok.get("store"),
-            "out_dir": str(out_dir.resolve()), "tracking": tracking, "steps": None,
-            "peak_tflops": peak}
-    path = out_dir / "spec.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(spec, indent=2))
-    os.replace(tmp, path)
-    return {"spec": str(path.resolve()), "nproc": cfg.parallel.nproc, "nodes": cfg.parallel.nodes}
+    spec = RankSpec(worker=WORKER, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes,
+                    out_dir=str(out_dir.resolve()), config=cfg.to_dict(), plan=plan.to_dict(),
+                    store=tok.get("store"), tracking=tracking, peak_tflops=peak_tflops(cfg, plan))
+    return str(spec.write(out_dir / SPEC_FILE))
 
 
-def launch_local(spec: str | Path, nproc: int, log_path: Path | None = None,
-                 worker: str = "stages.train_worker", what: str = "training") -> None:
-    """Run ``nproc`` ranks of ``python -m <worker> --spec SPEC`` with torchrun on this
-    machine, streaming their output (shared by the train and evaluate stages)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "-m", worker, "--spec", str(spec)]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    tail: collections.deque[str] = collections.deque(maxlen=40)
-    with contextlib.ExitStack() as stack:
-        log = stack.enter_context(open(log_path, "a")) if log_path else None
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env, cwd=REPO_ROOT, bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            tail.append(line)
-            if log:
-                log.write(line)
-        rc = proc.wait()
-    if rc != 0:
-        raise RuntimeError(f"{what} ranks failed (torchrun exit {rc}); last output:\n"
-                           + "".join(tail))
-
-
-def finalize(cfg: PipelineConfig, out_dir: Path, tracker: Any) -> dict[str, Any]:
-    """Read summary.json; return the stage outputs."""
+def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any) -> dict[str, Any]:
+    """Read summary.json; return the stage outputs, with the provenance evaluate needs
+    (the token store and its tokenizer's hash; both None for synthetic tokens)."""
     out_dir = Path(out_dir)
-    path = out_dir / "summary.json"
+    path = out_dir / SUMMARY_FILE
     if not path.is_file():
         raise TrainSetupError(f"{path} is missing: the training ranks did not finish")
     summary = json.loads(path.read_text())
     if tracker is not None:
-        tracker.log_dict(summary, "summary.json")
+        tracker.log_dict(summary, SUMMARY_FILE)
     keys = ("final_loss", "steps_done", "step_time_s", "tokens_per_s", "tflops_per_device",
             "mfu", "peak_memory_gb")
     outputs = {k: summary.get(k) for k in keys}
     outputs.update(checkpoint=summary.get("checkpoint"), summary=str(path.resolve()))
-    curve = out_dir / "loss_curve.png"
+    spec = RankSpec.read(out_dir / SPEC_FILE)
+    outputs["store"] = spec.store
+    outputs["tokenizer_hash"] = _tokenizer_hash(spec.store)
+    curve = out_dir / LOSS_CURVE_FILE
     if curve.is_file():
         outputs["loss_curve"] = str(curve.resolve())
     return outputs
 
 
+def _tokenizer_hash(store: str | None) -> str | None:
+    if not store:
+        return None
+    from data_prep.store import open_store
+
+    return open_store(store).tokenizer_hash
+
+
 def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[str, Any]:
-    """prepare + local torchrun launch + finalize."""
-    prepared = prepare(cfg, inputs, out_dir, tracker)
-    if prepared["nodes"] > 1:
-        raise TrainSetupError(
-            f"parallel.nodes={prepared['nodes']}: multi-node training is launched by the "
-            "workflow with srun (site slurm/frontier), not by stages.train.run"
-        )
-    launch_local(prepared["spec"], prepared["nproc"], Path(out_dir) / "train.log")
-    return finalize(cfg, out_dir, tracker)
+    """prepare + every rank on this machine (torchrun) + finalize."""
+    spec_path = prepare(cfg, inputs, out_dir, tracker)
+    launch.run_local(spec_path, Path(out_dir) / "train.log", what="training")
+    return finalize(cfg, out_dir, [], tracker)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,12 +14,9 @@ import pytest
 
 from stages import stage, tracking
 from stages.config import PipelineConfig, load_config
-from stages.registry import STAGE_ORDER, UPSTREAM, stage_module
+from stages.registry import STAGE_ORDER, stage_module, upstream
 
 REPO = Path(__file__).resolve().parent.parent
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def micro_config(runs_dir: Path, *overrides: str) -> PipelineConfig:
@@ -39,18 +37,18 @@ def run_stages(cfg: PipelineConfig, ctx: stage.PipelineContext,
     """Run (or reuse) stages in order through stages.stage.run_stage; name -> StageResult."""
     results = dict(done or {})
     for name in names:
-        inputs = {u: results[u] for u in UPSTREAM[name]}
+        inputs = {u: results[u] for u in upstream(name)}
         results[name] = stage.run_stage(ctx, stage_module(name), cfg, inputs)
     return results
 
 
 @pytest.fixture(scope="session")
-def micro_pipeline(tmp_path_factory):
+def micro_pipeline(tmp_path_factory, seed_microbench: Callable[[Path], Path]):
     """tokenize -> plan -> train -> evaluate of the micro preset, once per test session.
 
     The evaluation also runs the local lm-eval task (if lm-eval is installed)."""
     runs_dir = tmp_path_factory.mktemp("eval-pipeline")
-    os.environ.setdefault("HF_HOME", str(runs_dir / "hf_home"))
+    seed_microbench(runs_dir)
     tasks = "[heldout_perplexity]" if importlib.util.find_spec("lm_eval") else "[]"
     cfg = micro_config(runs_dir, f"eval.tasks={tasks}", "eval.task_limit=6")
     ctx = open_pipeline(cfg)
@@ -72,10 +70,10 @@ class StageRun:
 def run_driver(runs_dir: Path, *overrides: str, timeout: int = 1200) -> tuple:
     """Run the real pipeline CLI (micro preset) once; return (ctx, {stage: StageRun}).
 
-    ``ctx`` is the PipelineContext the driver used, rebuilt from the MLflow store."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env.pop("MLFLOW_TRACKING_URI", None)
+    ``ctx`` is the PipelineContext the driver used, rebuilt from the MLflow store. Seed the
+    runs dir with the session's microbenchmark first (the ``seed_microbench`` fixture) so the
+    plan stage does not measure this machine again."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
            "--runs-dir", str(runs_dir)] + (["--set", *overrides] if overrides else [])
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,

@@ -121,13 +121,14 @@ def test_tokenizer_mismatch_is_refused_before_any_work(micro_pipeline, tmp_path)
     cfg, ctx, _, train, _ = _outputs(micro_pipeline)
     other_cfg = micro_config(Path(ctx.runs_dir), "tokenizer.vocab_size=400")
     other = run_stages(other_cfg, ctx, ("tokenize",))["tokenize"].outputs
-    assert other["tokenizer_hash"] != open_store(json.loads(
-        (Path(train["checkpoint"]).parents[1] / "spec.json").read_text())["store"]).tokenizer_hash
+    # The train outputs carry the provenance evaluate checks against.
+    assert train["tokenizer_hash"] == open_store(train["store"]).tokenizer_hash
+    assert other["tokenizer_hash"] != train["tokenizer_hash"]
     tracker = tracking.Tracker(ctx.tracking_uri, tracking.start_run(
         ctx.tracking_uri, ctx.experiment_id, "mismatch"))
     out = tmp_path / "eval"
     out.mkdir()
-    with pytest.raises(evaluate.EvaluationError, match=r"trained with tokenizer .*spec\.json.* "
+    with pytest.raises(evaluate.EvaluationError, match=r"trained with tokenizer .*train outputs.* "
                        r"built with tokenizer .*evaluate with the store used for training"):
         evaluate.run(cfg, {"tokenize": other, "train": train}, out, tracker)
     assert list(out.iterdir()) == []

@@ -7,6 +7,7 @@ import pytest
 
 from stages import evaluate, tracking
 from stages.eval_worker import LOSS_FILE
+from stages.launch import RankSpec
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture
 # The first test also builds the session's pipeline (several minutes on 2 busy cores).
@@ -84,15 +85,15 @@ def test_tokenizer_mismatch_fails_in_prepare_before_any_rank(micro_pipeline, tmp
 def test_finalize_without_rank_output_is_a_clear_error(micro_pipeline, tmp_path):
     cfg, ctx, results = micro_pipeline
     inputs = {"tokenize": results["tokenize"].outputs, "train": results["train"].outputs}
-    prepared = evaluate.prepare(cfg, inputs, tmp_path, None)
-    assert prepared == {"spec": str(tmp_path / "spec.json"), "nproc": 1, "nodes": 1}
-    spec = json.loads((tmp_path / "spec.json").read_text())
-    assert spec["checkpoint"] == results["train"].outputs["checkpoint"] and spec["ranks"] == 1
+    spec_path = evaluate.prepare(cfg, inputs, tmp_path, None)
+    assert spec_path == str((tmp_path / "spec.json").resolve())
+    spec = RankSpec.read(spec_path)
+    assert spec.extra["checkpoint"] == results["train"].outputs["checkpoint"] and spec.nproc == 1
     tracker = tracking.Tracker(ctx.tracking_uri, tracking.start_run(
         ctx.tracking_uri, ctx.experiment_id, "no-ranks"))
     with pytest.raises(evaluate.EvaluationError, match=r"loss\.json is missing: the evaluation "
                        r"ranks did not finish"):
-        evaluate.finalize(cfg, tmp_path, tracker)
+        evaluate.finalize(cfg, tmp_path, [], tracker)
 
 
 def test_worker_refuses_a_launch_that_does_not_match_the_spec(micro_pipeline, tmp_path, monkeypatch):
@@ -101,8 +102,8 @@ def test_worker_refuses_a_launch_that_does_not_match_the_spec(micro_pipeline, tm
     cfg, _, results = micro_pipeline
     inputs = {"tokenize": results["tokenize"].outputs, "train": results["train"].outputs}
     cfg2 = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, ranks=2))
-    spec = json.loads(Path(evaluate.prepare(cfg2, inputs, tmp_path, None)["spec"]).read_text())
-    assert spec["ranks"] == 2
+    spec = RankSpec.read(evaluate.prepare(cfg2, inputs, tmp_path, None))
+    assert spec.nproc == 2
     # e.g. scheduler variables leaking into a launch of 3 processes: stop before rendezvous.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")

@@ -106,16 +106,16 @@ def test_export_of_tp2_pp2_checkpoint_matches(tmp_path):
     from model.planner.plan import Plan
     from model.training.checkpoint import load_for_inference
     from stages.config import load_config
-    from stages.train import launch_local
+    from stages.launch import RankSpec, run_local
 
     cfg = load_config("micro", [f"tracking.runs_dir={tmp_path}", "train.global_batch=2",
                                 "train.steps=2", "train.checkpoint_every=0"])
     plan = Plan(tp=2, pp=2, dp=1, micro_batch=1, grad_accum=2, schedule="1f1b", sharding="none")
     plan.check(cfg.model, cfg.train, 4)
-    spec = {"config": cfg.to_dict(), "plan": plan.to_dict(), "store": None,
-            "out_dir": str(tmp_path / "train"), "tracking": None, "steps": 2}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    launch_local(tmp_path / "spec.json", 4, tmp_path / "train.log")
+    spec = RankSpec(worker="stages.train_worker", nproc=4, nodes=1,
+                    out_dir=str(tmp_path / "train"), config=cfg.to_dict(), plan=plan.to_dict(),
+                    steps=2)
+    run_local(spec.write(tmp_path / "spec.json"), tmp_path / "train.log", what="training")
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert summary["steps_done"] == 2
     ckpt = summary["checkpoint"]

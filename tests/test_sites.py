@@ -17,7 +17,10 @@ from parsl.executors import HighThroughputExecutor, MPIExecutor
 from parsl.launchers import SimpleLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
+from stages import evaluate, train
 from stages.config import ConfigError, load_config
+from stages.launch import USER_ERROR_EXIT, RankSpec
+from stages.stage import RANKS, StageShape
 from workflows import sites
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -36,6 +39,20 @@ RUN_DIR = Path("/lustre/orion/abc123/scratch/runs/tiny")
 def _normalise(text: str) -> str:
     """Replace machine-specific paths so the golden text is the same on every checkout."""
     return text.replace(str(sites.REPO_ROOT), "<repo>").replace(str(sites.BIN_DIR), "<bin>")
+
+
+def _srun(cfg, stage=train) -> str:
+    """The srun line of a stage module's ranks under ``cfg``."""
+    return sites.srun_line(cfg, RUN_DIR, stage.__name__.rsplit(".", 1)[-1], stage.shape(cfg))
+
+
+def _launch(command: str) -> str:
+    """The line of a ranks command that starts the ranks."""
+    return next(line for line in command.splitlines() if "-m stages." in line)
+
+
+def _spec(nproc: int, nodes: int = 1, worker: str = train.WORKER) -> RankSpec:
+    return RankSpec(worker=worker, nproc=nproc, nodes=nodes, out_dir="/runs/st", config={})
 
 
 def _check_golden(name: str, text: str) -> None:
@@ -66,9 +83,9 @@ def test_frontier_batch_script_golden():
 
 def test_frontier_srun_line_golden():
     cfg = load_config(None, FRONTIER_OVERRIDES)
-    text = _normalise(sites.srun_line(cfg, RUN_DIR))
+    text = _normalise(_srun(cfg))
     _check_golden("frontier_srun.txt", text)
-    launch = text.splitlines()[-1]
+    launch = _launch(text)
     assert launch.startswith("srun --ntasks 16 --ntasks-per-node 8 --nodelist <node0>,<node1>")
     assert "-c7 --gpus-per-task=1 --gpu-bind=closest" in launch
     assert "stages.train_worker --spec" in launch
@@ -77,13 +94,16 @@ def test_frontier_srun_line_golden():
     assert "export MIOPEN_USER_DB_PATH=/tmp/" in text
 
 
-def test_dry_run_text_combines_script_and_launch():
-    cfg = load_config(None, FRONTIER_OVERRIDES)
+def test_dry_run_shows_the_block_and_each_ranks_stage():
+    cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=4"])
     text = sites.dry_run_text(cfg, RUN_DIR)
-    assert sites.batch_script(cfg, RUN_DIR) in text
-    assert sites.srun_line(cfg, RUN_DIR) in text
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --account=ABC123" in text
+    assert "# --- train app: 2 node(s) x 8 ranks" in text
+    assert "# --- evaluate app: 1 node(s) x 4 ranks" in text
+    assert text.count("srun --ntasks") == 2
     local = sites.dry_run_text(load_config(None), RUN_DIR)
-    assert "torchrun --nproc-per-node 2" in local and "\n" not in local
+    assert "train runs torchrun --nproc-per-node 2" in local and "\n" not in local
+    assert "evaluate" not in local  # one evaluation rank runs inside its Python app
 
 
 def test_frontier_settings_come_from_config():
@@ -97,7 +117,7 @@ def test_frontier_settings_come_from_config():
     script = sites.batch_script(cfg, RUN_DIR)
     assert "module load rocm/6.3.1\n" in script
     assert "#SBATCH --qos=debug\n" in script
-    launch = sites.srun_line(cfg, RUN_DIR)
+    launch = _srun(cfg)
     assert "export NCCL_DEBUG=INFO" in launch
     assert "export OMP_NUM_THREADS=3" in launch and "OMP_NUM_THREADS=7" not in launch
     assert "/opt/aws-ofi-rccl/lib" in launch
@@ -136,20 +156,18 @@ def test_local_config(tmp_path):
         assert f"export PATH={sites.BIN_DIR}:" in executor.provider.worker_init
     assert by_label["cpu"].max_workers_per_node == 3
     assert by_label["train"].max_workers_per_node == 1
-    assert sites.train_resource_spec(cfg, None) is None
+    assert sites.ranks_resource_spec(cfg, train.shape(cfg)) is None
 
 
-def test_local_train_command():
+def test_local_ranks_command():
     cfg = load_config(None, ["parallel.nproc=4"])
-    command = sites.train_command(cfg, "/runs/train/spec.json", {"nproc": 4, "nodes": 1})
-    launch = command.splitlines()[-1]
-    assert launch == (
-        f"{sites.BIN_DIR / 'torchrun'} --standalone --nnodes 1 --nproc-per-node 4 "
-        "-m stages.train_worker --spec /runs/train/spec.json"
+    command = sites.ranks_command(cfg, _spec(4), "/runs/train/spec.json")
+    assert command.splitlines()[-1] == (
+        f"exec {sys.executable} -m stages.launch --spec /runs/train/spec.json"
     )
     assert "export OMP_NUM_THREADS=1" in command
-    with pytest.raises(sites.SiteError, match="parallel.nodes"):
-        sites.train_command(cfg, "/x/spec.json", {"nproc": 4, "nodes": 2})
+    with pytest.raises(sites.SiteError, match="parallel.nodes=1"):
+        sites.ranks_command(cfg, _spec(4, nodes=2), "/x/spec.json")
 
 
 def test_slurm_config(tmp_path):
@@ -162,26 +180,44 @@ def test_slurm_config(tmp_path):
     by_label = {e.label: e for e in config.executors}
     assert type(by_label["cpu"]) is HighThroughputExecutor
     assert isinstance(by_label["cpu"].provider, LocalProvider)
-    train = by_label["train"]
-    assert isinstance(train, MPIExecutor) and train.mpi_launcher == "srun"
-    assert train.max_workers_per_block == 1 and train.address == "10.1.2.3"
-    provider = train.provider
+    ranks = by_label["train"]
+    assert isinstance(ranks, MPIExecutor) and ranks.mpi_launcher == "srun"
+    assert ranks.max_workers_per_block == 1 and ranks.address == "10.1.2.3"
+    provider = ranks.provider
     assert isinstance(provider, SlurmProvider) and isinstance(provider.launcher, SimpleLauncher)
     assert provider.nodes_per_block == 2 and provider.init_blocks == 0
     assert not provider.exclusive and provider.cores_per_node == 2
     for line in ("#SBATCH --account=proj1", "#SBATCH --partition=debug",
                  "#SBATCH --constraint=cpu"):
         assert line in provider.scheduler_options
-    assert sites.train_resource_spec(cfg, {"tp": 2, "pp": 1, "dp": 2}) == {
+    assert sites.ranks_resource_spec(cfg, train.shape(cfg)) == {
         "num_nodes": 2, "ranks_per_node": 2, "num_ranks": 4,
         "launcher_options": "--cpus-per-task=1",
     }
-    command = sites.train_command(cfg, "/r/spec.json", None)
-    assert command.splitlines()[-1] == (
+    command = sites.ranks_command(cfg, _spec(4, nodes=2), "/r/spec.json")
+    assert _launch(command) == (
         f"$PARSL_MPI_PREFIX {sys.executable} -m stages.train_worker --spec /r/spec.json"
     )
-    with pytest.raises(sites.SiteError, match="parallel.nodes=2"):
-        sites.train_resource_spec(cfg, {"nproc": 3})
+    with pytest.raises(sites.SiteError, match="3 ranks do not divide over 2 nodes"):
+        sites.ranks_resource_spec(cfg, StageShape(RANKS, nproc=3, nodes=2, worker=train.WORKER))
+
+
+def test_slurm_ranks_command_turns_a_rank_refusal_into_the_user_error_exit(tmp_path):
+    """The command's exit code, run by a real shell: a rank's rank-error.json means no retry."""
+    cfg = load_config(None, ["site.name=slurm"])
+    spec = RankSpec(worker="stages.train_worker", nproc=1, nodes=1, out_dir=str(tmp_path),
+                    config={})
+    command = sites.ranks_command(cfg, spec, tmp_path / "spec.json")
+    scripts = {"refuse": f"echo {{}} > {tmp_path}/rank-error.json; exit 1", "fail": "exit 7",
+               "succeed": "exit 0"}
+    codes = []
+    for name, body in scripts.items():  # each stands in for srun and its ranks
+        prefix = tmp_path / f"{name}.sh"
+        prefix.write_text(f"#!/bin/sh\n{body}\n")
+        prefix.chmod(0o755)
+        env = {**os.environ, "PARSL_MPI_PREFIX": str(prefix)}
+        codes.append(subprocess.run(["bash", "-c", command], env=env, check=False).returncode)
+    assert codes == [USER_ERROR_EXIT, 7, 0]
 
 
 def test_local_executors_run_without_venv_on_path(tmp_path):
@@ -217,51 +253,41 @@ def test_local_executors_run_without_venv_on_path(tmp_path):
 def test_eval_ranks_use_the_same_launch_lines():
     """The evaluation ranks start like the training ranks, all on one node (eval.ranks)."""
     one = load_config(None)
-    assert one.eval.ranks == 1
-    # One rank: no launch at all (computed in the stage's own app); the dry run says so.
-    assert "evaluation (eval.ranks=1) runs in one process" in sites.dry_run_text(one, RUN_DIR)
+    assert one.eval.ranks == 1 and evaluate.shape(one).kind != RANKS
     frontier_one = sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES), RUN_DIR)
-    assert "eval_worker" not in frontier_one and "eval.ranks=1" in frontier_one
+    assert "eval_worker" not in frontier_one
     cfg = load_config(None, ["eval.ranks=3"])
-    command = sites.eval_command(cfg, "/runs/ev/spec.json", {"nproc": 3, "nodes": 1})
-    assert command.splitlines()[-1] == (
-        f"{sites.BIN_DIR / 'torchrun'} --standalone --nnodes 1 --nproc-per-node 3 "
-        "-m stages.eval_worker --spec /runs/ev/spec.json"
-    )
-    assert "export OMP_NUM_THREADS=1" in command
-    assert sites.ranks_resource_spec("evaluate", cfg) is None  # local: no MPIExecutor
-    local = sites.dry_run_text(cfg, RUN_DIR)
-    assert "--nproc-per-node 3 -m stages.eval_worker" in local and "\n" not in local
+    shape = evaluate.shape(cfg)
+    assert (shape.kind, shape.nproc, shape.nodes, shape.worker) == (RANKS, 3, 1, evaluate.WORKER)
+    assert sites.ranks_resource_spec(cfg, shape) is None  # local: no MPIExecutor
+    assert "evaluate runs torchrun --nproc-per-node 3" in sites.dry_run_text(cfg, RUN_DIR)
 
     slurm = load_config(None, ["site.name=slurm", "parallel.nproc=4", "parallel.nodes=2",
                                "eval.ranks=3"])
-    assert sites.ranks_resource_spec("evaluate", slurm) == {
+    assert sites.ranks_resource_spec(slurm, evaluate.shape(slurm)) == {
         "num_nodes": 1, "ranks_per_node": 3, "num_ranks": 3,
         "launcher_options": "--cpus-per-task=1",
     }
     # A non-exclusive job asks for enough CPUs per node for either set of ranks.
     assert sites.slurm_provider(slurm).cores_per_node == 3
-    assert sites.eval_command(slurm, "/r/spec.json").splitlines()[-1] == (
+    command = sites.ranks_command(slurm, _spec(3, worker=evaluate.WORKER), "/r/spec.json")
+    assert _launch(command) == (
         f"$PARSL_MPI_PREFIX {sys.executable} -m stages.eval_worker --spec /r/spec.json"
     )
-    with pytest.raises(ValueError, match="stage 'plan' has no ranks"):
-        sites.ranks_command("plan", slurm, "/r/spec.json")
 
 
 def test_frontier_eval_srun_line_golden():
     cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=8"])
-    text = _normalise(sites.srun_line(cfg, RUN_DIR, stage="evaluate"))
+    text = _normalise(_srun(cfg, evaluate))
     _check_golden("frontier_eval_srun.txt", text)
-    launch = text.splitlines()[-1]
+    launch = _launch(text)
     assert launch.startswith("srun --ntasks 8 --ntasks-per-node 8 --nodelist <node0> --nodes 1 ")
     assert "-c7 --gpus-per-task=1 --gpu-bind=closest" in launch
     assert "stages.eval_worker --spec" in launch
     # Same environment as the training ranks.
-    train = _normalise(sites.srun_line(cfg, RUN_DIR))
-    assert text.splitlines()[:-1] == train.splitlines()[:-1]
-    dry = sites.dry_run_text(cfg, RUN_DIR)
-    assert sites.srun_line(cfg, RUN_DIR, stage="evaluate") in dry
-    assert "8 ranks on one node" in dry
+    train_text = _normalise(_srun(cfg))
+    assert [ln for ln in text.splitlines() if ln.startswith("export")] == [
+        ln for ln in train_text.splitlines() if ln.startswith("export")]
     with pytest.raises(sites.SiteError, match="eval.ranks=9.*one node.*8 GCDs"):
         sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=9"]), RUN_DIR)
     with pytest.raises(ConfigError, match="eval.ranks must be >= 1"):

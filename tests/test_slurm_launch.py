@@ -67,7 +67,9 @@ def test_mpi_executor_runs_ranks_through_srun(slurm_env, tmp_path):
     from workflows import sites
 
     cfg = load_config(None, ["site.name=slurm", "site.walltime=00:05:00", "parallel.nproc=2"])
-    spec = sites.train_resource_spec(cfg, None)
+    from stages import train
+
+    spec = sites.ranks_resource_spec(cfg, train.shape(cfg))
     assert spec == {"num_nodes": 1, "ranks_per_node": 2, "num_ranks": 2,
                     "launcher_options": "--cpus-per-task=1"}
 

@@ -10,6 +10,7 @@ from model.parallel.dims import LayoutError, ParallelDims
 from model.planner.plan import Plan
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages import train
+from stages.launch import RankSpec
 from tests.train_helpers import tiny_config
 
 
@@ -58,6 +59,9 @@ def test_checkpoint_of_another_model_shape(tmp_path) -> None:
     (ckpt / "extra.pt").write_bytes(b"")
     other = tiny_config("model.n_layers=2").model
     (ckpt / "model.json").write_text(json.dumps(other.__dict__))
+    from model.training.checkpoint import write_manifest
+
+    write_manifest(ckpt)  # a complete checkpoint, only of another shape
     cfg = tiny_config("parallel.nproc=1")
     with pytest.raises(TrainSetupError, match=r"model.n_layers: checkpoint 2 vs config 4"):
         train.prepare(cfg, plan_file(tmp_path, micro_batch=8), tmp_path, None)
@@ -79,16 +83,16 @@ def test_store_vocabulary_larger_than_the_model(tmp_path) -> None:
 
 def test_good_setup_writes_the_spec(tmp_path) -> None:
     cfg = tiny_config("parallel.nproc=2")
-    out = train.prepare(cfg, plan_file(tmp_path, tp=2, micro_batch=4, grad_accum=2), tmp_path, None)
-    spec = json.loads(Path(out["spec"]).read_text())
-    assert out["nproc"] == 2 and out["nodes"] == 1
-    assert spec["plan"]["tp"] == 2 and spec["store"] is None
-    assert spec["config"]["model"]["n_layers"] == 4
-    assert spec["peak_tflops"] is None  # no predictions; the local cluster is measured at plan time
+    spec = RankSpec.read(train.prepare(cfg, plan_file(tmp_path, tp=2, micro_batch=4, grad_accum=2),
+                                       tmp_path, None))
+    assert (spec.nproc, spec.nodes, spec.worker) == (2, 1, "stages.train_worker")
+    assert spec.plan["tp"] == 2 and spec.store is None
+    assert spec.config["model"]["n_layers"] == 4
+    assert spec.peak_tflops is None  # no predictions; the local cluster is measured at plan time
     predicted = Plan(tp=2, micro_batch=4, grad_accum=2,
                      predictions={"tflops_per_device": 0.02, "mfu": 0.1}).to_json(tmp_path / "p2.json")
-    out = train.prepare(cfg, {"plan": {"plan": str(predicted)}}, tmp_path, None)
-    assert json.loads(Path(out["spec"]).read_text())["peak_tflops"] == pytest.approx(0.2)
+    spec = RankSpec.read(train.prepare(cfg, {"plan": {"plan": str(predicted)}}, tmp_path, None))
+    assert spec.peak_tflops == pytest.approx(0.2)
 
 
 def test_parallel_dims_names_every_factor() -> None:

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from stages.config import load_config
+from stages.launch import RankSpec, local_command, rank_environment
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,19 +32,14 @@ def run_worker(
     """Run stages.train_worker on ``nproc`` gloo ranks (torchrun; plain python for 1); return summary."""
     cfg = tiny_config(*overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"config": cfg.to_dict(), "plan": plan, "store": None, "out_dir": str(out_dir),
-            "tracking": None, "steps": steps}
-    spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec))
-    if nproc == 1:
+    spec = RankSpec(worker="stages.train_worker", nproc=nproc, nodes=1,
+                    out_dir=str(out_dir.resolve()), config=cfg.to_dict(), plan=plan, steps=steps)
+    spec_path = spec.write(out_dir / "spec.json")
+    if nproc == 1:  # no launcher: the worker runs as a single process
         cmd = [sys.executable, "-m", "stages.train_worker", "--spec", str(spec_path)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "stages.train_worker", "--spec", str(spec_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+        cmd = local_command(spec_path, spec)
+    proc = subprocess.run(cmd, cwd=REPO, env=rank_environment(), capture_output=True, text=True,
                           timeout=timeout, check=False)
     if proc.returncode != 0:
         raise AssertionError(f"{nproc} ranks failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}"

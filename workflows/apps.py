@@ -1,10 +1,10 @@
-"""Parsl apps: thin wrappers that run stage functions on executors.
+"""Parsl apps: thin wrappers that run stage functions on executors, by the stage's shape.
 
-Light stages and the driver-side parts of multi-part stages run on the "cpu" executor; the
-ranks of train and evaluate each run as one bash app on the "train" executor (torchrun
-locally, ``$PARSL_MPI_PREFIX`` under Slurm). Every python app
-sends its prints to a log file that the driver tails, since worker output is otherwise
-only in Parsl's worker logs.
+Single-app stages, and the prepare / part / finalize steps of multi-part stages, run on the
+"cpu" executor; the ranks of a ranks stage run as one bash app on the "train" executor
+(``stages.launch`` locally, ``$PARSL_MPI_PREFIX`` under Slurm). Every python app sends its
+prints to a log file that the driver tails, since worker output is otherwise only in
+Parsl's worker logs. No app knows a stage by name.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _logged(log_path: str) -> Iterator[None]:
 
 @python_app(executors=["cpu"])
 def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
-    """Run a whole one-function stage (plan; evaluate on one rank) under the stage mechanism."""
+    """Run a whole single-app stage under the stage mechanism."""
     from stages import stage
     from stages.registry import stage_module
 
@@ -40,7 +40,7 @@ def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
 
 @python_app(executors=["cpu"])
 def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
-    """Open a multi-part stage (tokenize, train, evaluate) and run its ``prepare`` step.
+    """Open a multi-part stage (fan-out or ranks) and run its ``prepare`` step.
 
     Returns the stage's StageResult when it is reused, else (attempt, prepared).
     """
@@ -65,20 +65,25 @@ def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
 
 
 @python_app(executors=["cpu"])
-def shard_app(cfg, opened, shard_index: int, log_path: str) -> dict[str, Any] | None:
-    """Tokenize one input shard into its own part of the store (no-op when reused)."""
-    from stages import stage, tokenize
+def part_app(name: str, cfg, opened, index: int, log_path: str) -> dict[str, Any] | None:
+    """One part of a fan-out stage (e.g. one input shard of tokenize); no-op when reused."""
+    from stages import stage
+    from stages.registry import stage_module
 
     if isinstance(opened, stage.StageResult):
         return None
     attempt, _ = opened
     with _logged(log_path):
-        return tokenize.part(cfg, Path(attempt.work_dir), shard_index)
+        return stage_module(name).part(cfg, Path(attempt.work_dir), index)
 
 
 @python_app(executors=["cpu"])
-def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts):
-    """Run a multi-part stage's ``finalize`` and publish it (pass-through when reused)."""
+def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts, after=None):
+    """Run a multi-part stage's ``finalize`` and publish it (pass-through when reused).
+
+    ``parts`` are a fan-out stage's part results; ``after`` is the ranks app's future, only
+    waited for.
+    """
     from stages import stage
     from stages.registry import stage_module
 
@@ -88,12 +93,8 @@ def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts):
     module = stage_module(name)
     with _logged(log_path):
         try:
-            work_dir = Path(attempt.work_dir)
             tracker = attempt.tracker(ctx)
-            if name == "tokenize":
-                outputs = module.finalize(cfg, work_dir, list(parts), tracker)
-            else:
-                outputs = module.finalize(cfg, work_dir, tracker)
+            outputs = module.finalize(cfg, Path(attempt.work_dir), list(parts), tracker)
             tracker.flush()
         except BaseException as error:
             stage.fail(ctx, attempt, error)
@@ -102,13 +103,14 @@ def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts):
 
 
 @bash_app(executors=["train"])
-def ranks_app(name: str, cfg, opened, stdout=None, stderr=None, parsl_resource_specification=None):
-    """The shell command that starts every rank of stage ``name`` (train, evaluate) from the
-    spec its ``prepare`` wrote (``true`` when the stage is reused)."""
+def ranks_app(cfg, opened, stdout=None, stderr=None, parsl_resource_specification=None):
+    """The shell command that starts every rank from the spec the stage's ``prepare`` wrote
+    (``true`` when the stage is reused)."""
     from stages import stage
+    from stages.launch import RankSpec
     from workflows import sites
 
     if isinstance(opened, stage.StageResult):
         return "true"
-    _, prepared = opened
-    return sites.ranks_command(name, cfg, prepared["spec"], prepared)
+    _, spec_path = opened
+    return sites.ranks_command(cfg, RankSpec.read(spec_path), spec_path)

@@ -3,8 +3,9 @@
 It resolves the configuration, decides per stage whether to run, reuse or force it, opens
 one MLflow parent run, loads the site's Parsl config and chains the stage apps:
 
-    tokenize (prepare -> one app per shard -> finalize) -> plan -> train (prepare -> ranks
-    -> finalize) -> evaluate (prepare -> ranks -> finalize; one app when eval.ranks is 1)
+    tokenize -> plan -> train -> evaluate, each submitted by its declared shape
+    (stages.stage.StageShape): one app; prepare -> one app per part -> finalize; or
+    prepare -> the ranks app -> finalize.
 
 ``--only STAGE`` recomputes that stage alone and ``--from STAGE`` recomputes it and every
 stage after it; the stages before must already have succeeded with the current config.
@@ -12,15 +13,19 @@ stage after it; the stages before must already have succeeded with the current c
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages import stage, tracking
+from stages import locks, stage, tracking
 from stages.config import ConfigError, PipelineConfig, load_config
-from stages.registry import STAGE_ORDER, UPSTREAM, stage_module
+from stages.registry import STAGE_ORDER, stage_module, upstream
+from stages.stage import FAN_OUT, SINGLE
+from workflows import failures as failures_mod
 
 
 @dataclass
@@ -31,22 +36,42 @@ class StagePlan:
     key: str
     action: str  # "run", "force", "reuse"
     existing: stage.StageResult | None
+    reason: str = ""  # for "run": why an older output of this stage is not reused
 
 
-def stage_keys(cfg: PipelineConfig, version: str) -> dict[str, str]:
-    """Every stage's key, computed from the config alone (no work done)."""
+def stage_ingredients(
+    cfg: PipelineConfig, code: dict[str, str] | str
+) -> dict[str, dict[str, Any]]:
+    """Every stage's key ingredients (``stage.key_ingredients``), from the config and the
+    code hashes alone (no work done)."""
+    ctx_code = stage.PipelineContext("", "", "", "", code)
     keys: dict[str, str] = {}
+    found: dict[str, dict[str, Any]] = {}
     for name in STAGE_ORDER:
-        upstream = {u: keys[u] for u in UPSTREAM[name]}
-        keys[name] = stage.stage_key(name, cfg, stage_module(name).SECTIONS, upstream, version)
-    return keys
+        inputs = {u: keys[u] for u in upstream(name)}
+        found[name] = stage.key_ingredients(
+            name, cfg, stage_module(name).SECTIONS, inputs, ctx_code.code_for(name)
+        )
+        keys[name] = stage.key_of(found[name])
+    return found
+
+
+def stage_keys(cfg: PipelineConfig, code: dict[str, str] | str | None = None) -> dict[str, str]:
+    """Every stage's key (``code``: ``stage.code_hashes()`` when not given)."""
+    code = stage.code_hashes() if code is None else code
+    return {n: stage.key_of(i) for n, i in stage_ingredients(cfg, code).items()}
 
 
 def plan_stages(
-    cfg: PipelineConfig, only: str | None, start: str | None, force: bool, version: str
+    cfg: PipelineConfig, only: str | None, start: str | None, force: bool,
+    code: dict[str, str] | str | None = None,
 ) -> list[StagePlan]:
-    """Decide run / force / reuse per stage; refuse selections whose upstream is missing."""
-    keys = stage_keys(cfg, version)
+    """Decide run / force / reuse per stage; refuse selections whose upstream is missing.
+
+    ``code`` is the per-stage code hash the keys use (``stage.code_hashes()`` when not
+    given; the driver computes it once and passes the same to its PipelineContext)."""
+    ingredients = stage_ingredients(cfg, stage.code_hashes() if code is None else code)
+    keys = {n: stage.key_of(i) for n, i in ingredients.items()}
     runs_dir = cfg.runs_dir
     if only:
         selected = {only}
@@ -69,7 +94,8 @@ def plan_stages(
             action = "force"
         else:
             action = "reuse" if existing is not None else "run"
-        plans.append(StagePlan(name, keys[name], action, existing))
+        reason = stage.rerun_reason(runs_dir, ingredients[name]) if action == "run" else ""
+        plans.append(StagePlan(name, keys[name], action, existing, reason))
     return plans
 
 
@@ -77,20 +103,13 @@ def describe(plans: list[StagePlan], cfg: PipelineConfig) -> str:
     """The DAG with keys and actions, as printed by --dry-run."""
     lines = [f"pipeline '{cfg.name}' on site '{cfg.site.name}', runs in {cfg.runs_dir}", "DAG:"]
     for p in plans:
-        after = ", ".join(UPSTREAM[p.name]) or "-"
-        extra = f" x{cfg.data.num_shards} shards" if p.name == "tokenize" else ""
-        extra += f" on {cfg.parallel.nproc} ranks" if p.name == "train" else ""
-        if p.name == "evaluate":
-            extra += f" on {cfg.eval.ranks} ranks" if _multi_rank(p.name, cfg) else " in one process"
+        after = ", ".join(upstream(p.name)) or "-"
+        note = stage_module(p.name).shape(cfg).note
+        extra = f" {note}" if note else ""
         lines.append(f"  {p.name:<9} key {p.key}  {p.action:<6} (after: {after}){extra}")
+        if p.reason:
+            lines.append(f"  {'':<9} why: {p.reason}")
     return "\n".join(lines)
-
-
-def _multi_rank(name: str, cfg: PipelineConfig) -> bool:
-    """Whether a stage runs as prepare -> ranks app -> finalize (else one app, or tokenize's
-    fan-out). One evaluation rank runs inside the stage's app: a separate rank process would
-    only add its start-up (about 5 s of the tiny preset's ~105 s on 2 cores)."""
-    return name == "train" or (name == "evaluate" and cfg.eval.ranks > 1)
 
 
 def _tail_logs(log_dir: Path, offsets: dict[Path, int]) -> None:
@@ -107,51 +126,64 @@ def _tail_logs(log_dir: Path, offsets: dict[Path, int]) -> None:
             print(f"[{path.stem}] {line}", flush=True)
 
 
-def _submit(cfg: PipelineConfig, plans: list[StagePlan], ctx, log_dir: Path) -> dict[str, Any]:
-    """Submit the stage apps; return name -> future (or StageResult for reused stages)."""
+def _submit(cfg: PipelineConfig, plans: list[StagePlan], ctx, log_dir: Path) -> dict[str, StageRun]:
+    """Submit every stage's apps by its declared shape; return name -> StageRun."""
     from workflows import apps, sites
 
-    results: dict[str, Any] = {}
-    opened: dict[str, Any] = {}
+    runs: dict[str, StageRun] = {}
     for p in plans:
-        inputs = {u: results[u] for u in UPSTREAM[p.name]}
+        module = stage_module(p.name)
+        inputs = {u: runs[u].result for u in upstream(p.name)}
         log = str(log_dir / f"{p.name}.log")
         force = p.action == "force"
+        run = StageRun(p.name, p.key, log)
+        runs[p.name] = run
         if p.action == "reuse" and p.existing is not None:
             # Inputs of reused stages are published results already: record it right here.
             ready = {u: r.result() if hasattr(r, "result") else r for u, r in inputs.items()}
-            results[p.name] = stage.reuse(ctx, p.existing, cfg, stage_module(p.name).SECTIONS, ready)
-        elif p.name == "tokenize":
-            opened[p.name] = apps.begin_app(ctx, p.name, cfg, force, log, **inputs)
-            shards = [
-                apps.shard_app(cfg, opened[p.name], i, str(log_dir / f"tokenize-shard{i}.log"))
-                for i in range(cfg.data.num_shards)
+            run.result = stage.reuse(ctx, p.existing, cfg, module.SECTIONS, ready)
+            continue
+        shape = module.shape(cfg)
+        if shape.kind == SINGLE:
+            run.result = apps.stage_app(ctx, p.name, cfg, force, log, **inputs)
+            run.futures = [run.result]
+            continue
+        run.opened = apps.begin_app(ctx, p.name, cfg, force, log, **inputs)
+        if shape.kind == FAN_OUT:
+            parts = [
+                apps.part_app(p.name, cfg, run.opened, i, str(log_dir / f"{p.name}-part{i}.log"))
+                for i in range(shape.parts)
             ]
-            results[p.name] = apps.finish_app(ctx, p.name, cfg, opened[p.name], log, *shards)
-        elif _multi_rank(p.name, cfg):
-            # prepare (checks, spec) -> every rank on the "train" executor -> finalize.
-            opened[p.name] = apps.begin_app(ctx, p.name, cfg, force, log, **inputs)
-            ranks_log = str(log_dir / f"{p.name}-ranks.log")
+            run.result = apps.finish_app(ctx, p.name, cfg, run.opened, log, *parts)
+        else:  # RANKS: prepare (checks, rank spec) -> every rank on the "train" executor -> finalize
+            run.ranks_log = str(log_dir / f"{p.name}-ranks.log")
             ranks = apps.ranks_app(
-                p.name,
-                cfg,
-                opened[p.name],
-                stdout=ranks_log,
-                stderr=ranks_log,
-                parsl_resource_specification=sites.ranks_resource_spec(p.name, cfg) or {},
+                cfg, run.opened, stdout=run.ranks_log, stderr=run.ranks_log,
+                parsl_resource_specification=sites.ranks_resource_spec(cfg, shape) or {},
             )
-            results[p.name] = apps.finish_app(ctx, p.name, cfg, opened[p.name], log, ranks)
-        else:
-            results[p.name] = apps.stage_app(ctx, p.name, cfg, force, log, **inputs)
-    results["_opened"] = opened
-    return results
+            parts = [ranks]
+            run.result = apps.finish_app(ctx, p.name, cfg, run.opened, log, after=ranks)
+        run.futures = [run.opened, *parts, run.result]
+    return runs
 
 
-def _wait(results: dict[str, Any], ctx, log_dir: Path) -> dict[str, stage.StageResult]:
-    """Wait for every stage, tailing logs; mark attempts whose later parts failed."""
-    opened = results.pop("_opened")
+@dataclass
+class StageRun:
+    """One stage's apps in this invocation: what the driver waits for and reports."""
+
+    name: str
+    key: str
+    log: str
+    ranks_log: str | None = None
+    opened: Any = None  # begin_app's future (multi-part stages)
+    futures: list[Any] = field(default_factory=list)  # every app future, in order
+    result: Any = None  # the future (or reused StageResult) of the stage's result
+
+
+def _wait(runs: dict[str, StageRun], ctx, log_dir: Path, runs_dir: Path) -> dict[str, stage.StageResult]:
+    """Wait for every stage, tailing logs; report each failed stage's own error."""
     offsets: dict[Path, int] = {}
-    pending = {name: f for name, f in results.items() if hasattr(f, "done")}
+    pending = {name: run.result for name, run in runs.items() if hasattr(run.result, "done")}
     started = time.time()
     while pending:
         _tail_logs(log_dir, offsets)
@@ -161,21 +193,68 @@ def _wait(results: dict[str, Any], ctx, log_dir: Path) -> dict[str, stage.StageR
         time.sleep(0.5)
     _tail_logs(log_dir, offsets)
     done: dict[str, stage.StageResult] = {}
-    errors: list[str] = []
-    for name, value in results.items():
-        try:
-            done[name] = value.result() if hasattr(value, "result") else value
-        except Exception as error:  # noqa: BLE001 - reported below with the stage name
-            errors.append(f"{name}: {type(error).__name__}: {error}")
-            _fail_open_attempt(ctx, opened.get(name), error)
-    if errors:
-        raise RuntimeError("pipeline failed:\n  " + "\n  ".join(errors))
+    failures: list[StageFailure] = []
+    for name, run in runs.items():
+        result = run.result
+        if not hasattr(result, "result"):
+            done[name] = result
+            continue
+        if result.exception() is None:
+            done[name] = result.result()
+            continue
+        error = failures_mod.own_failure(run.futures)
+        if error is None:  # only upstream stages failed: this one never ran
+            continue
+        _fail_open_attempt(ctx, run.opened, error)
+        failures.append(_describe_failure(run, error, runs_dir))
+    if failures:
+        raise PipelineFailed(failures)
     return done
 
 
+@dataclass
+class StageFailure:
+    """What the user is told about one failed stage."""
+
+    name: str
+    message: str
+    user_error: bool
+    status: Path
+    logs: list[str]
+
+    def render(self) -> str:
+        logs = ", ".join(self.logs)
+        return (f"{self.name} failed: {self.message}\n    status: {self.status}\n"
+                f"    log:    {logs}")
+
+
+class PipelineFailed(RuntimeError):
+    """One or more stages failed; ``failures`` says which and why."""
+
+    def __init__(self, failures: list[StageFailure]) -> None:
+        self.failures = failures
+        super().__init__("\n".join(f.render() for f in failures))
+
+
+def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> StageFailure:
+    """The stage's own message (a rank's, for ranks that refused their input) and its paths."""
+    from parsl.app.errors import BashExitFailure
+
+    work_dir = stage.stage_dir(runs_dir, run.name, run.key).with_name(f"{run.key}.partial")
+    message = f"{type(error).__name__}: {error}"
+    if isinstance(error, BashExitFailure):
+        from stages.launch import read_rank_error
+
+        rank_message = read_rank_error(work_dir)
+        message = rank_message or f"the ranks exited with code {error.exitcode}"
+    logs = [run.log] + ([run.ranks_log] if run.ranks_log else [])
+    return StageFailure(run.name, message, failures_mod.is_user_error(error),
+                        work_dir / stage.STATUS_FILE, logs)
+
+
 def _fail_open_attempt(ctx, opened_future, error: BaseException) -> None:
-    """A multi-part stage whose ranks or shards failed: record it as failed."""
-    if opened_future is None or opened_future.exception() is not None:
+    """A multi-part stage whose ranks or parts failed: record it as failed."""
+    if opened_future is None or not opened_future.done() or opened_future.exception() is not None:
         return
     opened = opened_future.result()
     if isinstance(opened, stage.StageResult):
@@ -184,6 +263,44 @@ def _fail_open_attempt(ctx, opened_future, error: BaseException) -> None:
     status = stage.read_status(attempt.work_dir)
     if status and status["state"] == "running":
         stage.fail(ctx, attempt, error)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM stops the driver like Ctrl-C."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _fail_running(ctx, runs: dict[str, StageRun], runs_dir: Path) -> None:
+    """Mark this invocation's stages that are still ``running`` as failed (interrupted)."""
+    for run in runs.values():
+        if not run.futures:
+            continue
+        work_dir = stage.stage_dir(runs_dir, run.name, run.key).with_name(f"{run.key}.partial")
+        status = stage.read_status(work_dir)
+        if status and status.get("state") == "running":
+            attempt = stage.StageAttempt(run.name, run.key, str(work_dir),
+                                         str(stage.stage_dir(runs_dir, run.name, run.key)),
+                                         status["run_id"], {})
+            stage.fail(ctx, attempt, KeyboardInterrupt("the pipeline was interrupted"))
+
+
+def check_runs_dir(runs_dir: Path) -> None:
+    """Refuse a runs dir that cannot work, before any work: one line naming --runs-dir."""
+    if any(ch.isspace() for ch in str(runs_dir.resolve())):
+        raise ConfigError(
+            f"--runs-dir {str(runs_dir)!r} contains white space, which Parsl's worker command "
+            "lines cannot carry: choose a path without spaces"
+        )
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        probe = runs_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"--runs-dir {runs_dir} is not writable ({error.strerror or error}): choose a "
+            "directory you can write"
+        ) from None
 
 
 def run_pipeline(
@@ -197,10 +314,14 @@ def run_pipeline(
 
     from workflows import sites
 
-    version = stage.package_version()
-    plans = plan_stages(cfg, only, start, force, version)
+    code = stage.code_hashes()
+    plans = plan_stages(cfg, only, start, force, code)
     runs_dir = cfg.runs_dir
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"cannot create the runs dir {runs_dir} ({error}); pass a writable "
+                          "--runs-dir") from None
     uri = tracking.default_tracking_uri(runs_dir, cfg.tracking.uri)
     experiment_id = tracking.ensure_experiment(uri, cfg.tracking.experiment or cfg.name, runs_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -212,19 +333,32 @@ def run_pipeline(
     parent.log_params(cfg.to_dict())
     parent.log_dict(cfg.to_dict(), "config.yaml")
     parent.set_tags({f"stage.{p.name}": p.action for p in plans})
-    ctx = stage.PipelineContext(str(runs_dir), uri, experiment_id, parent_id, version)
+    ctx = stage.PipelineContext(str(runs_dir), uri, experiment_id, parent_id, code)
+    # Stage locks are held in this driver's name; keep them fresh while the stages run.
+    heartbeat = locks.Heartbeat(  # noqa: F841 - stopped when the driver is done
+        runs_dir, ctx.driver, ctx.lock_stale_s / 10).start()
+    parsl_dir = runs_dir / "parsl" / f"{stamp}-{os.getpid()}"  # one Parsl run dir per driver
     log_dir = runs_dir / "logs" / f"{stamp}-{parent_id[:8]}"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(describe(plans, cfg), flush=True)
     started = time.time()
     status = "FAILED"
-    dfk = parsl.load(sites.make_parsl_config(cfg, runs_dir))
+    dfk = parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir))
+    runs: dict[str, StageRun] = {}
+    previous_handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        results = _wait(_submit(cfg, plans, ctx, log_dir), ctx, log_dir)
+        runs = _submit(cfg, plans, ctx, log_dir)
+        results = _wait(runs, ctx, log_dir, runs_dir)
         status = "FINISHED"
+    except KeyboardInterrupt:
+        print("\n[pipeline] interrupted: stopping workers and ranks, marking running stages "
+              "failed", file=sys.stderr, flush=True)
+        raise
     finally:
-        dfk.cleanup()
+        dfk.cleanup()  # stops the workers; local ranks die with them (stages.launch)
         parsl.clear()
+        signal.signal(signal.SIGTERM, previous_handler)
+        _fail_running(ctx, runs, runs_dir)
         parent.set_tags({"wall_seconds": f"{time.time() - started:.1f}"})
         tracking.end_run(uri, parent_id, status)
     for name in STAGE_ORDER:
@@ -273,12 +407,15 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(plan_stages(cfg, args.only, args.start, args.force, stage.package_version()), cfg))
             print(sites.dry_run_text(cfg, cfg.runs_dir))
             return 0
+        check_runs_dir(cfg.runs_dir)
         run_pipeline(cfg, args.only, args.start, args.force)
+    except KeyboardInterrupt:
+        return 130
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    except RuntimeError as error:
-        print(str(error), file=sys.stderr)
+    except PipelineFailed as error:
+        print(f"\npipeline failed:\n{error}", file=sys.stderr)
         return 1
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from string import Template
 from typing import Any
@@ -32,6 +31,10 @@ from parsl.providers.slurm.template import template_string as SLURM_TEMPLATE
 from parsl.utils import wtime_to_minutes
 
 from stages.config import ConfigError, PipelineConfig
+from stages.launch import RANK_ERROR_FILE, USER_ERROR_EXIT, RankSpec
+from stages.registry import STAGE_ORDER, stage_module
+from stages.stage import RANKS, StageShape
+from workflows.failures import retry_cost
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 """Project root: put on PYTHONPATH of the training ranks so ``-m stages.train_worker`` resolves."""
@@ -44,14 +47,6 @@ FRONTIER_MODULES = ("PrgEnv-gnu", "rocm/6.2.4", "craype-accel-amd-gfx90a", "mini
 
 FRONTIER_GCDS_PER_NODE = 8
 """One training rank per MI250X GCD."""
-
-WORKER_MODULES = {"train": "stages.train_worker", "evaluate": "stages.eval_worker"}
-"""The per-rank entry (``python -m MODULE --spec SPEC``) of each multi-rank stage."""
-
-EVAL_IN_PROCESS = (
-    "evaluation (eval.ranks=1) runs in one process inside its Parsl app on the cpu executor "
-    "(set eval.ranks > 1 to launch evaluation ranks like the training ranks)"
-)
 
 SITE_SRUN_OPTIONS = {
     # 7 cores per rank (56 usable per node), one GCD each, bound to the nearest NIC/cores.
@@ -70,12 +65,14 @@ class SiteError(ConfigError):
 # --------------------------------------------------------------------------------------------
 
 
-def make_parsl_config(cfg: PipelineConfig, run_dir: Path) -> Config:
+def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None = None) -> Config:
     """Build the Parsl config for ``cfg.site.name`` with executors "cpu" and "train".
 
-    Parsl's own logs and submit scripts go under ``run_dir/parsl``. Stage reuse is keyed by
+    Parsl's own logs and submit scripts go under ``parsl_dir`` (default ``run_dir/parsl``);
+    every driver passes its own, since two drivers sharing one mix them. Stage reuse is keyed by
     the stage mechanism, so no Parsl app caching is configured; failed apps are retried
-    ``cfg.site.retries`` times (training resumes from its last complete checkpoint).
+    ``cfg.site.retries`` times unless they are user errors (``workflows.failures``);
+    training resumes from its last complete checkpoint.
     """
     site = cfg.site.name
     if site == "local":
@@ -87,8 +84,9 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path) -> Config:
         raise SiteError(f"site.name={site!r} is not one of local, slurm, frontier")
     return Config(
         executors=executors,
-        run_dir=str(Path(run_dir) / "parsl"),
+        run_dir=str(parsl_dir or Path(run_dir) / "parsl"),
         retries=cfg.site.retries,
+        retry_handler=retry_cost,  # user errors fail at once; lost workers/ranks are retried
         # Frequent strategy passes: first app starts sooner, lost blocks are replaced sooner.
         strategy_period=0.5 if site == "local" else 1,
         initialize_logging=True,
@@ -251,53 +249,14 @@ def worker_init(cfg: PipelineConfig) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _get(plan: Any, key: str) -> Any:
-    if isinstance(plan, Mapping):
-        return plan.get(key)
-    return getattr(plan, key, None)
-
-
-def train_layout(cfg: PipelineConfig, plan: Any = None) -> tuple[int, int]:
-    """(nodes, ranks_per_node) for the training job.
-
-    ``plan`` is the train stage's prepared launch info ({"nproc", "nodes", ...}), a Plan /
-    plan dict (world size tp*pp*dp), or None (parallel.nproc over parallel.nodes).
-    """
-    nodes = _get(plan, "nodes") if plan is not None else None
-    nodes = int(nodes or cfg.parallel.nodes)
-    world = _get(plan, "nproc") if plan is not None else None
-    if world is None and plan is not None and _get(plan, "tp") is not None:
-        world = int(_get(plan, "tp")) * int(_get(plan, "pp")) * int(_get(plan, "dp"))
-    world = int(world or cfg.parallel.nproc)
-    if world % nodes:
+def ranks_layout(shape: StageShape) -> tuple[int, int]:
+    """(nodes, ranks_per_node) of a ranks stage; the ranks must divide over the nodes."""
+    if shape.nproc % shape.nodes:
         raise SiteError(
-            f"{world} training ranks do not divide over parallel.nodes={nodes}: "
-            "make parallel.nproc a multiple of parallel.nodes"
+            f"{shape.nproc} ranks do not divide over {shape.nodes} nodes: make parallel.nproc "
+            "a multiple of parallel.nodes"
         )
-    return nodes, world // nodes
-
-
-def eval_layout(cfg: PipelineConfig, prepared: Any = None) -> tuple[int, int]:
-    """(nodes, ranks_per_node) for the evaluation ranks: all on one node (EvalConfig.ranks).
-
-    ``prepared`` is the evaluate stage's prepared launch info ({"nproc", ...}) or None
-    (eval.ranks).
-    """
-    ranks = _get(prepared, "nproc") if prepared is not None else None
-    return 1, int(ranks or cfg.eval.ranks)
-
-
-def stage_layout(stage: str, cfg: PipelineConfig, prepared: Any = None) -> tuple[int, int]:
-    """(nodes, ranks_per_node) of a multi-rank stage ("train" or "evaluate")."""
-    if stage == "train":
-        return train_layout(cfg, prepared)
-    if stage == "evaluate":
-        return eval_layout(cfg, prepared)
-    raise _no_ranks(stage)
-
-
-def _no_ranks(stage: str) -> ValueError:
-    return ValueError(f"stage {stage!r} has no ranks; choose one of {sorted(WORKER_MODULES)}")
+    return shape.nodes, shape.nproc // shape.nodes
 
 
 def _srun_options(cfg: PipelineConfig) -> str:
@@ -306,21 +265,13 @@ def _srun_options(cfg: PipelineConfig) -> str:
     return SITE_SRUN_OPTIONS.get(cfg.site.name, "")
 
 
-def train_resource_spec(cfg: PipelineConfig, plan: Any = None) -> dict | None:
-    """The MPIExecutor resource specification of the training app (None for local)."""
-    return ranks_resource_spec("train", cfg, plan)
-
-
-def ranks_resource_spec(stage: str, cfg: PipelineConfig, prepared: Any = None) -> dict | None:
+def ranks_resource_spec(cfg: PipelineConfig, shape: StageShape) -> dict | None:
     """The MPIExecutor resource specification of a stage's ranks app (None for local)."""
     if cfg.site.name == "local":
         return None
-    nodes, per_node = stage_layout(stage, cfg, prepared)
-    spec: dict[str, Any] = {
-        "num_nodes": nodes,
-        "ranks_per_node": per_node,
-        "num_ranks": nodes * per_node,
-    }
+    nodes, per_node = ranks_layout(shape)
+    spec: dict[str, Any] = {"num_nodes": nodes, "ranks_per_node": per_node,
+                            "num_ranks": nodes * per_node}
     options = _srun_options(cfg)
     if options:
         spec["launcher_options"] = options
@@ -363,48 +314,37 @@ def _worker_python(cfg: PipelineConfig) -> str:
     return "python" if cfg.site.name != "local" and cfg.site.conda_env else sys.executable
 
 
-def train_command(cfg: PipelineConfig, spec_path: str, plan: Any = None) -> str:
-    """The shell command the training bash app returns (see ``ranks_command``)."""
-    return ranks_command("train", cfg, spec_path, plan)
+def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) -> str:
+    """The shell command that starts every rank of a rank spec (the ranks app's command).
 
-
-def eval_command(cfg: PipelineConfig, spec_path: str, prepared: Any = None) -> str:
-    """The shell command the evaluation bash app returns (see ``ranks_command``)."""
-    return ranks_command("evaluate", cfg, spec_path, prepared)
-
-
-def ranks_command(stage: str, cfg: PipelineConfig, spec_path: str, prepared: Any = None) -> str:
-    """The shell command that starts every rank of ``stage`` ("train" or "evaluate").
-
-    local: torchrun on this machine; slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line
-    Parsl composes from ``ranks_resource_spec``) runs one worker per rank.
+    local: ``python -m stages.launch`` (torchrun on this machine, dying with its Parsl
+    worker); slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line Parsl composes from
+    ``ranks_resource_spec``) runs one worker per rank. Either way the command exits
+    ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it.
     """
-    if stage not in WORKER_MODULES:
-        raise _no_ranks(stage)
-    module = WORKER_MODULES[stage]
     exports = [f"export {key}={value}" for key, value in rank_env(cfg).items()]
-    spec = shlex.quote(str(spec_path))
+    path = shlex.quote(str(spec_path))
+    python = shlex.quote(_worker_python(cfg))
     if cfg.site.name == "local":
-        nodes, per_node = stage_layout(stage, cfg, prepared)
-        if nodes != 1:
+        if spec.nodes != 1:
             raise SiteError(
-                f"site.name=local runs on one node but parallel.nodes={nodes}: "
+                f"site.name=local runs on one node but the stage asks for {spec.nodes}: "
                 "set parallel.nodes=1 or use site.name=slurm"
             )
-        torchrun = BIN_DIR / "torchrun"
-        launch = (
-            f"{shlex.quote(str(torchrun))} --standalone --nnodes 1 --nproc-per-node {per_node} "
-            f"-m {module} --spec {spec}"
-        )
-    else:
-        worker = f"{shlex.quote(_worker_python(cfg))} -m {module} --spec {spec}"
-        if cfg.site.name == "frontier":
-            # Each node creates its own MIOpen cache directory before the rank starts.
-            worker = (
-                "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {worker}')
-            )
-        launch = f"$PARSL_MPI_PREFIX {worker}"
-    return "\n".join([*exports, launch])
+        return "\n".join([*exports, f"exec {python} -m stages.launch --spec {path}"])
+    worker = f"{python} -m {spec.worker} --spec {path}"
+    if cfg.site.name == "frontier":
+        # Each node creates its own MIOpen cache directory before the rank starts.
+        worker = "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {worker}')
+    error_file = shlex.quote(str(Path(spec.out_dir) / RANK_ERROR_FILE))
+    return "\n".join([
+        *exports,
+        f"rm -f {error_file}",
+        f"$PARSL_MPI_PREFIX {worker}",
+        "code=$?",
+        f'if [ "$code" -ne 0 ] && [ -f {error_file} ]; then exit {USER_ERROR_EXIT}; fi',
+        'exit "$code"',
+    ])
 
 
 # --------------------------------------------------------------------------------------------
@@ -475,44 +415,48 @@ def batch_script(cfg: PipelineConfig, run_dir: Path) -> str:
     )
 
 
-def srun_line(cfg: PipelineConfig, run_dir: Path, plan: Any = None, stage: str = "train") -> str:
+def _ranks_stages(cfg: PipelineConfig) -> list[tuple[str, StageShape]]:
+    """(name, shape) of every stage that runs as ranks under this config."""
+    shapes = [(name, stage_module(name).shape(cfg)) for name in STAGE_ORDER]
+    return [(name, shape) for name, shape in shapes if shape.kind == RANKS]
+
+
+def _placeholder_spec(cfg: PipelineConfig, run_dir: Path, name: str, shape: StageShape) -> RankSpec:
+    return RankSpec(worker=shape.worker, nproc=shape.nproc, nodes=shape.nodes,
+                    out_dir=f"{run_dir}/{name}", config={})
+
+
+def srun_line(cfg: PipelineConfig, run_dir: Path, name: str, shape: StageShape) -> str:
     """The rank launch Parsl composes for a stage's ranks app (node names known at run time)."""
-    spec = ranks_resource_spec(stage, cfg, plan)
-    assert spec is not None
-    hosts = [f"<node{i}>" for i in range(spec["num_nodes"])]
-    _, prefix = compose_srun_launch_cmd(
-        {k: str(v) for k, v in spec.items()}, hosts
-    )
-    command = ranks_command(stage, cfg, f"{run_dir}/{stage}/spec.json", plan)
+    resources = ranks_resource_spec(cfg, shape)
+    assert resources is not None
+    hosts = [f"<node{i}>" for i in range(resources["num_nodes"])]
+    _, prefix = compose_srun_launch_cmd({k: str(v) for k, v in resources.items()}, hosts)
+    spec = _placeholder_spec(cfg, run_dir, name, shape)
+    command = ranks_command(cfg, spec, f"{run_dir}/{name}/spec.json")
     return command.replace("$PARSL_MPI_PREFIX", " ".join(prefix.split()))
 
 
 def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
-    """What would be submitted: the batch script and both rank launches (slurm/frontier)."""
+    """Where each ranks stage would run: locally the launch line; on slurm/frontier the batch
+    script of the block and each ranks app's srun line. Stages that are not ranks run as
+    Python apps on the cpu executor."""
+    stages = _ranks_stages(cfg)
     if cfg.site.name == "local":
-        _, per_node = train_layout(cfg, None)
-        if cfg.eval.ranks > 1:
-            launch = ranks_command("evaluate", cfg, f"{run_dir}/evaluate/spec.json")
-            evaluation = f"evaluation runs {launch.splitlines()[-1]}"
-        else:
-            evaluation = EVAL_IN_PROCESS
+        launches = "; ".join(
+            f"{name} runs torchrun --nproc-per-node {shape.nproc} on this machine"
+            for name, shape in stages
+        )
         return (
-            f"site local: light stages on {cfg.site.max_workers} local Parsl workers; training "
-            f"runs torchrun --nproc-per-node {per_node} on this machine; {evaluation}; "
-            f"outputs in {run_dir}"
+            f"site local: light stages on {cfg.site.max_workers} local Parsl workers; "
+            f"{launches}; outputs in {run_dir}"
         )
     _check_slurm_site(cfg)
-    if cfg.eval.ranks > 1:
-        evaluation = (
-            f"# --- evaluation app: the same block, after training; {cfg.eval.ranks} ranks on "
-            f"one node ---\n{srun_line(cfg, run_dir, stage='evaluate')}\n"
+    parts = [f"# --- batch script for the ranks block (sbatch) ---\n{batch_script(cfg, run_dir)}"]
+    for name, shape in stages:
+        nodes, per_node = ranks_layout(shape)
+        parts.append(
+            f"# --- {name} app: {nodes} node(s) x {per_node} ranks: environment and launch "
+            f"(run by the Parsl worker) ---\n{srun_line(cfg, run_dir, name, shape)}"
         )
-    else:
-        evaluation = f"# --- {EVAL_IN_PROCESS} ---\n"
-    return (
-        f"# --- batch script for the training block (sbatch) ---\n"
-        f"{batch_script(cfg, run_dir)}\n"
-        f"# --- training app: environment and rank launch (run by the Parsl worker) ---\n"
-        f"{srun_line(cfg, run_dir)}\n"
-        f"{evaluation}"
-    )
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,234 @@
+"""The one rank launcher: what every rank of a multi-rank stage reads, and how ranks start.
+
+A multi-rank stage (train, evaluate with ``eval.ranks`` > 1, and the plan stage's measured
+refinement) writes a ``RankSpec`` as JSON, then ``nproc`` processes each run
+``python -m <spec.worker> --spec <path>``:
+
+- on this machine with ``torchrun --standalone`` (``local_command`` / ``run_local``);
+- under Slurm, the workflow puts the same worker line after ``$PARSL_MPI_PREFIX`` (an
+  ``srun`` line composed by Parsl's MPIExecutor; see ``workflows.sites.ranks_command``).
+
+Every rank calls ``die_with_parent`` first, so no rank outlives its launcher and writes into
+a stage directory after the stage was declared failed. A rank that rejects its input
+(``ValueError`` and its subclasses: a user mistake that a retry cannot fix) writes
+``rank-error.json`` beside the spec and exits with ``USER_ERROR_EXIT``, so the workflow
+fails at once with that message instead of retrying.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data_prep.atomic import write_json_atomic
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RANK_ERROR_FILE = "rank-error.json"
+USER_ERROR_EXIT = 3  # a rank refused its input: retrying cannot help
+
+
+class RanksFailed(RuntimeError):
+    """The ranks of a stage exited non-zero; ``user_error`` holds a rank's own message."""
+
+    def __init__(self, what: str, exit_code: int, tail: str, user_error: str | None) -> None:
+        self.exit_code, self.user_error = exit_code, user_error
+        detail = user_error or f"last output:\n{tail}"
+        super().__init__(f"{what} ranks failed (exit {exit_code}): {detail}")
+
+
+@dataclass
+class RankSpec:
+    """Everything a rank needs, written by the stage's ``prepare`` (JSON round trip)."""
+
+    worker: str  # module every rank runs: python -m <worker> --spec <path>
+    nproc: int  # ranks in all
+    nodes: int  # nodes they span (ranks divide evenly)
+    out_dir: str  # where the ranks write (absolute)
+    config: dict[str, Any]  # the resolved pipeline config (PipelineConfig.to_dict())
+    plan: dict[str, Any] | None = None  # the parallel plan (Plan.to_dict()), training only
+    store: str | None = None  # token store path; None: synthetic tokens
+    tracking: dict[str, str] | None = None  # {"uri", "run_id"} of the stage's MLflow run
+    steps: int | None = None  # stop after this many steps (None: train.steps)
+    peak_tflops: float | None = None  # device peak MFU is reported against
+    extra: dict[str, Any] = field(default_factory=dict)  # stage-specific fields
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1 or self.nodes < 1 or self.nproc % self.nodes:
+            raise ValueError(
+                f"{self.nproc} ranks do not divide over {self.nodes} node(s): make the rank "
+                "count a multiple of the node count"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.nproc // self.nodes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RankSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise ValueError(f"rank spec has unknown fields {unknown}; known: {sorted(names)}")
+        return cls(**raw)
+
+    def write(self, path: str | Path) -> Path:
+        """Write the spec atomically; return its absolute path."""
+        return write_json_atomic(Path(path).resolve(), self.to_dict())
+
+    @classmethod
+    def read(cls, path: str | Path) -> RankSpec:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def rank_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The ranks' environment: one thread per rank, the project importable, no stale identity."""
+    env = dict(os.environ if base is None else base)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def local_command(spec_path: str | Path, spec: RankSpec, python: str = sys.executable) -> list[str]:
+    """The argv that starts every rank of ``spec`` on this machine (torchrun, one node)."""
+    if spec.nodes != 1:
+        raise ValueError(
+            f"{spec.nodes} nodes cannot be launched on this machine: multi-node ranks are "
+            "started with srun by the workflow (site.name=slurm or frontier)"
+        )
+    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(spec.nproc), "-m", spec.worker, "--spec", str(spec_path)]
+
+
+def read_rank_error(out_dir: str | Path) -> str | None:
+    """The message a rank left when it refused its input, or None."""
+    try:
+        return str(json.loads((Path(out_dir) / RANK_ERROR_FILE).read_text())["message"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: str = "stage",
+              echo: bool = True, timeout_s: float | None = None) -> None:
+    """Start every rank of the spec at ``spec_path`` with torchrun; stream their output.
+
+    Raises ``RanksFailed`` (with the rank's own message when it refused its input) on a
+    non-zero exit or after ``timeout_s``; ranks are killed with their launcher.
+    """
+    spec = RankSpec.read(spec_path)
+    (Path(spec.out_dir) / RANK_ERROR_FILE).unlink(missing_ok=True)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(open(log_path, "a")) if log_path else None
+        proc = subprocess.Popen(local_command(spec_path, spec), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=rank_environment(),
+                                cwd=REPO_ROOT, bufsize=1, start_new_session=True,
+                                preexec_fn=_arm_parent_death_signal)  # noqa: PLW1509 (one prctl)
+        stack.callback(_kill_group, proc)
+        assert proc.stdout is not None
+        timer = None
+        if timeout_s:
+            import threading
+
+            timer = threading.Timer(timeout_s, _kill_group, (proc,))
+            timer.start()
+            stack.callback(timer.cancel)
+        for line in proc.stdout:
+            if echo:
+                sys.stdout.write(line)
+            tail.append(line)
+            if log:
+                log.write(line)
+        code = proc.wait()
+    if code != 0:
+        raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the launcher's whole process group (torchrun and its ranks) if still running."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _arm_parent_death_signal() -> None:
+    """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; kept across exec)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent (torchrun, srun's step) dies."""
+    parent = os.getppid()
+    _arm_parent_death_signal()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def rank_main(description: str, run: Callable[[RankSpec], Any],
+              argv: list[str] | None = None) -> int:
+    """The command-line entry every rank worker shares: parse ``--spec``, run, report.
+
+    A ``ValueError`` (the project's input errors derive from it) is written to
+    ``rank-error.json`` and ends the rank with ``USER_ERROR_EXIT``; anything else propagates.
+    """
+    import argparse
+
+    die_with_parent()
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--spec", required=True, help="path of the rank spec (JSON)")
+    args = parser.parse_args(argv)
+    spec = RankSpec.read(args.spec)
+    try:
+        run(spec)
+    except ValueError as error:
+        message = f"{type(error).__name__}: {error}"
+        print(f"[rank] {message}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            write_json_atomic(Path(spec.out_dir) / RANK_ERROR_FILE,
+                              {"message": message, "traceback": traceback.format_exc()})
+        return USER_ERROR_EXIT
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m stages.launch --spec PATH``: start the spec's ranks on this machine.
+
+    The workflow's local ranks app runs this: it dies with its Parsl worker, torchrun dies
+    with it, and the ranks die with torchrun. Exits ``USER_ERROR_EXIT`` when a rank refused
+    its input, else torchrun's exit code.
+    """
+    import argparse
+
+    die_with_parent()
+    parser = argparse.ArgumentParser(description="Start a rank spec's ranks with torchrun.")
+    parser.add_argument("--spec", required=True, help="path of the rank spec (JSON)")
+    args = parser.parse_args(argv)
+    try:
+        run_local(args.spec, what=Path(args.spec).parent.name)
+    except RanksFailed as error:
+        print(f"[launch] {error}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT if error.user_error else error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

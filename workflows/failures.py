@@ -1,0 +1,62 @@
+"""What a failure means: retry it or not, and what the user is told.
+
+A user mistake (bad config, data, plan or checkpoint: the project's errors all derive from
+``ValueError``, and a ranks app that exits ``USER_ERROR_EXIT`` because a rank refused its
+input) fails at once, with its own message and no traceback. Anything else (a lost worker,
+a killed rank, a cancelled job) may succeed when tried again and is retried up to
+``site.retries`` times; the console names the attempt and the cause.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from parsl.app.errors import BashExitFailure
+from parsl.dataflow.errors import DependencyError
+
+from stages.launch import USER_ERROR_EXIT
+
+NEVER_RETRY = 1e9  # a cost above any retry budget
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Whether retrying cannot help: the input is wrong and the message says what to fix."""
+    if isinstance(error, BashExitFailure):
+        return error.exitcode == USER_ERROR_EXIT
+    return isinstance(error, ValueError)
+
+
+def retry_cost(error: Exception, task_record: dict[str, Any]) -> float:
+    """Parsl retry handler: user errors cost more than the budget; others cost one try."""
+    if isinstance(error, DependencyError) or is_user_error(error):
+        return NEVER_RETRY
+    attempt = task_record.get("fail_count", 1)
+    name = task_record.get("func_name", "app")
+    print(f"[pipeline] {name} failed on attempt {attempt} ({type(error).__name__}: "
+          f"{_first_line(error)}); retrying if the budget allows", file=sys.stderr, flush=True)
+    return 1.0
+
+
+def root_causes(error: BaseException) -> list[BaseException]:
+    """The failures behind ``error``, looking through Parsl's dependency wrappers."""
+    if isinstance(error, DependencyError):
+        causes: list[BaseException] = []
+        for inner, _tid in error.dependent_exceptions_tids:
+            causes.extend(root_causes(inner))
+        return causes
+    return [error]
+
+
+def own_failure(futures: list[Any]) -> BaseException | None:
+    """The first failure among a stage's own app futures that is not an upstream's."""
+    for future in futures:
+        if hasattr(future, "done") and future.done():
+            error = future.exception()
+            if error is not None and not isinstance(error, DependencyError):
+                return error
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
