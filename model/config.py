@@ -92,6 +92,19 @@ class ModelConfig:
         return multiple * ((hidden + multiple - 1) // multiple)
 
 
+def vocab_fit_problem(store_vocab: int | None, model_vocab: int) -> str | None:
+    """Why a token store with ``store_vocab`` token ids cannot feed a model with
+    ``model_vocab`` embedding rows, or None when it fits (or the store's size is unknown).
+
+    The one statement of this rule: the plan, train and evaluate stages all ask it.
+    """
+    if store_vocab is None or store_vocab <= model_vocab:
+        return None
+    return (f"the token store's vocabulary ({store_vocab}) exceeds model.vocab_size="
+            f"{model_vocab}: raise model.vocab_size to at least {store_vocab}, or use a store "
+            f"whose tokenizer has at most {model_vocab} tokens")
+
+
 @dataclass
 class ParallelConfig:
     """How many ranks to run and, optionally, how to lay them out.

@@ -221,13 +221,6 @@ class GPT(nn.Module):
             full = _initial_value(name, tuple(param.shape), self.cfg, seed)
             _copy_full_into(param, full)
 
-    def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameters held by this module (global counts for DTensor parameters)."""
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.tok_embeddings is not None:
-            total -= self.tok_embeddings.weight.numel()
-        return total
-
 
 def _initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:
     """The full initial tensor of parameter ``name`` (float32, CPU)."""

@@ -12,6 +12,7 @@ from model.flops import flops_per_token, param_count
 from model.gpt import GPT, apply_rotary, rotary_tables
 from model.parallel.dist_env import expand_first_host, from_environ
 from model.parallel.pipeline import build_chunk, chunk_ids
+from model.planner.shapes import Shapes
 from model.training.batches import SyntheticBatches
 from model.training.optim import clip_grad_norm_, lr_factor
 
@@ -22,6 +23,8 @@ CONFIGS = {
                                  vocab_size=300, max_seq_len=32, parallel_residual=True),
     "neox_sequential": ModelConfig(family="neox", n_layers=2, d_model=64, n_heads=4,
                                    vocab_size=300, max_seq_len=32),
+    "llama_mha": ModelConfig(family="llama", n_layers=3, d_model=32, n_heads=2, ffn_hidden=72,
+                             vocab_size=260, max_seq_len=32),
 }
 
 
@@ -40,9 +43,28 @@ def test_shapes_and_parameter_count(name: str) -> None:
     model = built(cfg)
     logits = model(torch.randint(0, cfg.vocab_size, (2, 16)))
     assert logits.shape == (2, 16, cfg.vocab_size)
-    assert model.num_params() == param_count(cfg)
-    assert list(model.layers.keys()) == ["0", "1"]
+    assert list(model.layers.keys()) == [str(i) for i in range(cfg.n_layers)]
     assert "rope_cos" not in model.state_dict()  # rotary tables are not checkpointed
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_parameter_formula_counts_the_real_model(name: str) -> None:
+    """model.flops is the only parameter count: it equals the built GPT's, and the planner's
+    shapes use it (blocks' matrices split by tp, norms replicated)."""
+    cfg = CONFIGS[name]
+    with torch.device("meta"):
+        model = GPT(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert param_count(cfg) == total
+    assert param_count(cfg, include_embedding=False) == total - cfg.vocab_size * cfg.d_model
+    shapes = Shapes.from_configs(cfg, TrainConfig(seq_len=32))
+    assert shapes.total_params == total
+    block = model.layers["0"]
+    matrices = sum(p.numel() for n, p in block.named_parameters()
+                   if p.dim() == 2 and "norm" not in n)
+    norms = sum(p.numel() for n, p in block.named_parameters() if "norm" in n)
+    assert (shapes.layer_matrix_params, shapes.layer_norm_params) == (matrices, norms)
+    assert shapes.model_flops_per_token() == flops_per_token(cfg, 32)
 
 
 def test_init_is_deterministic_and_seeded() -> None:

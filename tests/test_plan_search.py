@@ -152,3 +152,59 @@ def test_cli_json(tmp_path: Path) -> None:
                           "frontier", "--devices", "4", "--global-batch", "8", "--json"],
                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
     assert bad.returncode == 2 and "more devices" in bad.stderr
+
+
+def test_planner_refuses_what_training_refuses() -> None:
+    """tp must divide the vocabulary and the MLP width too: the search never offers such a
+    tp, a fixed one is refused with the rule, and every plan it ranks passes training's checks."""
+    from model.training.validate import training_problems
+    from stages.plan import fixed_fields
+    from tests.train_helpers import tiny_config
+
+    cfg = tiny_config("model.n_heads=6", "model.n_kv_heads=null", "model.d_model=48",
+                      "parallel.tp=3", "parallel.nproc=3")
+    assert (cfg.model.n_heads % 3, cfg.model.vocab_size % 3, cfg.model.ffn_dim) == (0, 0, 128)
+    cl = load_cluster("h100")
+    with pytest.raises(PlanError) as err:
+        choose(cfg.model, cfg.train, cl, 3, fixed_fields(cfg.parallel))
+    msg = str(err.value)
+    assert "tp=3 must divide the MLP size 128 (model.ffn_hidden)" in msg
+    assert "on 3 devices tp can be [1]" in msg
+    cfg.model.vocab_size = 385  # and the vocabulary (the config check is bypassed on purpose)
+    with pytest.raises(PlanError, match=r"tp=3 must divide model.vocab_size=385"):
+        choose(cfg.model, cfg.train, cl, 3, fixed_fields(cfg.parallel))
+    cfg.model.vocab_size = 384
+    cfg.parallel.tp = None
+    for world in (2, 3, 6, 12):
+        _, res = choose(cfg.model, cfg.train, cl, world, fixed_fields(cfg.parallel), top_k=50)
+        assert res.plans and all(p.tp in (1, 2) for p in res.plans)
+        for p in res.plans:
+            assert training_problems(cfg.model, cfg.train, p, world) == [], p.describe()
+
+
+def test_tp_that_does_not_divide_the_devices_lists_what_would() -> None:
+    model = ModelConfig(n_layers=2, d_model=48, n_heads=6, vocab_size=2048, max_seq_len=128)
+    train = TrainConfig(global_batch=8, seq_len=128)
+    with pytest.raises(PlanError) as err:
+        choose(model, train, load_cluster("h100"), 4, {"tp": 3})
+    msg = str(err.value)
+    assert "()" not in msg
+    assert "parallel.tp=3 is not possible (it does not divide the 4 devices)" in msg
+    assert "on 4 devices tp can be [1, 2]" in msg
+    with pytest.raises(PlanError, match=r"parallel.pp=3 is not possible here: pp can be \[1, 2\]"):
+        choose(model, train, load_cluster("h100"), 8, {"pp": 3})
+    # a hand-written plan of the wrong size says the same
+    with pytest.raises(PlanError, match=r"tp=3 does not divide 4; on 4 devices tp can be \[1, 2\]"):
+        Plan(tp=3, micro_batch=8).check(model, train, 4)
+
+
+def test_when_more_devices_cannot_help_the_error_says_so() -> None:
+    # one layer and one head: neither pp nor tp can split the 1-layer activations
+    model = ModelConfig(family="neox", n_layers=1, d_model=131072, n_heads=1, vocab_size=51200,
+                        max_seq_len=2048)
+    s, _ = _shapes(model, 1536)
+    with pytest.raises(PlanError) as err:
+        search(s, load_cluster("frontier"), 1536, 1536)
+    msg = str(err.value)
+    assert "more devices do not help" in msg.lower() and "Use more devices" not in msg
+    assert "tp can be at most 1" in msg and "pp at most model.n_layers=1" in msg

@@ -4,16 +4,18 @@ A ``Plan`` fixes the mesh (pp, dp, tp; tp varies fastest), the batch split
 (micro_batch sequences per micro-batch per data-parallel rank, grad_accum micro-batches
 per step), the pipeline schedule, data-parallel sharding and activation recompute.
 ``Plan.check`` enforces every rule the trainer relies on and raises ``PlanError``
-(a ``ValueError``) naming the factors involved and what to change.
+(a ``ValueError``) naming the factors involved and what to change. The rules are the
+``*_problems`` functions below, one per group of factors; the search applies the same
+functions while it enumerates, so it never emits a plan that training refuses.
 """
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from data_prep.atomic import write_text_atomic
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SHARDINGS = ("zero3", "zero2", "ddp", "none")
@@ -73,19 +75,8 @@ class Plan:
         return plan
 
     def to_json(self, path: str | Path) -> Path:
-        """Write plan.json atomically (temp file, then os.replace)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self.to_dict(), fh, indent=2, sort_keys=True)
-                fh.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        """Write plan.json atomically (data_prep.atomic)."""
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_json(cls, path: str | Path) -> Plan:
@@ -140,62 +131,148 @@ class Plan:
             raise PlanError("plan.predictions must be a mapping")
 
     def problems(self, model_cfg: Any, train_cfg: Any, world_size: int) -> list[str]:
-        """Every rule this plan breaks for the model, training batch and world size."""
+        """Every rule this plan breaks for the model, training batch and world size.
+
+        The one statement of plan validity: the search (model.planner.search) applies the
+        same rule functions below while it enumerates, and training refuses what they refuse.
+        """
         try:
             self.validate_fields()
         except PlanError as exc:
             return [str(exc)]
-        out: list[str] = []
-        p, d, t = self.pp, self.dp, self.tp
-        if p * d * t != world_size:
-            out.append(f"pp*dp*tp = {p}*{d}*{t} = {p * d * t} must equal the world size "
-                       f"{world_size}")
         kv = getattr(model_cfg, "kv_heads", None) or getattr(model_cfg, "n_kv_heads", None) \
             or model_cfg.n_heads
-        if model_cfg.n_heads % t:
-            out.append(f"tp={t} must divide model.n_heads={model_cfg.n_heads}")
-        elif kv % t:
-            out.append(f"tp={t} must divide the key/value heads ({kv})")
-        chunks = p * self.virtual_stages
-        if chunks > model_cfg.n_layers:
-            out.append(f"pp*virtual_stages = {p}*{self.virtual_stages} = {chunks} must be at "
-                       f"most model.n_layers={model_cfg.n_layers} (one layer per stage at least)")
-        gb = self.micro_batch * self.grad_accum * d
-        if gb != train_cfg.global_batch:
-            out.append(f"micro_batch*grad_accum*dp = {self.micro_batch}*{self.grad_accum}*{d} "
-                       f"= {gb} must equal train.global_batch={train_cfg.global_batch}")
-        if self.schedule == "interleaved_1f1b":
-            if self.virtual_stages < 2 or p < 2:
-                out.append(f"schedule interleaved_1f1b needs virtual_stages > 1 and pp > 1 "
-                           f"(got virtual_stages={self.virtual_stages}, pp={p}); use 1f1b")
-            else:
-                rounds = max(1, self.grad_accum // p)
-                if self.grad_accum % rounds:
-                    out.append(f"interleaved_1f1b needs grad_accum={self.grad_accum} to be a "
-                               f"multiple of grad_accum//pp={rounds} (torch pipelining rule)")
-        elif self.virtual_stages != 1:
-            out.append(f"virtual_stages={self.virtual_stages} needs schedule interleaved_1f1b")
-        if self.schedule == "1f1b" and p > 1 and self.grad_accum < p:
-            out.append(f"schedule 1f1b needs grad_accum={self.grad_accum} >= pp={p} "
-                       f"(torch pipelining rule); raise grad_accum or use gpipe")
-        if self.sharding == "none" and d > 1:
-            out.append(f"sharding 'none' needs dp=1 (got dp={d}); use ddp, zero2 or zero3")
-        if self.sharding == "ddp" and t > 1:
-            out.append(f"sharding 'ddp' cannot wrap a tp={t} model (DTensor parameters); "
-                       f"use zero2 (FSDP2 without reshard) or zero3")
-        if self.sequence_parallel:
-            if t < 2:
-                out.append("sequence_parallel needs tp > 1")
-            elif train_cfg.seq_len % t:
-                out.append(f"sequence_parallel needs tp={t} to divide train.seq_len="
-                           f"{train_cfg.seq_len}")
-        return out
+        dims = {"n_heads": model_cfg.n_heads, "kv_heads": kv, "vocab": model_cfg.vocab_size,
+                "ffn": model_cfg.ffn_dim}
+        return [
+            *world_problems(self.tp, self.pp, self.dp, world_size, **dims),
+            *tp_problems(self.tp, **dims),
+            *pipeline_problems(self.pp, self.virtual_stages, model_cfg.n_layers),
+            *batch_problems(self.micro_batch, self.grad_accum, self.dp, train_cfg.global_batch),
+            *schedule_problems(self.schedule, self.pp, self.grad_accum, self.virtual_stages),
+            *sharding_problems(self.sharding, self.dp, self.tp),
+            *sequence_parallel_problems(self.sequence_parallel, self.tp, train_cfg.seq_len),
+            *sequence_length_problems(train_cfg.seq_len, model_cfg.max_seq_len),
+        ]
 
     def check(self, model_cfg: Any, train_cfg: Any, world_size: int) -> None:
         """Raise PlanError listing every broken rule (factor names and values)."""
         found = self.problems(model_cfg, train_cfg, world_size)
         if found:
             raise PlanError(f"plan {self.describe()} is invalid: " + "; ".join(found))
+
+
+# --- the rules -------------------------------------------------------------------------
+# Each returns the broken rules (empty when none) for the factors it names. Plan.problems
+# applies all of them; the search applies each where it enumerates that factor.
+
+def tp_problems(tp: int, n_heads: int, kv_heads: int, vocab: int, ffn: int) -> list[str]:
+    """tp must divide the heads, the key/value heads, the vocabulary and the MLP width."""
+    out = []
+    if n_heads % tp:
+        out.append(f"tp={tp} must divide model.n_heads={n_heads}")
+    elif kv_heads % tp:
+        out.append(f"tp={tp} must divide the key/value heads ({kv_heads})")
+    if vocab % tp:
+        out.append(f"tp={tp} must divide model.vocab_size={vocab} (vocab-parallel embedding): "
+                   f"round model.vocab_size up to a multiple of {tp}")
+    if ffn % tp:
+        out.append(f"tp={tp} must divide the MLP size {ffn} (model.ffn_hidden)")
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_choices(world: int, n_heads: int, kv_heads: int, vocab: int, ffn: int) -> list[int]:
+    """The tensor-parallel degrees that divide ``world`` and pass ``tp_problems``."""
+    return [t for t in divisors(world) if not tp_problems(t, n_heads, kv_heads, vocab, ffn)]
+
+
+def world_problems(tp: int, pp: int, dp: int, world: int, n_heads: int, kv_heads: int,
+                   vocab: int, ffn: int) -> list[str]:
+    """pp*dp*tp must equal the world size; a tp that cannot divide it says which would."""
+    if pp * dp * tp == world:
+        return []
+    msg = f"pp*dp*tp = {pp}*{dp}*{tp} = {pp * dp * tp} must equal the world size {world}"
+    if world % tp:
+        msg += (f" (tp={tp} does not divide {world}; on {world} devices tp can be "
+                f"{tp_choices(world, n_heads, kv_heads, vocab, ffn)})")
+    return [msg]
+
+
+def pipeline_problems(pp: int, virtual_stages: int, n_layers: int) -> list[str]:
+    """Every pipeline chunk needs at least one layer."""
+    chunks = pp * virtual_stages
+    if chunks > n_layers:
+        return [(f"pp*virtual_stages = {pp}*{virtual_stages} = {chunks} must be at most "
+                 f"model.n_layers={n_layers} (one layer per stage at least)")]
+    return []
+
+
+def batch_problems(micro_batch: int, grad_accum: int, dp: int, global_batch: int) -> list[str]:
+    """dp must divide the global batch, and micro_batch*grad_accum*dp must make it up."""
+    out = []
+    if global_batch % dp:
+        out.append(f"dp={dp} must divide train.global_batch={global_batch}")
+    gb = micro_batch * grad_accum * dp
+    if gb != global_batch:
+        out.append(f"micro_batch*grad_accum*dp = {micro_batch}*{grad_accum}*{dp} = {gb} must "
+                   f"equal train.global_batch={global_batch}")
+    return out
+
+
+def schedule_problems(schedule: str, pp: int, grad_accum: int, virtual_stages: int) -> list[str]:
+    """The torch pipelining rules of each schedule."""
+    out = []
+    if schedule == "interleaved_1f1b":
+        if virtual_stages < 2 or pp < 2:
+            out.append(f"schedule interleaved_1f1b needs virtual_stages > 1 and pp > 1 "
+                       f"(got virtual_stages={virtual_stages}, pp={pp}); use 1f1b")
+        else:
+            rounds = max(1, grad_accum // pp)
+            if grad_accum % rounds:
+                out.append(f"interleaved_1f1b needs grad_accum={grad_accum} to be a "
+                           f"multiple of grad_accum//pp={rounds} (torch pipelining rule)")
+    elif virtual_stages != 1:
+        out.append(f"virtual_stages={virtual_stages} needs schedule interleaved_1f1b")
+    if schedule == "1f1b" and pp > 1 and grad_accum < pp:
+        out.append(f"schedule 1f1b needs grad_accum={grad_accum} >= pp={pp} "
+                   f"(torch pipelining rule); raise grad_accum or use gpipe")
+    return out
+
+
+def sharding_problems(sharding: str, dp: int, tp: int) -> list[str]:
+    """'none' needs dp == 1; 'ddp' cannot wrap a tensor-parallel model."""
+    out = []
+    if sharding == "none" and dp > 1:
+        out.append(f"sharding 'none' needs dp=1 (got dp={dp}); use ddp, zero2 or zero3")
+    if sharding == "ddp" and tp > 1:
+        out.append(f"sharding 'ddp' cannot wrap a tp={tp} model (DTensor parameters); "
+                   f"use zero2 (FSDP2 without reshard) or zero3")
+    return out
+
+
+def sequence_parallel_problems(sequence_parallel: bool, tp: int, seq_len: int) -> list[str]:
+    """Sequence parallelism needs tp > 1 dividing the sequence length."""
+    if not sequence_parallel:
+        return []
+    if tp < 2:
+        return ["sequence_parallel needs tp > 1"]
+    if seq_len % tp:
+        return [f"sequence_parallel needs tp={tp} to divide train.seq_len={seq_len}"]
+    return []
+
+
+def sequence_length_problems(seq_len: int, max_seq_len: int) -> list[str]:
+    """Training sequences must fit the model's rotary table."""
+    if seq_len > max_seq_len:
+        return [(f"train.seq_len={seq_len} exceeds model.max_seq_len={max_seq_len}: lower "
+                 f"train.seq_len or raise model.max_seq_len")]
+    return []
 
 
 def stage_layers(n_layers: int, n_chunks: int) -> list[list[int]]:

@@ -15,7 +15,20 @@ from typing import Any
 import numpy as np
 
 from model.planner.memory_model import GB, memory_breakdown
-from model.planner.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan, PlanError
+from model.planner.plan import (
+    RECOMPUTES,
+    SCHEDULES,
+    SHARDINGS,
+    Plan,
+    PlanError,
+    divisors,
+    pipeline_problems,
+    schedule_problems,
+    sequence_parallel_problems,
+    sharding_problems,
+    tp_choices,
+    tp_problems,
+)
 from model.planner.shapes import (
     DDP,
     GPIPE,
@@ -32,12 +45,6 @@ from model.planner.time_model import predictions
 
 FIXABLE = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
            "sharding", "recompute", "sequence_parallel")
-
-
-def divisors(n: int) -> list[int]:
-    """Positive divisors of n, ascending."""
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 @dataclass
@@ -79,6 +86,11 @@ class SearchResult:
         return "\n".join(lines)
 
 
+def _tp_dims(s: Shapes) -> tuple[int, int, int, int]:
+    """(n_heads, kv_heads, vocab, ffn): what tensor parallelism must divide."""
+    return s.n_heads, s.kv_heads, s.vocab, s.ffn
+
+
 def _fixed_ok(fixed: dict[str, Any], name: str, value: Any) -> bool:
     return fixed.get(name) is None or fixed[name] == value
 
@@ -99,14 +111,14 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
     for tp in divisors(world):
         if not _fixed_ok(fixed, "tp", tp):
             continue
-        if s.n_heads % tp or s.kv_heads % tp:
-            rejected[f"tp does not divide the {s.n_heads} heads / {s.kv_heads} kv heads"].append(f"tp={tp}")
+        broken = tp_problems(tp, *_tp_dims(s))
+        if broken:  # grouped by rule: "tp must divide model.n_heads=6"
+            rejected["; ".join(m.split(": ")[0].replace(f"tp={tp} ", "tp ") for m in broken)
+                     ].append(f"tp={tp}")
             continue
-        sp_opts = [0] if tp == 1 else [0, 1]
-        if s.seq_len % tp:
-            sp_opts = [0]
+        sp_opts = [sp for sp in (0, 1) if not sequence_parallel_problems(bool(sp), tp, s.seq_len)]
         if "sequence_parallel" in fixed:
-            sp_opts = [int(fixed["sequence_parallel"])] if (tp > 1 or not fixed["sequence_parallel"]) else []
+            sp_opts = [sp for sp in sp_opts if sp == int(fixed["sequence_parallel"])]
         for pp in divisors(world // tp):
             if not _fixed_ok(fixed, "pp", pp):
                 continue
@@ -114,11 +126,12 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
             dp = world // (tp * pp)
             if not _fixed_ok(fixed, "dp", dp):
                 continue
-            if pp > s.n_layers:
-                rejected[f"pp exceeds the {s.n_layers} layers"].append(fam)
+            if pipeline_problems(pp, 1, s.n_layers):
+                rejected[f"pp exceeds the {s.n_layers} layers (model.n_layers)"].append(fam)
                 continue
             if global_batch % dp:
-                rejected[f"dp does not divide global batch {global_batch}"].append(f"{fam} dp={dp}")
+                rejected[f"dp does not divide train.global_batch={global_batch}"].append(
+                    f"{fam} dp={dp}")
                 continue
             sched_opts: list[tuple[int, int]] = []
             if pp == 1:
@@ -132,8 +145,9 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
             sched_opts = [(sc, v) for sc, v in sched_opts
                           if _fixed_ok(fixed, "schedule", SCHEDULES[sc])
                           and _fixed_ok(fixed, "virtual_stages", v)]
-            shards = [NOSHARD] if dp == 1 else [ZERO3, ZERO2] + ([DDP] if tp == 1 else [])
-            shards = [x for x in shards if x in shard_codes]
+            shards = [NOSHARD] if dp == 1 else [ZERO3, ZERO2, DDP]
+            shards = [x for x in shards
+                      if x in shard_codes and not sharding_problems(SHARDINGS[x], dp, tp)]
             if not shards:
                 rejected[f"sharding {fixed.get('sharding')} impossible at this dp/tp"].append(fam)
                 continue
@@ -143,9 +157,7 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
                 if not (_fixed_ok(fixed, "micro_batch", mb) and _fixed_ok(fixed, "grad_accum", ga)):
                     continue
                 for sc, v in sched_opts:
-                    if pp > 1 and sc == ONEF1B and ga < pp:
-                        continue
-                    if sc == INTERLEAVED and ga % max(1, ga // pp):
+                    if schedule_problems(SCHEDULES[sc], pp, ga, v):
                         continue
                     for sh, rc, sp in itertools.product(shards, rec_codes, sp_opts):
                         rows.append((tp, pp, dp, mb, ga, sc, v, sh, rc, sp))
@@ -184,9 +196,11 @@ def predict_plan(s: Shapes, cluster: Any, plan: Plan, world: int, global_batch: 
     return _attach(out, evaluate(s, cluster, encode([out]), world, global_batch, calibration), 0)
 
 
-def _min_devices_hint(s: Shapes, cluster: Any, world: int, global_batch: int,
-                      fixed: dict[str, Any]) -> str:
-    """Find the smallest multiple-of-two device count at which some plan fits."""
+def _more_devices_hint(s: Shapes, cluster: Any, world: int, global_batch: int,
+                       fixed: dict[str, Any]) -> tuple[bool, str]:
+    """(whether more devices help, what to say): the smallest power-of-two multiple of
+    ``world`` (up to 1024x) at which some plan fits, or why no device count helps."""
+    leanest, largest = float("inf"), world
     for k in range(1, 11):
         n = world * 2 ** k
         for gb in (global_batch, global_batch * 2 ** k):  # same batch first, then scaled
@@ -195,8 +209,49 @@ def _min_devices_hint(s: Shapes, cluster: Any, world: int, global_batch: int,
                 continue
             mem = memory_breakdown(s, c, cluster.reserved_gb, cluster.fragmentation)["peak"] / GB
             if (mem <= cluster.memory_gb).any():
-                return f"about {n} devices" + (f" with global batch {gb}" if gb != global_batch else "")
-    return f"more than {world * 2 ** 10} devices"
+                return True, (f"about {n} devices"
+                              + (f" with global batch {gb}" if gb != global_batch else ""))
+            leanest, largest = min(leanest, float(mem.min())), n
+    max_tp = max(tp_choices(largest, *_tp_dims(s)), default=1)
+    floor = f"still needs {leanest:.1f} GB" if leanest < float("inf") else "cannot be formed"
+    return False, (f"more devices do not help: on {largest} devices the leanest plan {floor}, "
+                   f"since tp can be at most {max_tp} (it must divide the heads, vocabulary and "
+                   f"MLP width) and pp at most model.n_layers={s.n_layers}")
+
+
+def _no_candidates_message(s: Shapes, world: int, global_batch: int, fixed: dict[str, Any],
+                           rejected: dict[str, list[str]]) -> str:
+    """Why no plan can be formed at all, and which tp / pp / dp / batch would work."""
+    tps = tp_choices(world, *_tp_dims(s))
+    layouts = [(tp, pp) for tp in tps for pp in divisors(world // tp)
+               if not pipeline_problems(pp, 1, s.n_layers)]
+    hints = []
+    if fixed.get("tp") is not None and fixed["tp"] not in tps:
+        tp = fixed["tp"]
+        why = (f"it does not divide the {world} devices" if world % tp else
+               "; ".join(tp_problems(tp, *_tp_dims(s))))
+        hints.append(f"parallel.tp={tp} is not possible ({why}); on {world} devices tp can be "
+                     f"{tps}.")
+    # what remains possible given the fixed degrees that are possible themselves
+    usable = [(tp, pp) for tp, pp in layouts if fixed.get("tp") not in tps or tp == fixed["tp"]]
+    pps = sorted({pp for _, pp in usable})
+    if fixed.get("pp") is not None and fixed["pp"] not in pps:
+        hints.append(f"parallel.pp={fixed['pp']} is not possible here: pp can be {pps}.")
+    if fixed.get("pp") in pps:
+        usable = [(tp, pp) for tp, pp in usable if pp == fixed["pp"]]
+    dps = sorted({world // (tp * pp) for tp, pp in usable})
+    if fixed.get("dp") is not None and fixed["dp"] not in dps:
+        hints.append(f"parallel.dp={fixed['dp']} is not possible here: dp can be {dps}.")
+    if any(r.startswith("dp does not divide") for r in rejected) and dps:
+        near = sorted({d * -(-global_batch // d) for d in dps})
+        hints.append(f"The data-parallel degree dp must divide train.global_batch={global_batch}; "
+                     f"on {world} devices dp can be {dps}: use a global batch that is a multiple "
+                     f"of one of them (e.g. {near[:4]}), or another device count.")
+    if fixed:
+        hints.append(f"Fixed fields {fixed} narrow the search: free some.")
+    why = "; ".join(f"{r}: {', '.join(f[:4])}" for r, f in rejected.items())
+    return (f"no parallel plan can be formed for {world} devices and global batch {global_batch}"
+            + (f" ({why})" if why else "") + "." + "".join(" " + h for h in hints))
 
 
 def search(s: Shapes, cluster: Any, world: int, global_batch: int,
@@ -208,19 +263,7 @@ def search(s: Shapes, cluster: Any, world: int, global_batch: int,
     c, rejected = enumerate_plans(s, world, global_batch, fixed)
     n = len(c["tp"])
     if n == 0:
-        dps = sorted({world // (tp * pp) for tp in divisors(world) for pp in divisors(world // tp)
-                      if s.n_heads % tp == 0 and s.kv_heads % tp == 0 and pp <= s.n_layers})
-        why = "; ".join(f"{r}: {', '.join(f[:4])}" for r, f in rejected.items())
-        batch_hint = ""
-        if any("global batch" in r for r in rejected) and dps:
-            near = sorted({d * -(-global_batch // d) for d in dps})
-            batch_hint = (f" The data-parallel degree dp must divide train.global_batch="
-                          f"{global_batch}; on {world} devices dp can be {dps}: use a global batch "
-                          f"that is a multiple of one of them (e.g. {near[:4]}), or another "
-                          f"device count.")
-        fix = f" Fixed fields {fixed} narrow the search: free some." if fixed else ""
-        raise PlanError(f"no parallel plan can be formed for {world} devices and global batch "
-                        f"{global_batch} ({why}).{batch_hint}{fix}")
+        raise PlanError(_no_candidates_message(s, world, global_batch, fixed, rejected))
     ev = evaluate(s, cluster, c, world, global_batch, calibration)
     fits = ev["memory_gb"] <= cluster.memory_gb
     # memory-rejected families: every candidate of a (tp, pp) exceeds device memory
@@ -234,7 +277,7 @@ def search(s: Shapes, cluster: Any, world: int, global_batch: int,
     if not fits.any():
         j = int(np.argmin(ev["memory_gb"]))
         lean = decode(c, j)
-        hint = _min_devices_hint(s, cluster, world, global_batch, fixed)
+        helps, hint = _more_devices_hint(s, cluster, world, global_batch, fixed)
         tips = []
         if fixed.get("recompute") not in (None, "full"):
             tips.append("recompute=full")
@@ -242,13 +285,17 @@ def search(s: Shapes, cluster: Any, world: int, global_batch: int,
             tips.append("micro_batch=1")
         if fixed.get("sharding") not in (None, "zero3"):
             tips.append("sharding=zero3")
+        other = ([f"free/alter fixed fields ({', '.join(tips)})"] if tips else []) + (
+            [f"a shorter train.seq_len than {s.seq_len}"] if s.seq_len > 512 else [])
+        if helps:
+            advice = f"Use more devices ({hint})" + "".join(f", or {o}" for o in other)
+        else:
+            *first, last = other + ["a smaller model", "devices with more memory"]
+            advice = f"{hint[0].upper()}{hint[1:]}; use {', '.join(first)} or {last}"
         raise PlanError(
             f"no plan fits in {cluster.memory_gb:g} GB per device on {world} devices of "
             f"{cluster.name}: the leanest plan ({lean.describe()}) needs "
-            f"{ev['memory_gb'][j]:.1f} GB. Use more devices ({hint})"
-            + (f", or free/alter fixed fields ({', '.join(tips)})" if tips else "")
-            + (f", or a shorter train.seq_len than {s.seq_len}" if s.seq_len > 512 else "")
-            + ".")
+            f"{ev['memory_gb'][j]:.1f} GB. {advice}.")
     idx = np.flatnonzero(fits)
     # best tokens/s first; ties broken by lower memory
     order = idx[np.lexsort((ev["memory_gb"][idx], -ev["tokens_per_s"][idx]))]

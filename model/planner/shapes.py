@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from model.flops import GPTParams
 from model.planner.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan
 
 # Integer codes used in the vectorised models (index into the tuples in model.planner.plan).
@@ -58,32 +59,37 @@ class Shapes:
         return 2 if self.dtype == "bfloat16" else 4
 
     @property
+    def params(self) -> GPTParams:
+        """Parameter counts by part (model.flops, the one parameter formula)."""
+        return GPTParams.of(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
+                            kv_heads=self.kv_heads, ffn=self.ffn, vocab=self.vocab,
+                            family="llama" if self.llama else "neox")
+
+    @property
     def layer_matrix_params(self) -> int:
-        """Weights of one block's matrices (split by tensor parallelism)."""
-        h, hd = self.d_model, self.head_dim
-        attn = 2 * h * self.n_heads * hd + 2 * h * self.kv_heads * hd
-        mlp = (3 if self.llama else 2) * h * self.ffn
-        return attn + mlp
+        """Weights of one block's matrices (split by tensor parallelism).
+
+        The memory and time models leave out the neox biases (under 0.1% of a block).
+        """
+        return self.params.block_matrices
 
     @property
     def layer_norm_params(self) -> int:
         """Norm weights of one block (replicated over tensor parallelism)."""
-        return (2 if self.llama else 4) * self.d_model
+        return self.params.block_norms
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.d_model
+        return self.params.embedding
 
     @property
     def total_params(self) -> int:
-        """All parameters: blocks, token embedding, final norm and an untied output layer."""
-        return (self.n_layers * (self.layer_matrix_params + self.layer_norm_params)
-                + 2 * self.embedding_params + self.d_model)
+        """All parameters of the GPT: blocks, embedding, final norm and untied output layer."""
+        return self.params.total()
 
     def model_flops_per_token(self) -> float:
-        """Training FLOPs per token without recompute: 6N (matmuls) + 12*L*h*s (attention)."""
-        n_matmul = self.n_layers * self.layer_matrix_params + self.embedding_params
-        return 6.0 * n_matmul + 12.0 * self.n_layers * self.d_model * self.seq_len
+        """Training model FLOPs per token without recompute (model.flops)."""
+        return self.params.flops_per_token(self.seq_len)
 
 
 def encode(plans: Iterable[Plan]) -> dict[str, np.ndarray]:

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model.config import ModelConfig, ParallelConfig, TrainConfig
+from model.config import ModelConfig, ParallelConfig, TrainConfig, vocab_fit_problem
 from model.planner.plan import Plan
-from model.training import checkpoint as ckpt
 
 
 class TrainSetupError(ValueError):
@@ -19,23 +18,11 @@ def training_problems(
     world_size: int,
     store_vocab: int | None = None,
 ) -> list[str]:
-    """Every rule the combination breaks (empty when it can run)."""
+    """Every rule the combination breaks (empty when it can run): the plan's rules
+    (``Plan.problems``, the same the planner searches with) and the store's vocabulary."""
     out = plan.problems(model_cfg, train_cfg, world_size)
-    tp = plan.tp
-    if model_cfg.vocab_size % tp:
-        out.append(f"tp={tp} must divide model.vocab_size={model_cfg.vocab_size} "
-                   f"(vocab-parallel embedding): round model.vocab_size up to a multiple of {tp}")
-    if model_cfg.ffn_dim % tp:
-        out.append(f"tp={tp} must divide the MLP size {model_cfg.ffn_dim} (model.ffn_hidden)")
-    if train_cfg.global_batch % plan.dp:
-        out.append(f"dp={plan.dp} must divide train.global_batch={train_cfg.global_batch}")
-    if train_cfg.seq_len > model_cfg.max_seq_len:
-        out.append(f"train.seq_len={train_cfg.seq_len} exceeds model.max_seq_len="
-                   f"{model_cfg.max_seq_len}: lower train.seq_len or raise model.max_seq_len")
-    if store_vocab is not None and store_vocab > model_cfg.vocab_size:
-        out.append(f"the token store's vocabulary ({store_vocab}) exceeds model.vocab_size="
-                   f"{model_cfg.vocab_size}: raise model.vocab_size")
-    return out
+    vocab = vocab_fit_problem(store_vocab, model_cfg.vocab_size)
+    return out + ([vocab] if vocab else [])
 
 
 def validate_training(
@@ -49,6 +36,8 @@ def validate_training(
     """Raise TrainSetupError naming every problem, including a checkpoint of another shape."""
     problems = training_problems(model_cfg, train_cfg, plan, world_size, store_vocab)
     if checkpoint_root is not None:
+        from model.training import checkpoint as ckpt  # torch: only when there is a root
+
         latest = ckpt.latest_checkpoint(checkpoint_root)
         if latest is not None:
             try:
