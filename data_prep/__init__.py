@@ -1,10 +1,13 @@
 """Corpus -> tokenizer -> sharded Zarr token store -> packed training windows.
 
 Modules: ``sources`` (one source as a Hugging Face Dataset), ``corpus`` (saved corpus of one
-or several labelled sources, fingerprint, train/validation assignment, input shards), ``tokenizer`` (byte-level BPE,
-hash), ``writer`` (store parts, manifest), ``store`` (``open_store``, ``SplitReader``),
-``loader`` (``TokenWindowLoader``), ``progress``, ``errors`` (``DataError``, ``StoreError``).
-The tokenize stage (stages/tokenize.py) drives them.
+or several labelled sources, fingerprint, train/validation assignment, input shards),
+``tokenizer`` (byte-level BPE, hash), ``build`` (writing a store: layout, batching and
+encoding of input shards, part records for resuming, manifest), ``writer`` (the low-level
+writer of one part), ``store`` (``open_store``, ``SplitReader``), ``loader``
+(``TokenWindowLoader``), ``atomic`` (atomic file writes), ``progress``, ``errors``
+(``DataError``, ``StoreError``). The tokenize stage (stages/tokenize.py) wires them to the
+configuration, progress lines and tracking.
 
 Token store format (version 1)
 ------------------------------

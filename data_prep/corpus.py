@@ -20,11 +20,14 @@ from typing import Any
 import datasets
 import numpy as np
 
+from data_prep.atomic import write_json_atomic
 from data_prep.config import DataConfig
 from data_prep.errors import DataError
 from data_prep.sources import FEATURES, load_source
 
 BATCH = 2048
+CORPUS = "corpus"
+CORPUS_INFO = "corpus.json"
 
 
 @dataclass
@@ -40,10 +43,11 @@ class CorpusInfo:
     """Labelled sources in corpus order, each {"label", "source", "start", "stop",
     "num_validation"} (its document range [start, stop)); empty for a single data.source."""
 
+    config: dict[str, Any] = field(default_factory=dict)
+    """The data configuration the corpus was saved for (``saved_corpus`` compares it)."""
+
     def save(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
+        write_json_atomic(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> CorpusInfo:
@@ -157,10 +161,11 @@ def prepare_corpus(cfg: DataConfig, out_dir: Path) -> CorpusInfo:
     """Load the source(s), save them to out_dir/corpus and write out_dir/corpus.json."""
     cache = out_dir / "hf_cache"
     ds, sources = load_corpus(cfg, cache)
-    target = out_dir / "corpus"
+    target = out_dir / CORPUS
     tmp = out_dir / ".corpus.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     ds.save_to_disk(str(tmp))
+    (out_dir / CORPUS_INFO).unlink(missing_ok=True)  # it describes the copy replaced here
     shutil.rmtree(target, ignore_errors=True)
     os.replace(tmp, target)
     shutil.rmtree(cache, ignore_errors=True)  # the saved copy is all later steps read
@@ -187,20 +192,50 @@ def prepare_corpus(cfg: DataConfig, out_dir: Path) -> CorpusInfo:
     else:
         num_validation = validation_count(len(saved), cfg.validation_fraction)
     info = CorpusInfo(
-        path="corpus",
+        path=CORPUS,
         num_documents=len(saved),
         num_bytes=num_bytes,
         fingerprint=digest.hexdigest(),
         num_validation=num_validation,
         sources=sources,
+        config=_config_record(cfg),
     )
-    info.save(out_dir / "corpus.json")
+    info.save(out_dir / CORPUS_INFO)  # last: from here on the saved corpus is complete
     return info
+
+
+def _config_record(cfg: DataConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(cfg)))
+
+
+def saved_corpus(cfg: DataConfig, out_dir: Path) -> CorpusInfo | None:
+    """The corpus an earlier ``prepare_corpus`` saved in ``out_dir`` for the same ``cfg``, or
+    None. corpus.json is written last, so its presence (with the corpus directory, which
+    ``drop_corpus`` removes) means the saved copy is complete."""
+    path = Path(out_dir) / CORPUS_INFO
+    try:
+        info = CorpusInfo.load(path)
+    except (DataError, OSError, TypeError, ValueError):
+        return None
+    if info.config != _config_record(cfg) or not (Path(out_dir) / info.path).is_dir():
+        return None
+    return info
+
+
+def drop_corpus(out_dir: Path) -> None:
+    """Remove the saved corpus copy (renamed away first, so no half-removed copy is left
+    where ``saved_corpus`` would find it)."""
+    target = Path(out_dir) / CORPUS
+    if not target.exists():
+        return
+    doomed = target.with_name(f".{CORPUS}.removed-{os.getpid()}")
+    os.replace(target, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def open_corpus(out_dir: Path) -> tuple[CorpusInfo, datasets.Dataset]:
     """The saved corpus (memory-mapped) and its description."""
-    info = CorpusInfo.load(out_dir / "corpus.json")
+    info = CorpusInfo.load(out_dir / CORPUS_INFO)
     return info, datasets.load_from_disk(str(out_dir / info.path))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from data_prep.atomic import atomic_path
 from data_prep.config import TokenizerConfig
 from data_prep.errors import DataError
 
@@ -91,9 +92,8 @@ def tokenizer_hash(tokenizer: Tokenizer) -> str:
 def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
     """Write tokenizer.json (pretty, atomically) and return its path."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tokenizer.save(str(tmp), pretty=True)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tokenizer.save(str(tmp), pretty=True)
     return path
 
 

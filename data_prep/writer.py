@@ -1,4 +1,4 @@
-"""Write one part (one split of one input shard) of a token store, and the manifest.
+"""Write one part (one split of one input shard) of a token store (``build`` drives it).
 
 A part is a Zarr group ``<store>/<split>/<shard:05d>`` with arrays ``tokens`` (1-D, chunked,
 Blosc-zstd with byte shuffle, Zarr-sharded) and ``doc_offsets`` (int64, documents + 1
@@ -10,7 +10,6 @@ written once.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -100,10 +99,3 @@ class PartWriter:
 def directory_bytes(path: Path) -> int:
     """Total size of the files under ``path``."""
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to a temporary file, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True))
-    os.replace(tmp, path)

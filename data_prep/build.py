@@ -1,0 +1,409 @@
+"""Build a token store: lay it out, encode input shards into parts, write the manifest.
+
+The writing side of the store format in the package docstring (``store`` is the reading
+side, ``writer`` the low-level part writer). A build lives in one directory ``out_dir``::
+
+    corpus/, corpus.json   the saved corpus (``data_prep.corpus``)
+    tokenizer.json         the tokenizer
+    prepared.json          what ``prepare_store`` decided: shard plan, dtype, eos, hashes, config
+    store.zarr/            the store
+    parts/<shard>.json     one record per finished input shard (its result)
+
+``prepare_store`` saves the tokenizer and lays out an empty store; ``write_part`` encodes one
+input shard into its train and validation parts (one process per shard, in parallel);
+``finish_store`` checks every part and writes the manifest last.
+
+Resuming. Every file is written so that present means complete: JSON files atomically
+(``data_prep.atomic``), parts under a temporary name renamed into place, a part's record
+after both of its parts. A build started again in the same directory therefore keeps what
+an earlier attempt finished: ``saved_corpus`` and ``saved_tokenizer`` return the earlier
+corpus and tokenizer when the configuration matches, ``prepare_store`` keeps the store when
+the preparation is the same, and ``finished_part`` returns the record of a shard whose
+parts are complete (a shard without a record is encoded again from scratch). The result
+is the same store as one uninterrupted build.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+import zarr
+from tokenizers import Tokenizer
+
+from data_prep.atomic import write_bytes_atomic, write_text_atomic
+from data_prep.config import DataConfig, TokenizerConfig
+from data_prep.corpus import (
+    CORPUS_INFO,
+    CorpusInfo,
+    corpus_validation_mask,
+    drop_corpus,
+    shard_plan,
+)
+from data_prep.errors import DataError
+from data_prep.progress import Progress
+from data_prep.store import FORMAT_VERSION, MANIFEST, SPLITS, StoreInfo, open_store
+from data_prep.tokenizer import load_tokenizer, token_dtype, tokenizer_hash
+from data_prep.writer import PartWriter, directory_bytes, part_name
+
+STORE = "store.zarr"
+TOKENIZER = "tokenizer.json"
+PREPARED = "prepared.json"
+PART_RECORDS = "parts"
+TAIL_FRACTION = 0.125
+
+
+def build_config(data: DataConfig, tokenizer: TokenizerConfig) -> dict[str, Any]:
+    """The configuration a build is made from, as plain JSON values (recorded in prepared.json)."""
+    return json.loads(json.dumps({"data": asdict(data), "tokenizer": asdict(tokenizer)}))
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    # Sorted keys: the manifest's bytes depend only on its content.
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's content, or None when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_prepared(out_dir: Path) -> dict[str, Any]:
+    """prepared.json of ``out_dir`` (refuses a directory that ``prepare_store`` has not set up)."""
+    path = Path(out_dir) / PREPARED
+    if not path.is_file():
+        raise DataError(f"{path} is missing: run the tokenize stage's prepare step first")
+    return json.loads(path.read_text())
+
+
+def saved_tokenizer(out_dir: Path, info: CorpusInfo, data: DataConfig,
+                    tokenizer: TokenizerConfig) -> Tokenizer | None:
+    """The tokenizer an earlier ``prepare_store`` saved in ``out_dir`` for the same
+    configuration and corpus, or None. prepared.json, written after tokenizer.json, vouches
+    for it: same configuration, same corpus fingerprint, same tokenizer hash."""
+    out_dir = Path(out_dir)
+    earlier = _read_json(out_dir / PREPARED)
+    path = out_dir / TOKENIZER
+    if (not isinstance(earlier, dict) or not path.is_file()
+            or earlier.get("config") != build_config(data, tokenizer)
+            or earlier.get("source_fingerprint") != info.fingerprint):
+        return None
+    try:
+        saved = load_tokenizer(path, tokenizer.eos_token)
+    except DataError:
+        return None
+    return saved if tokenizer_hash(saved) == earlier.get("tokenizer_hash") else None
+
+
+def prepare_store(out_dir: Path, info: CorpusInfo, tokenizer: Tokenizer, data: DataConfig,
+                  tokenizer_cfg: TokenizerConfig) -> dict[str, Any]:
+    """Save tokenizer.json, lay out an empty store, write prepared.json last; return it.
+
+    The dtype is checked before anything is written. When an earlier attempt prepared the
+    same build here (same prepared.json), its store and finished parts are kept and only its
+    manifest is removed (the store is complete again once ``finish_store`` has run);
+    otherwise the store and part records are replaced.
+    """
+    out_dir = Path(out_dir)
+    vocab = tokenizer.get_vocab_size()
+    dtype = token_dtype(vocab, data.token_dtype)  # refuse before anything is written
+    shards = shard_plan(info, data.num_shards)
+    prepared = {
+        "num_shards": len(shards),
+        "shards": shards,
+        "vocab_size": vocab,
+        "eos_id": tokenizer.token_to_id(tokenizer_cfg.eos_token),
+        "dtype": dtype.name,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "source_fingerprint": info.fingerprint,
+        "config": build_config(data, tokenizer_cfg),
+    }
+    store = out_dir / STORE
+    keep = (_read_json(out_dir / PREPARED) == prepared
+            and all((store / name / "zarr.json").is_file() for name in ("", *SPLITS)))
+    if not keep:
+        (out_dir / PREPARED).unlink(missing_ok=True)
+        shutil.rmtree(out_dir / PART_RECORDS, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+    text = tokenizer.to_str(pretty=True)  # the bytes Tokenizer.save(pretty=True) writes
+    path = out_dir / TOKENIZER
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        write_text_atomic(path, text)
+    if keep:
+        (store / MANIFEST).unlink(missing_ok=True)
+    else:
+        root = zarr.open_group(str(store), mode="w", zarr_format=3)
+        for split in SPLITS:
+            root.create_group(split)
+    _write_json(out_dir / PREPARED, prepared)
+    return prepared
+
+
+def document_batches(ds: datasets.Dataset, start: int, stop: int,
+                     max_bytes: int) -> list[tuple[int, int]]:
+    """Document ranges of about ``max_bytes`` of text each (at least one document).
+
+    The last range is cut again so that its final ~1/8 of the bytes is a batch of its own:
+    the writes of the long batch then overlap the encoding of the short one, and only the
+    short batch's writes are left after the encoder finishes.
+    """
+    sizes = pc.binary_length(ds.data.column("text").slice(start, stop - start)).to_numpy(
+        zero_copy_only=False)
+    batches, first, total = [], start, 0
+    for i, size in enumerate(sizes.tolist(), start=start):
+        if total and total + size > max_bytes:
+            batches.append((first, i))
+            first, total = i, 0
+        total += size
+    if first < stop:
+        batches.append((first, stop))
+    if batches:
+        a, b = batches[-1]
+        tail = np.cumsum(sizes[a - start : b - start][::-1])
+        cut = b - int(np.searchsorted(tail, TAIL_FRACTION * tail[-1]))  # first doc of the tail
+        if a < cut < b:
+            batches[-1:] = [(a, cut), (cut, b)]
+    return batches
+
+
+def _write_batch(encodings: list, is_val: np.ndarray, eos: int, dtype: np.dtype,
+                 writers: dict[str, PartWriter], progress: Progress) -> None:
+    """Append one encoded batch (eos after every document) to the train/validation parts."""
+    docs: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
+    tokens = 0
+    for enc, val in zip(encodings, is_val, strict=True):
+        ids = enc.ids
+        ids.append(eos)
+        tokens += len(ids)
+        docs["validation" if val else "train"].append(np.array(ids, dtype=dtype))
+    for split in SPLITS:
+        writers[split].add(docs[split])
+    progress.update(len(encodings), tokens)
+
+
+def shard_entry(prepared: dict[str, Any], shard_index: int) -> dict[str, Any]:
+    """Input shard ``shard_index`` of the plan: {"start", "stop", "source"}."""
+    num_shards = prepared["num_shards"]
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard index {shard_index} out of range for {num_shards} shards")
+    return prepared["shards"][shard_index]
+
+
+def _record_path(out_dir: Path, shard_index: int) -> Path:
+    return Path(out_dir) / PART_RECORDS / f"{shard_index:05d}.json"
+
+
+def _part_digest(prepared: dict[str, Any], shard_index: int, data: DataConfig) -> str:
+    """What a part is made from: the preparation, the shard and the store layout."""
+    made_from = {"prepared": prepared, "shard": shard_index, "chunk_tokens": data.chunk_tokens,
+                 "chunks_per_shard": data.chunks_per_shard, "split_seed": data.split_seed}
+    return hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()
+
+
+def finished_part(out_dir: Path, shard_index: int, prepared: dict[str, Any],
+                  data: DataConfig) -> dict[str, Any] | None:
+    """The result of shard ``shard_index`` if an earlier ``write_part`` finished it for this
+    preparation (its record is present and both of its parts hold what the record says);
+    None when the shard has to be encoded."""
+    record = _read_json(_record_path(out_dir, shard_index))
+    if not isinstance(record, dict) or record.get("digest") != _part_digest(prepared, shard_index,
+                                                                           data):
+        return None
+    result = record["result"]
+    store = Path(out_dir) / STORE
+    for split in SPLITS:
+        attrs = _read_json(store / part_name(split, shard_index) / "zarr.json")
+        attrs = attrs.get("attributes", {}) if isinstance(attrs, dict) else {}
+        expected = result["splits"][split]
+        if (attrs.get("tokens"), attrs.get("documents")) != (expected["tokens"],
+                                                             expected["documents"]):
+            return None
+    return result
+
+
+def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: CorpusInfo,
+               ds: datasets.Dataset, tokenizer: Tokenizer, data: DataConfig,
+               progress: Progress) -> dict[str, Any]:
+    """Encode input shard ``shard_index`` into its train and validation parts; record it.
+
+    Any earlier record of the shard is removed first, and the parts are written from
+    scratch (each under a temporary name, renamed into place); the record is written last.
+    Returns the shard's result: its counts, part summaries and timings.
+    """
+    out_dir = Path(out_dir)
+    shard = shard_entry(prepared, shard_index)
+    start, stop, label = shard["start"], shard["stop"], shard["source"]
+    record = _record_path(out_dir, shard_index)
+    record.unlink(missing_ok=True)
+    began, t0 = time.time(), time.perf_counter()
+    batches = document_batches(ds, start, stop, data.encode_batch_bytes)
+
+    def encode(batch: tuple[int, int]) -> list:
+        # The fast variant skips character offsets, which a token store never needs (same ids).
+        return tokenizer.encode_batch_fast(ds[batch[0] : batch[1]]["text"])
+
+    # Encoding releases the GIL: the first batch is encoding while the checks and writers are
+    # set up, and the next batch while this one is converted and written, so the Python and
+    # Zarr work does not leave the encoder idle.
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(encode, batches[0]) if batches else None
+        if tokenizer_hash(tokenizer) != prepared["tokenizer_hash"]:
+            raise DataError(f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage")
+        eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
+        is_val = corpus_validation_mask(info, data.split_seed)[start:stop]
+        writers = {
+            split: PartWriter(out_dir / STORE, split, shard_index, dtype,
+                              data.chunk_tokens, data.chunks_per_shard)
+            for split in SPLITS
+        }
+        for k, (a, b) in enumerate(batches):
+            encodings = pending.result()
+            if k + 1 < len(batches):
+                pending = pool.submit(encode, batches[k + 1])
+            _write_batch(encodings, is_val[a - start : b - start], eos, dtype, writers, progress)
+    attrs = {"shard": shard_index, "tokenizer_hash": prepared["tokenizer_hash"]}
+    if label is not None:
+        attrs["source"] = label
+    parts = {split: writers[split].close({**attrs, "split": split}) for split in SPLITS}
+    result = {
+        "shard": shard_index,
+        "source": label,
+        "documents": stop - start,
+        "tokens": sum(p["tokens"] for p in parts.values()),
+        "splits": parts,
+        "start_time": began,
+        "end_time": began + (time.perf_counter() - t0),
+        "seconds": time.perf_counter() - t0,
+    }
+    _write_json(record, {"digest": _part_digest(prepared, shard_index, data), "result": result})
+    return result
+
+
+def _collect_parts(store: Path, split: str, shards: list[dict[str, Any]],
+                   token_hash: str) -> list[dict[str, Any]]:
+    """Each shard's part of ``split``, checked against the attributes its writer left."""
+    parts = []
+    for shard, plan in enumerate(shards):
+        path = store / part_name(split, shard)
+        if not (path / "zarr.json").is_file():
+            raise DataError(f"tokenize shard {shard} has not written {path}: run part "
+                            f"for shard {shard} before finalize")
+        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
+        if attrs.get("tokenizer_hash") != token_hash:
+            raise DataError(f"{path} was written with another tokenizer; rerun its shard")
+        if attrs.get("source") != plan["source"]:
+            raise DataError(f"{path} holds source {attrs.get('source')!r}, the shard plan says "
+                            f"{plan['source']!r}; rerun its shard")
+        part = {"path": part_name(split, shard), "tokens": attrs["tokens"],
+                "documents": attrs["documents"]}
+        if plan["source"] is not None:
+            part["source"] = plan["source"]
+        parts.append(part)
+    return parts
+
+
+def _source_summary(info: CorpusInfo, splits: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per labelled source: its token and document counts, in total and per split."""
+    out = []
+    for src in info.sources:
+        label = src["label"]
+        mine = {split: [p for p in splits[split]["parts"] if p.get("source") == label]
+                for split in SPLITS}
+        split_tokens = {split: sum(p["tokens"] for p in parts) for split, parts in mine.items()}
+        split_docs = {split: sum(p["documents"] for p in parts) for split, parts in mine.items()}
+        if sum(split_docs.values()) != src["stop"] - src["start"]:
+            raise DataError(f"store parts of source {label!r} hold {sum(split_docs.values())} "
+                            f"documents, the corpus has {src['stop'] - src['start']}; rerun the "
+                            "tokenize stage")
+        out.append({"label": label, "source": src["source"], "tokens": sum(split_tokens.values()),
+                    "documents": sum(split_docs.values()), "split_tokens": split_tokens,
+                    "split_documents": split_docs})
+    return out
+
+
+@dataclass
+class FinishedStore:
+    """A store ``finish_store`` completed: its manifest, what ``open_store`` reads, sizes."""
+
+    path: Path
+    manifest: dict[str, Any]
+    info: StoreInfo
+    bytes_on_disk: int
+    """All files of the store."""
+    token_bytes: int
+    """The parts' token arrays (compressed)."""
+
+
+def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
+                 data: DataConfig) -> FinishedStore:
+    """Check every part, write the store attributes and the manifest (last, atomically).
+
+    ``shard_results`` are the results of every input shard (``write_part`` or
+    ``finished_part``). Afterwards the saved corpus copy is removed (the store holds it all).
+    """
+    out_dir = Path(out_dir)
+    prepared = read_prepared(out_dir)
+    info = CorpusInfo.load(out_dir / CORPUS_INFO)
+    store = out_dir / STORE
+    num_shards = prepared["num_shards"]
+    done = sorted(r["shard"] for r in shard_results)
+    if done != list(range(num_shards)):
+        missing = sorted(set(range(num_shards)) - set(done))
+        raise DataError(f"finalize got results for shards {done}; missing {missing} of {num_shards}")
+    splits = {}
+    for split in SPLITS:
+        parts = _collect_parts(store, split, prepared["shards"], prepared["tokenizer_hash"])
+        splits[split] = {"tokens": sum(p["tokens"] for p in parts),
+                         "documents": sum(p["documents"] for p in parts), "parts": parts}
+    if sum(s["documents"] for s in splits.values()) != info.num_documents:
+        raise DataError(f"store parts hold {sum(s['documents'] for s in splits.values())} "
+                        f"documents, corpus has {info.num_documents}; rerun the tokenize stage")
+    for split in SPLITS:  # temp dirs of writers that died (their shard was rerun since)
+        for stale in (store / split).glob(".*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    write_bytes_atomic(store / TOKENIZER, (out_dir / TOKENIZER).read_bytes())
+    summary = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer_hash": prepared["tokenizer_hash"],
+        "vocab_size": prepared["vocab_size"],
+        "eos_id": prepared["eos_id"],
+        "dtype": prepared["dtype"],
+        "chunk_tokens": data.chunk_tokens,
+        "chunks_per_shard": data.chunks_per_shard,
+        # One source: its spec; several: null, and "sources" lists them in corpus order.
+        "source": None if info.sources else (data.source or "stdlib"),
+        "sources": _source_summary(info, splits),
+        "source_fingerprint": info.fingerprint,
+        "tokens": sum(s["tokens"] for s in splits.values()),
+        "documents": info.num_documents,
+        "split_tokens": {k: v["tokens"] for k, v in splits.items()},
+        "split_documents": {k: v["documents"] for k, v in splits.items()},
+    }
+    zarr.open_group(str(store), mode="r+").update_attributes(summary)
+    manifest = {**summary, "complete": True, "tokenizer_file": TOKENIZER, "num_shards": num_shards,
+                "splits": splits, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    _write_json(store / MANIFEST, manifest)  # the store is complete from here on
+    opened = open_store(store, prepared["tokenizer_hash"])
+    drop_corpus(out_dir)
+    token_bytes = sum(directory_bytes(store / p["path"] / "tokens")
+                      for s in splits.values() for p in s["parts"])
+    return FinishedStore(path=store, manifest=manifest, info=opened,
+                         bytes_on_disk=directory_bytes(store), token_bytes=token_bytes)
+
+
+def remove_part_records(out_dir: Path) -> None:
+    """Forget which shards are finished: ``finished_part`` then finds none and every shard is
+    encoded again (as when measuring encoding). The store itself is left as it is."""
+    shutil.rmtree(Path(out_dir) / PART_RECORDS, ignore_errors=True)
+
