@@ -1,11 +1,33 @@
-"""The one stage mechanism every stage shares: keys, status, atomic publish, reuse, MLflow.
+"""The one stage mechanism every stage shares: keys, status, locks, atomic publish, reuse, MLflow.
 
-A stage's output directory is ``<runs_dir>/stages/<name>/<key>`` where the key hashes
-(stage name, the config sections the stage reads, its inputs' keys, package version).
-Work happens in ``<key>.partial``; only a stage that finished is renamed to ``<key>``
-with ``status.json`` saying ``succeeded``. So a failed or interrupted stage never leaves
-output that a later run could take as done, and a succeeded stage with the same key is
-reused instead of recomputed.
+A stage's output directory is ``<runs_dir>/stages/<name>/<key>``. The key is the first 16
+hex digits of the SHA-256 of the JSON of its *ingredients* (``key_ingredients``):
+
+- ``stage``: the stage name;
+- ``sections``: for each config section the stage reads (its module's ``SECTIONS``), the
+  SHA-256 (16 hex digits) of that section's values;
+- ``inputs``: the keys of the upstream stages it consumes;
+- ``code``: the hash of the code that produces the output (``code_hashes``): the bytes of
+  every ``.py`` file under ``stages/``, ``model/`` and ``data_prep/`` that ``stages/<name>.py``
+  reaches through imports (``import``/``from ... import``, and dotted module names written
+  as strings, such as a stage's rank worker module), closed transitively and
+  with every parent package's ``__init__.py``; plus ``configs/clusters/*.yaml`` when that
+  code includes ``model/planner/cluster.py``. README, docs, tests and the other stages'
+  modules are not part of it, so changing them reruns nothing.
+
+The ingredients are stored in ``status.json``, so ``rerun_reason`` can say why a stage
+would rerun ("code changed since key X") by comparing with the stage's newest succeeded
+output. Work happens in ``<key>.partial``; only a stage that finished is renamed to
+``<key>`` with ``status.json`` saying ``succeeded``. So a failed or interrupted stage never
+leaves output that a later run could take as done, and a succeeded stage with the same key
+is reused instead of recomputed.
+
+One attempt per key at a time: ``begin`` takes the lock ``<key>.lock`` beside the output
+(``stages.locks``) in the name of the pipeline driver (``PipelineContext.driver``), waiting
+while another live driver holds it, and looks for a succeeded output again once it has it
+(so a pipeline that waited reuses what the other one made); ``finish`` and ``fail``
+release it, in whichever process they run. The driver keeps its locks fresh with
+``stages.locks.Heartbeat``.
 
 The flow is split in ``begin`` / ``finish`` / ``fail`` so that work between them can run
 anywhere (Parsl fan-out apps, training ranks launched by torchrun or srun);
@@ -17,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -28,8 +51,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from stages import tracking
+from data_prep.atomic import write_json_atomic
+from stages import locks, tracking
 from stages.config import PipelineConfig
+from stages.registry import STAGE_ORDER
 
 STATUS_FILE = "status.json"
 
@@ -63,23 +88,118 @@ class StageShape:
 OUTPUTS_FILE = "outputs.json"
 
 
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+CODE_PACKAGES = ("stages", "model", "data_prep")
+# The code that reads configs/clusters/*.yaml (a path: a dotted module name written here
+# would make every stage's code include it).
+CLUSTER_SOURCE = Path("model/planner/cluster.py")
+ANY_STAGE = "*"  # code_hashes() entry for a stage outside STAGE_ORDER: all sources
+_PKG = "|".join(CODE_PACKAGES)
+# Dotted project module names anywhere (imports, worker modules named in strings), and the
+# names imported by ``from <package> import a, b`` (which may be modules themselves).
+_DOTTED = re.compile(rf"(?<![\w.])(?:{_PKG})(?:\.\w+)+".encode())
+_FROM = re.compile(rf"^[ \t]*from[ \t]+((?:{_PKG})[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
+                   .encode(), re.MULTILINE)
+
+
 def package_version() -> str:
-    """Version of the installed project (part of every stage key)."""
+    """Version of the installed project (informational; stage keys hash the code instead)."""
     try:
         return metadata.version("frontier-llm")
     except metadata.PackageNotFoundError:
         return "0+unknown"
 
 
+def _module_files(root: Path) -> dict[str, Path]:
+    """Module name -> source file for every .py file of the code packages under ``root``."""
+    modules: dict[str, Path] = {}
+    for package in CODE_PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _imports(source: bytes, modules: dict[str, Path]) -> set[str]:
+    """The project modules a source file names (longest prefix of each dotted name that is
+    a module, plus its parent packages)."""
+    names = {m.decode() for m in _DOTTED.findall(source)}
+    for package, imported in _FROM.findall(source):
+        base = package.decode()
+        names.add(base)
+        for item in imported.decode().strip("()").split(","):
+            word = item.split("#")[0].split(" as ")[0].strip()
+            if word.isidentifier():
+                names.add(f"{base}.{word}")
+    found: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            candidate = ".".join(parts[:end])
+            if candidate in modules:
+                found.update(".".join(parts[:i]) for i in range(1, end + 1))
+                break
+    return found & modules.keys()
+
+
+def code_hashes(root: str | Path = SOURCE_ROOT,
+                stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, str]:
+    """Per stage, the hash of the code that produces its output (see the module docstring),
+    plus ``ANY_STAGE``: the hash of every source file. Reads each file once (~20 ms)."""
+    root = Path(root)
+    modules = _module_files(root)
+    sources = {name: path.read_bytes() for name, path in modules.items()}
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in sources.items()}
+    edges = {name: _imports(data, modules) for name, data in sources.items()}
+    clusters = sorted((root / "configs" / "clusters").glob("*.yaml"))
+    cluster_digests = {f"configs/clusters/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()
+                       for p in clusters}
+
+    def digest(names: set[str]) -> str:
+        files = {modules[n].relative_to(root).as_posix(): digests[n] for n in names}
+        if CLUSTER_SOURCE.as_posix() in files:
+            files.update(cluster_digests)
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+    hashes = {ANY_STAGE: digest(set(modules))}
+    for stage_name in stages:
+        seen: set[str] = set()
+        todo = [f"stages.{stage_name}", "stages"]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in modules:
+                continue
+            seen.add(name)
+            todo.extend(edges[name] - seen)
+        hashes[stage_name] = digest(seen)
+    return hashes
+
+
 @dataclass
 class PipelineContext:
-    """What every stage needs to know about the pipeline invocation (picklable)."""
+    """What every stage needs to know about the pipeline invocation (picklable).
+
+    ``code`` is the per-stage code hash (``code_hashes``, computed once by the driver), or
+    one string used for every stage. ``driver`` owns the stage locks this pipeline takes,
+    whichever process takes them; ``lock_stale_s`` is how old a lock's heartbeat may get
+    before another pipeline takes it as abandoned.
+    """
 
     runs_dir: str
     tracking_uri: str
     experiment_id: str
     parent_run_id: str
-    version: str = field(default_factory=package_version)
+    code: dict[str, str] | str = field(default_factory=code_hashes)
+    driver: locks.Owner = field(default_factory=locks.Owner)
+    lock_stale_s: float = locks.STALE_AFTER_S
+
+    def code_for(self, name: str) -> str:
+        """The code hash that goes into stage ``name``'s key."""
+        if isinstance(self.code, str):
+            return self.code
+        return self.code.get(name) or self.code[ANY_STAGE]
 
 
 @dataclass
@@ -105,23 +225,41 @@ class StageAttempt:
     final_dir: str
     run_id: str
     inputs: dict[str, dict[str, Any]]
+    ingredients: dict[str, Any] = field(default_factory=dict)
 
     def tracker(self, ctx: PipelineContext) -> tracking.Tracker:
         return tracking.Tracker(ctx.tracking_uri, self.run_id)
 
 
-def stage_key(
-    name: str, cfg: PipelineConfig, sections: tuple[str, ...], input_keys: dict[str, str], version: str
-) -> str:
-    """Hash of everything that decides a stage's output."""
-    payload = {
+def section_hash(cfg: PipelineConfig, section: str) -> str:
+    """Hash of one config section's values."""
+    blob = json.dumps(dataclasses.asdict(getattr(cfg, section)), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def key_ingredients(
+    name: str, cfg: PipelineConfig, sections: tuple[str, ...], input_keys: dict[str, str], code: str
+) -> dict[str, Any]:
+    """Everything that decides a stage's output (see the module docstring)."""
+    return {
         "stage": name,
-        "config": {section: dataclasses.asdict(getattr(cfg, section)) for section in sections},
+        "sections": {section: section_hash(cfg, section) for section in sorted(sections)},
         "inputs": dict(sorted(input_keys.items())),
-        "version": version,
+        "code": code,
     }
-    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+
+
+def key_of(ingredients: dict[str, Any]) -> str:
+    """The stage key: the first 16 hex digits of the SHA-256 of the ingredients."""
+    blob = json.dumps(ingredients, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def stage_key(
+    name: str, cfg: PipelineConfig, sections: tuple[str, ...], input_keys: dict[str, str], code: str
+) -> str:
+    """Hash of everything that decides a stage's output (``code``: its code hash)."""
+    return key_of(key_ingredients(name, cfg, sections, input_keys, code))
 
 
 def stage_dir(runs_dir: str | Path, name: str, key: str) -> Path:
@@ -154,10 +292,54 @@ def find_succeeded(runs_dir: str | Path, name: str, key: str) -> StageResult | N
     )
 
 
+def newest_succeeded(runs_dir: str | Path, name: str) -> tuple[str, dict[str, Any]] | None:
+    """(key, status) of the most recently published succeeded output of stage ``name``."""
+    best: tuple[float, str, dict[str, Any]] | None = None
+    for status_path in (Path(runs_dir) / "stages" / name).glob(f"*/{STATUS_FILE}"):
+        key = status_path.parent.name
+        if "." in key:  # <key>.partial, <key>.old-<pid>
+            continue
+        status = read_status(status_path.parent)
+        if not status or status.get("state") != "succeeded":
+            continue
+        when = status_path.stat().st_mtime
+        if best is None or when > best[0]:
+            best = (when, key, status)
+    return None if best is None else (best[1], best[2])
+
+
+def rerun_reason(runs_dir: str | Path, ingredients: dict[str, Any]) -> str:
+    """Why a stage with these ingredients would run although an older output exists, e.g.
+    "code changed, config section model changed since key 1a2b..."; "" when none exists."""
+    name = ingredients["stage"]
+    newest = newest_succeeded(runs_dir, name)
+    if newest is None:
+        return ""
+    key, status = newest
+    old = status.get("ingredients")
+    if not old:
+        return f"older output {key} records no key ingredients (made before they were kept)"
+    changes = []
+    if old.get("code") != ingredients["code"]:
+        changes.append("code changed")
+    old_sections, new_sections = old.get("sections", {}), ingredients["sections"]
+    changed = sorted(s for s in set(old_sections) | set(new_sections)
+                     if old_sections.get(s) != new_sections.get(s))
+    if changed:
+        changes.append(f"config section{'s' if len(changed) > 1 else ''} "
+                       f"{', '.join(changed)} changed")
+    old_inputs, new_inputs = old.get("inputs", {}), ingredients["inputs"]
+    inputs = sorted(i for i in set(old_inputs) | set(new_inputs)
+                    if old_inputs.get(i) != new_inputs.get(i))
+    if inputs:
+        changes.append(f"input{'s' if len(inputs) > 1 else ''} {', '.join(inputs)} changed")
+    if not changes:
+        return f"same ingredients as key {key} (forced, or hashed differently)"
+    return f"{', '.join(changes)} since key {key}"
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    write_json_atomic(path, obj)
 
 
 def _status(state: str, run_id: str, **extra: Any) -> dict[str, Any]:
@@ -208,6 +390,22 @@ def reuse(ctx: PipelineContext, found: StageResult, cfg: PipelineConfig, section
     return dataclasses.replace(found, run_id=run_id)
 
 
+def lock_path(runs_dir: str | Path, name: str, key: str) -> Path:
+    """The lock that one attempt at (name, key) holds: ``<stage dir>/<key>.lock``."""
+    return stage_dir(runs_dir, name, key).with_name(f"{key}.lock")
+
+
+def _take_lock(ctx: PipelineContext, name: str, key: str) -> None:
+    """Take (name, key)'s lock for the driver, saying whom it waits for while it waits."""
+
+    def waiting(holder: dict[str, Any]) -> None:
+        print(f"waiting for {name} {key} held by {holder.get('host')}:{holder.get('pid')}",
+              flush=True)
+
+    locks.acquire(lock_path(ctx.runs_dir, name, key), ctx.driver, ctx.lock_stale_s,
+                  on_wait=waiting)
+
+
 def begin(
     ctx: PipelineContext,
     name: str,
@@ -222,27 +420,43 @@ def begin(
     ``resumable`` stages (training) keep an earlier attempt's ``.partial`` directory so
     they can continue from its checkpoints; the others start from an empty directory.
     """
-    key = stage_key(name, cfg, sections, {n: r.key for n, r in inputs.items()}, ctx.version)
+    ingredients = key_ingredients(
+        name, cfg, sections, {n: r.key for n, r in inputs.items()}, ctx.code_for(name)
+    )
+    key = key_of(ingredients)
     if not force:
         found = find_succeeded(ctx.runs_dir, name, key)
         if found is not None:
             return reuse(ctx, found, cfg, sections, inputs)
     final_dir = stage_dir(ctx.runs_dir, name, key)
-    work_dir = final_dir.with_name(f"{key}.partial")
-    if work_dir.exists() and not resumable:
-        shutil.rmtree(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir)})
-    _write_json_atomic(work_dir / STATUS_FILE, _status("running", run_id, key=key))
-    attempt = StageAttempt(
-        name=name,
-        key=key,
-        work_dir=str(work_dir),
-        final_dir=str(final_dir),
-        run_id=run_id,
-        inputs={n: r.outputs for n, r in inputs.items()},
-    )
-    _log_stage_params(attempt.tracker(ctx), cfg, sections, inputs)
+    _take_lock(ctx, name, key)
+    try:
+        if not force:  # another pipeline may have made it while this one waited
+            found = find_succeeded(ctx.runs_dir, name, key)
+            if found is not None:
+                locks.release(lock_path(ctx.runs_dir, name, key), ctx.driver)
+                return reuse(ctx, found, cfg, sections, inputs)
+        work_dir = final_dir.with_name(f"{key}.partial")
+        if work_dir.exists() and not resumable:
+            shutil.rmtree(work_dir)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir)})
+        _write_json_atomic(
+            work_dir / STATUS_FILE, _status("running", run_id, key=key, ingredients=ingredients)
+        )
+        attempt = StageAttempt(
+            name=name,
+            key=key,
+            work_dir=str(work_dir),
+            final_dir=str(final_dir),
+            run_id=run_id,
+            inputs={n: r.outputs for n, r in inputs.items()},
+            ingredients=ingredients,
+        )
+        _log_stage_params(attempt.tracker(ctx), cfg, sections, inputs)
+    except BaseException:
+        locks.release(lock_path(ctx.runs_dir, name, key), ctx.driver)
+        raise
     return attempt
 
 
@@ -262,7 +476,9 @@ def finish(ctx: PipelineContext, attempt: StageAttempt, outputs: dict[str, Any])
     work, final = Path(attempt.work_dir), Path(attempt.final_dir)
     outputs = _relocate(outputs, str(work), str(final))
     _write_json_atomic(work / OUTPUTS_FILE, outputs)
-    _write_json_atomic(work / STATUS_FILE, _status("succeeded", attempt.run_id, key=attempt.key))
+    _write_json_atomic(work / STATUS_FILE, _status(
+        "succeeded", attempt.run_id, key=attempt.key, ingredients=attempt.ingredients
+    ))
     attempt.tracker(ctx).log_artifact(work / OUTPUTS_FILE)
     # A forced recompute replaces the old output only once the new one is complete.
     old = final.with_name(f"{attempt.key}.old-{os.getpid()}")
@@ -270,6 +486,7 @@ def finish(ctx: PipelineContext, attempt: StageAttempt, outputs: dict[str, Any])
         os.replace(final, old)
     os.replace(work, final)
     shutil.rmtree(old, ignore_errors=True)
+    locks.release(lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
     tracking.end_run(ctx.tracking_uri, attempt.run_id, "FINISHED")
     return StageResult(
         name=attempt.name,
@@ -288,8 +505,10 @@ def fail(ctx: PipelineContext, attempt: StageAttempt, error: BaseException) -> N
     if work.exists():
         detail = "".join(traceback.format_exception(error))
         _write_json_atomic(
-            work / STATUS_FILE, _status("failed", attempt.run_id, key=attempt.key, error=detail)
+            work / STATUS_FILE, _status("failed", attempt.run_id, key=attempt.key, error=detail,
+                                        ingredients=attempt.ingredients)
         )
+    locks.release(lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
     try:
         tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags({"error": str(error)[:4000]})
         tracking.end_run(ctx.tracking_uri, attempt.run_id, "FAILED")

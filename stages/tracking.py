@@ -11,18 +11,30 @@ import json
 import os
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stages import locks
+from stages.config import ConfigError
+
 # import mlflow writes a telemetry file unless told not to.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+# mlflow itself is imported on first use: it takes seconds, and the driver checks the
+# store (check_store) before that, so an unusable store is reported at once.
+MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME = "mlflow.parentRunId", "mlflow.runName"
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
+
+
+def MlflowClient(uri: str):  # stands in for the class, imported on first use
+    """``mlflow.tracking.MlflowClient(uri)``."""
+    from mlflow.tracking import MlflowClient as client_class
+
+    return client_class(uri)
 
 
 def default_tracking_uri(runs_dir: Path, uri: str | None = None) -> str:
@@ -45,8 +57,71 @@ def ui_command(uri: str, runs_dir: Path) -> str:
     return f"open {uri} in a browser"
 
 
+REACH_TIMEOUT_S = 5.0  # how long the start-up check waits for a tracking server
+STORE_LOCK_WAIT_S = 120.0
+
+
+class TrackingError(ConfigError):
+    """The MLflow store cannot be used (server unreachable, SQLite location not writable)."""
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for other schemes or in-memory)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def check_store(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """Fail fast, with one line naming ``uri``, when the store cannot be used: an http(s)
+    server that does not answer within ``timeout_s``, or a SQLite file whose directory
+    cannot be created or written."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
+                pass
+        except urllib.error.HTTPError:
+            pass  # it answered: a server is there (a proxy path may not serve /health)
+        except (urllib.error.URLError, OSError, ValueError) as error:
+            reason = getattr(error, "reason", error)
+            raise TrackingError(
+                f"MLflow tracking server {uri} is not reachable ({reason}); start it, or pass "
+                "another --tracking-uri (without one the store is SQLite in the runs dir)"
+            ) from None
+        return
+    db = _sqlite_path(uri)
+    if db is None:
+        return
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        probe = db.parent / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        if db.exists() and not os.access(db, os.W_OK):
+            raise PermissionError(f"{db} is read-only")
+    except OSError as error:
+        raise TrackingError(
+            f"MLflow store {uri} cannot be written ({error}); pass a writable --runs-dir "
+            "or --tracking-uri"
+        ) from None
+
+
 def ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
-    """Return the id of experiment ``name``, creating it with artifacts beside the store."""
+    """Return the id of experiment ``name``, creating it with artifacts beside the store.
+
+    Checks the store first (``check_store``). A SQLite store is created (schema and
+    experiment) under a lock file beside it, so pipelines starting together on one runs
+    dir create it once instead of racing on its tables."""
+    check_store(uri)
+    db = _sqlite_path(uri)
+    if db is None:
+        return _ensure_experiment(uri, name, runs_dir)
+    with locks.hold(db.with_name(f"{db.name}.lock"), wait_s=STORE_LOCK_WAIT_S):
+        return _ensure_experiment(uri, name, runs_dir)
+
+
+def _ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
@@ -97,11 +172,13 @@ class Tracker:
         self.uri = uri
         self.run_id = run_id
         self._client = MlflowClient(uri)
-        self._pending: list[Metric] = []
+        self._pending: list[Any] = []  # mlflow.entities.Metric
         self._flush_seconds = flush_seconds
         self._last_flush = time.monotonic()
 
     def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
         items = [
             Param(key, str(value)[:MAX_PARAM_CHARS]) for key, value in _flatten(params).items()
         ]
@@ -109,6 +186,8 @@ class Tracker:
             self._client.log_batch(self.run_id, params=items[start : start + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
             self._pending.append(Metric(key, float(value), now_ms, step or 0))
@@ -122,6 +201,8 @@ class Tracker:
         self._last_flush = time.monotonic()
 
     def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
         items = [RunTag(key, str(value)) for key, value in tags.items()]
         if items:
             self._client.log_batch(self.run_id, tags=items)

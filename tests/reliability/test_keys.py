@@ -1,0 +1,123 @@
+"""Stage keys cover the code that makes the output, and --dry-run says why a stage reruns."""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import stage, tracking
+from stages.config import load_config
+from stages.registry import STAGE_ORDER, stage_module
+from workflows.pipeline import describe, plan_stages, stage_keys
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def source_copy(tmp_path: Path) -> Path:
+    """A copy of the sources a key hashes, plus files it must ignore."""
+    root = tmp_path / "src"
+    for package in stage.CODE_PACKAGES:
+        shutil.copytree(REPO / package, root / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "configs", root / "configs")
+    shutil.copy(REPO / "README.md", root / "README.md")
+    (root / "tests").mkdir()
+    (root / "tests" / "test_x.py").write_text("def test_x():\n    pass\n")
+    return root
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def test_code_hash_follows_the_sources_a_stage_uses(source_copy: Path):
+    base = stage.code_hashes(source_copy)
+    assert set(base) == {*STAGE_ORDER, stage.ANY_STAGE}
+    assert base == stage.code_hashes(REPO)  # the copy hashes like the checkout
+
+    # README, tests and docs are no stage's code.
+    _append(source_copy / "README.md", "\nmore words\n")
+    _append(source_copy / "tests" / "test_x.py", "# note\n")
+    (source_copy / "docs").mkdir()
+    (source_copy / "docs" / "notes.md").write_text("notes")
+    assert stage.code_hashes(source_copy) == base
+
+    # The tokenizer code is tokenize's, not evaluate's.
+    _append(source_copy / "data_prep" / "tokenizer.py", "\n# changed\n")
+    after = stage.code_hashes(source_copy)
+    assert after["tokenize"] != base["tokenize"] and after[stage.ANY_STAGE] != base[stage.ANY_STAGE]
+    assert after["evaluate"] == base["evaluate"]
+
+    # A cluster description is code for the stages that read cluster files (plan).
+    _append(source_copy / "configs" / "clusters" / "local.yaml", "\n# retuned\n")
+    clusters = stage.code_hashes(source_copy)
+    assert clusters["plan"] != after["plan"] and clusters["tokenize"] == after["tokenize"]
+
+    # Code shared by every stage (the stage mechanism) changes every key.
+    _append(source_copy / "stages" / "stage.py", "\n# changed\n")
+    shared = stage.code_hashes(source_copy)
+    assert all(shared[n] != clusters[n] for n in STAGE_ORDER)
+
+
+def test_code_hash_is_cheap():
+    started = time.perf_counter()
+    stage.code_hashes()
+    assert time.perf_counter() - started < 0.1
+
+
+def test_changed_code_changes_the_stage_key_and_every_key_after_it():
+    cfg = load_config("micro")
+    code = stage.code_hashes()
+    keys = stage_keys(cfg, code)
+    assert keys == stage_keys(cfg)  # computed from the checkout when not given
+    changed = stage_keys(cfg, {**code, "plan": "0" * 16})
+    assert changed["tokenize"] == keys["tokenize"]
+    assert all(changed[n] != keys[n] for n in ("plan", "train", "evaluate"))
+
+
+def _publish(runs_dir: Path, name: str, cfg, code: dict[str, str] | str, inputs=None) -> str:
+    """Publish an (empty) output of stage ``name`` through begin/finish; return its key."""
+    uri = tracking.default_tracking_uri(runs_dir)
+    experiment = tracking.ensure_experiment(uri, "keys", runs_dir)
+    parent = tracking.start_run(uri, experiment, "pipeline-keys")
+    ctx = stage.PipelineContext(str(runs_dir), uri, experiment, parent, code)
+    attempt = stage.begin(ctx, name, stage_module(name).SECTIONS, cfg, inputs or {})
+    assert isinstance(attempt, stage.StageAttempt)
+    return stage.finish(ctx, attempt, {}).key
+
+
+def test_dry_run_says_why_a_stage_reruns(tmp_path: Path):
+    runs_dir = tmp_path / "runs"
+    cfg = load_config("micro", [f"tracking.runs_dir={runs_dir}"])
+    code = stage.code_hashes()
+    old_key = _publish(runs_dir, "tokenize", cfg, {**code, "tokenize": "old-code"})
+    status = stage.read_status(stage.stage_dir(runs_dir, "tokenize", old_key))
+    assert status["ingredients"]["code"] == "old-code"
+    assert set(status["ingredients"]["sections"]) == set(stage_module("tokenize").SECTIONS)
+
+    plans = plan_stages(cfg, None, None, False, code)
+    assert plans[0].action == "run"
+    assert plans[0].reason == f"code changed since key {old_key}"
+    assert all(p.reason == "" for p in plans[1:])  # no older output of those stages
+    text = describe(plans, cfg)
+    assert f"why: code changed since key {old_key}" in text
+
+    # Same code, another data section: the section is named.
+    cfg2 = load_config("micro", [f"tracking.runs_dir={runs_dir}", "data.max_documents=20"])
+    assert plan_stages(cfg2, None, None, False, {**code, "tokenize": "old-code"})[0].reason == (
+        f"config section data changed since key {old_key}")
+    both = plan_stages(cfg2, None, None, False, code)[0].reason
+    assert both == f"code changed, config section data changed since key {old_key}"
+
+    # Downstream: a plan made from another tokenize output names its input.
+    new_key = _publish(runs_dir, "tokenize", cfg, code)
+    token = stage.find_succeeded(runs_dir, "tokenize", new_key)
+    old_plan = _publish(runs_dir, "plan", cfg, code,
+                        {"tokenize": stage.find_succeeded(runs_dir, "tokenize", old_key)})
+    plans = plan_stages(cfg, None, None, False, code)
+    assert [p.action for p in plans[:2]] == ["reuse", "run"]
+    assert plans[1].reason == f"input tokenize changed since key {old_plan}"
+    assert token is not None

@@ -1,0 +1,80 @@
+"""MLflow start-up: a store created by two drivers at once, and stores that cannot be used."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import tracking
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _create(runs_dir: str, barrier, out: str) -> None:
+    uri = tracking.default_tracking_uri(Path(runs_dir))
+    barrier.wait()
+    experiment = tracking.ensure_experiment(uri, "together", Path(runs_dir))
+    run_id = tracking.start_run(uri, experiment, f"pipeline-{os.getpid()}")
+    Path(out).write_text(json.dumps({"experiment": experiment, "run": run_id}))
+
+
+def test_two_drivers_create_one_store_at_once(tmp_path: Path):
+    runs = tmp_path / "runs"
+    mp = multiprocessing.get_context("spawn")  # fresh interpreters, as two drivers are
+    barrier = mp.Barrier(3)
+    outs = [str(tmp_path / f"{i}.json") for i in range(3)]
+    procs = [mp.Process(target=_create, args=(str(runs), barrier, out)) for out in outs]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    results = [json.loads(Path(out).read_text()) for out in outs]
+    assert len({r["experiment"] for r in results}) == 1
+    uri = tracking.default_tracking_uri(runs)
+    assert len(tracking.search_runs(uri, "together")) == 3
+    assert not (runs / "mlflow.db.lock").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_server_fails_fast_with_one_line(tmp_path: Path):
+    uri = f"http://127.0.0.1:{_free_port()}"
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
+         "--runs-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
+        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert time.monotonic() - started < 15
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert uri in lines[0] and "not reachable" in lines[0]
+    assert not (tmp_path / "runs" / "stages").exists()  # no work started
+
+
+def test_check_store_names_what_cannot_be_used(tmp_path: Path):
+    started = time.monotonic()
+    uri = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(tracking.TrackingError, match=f"{uri} is not reachable"):
+        tracking.ensure_experiment(uri, "x", tmp_path)
+    assert time.monotonic() - started < 10
+    bad = "sqlite:////proc/no-such-dir/mlflow.db"
+    with pytest.raises(tracking.TrackingError, match="cannot be written") as info:
+        tracking.check_store(bad)
+    assert bad in str(info.value) and "\n" not in str(info.value)
+    tracking.check_store(tracking.default_tracking_uri(tmp_path))  # a writable one passes
