@@ -27,11 +27,12 @@ from one corpus reports a single ``"all"`` source).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from data_prep.atomic import write_text_atomic
 from data_prep.store import SplitReader, StoreInfo, open_store
+from model.config import vocab_fit_problem
 from model.evaluation.loss import plan_windows
 from stages import launch, tracking
 from stages.config import PipelineConfig
@@ -79,11 +80,10 @@ def training_tokenizer_hash(train_outputs: dict[str, Any]) -> tuple[str | None, 
 
 def check_inputs(cfg: PipelineConfig, store: StoreInfo, train_outputs: dict[str, Any]) -> str:
     """Refuse a store whose tokenizer or vocabulary differs from the checkpoint's; return a note."""
-    if store.vocab_size > cfg.model.vocab_size:
-        raise EvaluationError(
-            f"token store {store.path} has vocab_size {store.vocab_size} > model.vocab_size "
-            f"{cfg.model.vocab_size}: evaluate with the store the model was trained on"
-        )
+    vocab = vocab_fit_problem(store.vocab_size, cfg.model.vocab_size)
+    if vocab:
+        raise EvaluationError(f"token store {store.path}: {vocab} (evaluate with the store the "
+                              "model was trained on)")
     trained, where = training_tokenizer_hash(train_outputs)
     if trained is None:
         return f"tokenizer check skipped ({where})"
@@ -121,10 +121,7 @@ def heldout_documents(reader: SplitReader, tokenizer, eos_id: int, limit: int | 
 
 # -- parts of the run ---------------------------------------------------------------------
 def _write_text(path: Path, text: str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, text)
 
 
 def _train_histories(tracker) -> tuple[str | None, dict[str, list[tuple[int, float]]]]:

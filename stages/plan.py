@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from model.config import ModelConfig, TrainConfig
+from model.config import ModelConfig, TrainConfig, vocab_fit_problem
 from model.planner.calibration import load_calibration, update_calibration
 from model.planner.cluster import Cluster
 from model.planner.microbench import load_measured_cluster
@@ -224,9 +224,9 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
 
     out_dir = Path(out_dir)
     tok = (inputs or {}).get("tokenize") or {}
-    if tok.get("vocab_size") and tok["vocab_size"] > cfg.model.vocab_size:
-        raise PlanError(f"the token store's vocabulary ({tok['vocab_size']}) exceeds "
-                        f"model.vocab_size={cfg.model.vocab_size}: raise model.vocab_size")
+    vocab = vocab_fit_problem(tok.get("vocab_size"), cfg.model.vocab_size)
+    if vocab:
+        raise PlanError(vocab)
     world = cfg.parallel.nproc
     cluster = load_measured_cluster(cfg.parallel.cluster, world,
                                     cache_dir=cfg.runs_dir / "cache" / "microbench")

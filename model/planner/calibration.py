@@ -9,12 +9,12 @@ measured/predicted ratio scales both.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from data_prep.atomic import write_json_atomic
 
 
 def fit_scales(points: list[dict[str, float]]) -> dict[str, float]:
@@ -58,9 +58,5 @@ def update_calibration(path: str | Path, new_points: list[dict[str, Any]],
     data = {**fit_scales(points), "points": points}
     for p in points:
         p["ratio"] = p["measured_s"] / max(p["compute_s"] + p["comm_s"], 1e-12)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
     return data

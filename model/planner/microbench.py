@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from data_prep.atomic import write_json_atomic
 from model.planner.cluster import (
     Cluster,
     ClusterError,
@@ -370,11 +371,7 @@ def measured_cluster_fields(nproc: int, cache_path: str | Path | None = None,
 
     data = {"nproc": nproc, "host": socket.gethostname(), "torch": torch.__version__,
             "seconds": time.perf_counter() - t0, "fields": fields, "raw": raw}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2)
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
     print(f"[microbench] done in {data['seconds']:.1f} s: {fields['peak_tflops'] * 1e3:.1f} "
           f"GFLOP/s per rank, all-reduce {fields['links']['node']['bandwidth_gbps']:.2f} GB/s",
           flush=True)

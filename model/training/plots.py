@@ -6,13 +6,14 @@ run, so the plots need neither MLflow nor a display. Each file is written atomic
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # no display on compute nodes and CI
 import matplotlib.pyplot as plt
+
+from data_prep.atomic import atomic_path
 
 Series = list[tuple[int, float]]
 
@@ -26,10 +27,11 @@ TRAIN_PLOTS = {
 
 def _save(fig, path: Path) -> Path:
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
