@@ -1,4 +1,7 @@
-"""Checkpoints: exact resume, atomic publish, resharded load, single-process inference load."""
+"""Checkpoints: exact resume, atomic publish, resharded load, single-process inference load.
+
+Damaged checkpoints and unsafe checkpoint files: tests/reliability/test_checkpoints.py.
+"""
 from __future__ import annotations
 
 import shutil
@@ -68,6 +71,17 @@ def test_checkpoint_loads_into_another_layout(uninterrupted, tmp_path) -> None:
     plain = load_for_inference(full["checkpoint"], cfg)
     for (name, a), (_, b) in zip(sharded.state_dict().items(), plain.state_dict().items(), strict=True):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_load_for_inference_refuses_a_damaged_checkpoint(uninterrupted, tmp_path) -> None:
+    src, _ = uninterrupted
+    ckpt = tmp_path / "step-00000003"
+    shutil.copytree(src / "checkpoints" / "step-00000003", ckpt)
+    metadata = ckpt / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"cannot be loaded: \.metadata is 100 bytes but "
+                                              r"the manifest says \d+ \(truncated"):
+        load_for_inference(ckpt, tiny_config().model)
 
 
 def test_load_for_inference_refuses_another_shape(uninterrupted) -> None:

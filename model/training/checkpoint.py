@@ -1,24 +1,42 @@
 """Distributed checkpoints (torch.distributed.checkpoint) keyed by the full model's FQNs.
 
-Layout of ``<root>/step-00000020/``: DCP files holding ``model`` (the unsharded GPT's
-state_dict names) and ``optim`` (flattened optimizer state, also keyed by FQN), plus
-``extra.pt`` (step, scheduler, data loader and RNG state) and ``model.json`` (the model
-shape). A checkpoint is written to ``step-N.tmp`` by all ranks and renamed to ``step-N``
-by rank 0 only after every rank finished, so a partial checkpoint is never picked up.
-Because keys are FQNs, a checkpoint loads into any (pp, dp, tp) layout, and into one
-plain process (``load_for_inference``).
+Layout of ``<root>/step-00000020/``: DCP files (``.metadata`` and ``__<rank>_<n>.distcp``)
+holding ``model`` (the unsharded GPT's state_dict names) and ``optim`` (flattened optimizer
+state, also keyed by FQN), plus ``extra.pt`` (step, scheduler, data loader and RNG state),
+``model.json`` (the model shape) and ``manifest.json`` (every other file's name, size and
+CRC-32). A checkpoint is written to ``step-N.tmp`` by all ranks; after every rank finished,
+rank 0 writes the manifest last and renames the directory to ``step-N``. Because keys are
+FQNs, a checkpoint loads into any (pp, dp, tp) layout, and into one plain process
+(``load_for_inference``).
+
+Which files are trusted input:
+
+* ``.metadata`` is unpickled by torch, and DCP reads the non-tensor optimizer values
+  (learning rates, betas) of the ``.distcp`` files with ``torch.load(weights_only=False)``:
+  both are trusted, so the checkpoints directory must be writable only by whoever runs the
+  training. The DCP tensor data itself is read with ``weights_only=True``.
+* ``extra.pt`` is not trusted: it is loaded with ``torch.load(weights_only=True)`` (tensors
+  and plain Python values only) and anything else is refused with a ``CheckpointError``;
+  ``save_checkpoint`` converts numpy values to plain ones and refuses other objects.
+* ``model.json`` and ``manifest.json`` are JSON and checked field by field. The manifest
+  detects truncated, missing and damaged files (crashes, full disks, copies); it is not a
+  signature and does not protect against someone who can write the directory.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import pickle
 import re
 import shutil
+import sys
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -31,15 +49,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from data_prep.atomic import atomic_path, write_json_atomic, write_text_atomic
 from model.config import ModelConfig
 from model.gpt import GPT
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+# Above this many bytes in one checkpoint only the small files' checksums are verified.
+CHECKSUM_LIMIT_BYTES = 16 * 2**30
+_CHUNK = 16 * 2**20
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used here (other model shape, missing files)."""
+    """A checkpoint that cannot be used here (other model shape, missing or unsafe files)."""
 
 
 def _barrier() -> None:
@@ -51,19 +75,177 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``root`` (``*.tmp`` are ignored)."""
-    root = Path(root)
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+# ---------------------------------------------------------------- manifest
+def file_crc32(path: str | Path) -> str:
+    """CRC-32 of a file's bytes as 8 hex digits (zlib, several GB/s, read in 16 MiB chunks)."""
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _files(ckpt_dir: Path) -> list[str]:
+    """Relative names of every file under ``ckpt_dir`` but the manifest, sorted."""
+    return sorted(p.relative_to(ckpt_dir).as_posix() for p in ckpt_dir.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def _describe(ckpt_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {n: {"size": (ckpt_dir / n).stat().st_size, "crc32": file_crc32(ckpt_dir / n)}
+            for n in names}
+
+
+def write_manifest(ckpt_dir: str | Path) -> Path:
+    """Describe every file of ``ckpt_dir`` (name, size, CRC-32) in ``manifest.json``.
+
+    Collective when a process group is up: rank 0 lists the files, every rank checksums a
+    share of them, and rank 0 writes the manifest (atomically). Call it after every other
+    file of the checkpoint is complete.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    names = [_files(ckpt_dir) if _rank() == 0 else None]
+    if _world() > 1:
+        dist.broadcast_object_list(names, src=0)
+    mine = _describe(ckpt_dir, names[0][_rank()::_world()])
+    shares = [mine]
+    if _world() > 1:
+        shares = [None] * _world()
+        dist.all_gather_object(shares, mine)
+    path = ckpt_dir / MANIFEST
+    if _rank() == 0:
+        files = {k: v for share in shares for k, v in share.items()}
+        write_json_atomic(path, {"format": MANIFEST_FORMAT, "checksum": "crc32",
+                                 "files": dict(sorted(files.items()))})
+    return path
+
+
+def checkpoint_problem(
+    ckpt_dir: str | Path, checksum_limit: int = CHECKSUM_LIMIT_BYTES
+) -> str | None:
+    """What makes ``ckpt_dir`` incomplete or corrupt, or None when its manifest checks out.
+
+    Every file named in ``manifest.json`` must exist with the recorded size. Checksums:
+    every file's CRC-32 when the checkpoint holds at most ``checksum_limit`` bytes (16 GiB
+    by default: a few seconds of reading); above that, only the small files' (all but the
+    ``.distcp`` shards), so picking a checkpoint never reads a huge one whole. A directory
+    without a manifest (an older format or an interrupted save) counts as incomplete.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / MANIFEST
+    if not path.is_file():
+        return f"no {MANIFEST} (an interrupted save or an older checkpoint format)"
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        sizes = {name: int(entry["size"]) for name, entry in files.items()}
+        if manifest.get("format") != MANIFEST_FORMAT or manifest.get("checksum") != "crc32":
+            raise ValueError(f"format {manifest.get('format')!r}, checksum "
+                             f"{manifest.get('checksum')!r}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{MANIFEST} is unreadable ({type(err).__name__}: {err})"
+    for required in (".metadata", "extra.pt", "model.json"):
+        if required not in files:
+            return f"{MANIFEST} does not list {required}"
+    for name, size in sizes.items():
+        file = ckpt_dir / name
+        if not file.is_file():
+            return f"{name} is missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return f"{name} is {actual} bytes but the manifest says {size} (truncated or damaged)"
+    full = sum(sizes.values()) <= checksum_limit
+    for name, entry in files.items():
+        if full or not name.endswith(".distcp"):
+            crc = file_crc32(ckpt_dir / name)
+            if crc != entry.get("crc32"):
+                return (f"{name} has CRC-32 {crc} but the manifest says "
+                        f"{entry.get('crc32')} (damaged)")
+    return None
+
+
+def _choose(root: Path, checksum_limit: int) -> Path | None:
+    """The newest ``step-N`` under ``root`` that passes checkpoint_problem; report the others."""
     if not root.is_dir():
         return None
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / ".metadata").is_file() and (child / "extra.pt").is_file():
-            found.append((int(match.group(1)), child))
-    return max(found)[1] if found else None
+    found = sorted(((int(m.group(1)), child) for child in root.iterdir()
+                    if (m := _STEP_DIR.match(child.name)) and child.is_dir()), reverse=True)
+    skipped: list[tuple[Path, str]] = []
+    chosen = None
+    for _, child in found:
+        problem = checkpoint_problem(child, checksum_limit)
+        if problem is None:
+            chosen = child
+            break
+        skipped.append((child, problem))
+    fallback = f"falling back to {chosen}" if chosen else "no complete checkpoint is left"
+    for path, problem in skipped:
+        print(f"[checkpoint] skipping {path}: {problem}; {fallback}", file=sys.stderr, flush=True)
+    return chosen
 
 
+def latest_checkpoint(root: str | Path, checksum_limit: int = CHECKSUM_LIMIT_BYTES) -> Path | None:
+    """The newest complete, intact ``step-N`` checkpoint under ``root``, or None.
+
+    ``*.tmp`` directories are never considered. Each newer checkpoint that fails
+    ``checkpoint_problem`` (no manifest, a missing, truncated or damaged file) is skipped
+    with one message on stderr naming its path and the problem. Under a process group
+    rank 0 alone decides and broadcasts its choice, so every rank resumes from the same
+    checkpoint (the directory must be on a filesystem rank 0 can read, as for saving).
+    """
+    root = Path(root)
+    if _world() == 1:
+        return _choose(root, checksum_limit)
+    choice = [None]
+    if _rank() == 0:
+        chosen = _choose(root, checksum_limit)
+        choice = [str(chosen) if chosen else None]
+    dist.broadcast_object_list(choice, src=0)
+    return Path(choice[0]) if choice[0] else None
+
+
+# ---------------------------------------------------------------- extra state
+def plain_state(value: Any, where: str = "extra") -> Any:
+    """``value`` with numpy scalars/arrays turned into Python values, ready for weights_only.
+
+    Raises CheckpointError naming the first value that is not a tensor, None, bool, int,
+    float, str, or a dict/list/tuple of those.
+    """
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist() if isinstance(value, np.ndarray) else value.item()
+    if isinstance(value, dict):
+        return {k: plain_state(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [plain_state(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    raise CheckpointError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}: extra checkpoint "
+        "state may hold only tensors and plain Python values (it is loaded with "
+        "weights_only=True); convert it in the object's state_dict()"
+    )
+
+
+def load_extra(ckpt_dir: str | Path) -> dict[str, Any]:
+    """``extra.pt`` loaded with ``weights_only=True``; CheckpointError if it holds other objects."""
+    path = Path(ckpt_dir) / "extra.pt"
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        first = str(err).strip().splitlines()
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain Python values, refused "
+            f"(loaded with weights_only=True: {first[0] if first else err}): it was not "
+            "written by this trainer; remove the checkpoint directory"
+        ) from None
+
+
+# ---------------------------------------------------------------- save / load
 def check_model_shape(ckpt_dir: str | Path, model_cfg: ModelConfig) -> None:
     """Raise CheckpointError naming each model field that differs from the checkpoint's."""
     path = Path(ckpt_dir) / "model.json"
@@ -88,10 +270,15 @@ def save_checkpoint(
     extra: dict[str, Any],
     model_cfg: ModelConfig,
 ) -> Path:
-    """Collectively save ``model``/``optimizer`` (+ rank 0's ``extra``) as ``root/step-N``."""
+    """Collectively save ``model``/``optimizer`` (+ rank 0's ``extra``) as ``root/step-N``.
+
+    Order: DCP shards and ``.metadata`` into ``step-N.tmp``, rank 0's ``extra.pt`` and
+    ``model.json``, then (after a barrier) the manifest, then the rename to ``step-N``.
+    """
     root = Path(root)
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
+    extra = plain_state(extra)  # every rank refuses the same unsafe value, before any barrier
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover from an interrupted save
@@ -103,9 +290,11 @@ def save_checkpoint(
     }
     dcp.save(state, checkpoint_id=str(tmp))
     if _rank() == 0:
-        torch.save(extra, tmp / "extra.pt")
-        (tmp / "model.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=2))
+        with atomic_path(tmp / "extra.pt") as part:
+            torch.save(extra, part)
+        write_text_atomic(tmp / "model.json", json.dumps(dataclasses.asdict(model_cfg), indent=2))
     _barrier()  # every rank's shards are on disk
+    write_manifest(tmp)
     if _rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -117,8 +306,13 @@ def save_checkpoint(
 def load_checkpoint(
     ckpt_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
-    """Collectively load a checkpoint into this rank's (sharded) model/optimizer; return extra."""
+    """Collectively load a checkpoint into this rank's (sharded) model/optimizer; return extra.
+
+    ``extra.pt`` is read first (``load_extra``: weights_only), so an unsafe one stops the
+    load before any state changes.
+    """
     ckpt_dir = Path(ckpt_dir)
+    extra = load_extra(ckpt_dir)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
@@ -126,11 +320,17 @@ def load_checkpoint(
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
-    return torch.load(ckpt_dir / "extra.pt", weights_only=False)
+    return extra
 
 
 def load_for_inference(ckpt_dir: str | Path, model_cfg: ModelConfig) -> GPT:
-    """The checkpoint's weights in a plain single-process GPT on CPU (no process group)."""
+    """The checkpoint's weights in a plain single-process GPT on CPU (no process group).
+
+    Raises CheckpointError if the checkpoint fails ``checkpoint_problem`` or has another shape.
+    """
+    problem = checkpoint_problem(ckpt_dir)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt_dir} cannot be loaded: {problem}")
     check_model_shape(ckpt_dir, model_cfg)
     model = GPT(model_cfg)
     model.init_weights(0)  # rotary tables; every weight is overwritten below

@@ -55,7 +55,10 @@ class BackgroundSink:
 
     A tracker write (an MLflow batch to SQLite or a server) can take tens of milliseconds;
     doing it off the training thread keeps per-step logging well under 5% of a step.
-    ``flush`` waits until everything queued has been sent. Errors resurface on ``flush``.
+    ``flush`` waits until everything queued has been sent (the one worker thread runs the
+    writes in order, so the sink's own flush runs after all of them); the trainer calls it
+    after every checkpoint, so a rank killed later has delivered every metric up to that
+    checkpoint. Errors resurface on ``flush``.
     """
 
     def __init__(self, sink) -> None:

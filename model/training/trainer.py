@@ -243,6 +243,8 @@ class Trainer:
             self.iteration_times.append(time.perf_counter() - start)
             if (every and self.step % every == 0) or (save_final and self.step == steps):
                 last_ckpt = self.save()
+                if self.is_logger and self.tracker is not None:
+                    self.tracker.flush()  # every metric up to this checkpoint is in the store
         return self._finish(step_times, first_step, tokens_per_step, last_ckpt)
 
     def _throughput(self, step_time: float, tokens_per_step: int) -> dict[str, float]:

@@ -1,0 +1,1 @@
+"""Failure tests: corrupt checkpoints, unsafe checkpoint files, killed ranks."""

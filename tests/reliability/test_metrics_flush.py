@@ -1,0 +1,97 @@
+"""Metrics survive a killed rank: the trainer flushes its sink at every checkpoint.
+
+The rank logs through BackgroundSink(Tracker) into a real MLflow SQLite store, with the
+tracker's own time-based flush pushed out of reach, so only the checkpoint flush can put
+metrics in the store before the rank is killed with SIGKILL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from model.training.checkpoint import checkpoint_problem, load_extra
+from model.training.metrics import BackgroundSink
+from stages import tracking
+from tests.train_helpers import REPO, tiny_config
+
+# One rank: the production sink wiring, then SIGKILL itself as step ``kill_at + 1`` begins.
+DRIVER = """
+import json, os, signal, sys
+from model.parallel.dist_env import from_environ, init_distributed
+from model.planner.plan import Plan
+from model.training.batches import SyntheticBatches
+from model.training.metrics import BackgroundSink
+from model.training.trainer import Trainer
+from stages.config import config_from_dict
+from stages.tracking import Tracker
+
+args = json.loads(sys.argv[1])
+cfg = config_from_dict(args["config"])
+t = cfg.train
+device = init_distributed(from_environ())
+trainer = Trainer(cfg.model, t, Plan.from_dict(args["plan"]), args["out_dir"],
+                  lambda r, n: SyntheticBatches(cfg.model.vocab_size, t.seq_len,
+                                                t.global_batch, r, n, t.seed), device)
+trainer.tracker = BackgroundSink(Tracker(args["uri"], args["run_id"], flush_seconds=3600))
+step = trainer.train_step
+
+def train_step(batch):
+    if trainer.step == args["kill_at"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return step(batch)
+
+trainer.train_step = train_step
+trainer.fit()
+"""
+KEYS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "peak_memory_gb")
+
+
+def _store(tmp_path: Path) -> tuple[str, str]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment = tracking.ensure_experiment(uri, "reliability", tmp_path)
+    return uri, tracking.start_run(uri, experiment, "train")
+
+
+def test_killed_rank_has_delivered_every_metric_up_to_its_checkpoint(tmp_path) -> None:
+    uri, run_id = _store(tmp_path)
+    cfg = tiny_config("train.steps=8", "train.checkpoint_every=3")
+    args = {"config": cfg.to_dict(), "plan": {"micro_batch": 8, "sharding": "none"},
+            "out_dir": str(tmp_path / "train"), "uri": uri, "run_id": run_id, "kill_at": 6}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-4000:]
+    ckpt = tmp_path / "train" / "checkpoints" / "step-00000006"
+    assert checkpoint_problem(ckpt) is None
+    for key in KEYS:
+        steps = [s for s, _ in tracking.metric_history(uri, run_id, key)]
+        assert sorted(steps) == list(range(1, 7)), (key, steps)
+    logged = dict(tracking.metric_history(uri, run_id, "loss"))
+    saved = load_extra(ckpt)["losses"]
+    assert [logged[s] for s in range(1, 7)] == saved  # the same numbers the checkpoint holds
+
+
+class _SlowTracker(tracking.Tracker):
+    """A real Tracker whose every batch write first waits (a slow tracking server)."""
+
+    def flush(self) -> None:
+        time.sleep(0.05)
+        super().flush()
+
+
+def test_background_flush_waits_for_every_queued_write(tmp_path) -> None:
+    uri, run_id = _store(tmp_path)
+    sink = BackgroundSink(_SlowTracker(uri, run_id, flush_seconds=0))  # a write per step
+    for step in range(1, 21):
+        sink.log_metrics({"loss": 1.0 / step, "lr": 0.5}, step=step)
+    sink.flush()  # returns only when every queued write is in the store
+    assert [s for s, _ in tracking.metric_history(uri, run_id, "loss")] == list(range(1, 21))
+    assert dict(tracking.metric_history(uri, run_id, "loss"))[20] == 1.0 / 20
+    sink.close()
