@@ -221,6 +221,8 @@ class Trainer:
         """
         steps = steps or self.cfg.steps
         last_ckpt = self.resume()
+        if last_ckpt is not None and self.is_logger:
+            print(f"[train] resumed from step {self.step} ({last_ckpt})", flush=True)
         first_step, step_times = self.step, []
         tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
         every = self.cfg.checkpoint_every
