@@ -129,8 +129,9 @@ def _imports(source: bytes, modules: dict[str, Path]) -> set[str]:
     for package, imported in _FROM.findall(source):
         base = package.decode()
         names.add(base)
-        for item in imported.decode().strip("()").split(","):
-            word = item.split("#")[0].split(" as ")[0].strip()
+        listed = re.sub(r"#[^\n]*", "", imported.decode()).strip().strip("()\\")
+        for item in listed.split(","):
+            word = item.split(" as ")[0].strip()
             if word.isidentifier():
                 names.add(f"{base}.{word}")
     found: set[str] = set()

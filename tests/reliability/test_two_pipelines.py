@@ -1,0 +1,76 @@
+"""Two real pipelines started 0.5 s apart on one runs dir (micro preset, Parsl, ranks,
+MLflow on SQLite): both succeed, every stage key is computed once, both parent runs are
+in MLflow, and each driver has its own Parsl run dir."""
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stages import tracking
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _start(runs_dir: Path, *overrides: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    sets = ["--set", *overrides] if overrides else []
+    return subprocess.Popen(
+        [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
+         "--runs-dir", str(runs_dir), *sets],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _together(runs_dir: Path, first: tuple[str, ...], second: tuple[str, ...]) -> list[str]:
+    procs = [_start(runs_dir, *first)]
+    time.sleep(0.5)
+    procs.append(_start(runs_dir, *second))
+    outputs = [proc.communicate(timeout=900)[0] for proc in procs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out[-5000:]
+    return outputs
+
+
+def _stage_runs(runs_dir: Path) -> tuple[list, list]:
+    runs = tracking.search_runs(tracking.default_tracking_uri(runs_dir), "micro")
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return parents, children
+
+
+def _computed(children: list) -> collections.Counter:
+    """How many times each (stage, key) was computed (child runs not tagged reused)."""
+    return collections.Counter((r.data.tags["stage"], r.data.tags["stage_key"])
+                               for r in children if r.data.tags.get("reused") == "false")
+
+
+def test_two_pipelines_share_one_runs_dir(tmp_path: Path):
+    runs_dir = tmp_path / "runs"
+    # The same config: the second waits for (or reuses) every stage the first computes.
+    outputs = _together(runs_dir, (), ())
+    parents, children = _stage_runs(runs_dir)
+    assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
+    computed = _computed(children)
+    assert sorted(s for s, _ in computed) == ["evaluate", "plan", "tokenize", "train"]
+    assert set(computed.values()) == {1}, computed
+    assert any("waiting for tokenize" in out for out in outputs)
+
+    # Different configs: shared upstream keys once, the differing evaluate keys once each.
+    _together(runs_dir, ("train.steps=4",), ("train.steps=4", "eval.max_tokens=1024"))
+    parents, children = _stage_runs(runs_dir)
+    assert len(parents) == 4 and all(p.info.status == "FINISHED" for p in parents)
+    computed = _computed(children)
+    assert set(computed.values()) == {1}, computed
+    by_stage = collections.Counter(s for s, _ in computed)
+    assert by_stage == {"tokenize": 1, "plan": 2, "train": 2, "evaluate": 3}, by_stage
+    assert not list(runs_dir.glob("stages/*/*.lock"))
+    assert len(list((runs_dir / "parsl").iterdir())) == 4  # one Parsl run dir per driver
