@@ -10,8 +10,6 @@ complete one.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from data_prep.atomic import write_json_atomic
 from model.config import ModelConfig, TrainConfig
 from model.flops import default_peak_tflops, flops_per_token
 from model.gpt import GPT
@@ -289,7 +288,5 @@ class Trainer:
                 self.tracker.log_artifact(png)
         if self.tracker is not None:
             self.tracker.flush()  # waits for queued metrics and the artifact
-        tmp = self.out_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, self.out_dir / "summary.json")
+        write_json_atomic(self.out_dir / "summary.json", summary)
         return summary
