@@ -1,23 +1,66 @@
 #!/usr/bin/env bash
-# Stop the one-node test cluster started by .ci/start_slurm.sh (slurmd, slurmctld) and remove
-# its env file so the Slurm tests skip again. munged is left running (other tools may use it).
+# Stop the test cluster started by .ci/start_slurm.sh: every slurmd and slurmctld and, for a
+# multi-node cluster, the processes left in the node namespaces, the namespaces, their links,
+# the bridge and the cluster's /etc/hosts block. Removes the env file so the Slurm tests skip
+# again. munged is left running (other tools may use it).
+#
+#   .ci/stop_slurm.sh [--state-dir DIR] [--prefix NAME]
+#
+# The state directory defaults to $FRONTIER_LLM_SLURM_DIR or /tmp/frontier-llm-slurm; the
+# node prefix to the one start_slurm.sh recorded there (none for a one-node cluster).
 set -uo pipefail
 
 STATE_DIR="${FRONTIER_LLM_SLURM_DIR:-/tmp/frontier-llm-slurm}"
+PREFIX=""
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --state-dir) STATE_DIR="$2"; shift 2 ;;
+        --prefix) PREFIX="$2"; shift 2 ;;
+        *) echo "[stop_slurm] unknown option $1" >&2; exit 2 ;;
+    esac
+done
+if [[ -z "$PREFIX" && -s "$STATE_DIR/prefix" ]]; then
+    PREFIX="$(cat "$STATE_DIR/prefix")"
+fi
+
+stop_pid() {  # stop_pid PID WHAT
+    local pid="$1"
+    kill -0 "$pid" 2>/dev/null || return 0
+    kill "$pid"
+    for _ in $(seq 50); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
+    echo "[stop_slurm] stopped $2 ($pid)"
+}
 
 rm -f "$STATE_DIR/env"
-for daemon in slurmd slurmctld; do
-    pidfile="$STATE_DIR/$daemon.pid"
-    [[ -s "$pidfile" ]] || continue
-    pid="$(cat "$pidfile")"
-    if kill -0 "$pid" 2>/dev/null; then
-        kill "$pid"
-        for _ in $(seq 50); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
-    fi
+shopt -s nullglob
+for pidfile in "$STATE_DIR"/slurmd.pid "$STATE_DIR"/slurmd-*.pid "$STATE_DIR"/slurmctld.pid; do
+    [[ -s "$pidfile" ]] && stop_pid "$(cat "$pidfile")" "$(basename "$pidfile" .pid)"
     rm -f "$pidfile"
-    echo "[stop_slurm] stopped $daemon ($pid)"
 done
+
+[[ -n "$PREFIX" ]] || exit 0
+
+# --- multi-node: namespaces, links, bridge, /etc/hosts --------------------------------------
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^fl-$PREFIX[0-9]{3}\$"); do
+    # Job steps and workers the node's slurmd started and that outlived it.
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do
+        stop_pid "$pid" "process in $ns"
+    done
+    ip netns del "$ns" && echo "[stop_slurm] removed namespace $ns"
+done
+for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1 \
+        | grep -E "^fl-$PREFIX[0-9]{3}-h\$"); do
+    ip link del "$link" 2>/dev/null || true
+done
+ip link del "fl-$PREFIX-br" 2>/dev/null && echo "[stop_slurm] removed bridge fl-$PREFIX-br"
+if grep -q "^# BEGIN frontier-llm-slurm $PREFIX\$" /etc/hosts; then
+    kept="$(sed "/^# BEGIN frontier-llm-slurm $PREFIX\$/,/^# END frontier-llm-slurm $PREFIX\$/d" \
+        /etc/hosts)"
+    printf '%s\n' "$kept" > /etc/hosts
+fi
+rm -f "$STATE_DIR/prefix"
+exit 0
