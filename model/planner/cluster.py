@@ -89,6 +89,22 @@ class Cluster:
     """CPU cores the ranks of one node share (measured clusters on CPUs); 0: every rank has
     its own device. With more ranks than cores a rank waiting in a pipeline bubble leaves
     its core to another rank, which the time model accounts for."""
+    gemm_sms: int = 0
+    """Streaming multiprocessors / compute units per device; > 0 turns on tile and wave
+    quantisation of GEMMs (output tiles of ``gemm_tile`` x ``gemm_tile`` run in waves of
+    ``gemm_sms``), so small per-rank shapes under wide tensor parallelism lose efficiency.
+    0 (CPUs): plain roofline."""
+    gemm_tile: int = 128
+    """Output tile edge of the GEMM kernels (used when gemm_sms > 0)."""
+    attention_efficiency: float = 0.0
+    """Fraction of peak a fused (flash) attention kernel reaches; its backward recomputes the
+    scores (2.5 forward passes in all). 0: attention is timed as two batched GEMMs."""
+    tp_comm_overlap: float = 0.0
+    """Fraction of tensor-parallel communication hidden under GEMMs (0: all exposed)."""
+    framework_efficiency: dict[str, float] = field(default_factory=dict)
+    """Per-framework efficiency factor (e.g. megatron, pytorch): the compute time the model
+    predicts is divided by it. Fitted to published measurements
+    (model.planner.published); a framework not listed gets 1.0."""
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     """Optional measured bus bandwidth/latency per collective (local clusters)."""
     measured: bool = False
@@ -120,6 +136,10 @@ class Cluster:
             users = max(1, min(self.ranks_per_node, concurrent or self.ranks_per_node))
             return link.bandwidth_gbps * 1e9 / users
         return link.bandwidth_gbps * 1e9
+
+    def framework_factor(self, framework: str | None) -> float:
+        """The fitted efficiency factor of ``framework`` on this cluster (1.0 if unknown)."""
+        return float(self.framework_efficiency.get(framework or "", 1.0))
 
     def peak_for(self, dtype: str) -> float:
         """Peak FLOP/s per device for the compute dtype."""
@@ -176,9 +196,20 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
     for key in ("kernel_overhead_us", "reserved_gb", "fragmentation", "comm_overlap",
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
                 "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
-                "cores_per_node"):
+                "cores_per_node", "gemm_tile", "attention_efficiency", "tp_comm_overlap"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
+    if "gemm_sms" in raw:
+        optional["gemm_sms"] = int(_num(raw, "gemm_sms", where, positive=False))
+    if "gemm_tile" in optional:
+        optional["gemm_tile"] = int(optional["gemm_tile"])
+    fw = raw.get("framework_efficiency") or {}
+    if not isinstance(fw, dict) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1.5
+            for v in fw.values()):
+        raise ClusterError(f"{where}: framework_efficiency must map framework names to "
+                           f"factors in (0, 1.5], got {fw!r}")
+    optional["framework_efficiency"] = {str(k): float(v) for k, v in fw.items()}
     known = set(REQUIRED) | set(optional) | {"measured", "collectives", "source", "notes"}
     unknown = sorted(set(raw) - known)
     if unknown:

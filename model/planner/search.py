@@ -170,12 +170,18 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
     return {n: arr[:, i] for i, n in enumerate(names)}, dict(rejected)
 
 
+FRAMEWORK = "pytorch"
+"""The framework this project trains with (PyTorch-native FSDP2 / DTensor / pipelining): the
+cluster's framework_efficiency factor for it applies to every plan the search prices."""
+
+
 def evaluate(s: Shapes, cluster: Any, c: dict[str, np.ndarray], world: int, global_batch: int,
-             calibration: dict[str, float] | None = None) -> dict[str, np.ndarray]:
-    """Memory (GB) and predictions for encoded candidates."""
+             calibration: dict[str, float] | None = None,
+             framework: str | None = FRAMEWORK) -> dict[str, np.ndarray]:
+    """Memory (GB, with its breakdown under ``memory``) and predictions for encoded candidates."""
     mem = memory_breakdown(s, c, cluster.reserved_gb, cluster.fragmentation)
-    pred = predictions(s, cluster, c, world, global_batch, calibration)
-    return {"memory_gb": mem["peak"] / GB, **pred}
+    pred = predictions(s, cluster, c, world, global_batch, calibration, framework)
+    return {"memory_gb": mem["peak"] / GB, "memory": mem, **pred}
 
 
 def _attach(plan: Plan, ev: dict[str, np.ndarray], i: int) -> Plan:
@@ -190,10 +196,28 @@ def _attach(plan: Plan, ev: dict[str, np.ndarray], i: int) -> Plan:
 
 
 def predict_plan(s: Shapes, cluster: Any, plan: Plan, world: int, global_batch: int,
-                 calibration: dict[str, float] | None = None) -> Plan:
+                 calibration: dict[str, float] | None = None,
+                 framework: str | None = FRAMEWORK) -> Plan:
     """A copy of ``plan`` with predictions filled in (no validity check)."""
     out = Plan.from_dict({**plan.to_dict(), "predictions": {}})
-    return _attach(out, evaluate(s, cluster, encode([out]), world, global_batch, calibration), 0)
+    ev = evaluate(s, cluster, encode([out]), world, global_batch, calibration, framework)
+    return _attach(out, ev, 0)
+
+
+def explain(s: Shapes, cluster: Any, plan: Plan, world: int, global_batch: int,
+            calibration: dict[str, float] | None = None,
+            framework: str | None = FRAMEWORK) -> dict[str, dict[str, float]]:
+    """The step-time breakdown (seconds per step; ``step`` terms add up to the step time,
+    ``overlapped`` is communication hidden under compute) and the memory breakdown (GB per
+    device of the first and last pipeline stage) of one plan."""
+    ev = evaluate(s, cluster, encode([plan]), world, global_batch, calibration, framework)
+    terms = {k: float(v[0]) for k, v in ev["parts"]["breakdown"].items()}
+    hidden = {k: float(v[0]) for k, v in ev["parts"]["overlapped"].items()}
+    mem = {k: float(v[0]) / GB for k, v in ev["memory"].items()}
+    mem["reserved"] = float(cluster.reserved_gb)
+    mem["fragmentation_fraction"] = float(cluster.fragmentation)
+    return {"step": terms, "overlapped": hidden, "memory_gb": mem,
+            "step_time_s": float(ev["step_time_s"][0])}
 
 
 def _more_devices_hint(s: Shapes, cluster: Any, world: int, global_batch: int,
@@ -256,7 +280,8 @@ def _no_candidates_message(s: Shapes, world: int, global_batch: int, fixed: dict
 
 def search(s: Shapes, cluster: Any, world: int, global_batch: int,
            fixed: dict[str, Any] | None = None, top_k: int = 10,
-           calibration: dict[str, float] | None = None) -> SearchResult:
+           calibration: dict[str, float] | None = None,
+           framework: str | None = FRAMEWORK) -> SearchResult:
     """Rank every plan that fits; raise PlanError saying what would make one fit."""
     t0 = time.perf_counter()
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
@@ -264,7 +289,7 @@ def search(s: Shapes, cluster: Any, world: int, global_batch: int,
     n = len(c["tp"])
     if n == 0:
         raise PlanError(_no_candidates_message(s, world, global_batch, fixed, rejected))
-    ev = evaluate(s, cluster, c, world, global_batch, calibration)
+    ev = evaluate(s, cluster, c, world, global_batch, calibration, framework)
     fits = ev["memory_gb"] <= cluster.memory_gb
     # memory-rejected families: every candidate of a (tp, pp) exceeds device memory
     fam_key = c["tp"] * 1_000_000 + c["pp"]

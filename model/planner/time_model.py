@@ -44,11 +44,21 @@ from model.planner.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, Z
 
 
 def gemm_time(cluster: Any, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) -> np.ndarray:
-    """Roofline time (s) of ``batch`` GEMMs [m,k] x [k,n]; efficiency falls for small shapes."""
+    """Roofline time (s) of ``batch`` GEMMs [m,k] x [k,n]; efficiency falls for small shapes.
+
+    With ``cluster.gemm_sms`` > 0 the output is cut into gemm_tile x gemm_tile tiles that run
+    in waves of gemm_sms: a partial tile or a partial last wave costs as much as a full one
+    (tile and wave quantisation), which is what makes narrow per-rank shapes slow.
+    """
     cb = 2 if dtype == "bfloat16" else 4
     flops = 2.0 * m * n * k * batch
     nbytes = cb * (m * k + k * n + m * n) * batch
     rate = cluster.peak_for(dtype) * cluster.gemm_efficiency
+    if getattr(cluster, "gemm_sms", 0):
+        tile, sms = cluster.gemm_tile, cluster.gemm_sms
+        tiles = np.ceil(np.asarray(m) / tile) * np.ceil(np.asarray(n) / tile) * batch
+        waves = np.ceil(tiles / sms)
+        flops = 2.0 * waves * sms * tile * tile * k
     return np.maximum(flops / rate, nbytes / (cluster.hbm_bandwidth_gbps * 1e9)) \
         + cluster.kernel_overhead_us * 1e-6
 
@@ -93,9 +103,13 @@ def _p2p(cluster: Any, nbytes: Any, stride: Any) -> np.ndarray:
     return out
 
 
-def layer_compute(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray) \
-        -> tuple[np.ndarray, np.ndarray]:
-    """(forward seconds of one block per micro-batch on one tp rank, attention-core part)."""
+def layer_parts(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray) \
+        -> dict[str, np.ndarray]:
+    """Forward seconds of one block per micro-batch on one tp rank, by kind: ``gemm`` (QKV,
+    output projection, MLP), ``attention`` (the core: scores and weighted values) and
+    ``elementwise`` (norms, activations, rotary, residual adds: memory bound), plus
+    ``attention_bwd_extra``: what a flash backward adds beyond twice the forward (it
+    recomputes the scores)."""
     dt = s.dtype
     tokens = s.seq_len * mb
     h, hd, f = s.d_model, s.head_dim, s.ffn
@@ -106,37 +120,59 @@ def layer_compute(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: n
     t = t + up * gemm_time(cluster, dt, tokens, f / tp, h) + gemm_time(cluster, dt, tokens, h, f / tp)
     # attention core: scores and weighted values per head; causal kernels do half the work
     heads = mb * s.n_heads / tp
-    core = 0.5 * (gemm_time(cluster, dt, s.seq_len, s.seq_len, hd, heads)
-                  + gemm_time(cluster, dt, s.seq_len, hd, s.seq_len, heads))
+    bwd_extra = np.zeros_like(np.asarray(t, dtype=float))
+    att_eff = getattr(cluster, "attention_efficiency", 0.0)
+    if s.flash_attention and att_eff > 0:  # one fused kernel at its own efficiency
+        core = 0.5 * 4.0 * s.seq_len ** 2 * hd * heads / (cluster.peak_for(dt) * att_eff) \
+            + cluster.kernel_overhead_us * 1e-6
+        bwd_extra = 0.5 * core
+    else:
+        core = 0.5 * (gemm_time(cluster, dt, s.seq_len, s.seq_len, hd, heads)
+                      + gemm_time(cluster, dt, s.seq_len, hd, s.seq_len, heads))
     if not s.flash_attention:  # softmax over the stored score matrix
         core = core + 3 * s.act_bytes * heads * s.seq_len ** 2 / (cluster.hbm_bandwidth_gbps * 1e9)
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     elem_bytes = s.act_bytes * tokens * (14 * h * spf + 4 * h / tp + (5 if s.llama else 2) * f / tp)
     elem = elem_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
-    return t + core + elem, core
+    return {"gemm": t, "attention": core, "elementwise": elem + 0 * t,
+            "attention_bwd_extra": bwd_extra}
+
+
+def layer_compute(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray) \
+        -> tuple[np.ndarray, np.ndarray]:
+    """(forward seconds of one block per micro-batch on one tp rank, attention-core part)."""
+    p = layer_parts(s, cluster, mb, tp, sp)
+    return p["gemm"] + p["attention"] + p["elementwise"], p["attention"]
 
 
 def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
-              calibration: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+              calibration: dict[str, float] | None = None,
+              framework: str | None = None) -> dict[str, np.ndarray]:
     """Predicted seconds per optimizer step for encoded plans ``c`` (arrays over candidates).
 
     Returns compute, comm, step (calibrated) and the parts: stage, bubble_frac, tp_comm,
-    p2p, dp_exposed, optimizer.
+    p2p, dp_exposed, optimizer, and ``breakdown``: a dict of terms (seconds per step) that
+    add up to ``step`` (see :func:`breakdown_terms`). ``framework`` picks the cluster's
+    per-framework efficiency factor (compute time is divided by it).
     """
     tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
     sched, v, shard, rec, sp = c["sched"], c["v"], c["shard"], c["rec"], c["sp"]
     cb = s.act_bytes
     n_first, n_last = stage_layer_counts(s, pp, v)
-    fwd, core = layer_compute(s, cluster, mb, tp, sp)
+    lp = layer_parts(s, cluster, mb, tp, sp)
+    fwd = lp["gemm"] + lp["attention"] + lp["elementwise"]
+    core = lp["attention"]
     recompute = np.where(rec == REC_FULL, fwd, np.where(rec == REC_SEL, core, 0.0))
     # forward + backward (2x) + recompute, plus the fixed host cost of a block
     host = (cluster.layer_overhead_us + np.where(tp > 1, cluster.tp_layer_overhead_us, 0.0)) * 1e-6
-    layer = 3 * fwd + recompute + host * np.where(rec == REC_FULL, 4 / 3, 1.0)
+    host = host * np.where(rec == REC_FULL, 4 / 3, 1.0)
+    layer = 3 * fwd + lp["attention_bwd_extra"] + recompute + host
 
     tokens = s.seq_len * mb
     act_bytes = tokens * s.d_model * cb
     n_tp_ops = np.where(rec == REC_FULL, 6, 4)
-    tp_layer = n_tp_ops * _coll(cluster, "all_reduce", act_bytes, tp, 1)
+    tp_raw = n_tp_ops * _coll(cluster, "all_reduce", act_bytes, tp, 1)
+    tp_layer = (1 - cluster.tp_comm_overlap) * tp_raw  # the exposed part
     logits = 3 * gemm_time(cluster, s.dtype, tokens, s.vocab / tp, s.d_model)
     logits = logits + 3 * tokens * s.vocab / tp * 4 / (cluster.hbm_bandwidth_gbps * 1e9)
     first_t = n_first * layer
@@ -186,6 +222,9 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
     dp_exposed = dp_exposed + np.where(fsdp, ga * units * cluster.fsdp_unit_overhead_us * 1e-6, 0.0)
     dp_exposed = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_exposed)
+    dp_raw = np.where(shard == DDP, ar, np.where(
+        shard == ZERO2, rs + z2_ags * ag, np.where(shard == ZERO3, z3_syncs * rs + z3_ags * ag, 0.0)))
+    dp_raw = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_raw)
 
     opt_params = np.where((shard == ZERO3) | (shard == ZERO2), params / dp, params)
     tensors = np.maximum(n_first, n_last) * (9 if s.llama else 16) + 3
@@ -205,16 +244,41 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     compute = np.maximum(busy, slots * stage_comp / share) + optimizer
     comm = slots * stage_tp + p2p + dp_exposed
     cal = calibration or {}
-    step = cal.get("compute_scale", 1.0) * compute + cal.get("comm_scale", 1.0) * comm
-    return {"step": step, "compute": compute, "comm": comm, "stage": stage_comp + stage_tp,
+    fw = cluster.framework_factor(framework)
+    compute_scale = cal.get("compute_scale", 1.0) / fw
+    comm_scale = cal.get("comm_scale", 1.0)
+    step = compute_scale * compute + comm_scale * comm
+
+    # The breakdown: per-micro-batch work of the critical stage by kind, times the
+    # micro-batches; the bubble and the core-sharing adjustment (CPUs) close the compute sum.
+    crit_last = single | (last_t >= first_t)
+    n_crit = np.where(crit_last, n_last, n_first)
+    with_logits = np.where(crit_last, logits, 0.0)
+    mb_h = np.where(single, mb_host, mb_host / 2)
+    per_mb = {"gemm": n_crit * 3 * lp["gemm"], "attention": n_crit * (3 * lp["attention"]
+              + lp["attention_bwd_extra"]), "elementwise": n_crit * 3 * lp["elementwise"],
+              "recompute": n_crit * recompute, "logits": with_logits,
+              "host_overhead": n_crit * host + mb_h}
+    terms = {f"compute_{k}": compute_scale * ga * v_ for k, v_ in per_mb.items()}
+    terms["bubble"] = compute_scale * (slots - ga) * stage_comp
+    terms["core_sharing"] = compute_scale * (compute - optimizer - slots * stage_comp)
+    terms["optimizer"] = compute_scale * optimizer
+    terms["tp_comm_exposed"] = comm_scale * slots * stage_tp
+    terms["pp_p2p"] = comm_scale * p2p
+    terms["dp_comm_exposed"] = comm_scale * dp_exposed
+    overlapped = {"tp_comm_overlapped": comm_scale * slots * np.maximum(n_first, n_last)
+                  * (tp_raw - tp_layer),
+                  "dp_comm_overlapped": comm_scale * np.maximum(dp_raw - dp_exposed, 0.0)}
+    return {"step": step, "breakdown": terms, "overlapped": overlapped, "compute": compute, "comm": comm, "stage": stage_comp + stage_tp,
             "bubble_frac": np.where(single, 0.0, (slots - ga) / ga), "tp_comm": slots * stage_tp,
             "p2p": p2p, "dp_exposed": dp_exposed, "optimizer": optimizer}
 
 
 def predictions(s: Shapes, cluster: Any, c: dict[str, np.ndarray], world: int,
-                global_batch: int, calibration: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+                global_batch: int, calibration: dict[str, float] | None = None,
+                framework: str | None = None) -> dict[str, np.ndarray]:
     """Step time, tokens/s, model TFLOP/s per device and MFU for encoded plans."""
-    t = step_time(s, cluster, c, calibration)
+    t = step_time(s, cluster, c, calibration, framework)
     tokens = global_batch * s.seq_len
     tps = tokens / t["step"]
     tflops = s.model_flops_per_token() * tps / world / 1e12

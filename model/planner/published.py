@@ -1,0 +1,250 @@
+"""Published training-throughput measurements (configs/published/*.yaml) and the fit of the
+GPU time model to them.
+
+Each file is one source (a paper or a framework's benchmark record): which cluster and
+framework it ran on, whether it is used to fit (``role: fit``) or kept back to test
+(``role: test``), how its figure is counted (``measure`` and ``flops_formula``) and one row per
+run with the model shape, the plan and the measured figure. Every figure is turned into
+tokens/s per device with the source's own FLOP formula, so predictions and measurements are
+compared on the same quantity whatever the source reports.
+
+The fitted parameters are the per-framework efficiency factors (``Cluster.framework_efficiency``):
+the model's compute time is divided by the factor of the framework that ran. They are fitted by
+minimising the squared relative error of tokens/s over the rows of the fitting sources; a
+framework with no fitting rows takes the mean factor of the others. ``leave_one_source_out``
+predicts each source from a fit on the other fitting sources.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from model.planner.cluster import Cluster, load_cluster
+from model.planner.plan import Plan, PlanError
+from model.planner.shapes import Shapes, encode
+from model.planner.time_model import step_time
+
+PUBLISHED_DIR = Path(__file__).resolve().parents[2] / "configs" / "published"
+SOURCE_FIELDS = ("id", "title", "arxiv", "table", "link")
+FILE_FIELDS = ("source", "role", "cluster", "framework", "dtype", "flash_attention", "measure",
+               "flops_formula", "rows")
+ROW_FIELDS = ("name", "n_layers", "d_model", "n_heads", "seq_len", "vocab", "family",
+              "global_batch", "devices", "measured")
+PLAN_FIELDS = ("tp", "pp", "micro_batch", "schedule", "virtual_stages", "recompute", "sharding",
+               "sequence_parallel")
+MEASURES = ("tflops_per_device", "mfu", "pct_of_peak", "tokens_per_s_per_device")
+FORMULAS = ("megatron_hardware", "megatron_model", "megatron_model_v16", "none")
+BOUNDS = (0.3, 1.5)
+
+
+@dataclass
+class Row:
+    """One published run: shape, plan, hardware and the measured tokens/s per device."""
+
+    source: str
+    role: str
+    name: str
+    cluster: str
+    framework: str
+    shapes: Shapes
+    plan: Plan | None
+    """None: the source's plan is unknown and the row is priced at the best plan under
+    ``constraints``."""
+    global_batch: int
+    devices: int
+    measured_tps: float
+    """Measured tokens/s per device."""
+    reported: float
+    """The figure as published (in ``measure`` units)."""
+    measure: str
+    flops_per_token: float
+    """FLOPs per token of the source's own formula (0: tokens/s reported directly)."""
+    constraints: dict[str, Any] = field(default_factory=dict)
+
+
+def flops_per_token(formula: str, s: Shapes) -> float:
+    """FLOPs per token under a source's formula (Megatron's, with or without recompute)."""
+    lay, h, seq, v = s.n_layers, s.d_model, s.seq_len, s.vocab
+    if formula == "megatron_hardware":
+        return 96.0 * lay * h * h * (1 + seq / (6 * h) + v / (16 * lay * h))
+    if formula == "megatron_model":
+        return 72.0 * lay * h * h * (1 + seq / (6 * h) + v / (12 * lay * h))
+    if formula == "megatron_model_v16":
+        return 72.0 * lay * h * h * (1 + seq / (6 * h) + v / (16 * lay * h))
+    return 0.0
+
+
+def _rows_of(path: Path) -> list[Row]:
+    raw = yaml.safe_load(path.read_text()) or {}
+    missing = [k for k in FILE_FIELDS if k not in raw]
+    if missing:
+        raise ValueError(f"{path}: missing field(s) {missing}; required: {list(FILE_FIELDS)}")
+    src = raw["source"]
+    lack = [k for k in SOURCE_FIELDS if not src.get(k)]
+    if lack:
+        raise ValueError(f"{path}: source lacks {lack}; required: {list(SOURCE_FIELDS)}")
+    if raw["role"] not in ("fit", "test"):
+        raise ValueError(f"{path}: role must be fit or test, got {raw['role']!r}")
+    if raw["measure"] not in MEASURES or raw["flops_formula"] not in FORMULAS:
+        raise ValueError(f"{path}: measure must be one of {MEASURES} and flops_formula one of "
+                         f"{FORMULAS}")
+    cluster = load_cluster(raw["cluster"])
+    dtype = "bfloat16" if raw["dtype"] in ("bfloat16", "float16") else "float32"
+    out = []
+    for i, r in enumerate(raw["rows"]):
+        r = {**(raw.get("defaults") or {}), **r}
+        where = f"{path}: row {i} ({r.get('name', '?')})"
+        lack = [k for k in ROW_FIELDS if k not in r]
+        best = r.get("plan") == "best"
+        if not best:
+            lack += [k for k in PLAN_FIELDS if k not in r]
+        if lack:
+            raise ValueError(f"{where}: missing field(s) {lack}")
+        llama = r["family"] == "llama"
+        ffn = r.get("ffn") or (4 * r["d_model"])
+        s = Shapes(n_layers=r["n_layers"], d_model=r["d_model"], n_heads=r["n_heads"],
+                   kv_heads=r.get("kv_heads", r["n_heads"]), ffn=ffn, vocab=r["vocab"],
+                   seq_len=r["seq_len"], llama=llama, dtype=dtype,
+                   flash_attention=bool(raw["flash_attention"]))
+        plan = None
+        if not best:
+            dp = r.get("dp") or r["devices"] // (r["tp"] * r["pp"])
+            ga = r["global_batch"] // (r["micro_batch"] * dp)
+            if r["tp"] * r["pp"] * dp != r["devices"] or ga * r["micro_batch"] * dp != \
+                    r["global_batch"]:
+                raise ValueError(f"{where}: tp*pp*dp must equal devices and micro_batch*"
+                                 f"grad_accum*dp the global batch")
+            plan = Plan(tp=r["tp"], pp=r["pp"], dp=dp, micro_batch=r["micro_batch"],
+                        grad_accum=ga, schedule=r["schedule"], virtual_stages=r["virtual_stages"],
+                        sharding=r["sharding"], recompute=r["recompute"],
+                        sequence_parallel=bool(r["sequence_parallel"]))
+        fpt = flops_per_token(raw["flops_formula"], s)
+        value = float(r["measured"])
+        peak = cluster.peak_for(dtype)
+        tps = {"tflops_per_device": lambda: value * 1e12 / fpt,
+               "mfu": lambda: value * peak / fpt, "pct_of_peak": lambda: value * peak / fpt,
+               "tokens_per_s_per_device": lambda: value}[raw["measure"]]()
+        cons = {k: r[k] for k in ("sharding", "max_tp") if k in r} if best else {}
+        out.append(Row(source=src["id"], role=raw["role"], name=r["name"], cluster=raw["cluster"],
+                       framework=raw["framework"], shapes=s, plan=plan,
+                       global_batch=r["global_batch"], devices=r["devices"], measured_tps=tps,
+                       reported=value, measure=raw["measure"], flops_per_token=fpt,
+                       constraints=cons))
+    return out
+
+
+def load_published(directory: str | Path = PUBLISHED_DIR) -> list[Row]:
+    """Every row of every configs/published/*.yaml file (validated)."""
+    files = sorted(Path(directory).glob("*.yaml"))
+    if not files:
+        raise ValueError(f"no published measurements in {directory}")
+    return [row for f in files for row in _rows_of(f)]
+
+
+def _cluster(name: str, factors: dict[str, float], cache: dict[str, Cluster]) -> Cluster:
+    if name not in cache:
+        cache[name] = load_cluster(name)
+    cl = copy.copy(cache[name])
+    cl.framework_efficiency = dict(factors)
+    return cl
+
+
+def best_plan(row: Row, cluster: Cluster) -> Plan:
+    """The fastest fitting plan under the row's constraints (tp at most max_tp, sharding)."""
+    from model.planner.search import search
+
+    best = None
+    for tp in (1, 2, 4, 8, 16, 32):
+        if tp > row.constraints.get("max_tp", 8):
+            break
+        fixed = {"tp": tp, "sharding": row.constraints.get("sharding")}
+        try:
+            res = search(row.shapes, cluster, row.devices, row.global_batch, fixed, top_k=1,
+                         framework=row.framework)
+        except PlanError:
+            continue
+        if best is None or res.best.predictions["tokens_per_s"] > \
+                best.predictions["tokens_per_s"]:
+            best = res.best
+    if best is None:
+        raise PlanError(f"{row.source}/{row.name}: no plan fits under {row.constraints}")
+    return best
+
+
+def _parts(row: Row, cluster: Cluster) -> tuple[float, float]:
+    """(compute, comm) seconds per step of the row's plan at framework factor 1."""
+    t = step_time(row.shapes, cluster, encode([row.plan]))
+    return float(t["compute"][0]), float(t["comm"][0])
+
+
+def predict_row(row: Row, factors: dict[str, float],
+                cache: dict[str, Cluster] | None = None) -> dict[str, Any]:
+    """Predicted tokens/s per device of a row under the given framework factors."""
+    cache = {} if cache is None else cache
+    cl = _cluster(row.cluster, factors, cache)
+    plan = row.plan if row.plan is not None else best_plan(row, cl)
+    compute, comm = _parts(Row(**{**row.__dict__, "plan": plan}), cl)
+    step = compute / cl.framework_factor(row.framework) + comm
+    tps = row.global_batch * row.shapes.seq_len / step / row.devices
+    out = {"source": row.source, "name": row.name, "plan": plan.describe(),
+           "measured_tps": row.measured_tps, "predicted_tps": tps,
+           "error": tps / row.measured_tps - 1}
+    if row.flops_per_token:
+        peak = cl.peak_for(row.shapes.dtype)
+        out["measured_pct_peak"] = row.measured_tps * row.flops_per_token / peak
+        out["predicted_pct_peak"] = tps * row.flops_per_token / peak
+    return out
+
+
+def fit_factors(rows: list[Row], cache: dict[str, Cluster] | None = None) -> dict[str, float]:
+    """Per-framework efficiency factors minimising the squared relative tokens/s error over
+    ``rows`` (their plans must be known); frameworks without rows are left out."""
+    cache = {} if cache is None else cache
+    out = {}
+    for fw in sorted({r.framework for r in rows}):
+        pts = []
+        for r in rows:
+            if r.framework != fw or r.plan is None:
+                continue
+            compute, comm = _parts(r, _cluster(r.cluster, {}, cache))
+            ideal = r.global_batch * r.shapes.seq_len / r.devices / r.measured_tps
+            pts.append((compute, comm, ideal))
+        if not pts:
+            continue
+        grid = np.linspace(*BOUNDS, 1201)
+        a = np.array(pts)
+        pred = a[None, :, 0] / grid[:, None] + a[None, :, 1]
+        # relative error of tokens/s = ideal/pred - 1
+        err = ((a[None, :, 2] / pred - 1) ** 2).sum(axis=1)
+        out[fw] = float(grid[int(np.argmin(err))])
+    return out
+
+
+def with_fallback(factors: dict[str, float], frameworks: set[str]) -> dict[str, float]:
+    """Fill frameworks without a fitted factor with the mean of the fitted ones."""
+    mean = float(np.mean(list(factors.values()))) if factors else 1.0
+    return {**{fw: mean for fw in frameworks}, **factors}
+
+
+def leave_one_source_out(rows: list[Row]) -> dict[str, Any]:
+    """Predict each source from a fit on the other fitting sources.
+
+    Returns {"rows": [...], "per_source": {id: mape}, "mape": overall, "factors": {id: fit}}.
+    """
+    cache: dict[str, Cluster] = {}
+    frameworks = {r.framework for r in rows}
+    results, per_source, factors_used = [], {}, {}
+    for src in sorted({r.source for r in rows}):
+        train = [r for r in rows if r.source != src and r.role == "fit"]
+        factors = with_fallback(fit_factors(train, cache), frameworks)
+        factors_used[src] = factors
+        preds = [predict_row(r, factors, cache) for r in rows if r.source == src]
+        results += preds
+        per_source[src] = float(np.mean([abs(p["error"]) for p in preds]))
+    mape = float(np.mean([abs(p["error"]) for p in results]))
+    return {"rows": results, "per_source": per_source, "mape": mape, "factors": factors_used}
