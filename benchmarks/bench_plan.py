@@ -13,6 +13,12 @@
    step-time MAPE of the raw model and of the model calibrated leave-one-out (scales fitted on
    the other plans of the same setting, as the plan stage's refinement does).
 
+--published: instead, the GPU time model against published measurements (configs/published):
+for each source, the framework factors are fitted on the other fitting sources and the source
+is predicted (leave one source out); printed per row, the tokens/s per device MAPE per source
+and overall (``published_mape``), and for the Frontier study its % of peak, measured and
+predicted. Written to benchmarks/results/bench_plan_published.json.
+
 The last line printed is one JSON object; the same figures, with the commit and machine, go to
 benchmarks/results/bench_plan.json (bench_plan_search.json with --skip-local).
 """
@@ -141,6 +147,37 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
             "mape_raw": statistics.mean(raw_ape), "mape_calibrated_loo": statistics.mean(loo_ape)}
 
 
+def published(results_dir: str) -> dict:
+    """Leave-one-source-out fit and prediction of the published measurements."""
+    from model.planner.published import leave_one_source_out, load_published
+
+    rows = load_published()
+    loo = leave_one_source_out(rows)
+    print(f"{'source':<16} {'row':<32} {'plan':<44} {'measured':>9} {'predicted':>9} {'error':>7}")
+    for r in loo["rows"]:
+        print(f"{r['source']:<16} {r['name']:<32} {r['plan']:<44} {r['measured_tps']:>9.1f} "
+              f"{r['predicted_tps']:>9.1f} {r['error']:>+7.1%}"
+              + (f"  ({r['measured_pct_peak']:.1%} of peak measured, "
+                 f"{r['predicted_pct_peak']:.1%} predicted)" if "measured_pct_peak" in r else ""))
+    for src, m in loo["per_source"].items():
+        print(f"[published] {src}: MAPE {m:.1%} (factors fitted on the others: "
+              f"{ {k: round(v, 3) for k, v in loo['factors'][src].items()} })")
+    frontier = {r["name"]: {"measured_pct_peak": round(r["measured_pct_peak"], 4),
+                            "predicted_pct_peak": round(r["predicted_pct_peak"], 4),
+                            "plan": r["plan"]}
+                for r in loo["rows"] if r["source"] == "dash2023"}
+    result = {"published_mape": round(loo["mape"], 4),
+              **{f"mape_{k}": round(v, 4) for k, v in loo["per_source"].items()},
+              "frontier_max_points_off": round(max(
+                  abs(v["measured_pct_peak"] - v["predicted_pct_peak"]) * 100
+                  for v in frontier.values()), 2) if frontier else None}
+    path = write_results("bench_plan_published", result,
+                         {"rows": loo["rows"], "factors": loo["factors"], "frontier": frontier},
+                         results_dir)
+    print(f"[results] written to {path}", file=sys.stderr, flush=True)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-plans", type=int, default=0, help="plans per setting (0: all)")
@@ -148,7 +185,12 @@ def main() -> None:
     ap.add_argument("--skip-local", action="store_true", help="only the search and Frontier parts")
     ap.add_argument("--results-dir", default=str(RESULTS_DIR),
                     help="where bench_plan.json (bench_plan_search.json with --skip-local) goes")
+    ap.add_argument("--published", action="store_true",
+                    help="only the fit to published GPU measurements (leave one source out)")
     args = ap.parse_args()
+    if args.published:
+        print(json.dumps(published(args.results_dir)))
+        return
     speed = search_speed()
     print(f"[search] 1T on 3,072 Frontier GCDs: {speed:.3f} s (median of 5)", flush=True)
     frontier = frontier_predictions()

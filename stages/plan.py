@@ -26,7 +26,7 @@ from model.planner.calibration import load_calibration, update_calibration
 from model.planner.cluster import Cluster
 from model.planner.microbench import load_measured_cluster
 from model.planner.plan import Plan, PlanError
-from model.planner.search import SearchResult, predict_plan, search, validate_plan
+from model.planner.search import SearchResult, explain, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
 from stages import launch
 from stages.launch import RankSpec
@@ -267,8 +267,59 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
 
 # --- command line ------------------------------------------------------------------------
 
+FIX_TYPES = {"tp": int, "pp": int, "dp": int, "micro_batch": int, "grad_accum": int,
+             "virtual_stages": int, "schedule": str, "sharding": str, "recompute": str,
+             "sequence_parallel": bool}
+
+
+def parse_fix(items: list[str]) -> dict[str, Any]:
+    """``--fix NAME=VALUE`` arguments as plan fields; an unknown name or bad value is an error."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in FIX_TYPES:
+            raise PlanError(f"--fix {item!r}: use NAME=VALUE with NAME one of {list(FIX_TYPES)}")
+        kind = FIX_TYPES[name]
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise PlanError(f"--fix {item!r}: {name} takes true or false")
+            out[name] = value.lower() in ("true", "1", "yes")
+        elif kind is int:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise PlanError(f"--fix {item!r}: {name} takes an integer") from None
+        else:
+            out[name] = value
+    return out
+
+
+def explain_text(plan: Plan, ex: dict[str, Any]) -> str:
+    """The step-time and memory breakdown of one plan as printable lines."""
+    step = ex["step_time_s"]
+    lines = [f"plan {plan.describe()}: {step:.4g} s per step", "step time (s per step):"]
+    for k, v in ex["step"].items():
+        lines.append(f"  {k:<26} {v:>11.4g}  {v / step:>6.1%}")
+    lines.append(f"  {'sum':<26} {sum(ex['step'].values()):>11.4g}")
+    lines.append("communication hidden under compute (not in the sum):")
+    for k, v in ex["overlapped"].items():
+        lines.append(f"  {k:<26} {v:>11.4g}")
+    lines.append("memory (GB per device):")
+    for k, v in ex["memory_gb"].items():
+        lines.append(f"  {k:<26} {v:>11.4g}")
+    for k, v in ex["parameters"].items():
+        lines.append(f"  {k + ' (count)':<26} {v:>11.4g}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the best plans for a model on a cluster (or one JSON object with --json)."""
+    """Print the best plans for a model on a cluster (or one JSON object with --json).
+
+    ``--fix NAME=VALUE`` fixes any plan field (a preset's ``parallel:`` fields are fixed too,
+    the command line winning); with every field fixed the one plan is priced. ``--explain``
+    adds the step-time and memory breakdown of the chosen plan.
+    """
     ap = argparse.ArgumentParser(description="Choose a parallel plan from the memory and time models.")
     ap.add_argument("--model", required=True, help="pipeline preset or model-shape YAML")
     ap.add_argument("--cluster", required=True, help="cluster name (configs/clusters) or YAML path")
@@ -279,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=10, help="plans to show")
     ap.add_argument("--calibration", default=None, help="calibration JSON from a refined plan run")
     ap.add_argument("--cache", default=None, help="microbenchmark cache file (measured clusters)")
+    ap.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE",
+                    help=f"fix a plan field ({', '.join(FIX_TYPES)}); repeatable")
+    ap.add_argument("--explain", action="store_true",
+                    help="print the step-time and memory breakdown of the chosen plan")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     try:
-        model_cfg, train_cfg, _ = load_model_file(args.model)
+        model_cfg, train_cfg, full = load_model_file(args.model)
         cluster = load_measured_cluster(args.cluster, args.devices, cache_path=args.cache)
         seq = args.seq_len or (train_cfg.seq_len if train_cfg else model_cfg.max_seq_len)
         model_cfg.max_seq_len = max(model_cfg.max_seq_len, seq)
@@ -290,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                                ("float32" if cluster.measured else "bfloat16"))
         train = TrainConfig(global_batch=args.global_batch, seq_len=seq, dtype=dtype)
         cal = load_calibration(args.calibration)
-        plan, result = choose(model_cfg, train, cluster, args.devices, {}, cal, top_k=args.top)
+        fixed = fixed_fields(full.parallel) if full is not None else {}
+        fixed.update(parse_fix(args.fix))
+        plan, result = choose(model_cfg, train, cluster, args.devices, fixed, cal, top_k=args.top)
+        ex = explain(Shapes.from_configs(model_cfg, train), cluster, plan, args.devices,
+                     args.global_batch, cal) if args.explain or args.json else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -302,9 +361,19 @@ def main(argv: list[str] | None = None) -> int:
                                                      "tflops_per_device", "mfu",
                                                      "memory_gb_per_device")})
         out["search_seconds"] = result.seconds if result else 0.0
+        out["breakdown"] = {**ex["step"], **ex["overlapped"]}
+        out["memory_breakdown"] = {**ex["memory_gb"], **ex["parameters"]}
         print(json.dumps(out))
-    else:
+        return 0
+    if result is not None:
         print(result.table(args.top))
+    else:
+        pr = plan.predictions
+        print(f"priced plan {plan.describe()}: {pr['step_time_s']:.4g} s/step, "
+              f"{pr['tokens_per_s']:.5g} tokens/s, {pr['tflops_per_device']:.3g} TFLOPS per "
+              f"device, MFU {pr['mfu']:.1%}, {pr['memory_gb_per_device']:.2f} GB per device")
+    if args.explain:
+        print(explain_text(plan, ex))
     return 0
 
 

@@ -126,9 +126,12 @@ def _rows_of(path: Path) -> list[Row]:
         fpt = flops_per_token(raw["flops_formula"], s)
         value = float(r["measured"])
         peak = cluster.peak_for(dtype)
-        tps = {"tflops_per_device": lambda: value * 1e12 / fpt,
-               "mfu": lambda: value * peak / fpt, "pct_of_peak": lambda: value * peak / fpt,
-               "tokens_per_s_per_device": lambda: value}[raw["measure"]]()
+        if raw["measure"] == "tokens_per_s_per_device":
+            tps = value
+        elif not fpt:
+            raise ValueError(f"{path}: measure {raw['measure']} needs a flops_formula")
+        else:  # TFLOPS per device, or a fraction of the device's peak
+            tps = value * (1e12 if raw["measure"] == "tflops_per_device" else peak) / fpt
         cons = {k: r[k] for k in ("sharding", "max_tp") if k in r} if best else {}
         out.append(Row(source=src["id"], role=raw["role"], name=r["name"], cluster=raw["cluster"],
                        framework=raw["framework"], shapes=s, plan=plan,

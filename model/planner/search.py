@@ -209,14 +209,15 @@ def explain(s: Shapes, cluster: Any, plan: Plan, world: int, global_batch: int,
             framework: str | None = FRAMEWORK) -> dict[str, dict[str, float]]:
     """The step-time breakdown (seconds per step; ``step`` terms add up to the step time,
     ``overlapped`` is communication hidden under compute) and the memory breakdown (GB per
-    device of the first and last pipeline stage) of one plan."""
+    device of the first and last pipeline stage; ``parameters``: their parameter counts)."""
     ev = evaluate(s, cluster, encode([plan]), world, global_batch, calibration, framework)
     terms = {k: float(v[0]) for k, v in ev["parts"]["breakdown"].items()}
     hidden = {k: float(v[0]) for k, v in ev["parts"]["overlapped"].items()}
-    mem = {k: float(v[0]) / GB for k, v in ev["memory"].items()}
+    mem = {k: float(v[0]) / GB for k, v in ev["memory"].items() if not k.startswith("params")}
     mem["reserved"] = float(cluster.reserved_gb)
     mem["fragmentation_fraction"] = float(cluster.fragmentation)
-    return {"step": terms, "overlapped": hidden, "memory_gb": mem,
+    params = {k: float(v[0]) for k, v in ev["memory"].items() if k.startswith("params")}
+    return {"step": terms, "overlapped": hidden, "memory_gb": mem, "parameters": params,
             "step_time_s": float(ev["step_time_s"][0])}
 
 
