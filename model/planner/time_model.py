@@ -30,6 +30,17 @@ microbatch_overhead_us, optimizer_overhead_us per parameter tensor, fsdp_unit_ov
 per FSDP unit and micro-batch, tp_layer_overhead_us / tp_microbatch_overhead_us for DTensor
 tensor parallelism) dominate tiny models on CPUs; the local cluster measures them.
 
+GPU terms, off on CPU clusters (cluster fields): tile and wave quantisation of GEMMs
+(``gemm_sms``, ``gemm_tile``), a fused flash-attention kernel at its own efficiency whose
+backward recomputes the scores (``attention_efficiency``), the exposed part of tensor-parallel
+communication (``tp_comm_overlap``) and a per-framework efficiency factor
+(``framework_efficiency``, fitted to published runs by model.planner.published) that divides
+the compute time of the framework that runs the plan.
+
+``step_time`` also returns ``breakdown``: seconds per step by term (compute by kind, bubble,
+optimizer, exposed tp / pp / dp communication) that add up to ``step``, and ``overlapped``:
+the communication hidden under compute.
+
 Every prediction is split into ``compute`` and ``comm`` seconds so that measured runs can
 calibrate two scales (``calibration = {"compute_scale", "comm_scale"}``).
 """
