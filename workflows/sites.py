@@ -222,6 +222,10 @@ def _slurm_train_executor(cfg: PipelineConfig) -> MPIExecutor:
         interchange_launch_cmd=_interchange_cmd(),
         heartbeat_threshold=threshold,
         heartbeat_period=max(1, threshold // 4),
+        # CurveZMQ between the login node's interchange and the compute nodes' worker pool
+        # (MPIExecutor defaults to plain text); the keys sit in the run's Parsl directory,
+        # which the nodes read over the shared filesystem.
+        encrypted=True,
     )
 
 

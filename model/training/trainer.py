@@ -10,6 +10,7 @@ complete one.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -270,6 +271,8 @@ class Trainer:
                 last_ckpt: Path | None) -> dict[str, Any] | None:
         peak = torch.tensor(peak_memory_gb(self.device), dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's memory
+        hosts: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())  # where each rank ran, by rank
         if not self.is_logger:
             return None
         # No step ran (already trained to ``steps``): no timing to report.
@@ -280,7 +283,8 @@ class Trainer:
                    "steps_done": self.step, "step_time_s": step_time,
                    **rates, "peak_memory_gb": float(peak),
                    "checkpoint": str(last_ckpt) if last_ckpt else None,
-                   "plan": self.plan.to_dict(), "world_size": self.dims.world_size}
+                   "plan": self.plan.to_dict(), "world_size": self.dims.world_size,
+                   "hosts": hosts}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.losses:
             png = plot_losses(self.losses, 0, self.out_dir / "loss_curve.png")
