@@ -34,6 +34,11 @@ def atomic_path(path: str | Path, fsync: bool = True) -> Iterator[Path]:
             with open(tmp, "rb") as handle:
                 os.fsync(handle.fileno())
         os.replace(tmp, target)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        if error.filename is None:  # e.g. a full disk: say which file could not be written
+            raise OSError(error.errno, f"{error.strerror} while writing {target}") from error
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

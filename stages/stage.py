@@ -343,6 +343,20 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     write_json_atomic(path, obj)
 
 
+def _overwrite_status(path: Path, status: dict[str, Any], error: BaseException) -> None:
+    """Last resort when the disk is full: rewrite status.json in place, short, inside the
+    space the "running" status already holds (no new file, no new blocks)."""
+    short = {**status, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+    short.pop("ingredients", None)
+    try:
+        with open(path, "r+b") as handle:
+            handle.write(json.dumps(short).encode())
+            handle.truncate()
+    except OSError as write_error:
+        print(f"[stage] could not record the failure in {path}: {write_error}", file=sys.stderr,
+              flush=True)
+
+
 def _status(state: str, run_id: str, **extra: Any) -> dict[str, Any]:
     return {
         "state": state,
@@ -505,11 +519,17 @@ def fail(ctx: PipelineContext, attempt: StageAttempt, error: BaseException) -> N
     work = Path(attempt.work_dir)
     if work.exists():
         detail = "".join(traceback.format_exception(error))
-        _write_json_atomic(
-            work / STATUS_FILE, _status("failed", attempt.run_id, key=attempt.key, error=detail,
-                                        ingredients=attempt.ingredients)
-        )
-    locks.release(lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
+        status = _status("failed", attempt.run_id, key=attempt.key, error=detail,
+                         ingredients=attempt.ingredients)
+        try:
+            _write_json_atomic(work / STATUS_FILE, status)
+        except OSError:
+            _overwrite_status(work / STATUS_FILE, status, error)
+    try:
+        locks.release(lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
+    except OSError as lock_error:
+        print(f"[stage] could not release the lock of {attempt.name} {attempt.key}: {lock_error}",
+              file=sys.stderr, flush=True)
     try:
         tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags({"error": str(error)[:4000]})
         tracking.end_run(ctx.tracking_uri, attempt.run_id, "FAILED")

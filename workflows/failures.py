@@ -2,12 +2,13 @@
 
 A user mistake (bad config, data, plan or checkpoint: the project's errors all derive from
 ``ValueError``, and a ranks app that exits ``USER_ERROR_EXIT`` because a rank refused its
-input) fails at once, with its own message and no traceback. Anything else (a lost worker,
+input) and a full disk fail at once, with their own message and no traceback. Anything else (a lost worker,
 a killed rank, a cancelled job) may succeed when tried again and is retried up to
 ``site.retries`` times; the console names the attempt and the cause.
 """
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Any
 
@@ -19,10 +20,17 @@ from stages.launch import USER_ERROR_EXIT
 NEVER_RETRY = 1e9  # a cost above any retry budget
 
 
+# A full disk, a quota or a read-only filesystem: trying again fails the same way.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
 def is_user_error(error: BaseException) -> bool:
-    """Whether retrying cannot help: the input is wrong and the message says what to fix."""
+    """Whether retrying cannot help: the input is wrong (or the disk is full) and the message
+    says what to fix."""
     if isinstance(error, BashExitFailure):
         return error.exitcode == USER_ERROR_EXIT
+    if isinstance(error, OSError):
+        return error.errno in STORAGE_ERRNOS
     return isinstance(error, ValueError)
 
 
