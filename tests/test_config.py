@@ -2,6 +2,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from stages.config import CONFIG_DIR, ConfigError, load_config
 
@@ -15,9 +16,13 @@ def test_default_preset_loads_with_documented_values():
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-def test_every_shipped_preset_loads(preset):
+def test_every_shipped_preset_loads_and_its_resolved_form_loads_back(preset, tmp_path: Path):
     cfg = load_config(preset)
-    assert cfg.name
+    assert cfg.name == preset  # experiments are named after the config
+    # The resolved config the pipeline logs (config.yaml) is itself a valid config file.
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_config(resolved) == cfg
 
 
 def test_overrides_are_typed_and_applied():

@@ -95,9 +95,11 @@ def _chromium(url: str, work: Path, screenshot: Path | None, window: str, timeou
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def pipeline(tmp_path_factory, seed_microbench):
     """The real pipeline CLI (`python -m workflows.pipeline --config micro`), run once."""
-    return run_driver(tmp_path_factory.mktemp("ui-pipeline"))
+    runs_dir = tmp_path_factory.mktemp("ui-pipeline")
+    seed_microbench(runs_dir)
+    return run_driver(runs_dir)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +109,8 @@ def server(pipeline, tmp_path_factory):
     work = tmp_path_factory.mktemp("mlflow-ui")
     port = _free_port()
     log = work / "server.log"
-    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true",
-               # The UI needs no background job runner (huey consumers): fewer processes.
-               MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    # The UI needs no background job runner (huey consumers): fewer processes.
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     cmd = [str(Path(sys.executable).parent / "mlflow"), "server",
            "--backend-store-uri", ctx.tracking_uri,
            "--default-artifact-root", str(Path(ctx.runs_dir) / "mlartifacts"),

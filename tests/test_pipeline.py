@@ -1,135 +1,225 @@
 """End to end: the micro preset through real Parsl (HTEX), real ranks and MLflow on SQLite.
 
-Every run here evaluates on 2 ranks (eval.ranks=2), so the evaluate stage's ranks app is
-exercised through Parsl as well as the training ranks."""
+One runs dir is taken through a user's session by the module fixture ``history``: a first
+run, the same command again, ``--only evaluate``, then ``--dry-run`` with a changed
+evaluation config. Each step's state (its MLflow parent run, every status.json, stdout) is
+recorded when the step ends, so the tests read records and do not depend on each other's
+order. Every run evaluates on 2 ranks (eval.ranks=2), so the evaluate stage's ranks app is
+exercised through Parsl as well as the training ranks.
+"""
+from __future__ import annotations
+
 import json
+import math
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from stages import tracking
-from stages.config import load_config
+from stages import stage, tracking
+from stages.config import ConfigError, load_config
 from stages.registry import STAGE_ORDER
-from stages.stage import package_version
 from workflows.pipeline import plan_stages
 
 REPO = Path(__file__).resolve().parent.parent
 EVAL_RANKS = ("--set", "eval.ranks=2")
+MICRO_STEPS = 6  # train.steps of configs/micro.yaml
 
 
 def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro", "--runs-dir", str(runs_dir),
-           *EVAL_RANKS, *args]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    """``python -m workflows.pipeline --config micro`` on ``runs_dir``; it must succeed."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
+           "--runs-dir", str(runs_dir), *EVAL_RANKS, *args]
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
+                                  f"\n{proc.stderr[-4000:]}")
     return proc
 
 
-def pipeline_runs(runs_dir: Path) -> list:
-    uri = tracking.default_tracking_uri(runs_dir)
-    return [r for r in tracking.search_runs(uri, "micro") if "mlflow.parentRunId" not in r.data.tags]
+def parent_ids(runs_dir: Path) -> set[str]:
+    """The ids of every pipeline (parent) run in the runs dir's store."""
+    runs = tracking.search_runs(tracking.default_tracking_uri(runs_dir), "micro")
+    return {r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags}
 
 
 def children(runs_dir: Path, parent_id: str) -> dict:
+    """Stage name -> the stage run nested under ``parent_id``."""
     uri = tracking.default_tracking_uri(runs_dir)
     runs = tracking.search_runs(uri, "micro", f"tags.mlflow.parentRunId = '{parent_id}'")
     return {r.data.tags["stage"]: r for r in runs}
 
 
+def published(runs_dir: Path) -> dict[str, tuple[str, dict, int]]:
+    """Stage name -> (key, status.json, its mtime) of every published stage directory."""
+    found = {}
+    for path in (runs_dir / "stages").glob("*/*/status.json"):
+        if not path.parent.name.endswith(".partial"):
+            found[path.parent.parent.name] = (path.parent.name, json.loads(path.read_text()),
+                                              path.stat().st_mtime_ns)
+    return found
+
+
+@dataclass
+class Step:
+    """One CLI invocation and the state it left."""
+
+    proc: subprocess.CompletedProcess
+    new_parents: set[str]  # pipeline runs this invocation opened
+    stages: dict[str, tuple[str, dict, int]]  # published(runs_dir) right after it
+
+    @property
+    def parent(self) -> str:
+        (parent,) = self.new_parents
+        return parent
+
+
+@dataclass
+class History:
+    runs_dir: Path
+    first: Step
+    report: dict  # the first run's evaluation report.json
+    rerun: Step
+    only_evaluate: Step
+    dry_run: Step
+
+
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    runs_dir = tmp_path_factory.mktemp("runs")
-    proc = run_cli(runs_dir)
-    return runs_dir, proc
+def history(tmp_path_factory, seed_microbench: Callable[[Path], Path]) -> History:
+    """A fresh runs dir through first run -> same run -> --only evaluate -> --dry-run."""
+    runs_dir = tmp_path_factory.mktemp("pipeline") / "runs"
+    runs_dir.mkdir()
+    seed_microbench(runs_dir)
+
+    def step(*args: str) -> Step:
+        before = parent_ids(runs_dir) if (runs_dir / "mlflow.db").exists() else set()
+        proc = run_cli(runs_dir, *args)
+        return Step(proc, parent_ids(runs_dir) - before, published(runs_dir))
+
+    first = step()
+    key = first.stages["evaluate"][0]
+    outputs = json.loads((stage.stage_dir(runs_dir, "evaluate", key) / stage.OUTPUTS_FILE)
+                         .read_text())
+    report = json.loads(Path(outputs["report"]).read_text())
+    rerun = step()
+    only_evaluate = step("--only", "evaluate")
+    dry_run = step("--dry-run", "--set", "eval.max_tokens=1024")
+    return History(runs_dir, first, report, rerun, only_evaluate, dry_run)
 
 
-def test_first_run_logs_one_parent_and_four_finished_stage_runs(first_run):
-    runs_dir, proc = first_run
-    parents = pipeline_runs(runs_dir)
-    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    stages = children(runs_dir, parents[0].info.run_id)
+def test_first_run_logs_one_parent_and_four_finished_stage_runs(history: History) -> None:
+    runs_dir, first = history.runs_dir, history.first
+    uri = tracking.default_tracking_uri(runs_dir)
+    assert tracking.get_run(uri, first.parent).info.status == "FINISHED"
+    stages = children(runs_dir, first.parent)
     assert sorted(stages) == sorted(STAGE_ORDER)
     for name, run in stages.items():
         assert run.info.status == "FINISHED", name
         assert run.data.tags["reused"] == "false"
-        assert run.info.run_name.startswith(f"{name}-")
-    uri = tracking.default_tracking_uri(runs_dir)
+        assert run.info.run_name == f"{name}-{first.stages[name][0][:8]}"
+        assert first.stages[name][1]["state"] == "succeeded"
+        assert first.stages[name][1]["run_id"] == run.info.run_id
     losses = tracking.metric_history(uri, stages["train"].info.run_id, "loss")
-    assert sorted(step for step, _ in losses) == list(range(1, 7))
+    assert sorted(step for step, _ in losses) == list(range(1, MICRO_STEPS + 1))
+    assert all(math.isfinite(loss) and loss > 0 for _, loss in losses)
     evaluate = stages["evaluate"].data.metrics
-    assert evaluate["val_loss"] > 0
     assert evaluate["eval_ranks"] == 2 and stages["evaluate"].data.params["eval.ranks"] == "2"
-    assert evaluate["perplexity"] == pytest.approx(pytest.importorskip("math").exp(evaluate["val_loss"]), rel=1e-4)
+    assert evaluate["perplexity"] == pytest.approx(math.exp(evaluate["val_loss"]), rel=1e-4)
     assert stages["tokenize"].data.metrics["tokens"] > 0
-    # The resolved config is an artifact of the parent and of every stage run.
-    client_dir = Path(parents[0].info.artifact_uri.replace("file://", ""))
-    assert (client_dir / "config.yaml").exists()
-    report = json.loads((Path(json.loads((runs_dir / "stages" / "evaluate").glob("*/outputs.json").__next__().read_text())["report"])).read_text())
+    # The resolved config is an artifact of the parent run, and it loads back as the same one.
+    parent = tracking.get_run(uri, first.parent)
+    config_yaml = Path(parent.info.artifact_uri.replace("file://", "")) / "config.yaml"
+    assert load_config(config_yaml) == load_config("micro", [f"tracking.runs_dir={runs_dir}",
+                                                             "eval.ranks=2"])
+    # The report on disk is what the evaluate run logged, split over both ranks.
+    report = history.report
     assert report["perplexity"] == pytest.approx(evaluate["perplexity"], rel=1e-6)
     assert report["eval_ranks"] == 2 and len(report["windows_per_rank"]) == 2
     assert sum(report["windows_per_rank"]) == report["windows"]
-    # The ranks' output reached the driver's log tail.
-    assert "[evaluate-ranks] [eval] val_loss" in proc.stdout
-    assert "MLflow store: sqlite:///" in proc.stdout and "mlflow ui --backend-store-uri" in proc.stdout
+    # The ranks' output reached the driver's log tail; the store and the UI command are named.
+    out = first.proc.stdout
+    assert "[evaluate-ranks] [eval] val_loss" in out
+    assert f"sqlite:///{runs_dir.resolve()}/mlflow.db" in out and "mlflow ui" in out
 
 
-def test_second_run_reuses_every_stage(first_run):
-    runs_dir, _ = first_run
-    before = {p: p.stat().st_mtime_ns for p in (runs_dir / "stages").glob("*/*/status.json")}
-    proc = run_cli(runs_dir)
-    assert proc.stdout.count(" reused ") == 4, proc.stdout
-    after = {p: p.stat().st_mtime_ns for p in (runs_dir / "stages").glob("*/*/status.json")}
-    assert after == before  # nothing recomputed, nothing rewritten
-    newest = pipeline_runs(runs_dir)[0]
-    stages = children(runs_dir, newest.info.run_id)
-    assert all(run.data.tags["reused"] == "true" for run in stages.values())
-    assert all(run.info.status == "FINISHED" for run in stages.values())
-    assert "val_loss" in stages["evaluate"].data.metrics
+def test_second_run_reuses_every_stage(history: History) -> None:
+    runs_dir, first, rerun = history.runs_dir, history.first, history.rerun
+    assert rerun.proc.stdout.count(" reused ") == len(STAGE_ORDER), rerun.proc.stdout
+    assert rerun.stages == first.stages  # nothing recomputed, no status rewritten
+    made = children(runs_dir, first.parent)
+    stages = children(runs_dir, rerun.parent)
+    assert sorted(stages) == sorted(STAGE_ORDER)
+    for name, run in stages.items():
+        assert run.info.status == "FINISHED" and run.data.tags["reused"] == "true", name
+        assert run.data.tags["producer_run_id"] == made[name].info.run_id, name
+    # A reused stage's run still carries the figures of the run that made its output.
+    assert stages["evaluate"].data.metrics["val_loss"] == pytest.approx(
+        made["evaluate"].data.metrics["val_loss"])
 
 
-def test_only_evaluate_recomputes_only_evaluate(first_run):
-    runs_dir, _ = first_run
-    status = {p.parent.parent.name: json.loads(p.read_text())["run_id"] for p in (runs_dir / "stages").glob("*/*/status.json")}
-    run_cli(runs_dir, "--only", "evaluate")
-    after = {p.parent.parent.name: json.loads(p.read_text())["run_id"] for p in (runs_dir / "stages").glob("*/*/status.json")}
-    assert after["evaluate"] != status["evaluate"]
-    assert {k: v for k, v in after.items() if k != "evaluate"} == {k: v for k, v in status.items() if k != "evaluate"}
-    stages = children(runs_dir, pipeline_runs(runs_dir)[0].info.run_id)
+def test_only_evaluate_recomputes_only_evaluate(history: History) -> None:
+    runs_dir, before, after = history.runs_dir, history.rerun, history.only_evaluate
+    assert after.stages["evaluate"][0] == before.stages["evaluate"][0]  # same key, same dir
+    assert after.stages["evaluate"][1]["run_id"] != before.stages["evaluate"][1]["run_id"]
+    assert {n: s for n, s in after.stages.items() if n != "evaluate"} == {
+        n: s for n, s in before.stages.items() if n != "evaluate"}
+    stages = children(runs_dir, after.parent)
     assert stages["evaluate"].data.tags["reused"] == "false"
     assert all(stages[n].data.tags["reused"] == "true" for n in ("tokenize", "plan", "train"))
+    # Evaluating the same checkpoint again gives the same numbers.
+    first = children(runs_dir, history.first.parent)["evaluate"].data.metrics
+    assert stages["evaluate"].data.metrics["val_loss"] == pytest.approx(first["val_loss"],
+                                                                         rel=1e-6)
 
 
-def test_dry_run_prints_keys_and_runs_nothing(first_run):
-    runs_dir, _ = first_run
-    count = len(pipeline_runs(runs_dir))
-    proc = run_cli(runs_dir, "--dry-run", "--set", "eval.max_tokens=1024")
-    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if " key " in line}
-    assert "reuse" in lines["train"] and " run " in lines["evaluate"] + " "
-    assert lines["evaluate"].endswith("on 2 ranks")
-    assert "--nproc-per-node 2 -m stages.eval_worker" in proc.stdout  # the evaluate launch
-    assert len(pipeline_runs(runs_dir)) == count
+def test_dry_run_prints_keys_and_runs_nothing(history: History) -> None:
+    dry, before = history.dry_run, history.only_evaluate
+    assert dry.new_parents == set() and dry.stages == before.stages
+    rows = [line.split() for line in dry.proc.stdout.splitlines()]
+    lines = {row[0]: " ".join(row) for row in rows if len(row) > 2 and row[1] == "key"}
+    assert set(lines) == set(STAGE_ORDER)
+    for name in ("tokenize", "plan", "train"):  # unchanged: the keys of their directories
+        assert f"key {before.stages[name][0]}" in lines[name] and " reuse " in lines[name]
+    # eval.max_tokens changed: a new evaluate key, to be run on 2 ranks.
+    assert before.stages["evaluate"][0] not in lines["evaluate"]
+    assert " run " in lines["evaluate"] and lines["evaluate"].endswith("on 2 ranks")
+    # How the evaluate ranks would be launched: 2 processes on this machine.
+    assert re.search(r"evaluate\b[^;\n]*--nproc-per-node 2", dry.proc.stdout), dry.proc.stdout
 
 
-def test_force_only_and_from_choose_actions(tmp_path):
-    cfg = load_config("micro", [f"tracking.runs_dir={tmp_path}"])
-    version = package_version()
-    actions = [p.action for p in plan_stages(cfg, None, None, False, version)]
-    assert actions == ["run"] * 4
-    assert [p.action for p in plan_stages(cfg, None, None, True, version)] == ["force"] * 4
-    with pytest.raises(ValueError, match="run the pipeline without --only first"):
-        plan_stages(cfg, "evaluate", None, False, version)
+def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_path) -> None:
+    cfg = load_config("micro", [f"tracking.runs_dir={history.runs_dir}", "eval.ranks=2"])
+    code = stage.code_hashes()
+
+    def actions(only=None, start=None, force=False) -> list[str]:
+        return [p.action for p in plan_stages(cfg, only, start, force, code)]
+
+    assert actions() == ["reuse"] * 4
+    assert actions(force=True) == ["force"] * 4
+    assert actions(only="evaluate") == ["reuse", "reuse", "reuse", "force"]
+    assert actions(start="train") == ["reuse", "reuse", "force", "force"]
+    assert [p.key for p in plan_stages(cfg, None, None, False, code)] == [
+        history.only_evaluate.stages[n][0] for n in STAGE_ORDER]
+    # An empty runs dir: everything runs, and a selection that needs upstream output is refused.
+    empty = load_config("micro", [f"tracking.runs_dir={tmp_path}", "eval.ranks=2"])
+    assert [p.action for p in plan_stages(empty, None, None, False, code)] == ["run"] * 4
+    with pytest.raises(ConfigError, match="--only evaluate needs the 'tokenize' stage's output"):
+        plan_stages(empty, "evaluate", None, False, code)
+    with pytest.raises(ConfigError, match="--from train needs the 'tokenize' stage's output"):
+        plan_stages(empty, None, "train", False, code)
 
 
-def test_config_error_stops_before_any_work(tmp_path):
-    env = dict(os.environ)
+def test_config_error_stops_before_any_work(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "workflows.pipeline", "--runs-dir", str(tmp_path), "--set", "train.stepz=3"],
-        check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "workflows.pipeline", "--runs-dir", str(tmp_path),
+         "--set", "train.stepz=3"],
+        check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
     assert "unknown key 'train.stepz'" in proc.stderr

@@ -30,9 +30,18 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SLURM_SETTINGS = ["site.walltime=00:15:00", "site.heartbeat_threshold=30", "site.retries=1"]
 
 
+@pytest.fixture
+def slurm_runs_dir(slurm_env, tmp_path: Path, request: pytest.FixtureRequest) -> Path:  # noqa: F811
+    """A fresh runs dir holding the session's microbenchmark, once Slurm is known to be up
+    (the measurement is not made for a test that skips)."""
+    runs_dir = tmp_path / "runs"
+    runs_dir.mkdir()
+    request.getfixturevalue("seed_microbench")(runs_dir)
+    return runs_dir
+
+
 def start_cli(runs_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = dict(os.environ)
     cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
            "--runs-dir", str(runs_dir), "--site", "slurm",
            "--set", *SLURM_SETTINGS, *overrides]
@@ -104,9 +113,8 @@ def wait_for_slurm_to_finish(job_ids: list[str], timeout: float = 60) -> None:
 
 
 @pytest.mark.timeout(1200)
-def test_micro_pipeline_trains_through_srun(slurm_env, tmp_path):  # noqa: F811
-    runs_dir = tmp_path / "runs"
-    runs_dir.mkdir()
+def test_micro_pipeline_trains_through_srun(slurm_runs_dir):
+    runs_dir = slurm_runs_dir
     proc = start_cli(runs_dir, "train.steps=6", "eval.ranks=2")
     output = wait_cli(proc, runs_dir, timeout=900)
 
@@ -126,7 +134,8 @@ def test_micro_pipeline_trains_through_srun(slurm_env, tmp_path):  # noqa: F811
     # Two srun steps: the training ranks, then the evaluation ranks.
     assert len(set(srun_steps(job_id))) == 2, f"job {job_id}: steps {srun_steps(job_id)}"
     assert children["evaluate"].data.metrics["eval_ranks"] == 2
-    report = json.loads((Path(children["evaluate"].data.tags["out_dir"]) / "report.json").read_text())
+    evaluate_dir = Path(children["evaluate"].data.tags["out_dir"])
+    report = json.loads((evaluate_dir / "report.json").read_text())
     assert report["eval_ranks"] == 2 and len(report["windows_per_rank"]) == 2
 
     _, summary = train_summary(runs_dir)
@@ -150,9 +159,8 @@ def _cancel_after_first_checkpoint(runs_dir: Path, found: dict, stop: threading.
 
 
 @pytest.mark.timeout(1500)
-def test_cancelled_training_job_is_retried_and_resumes(slurm_env, tmp_path):  # noqa: F811
-    runs_dir = tmp_path / "runs"
-    runs_dir.mkdir()
+def test_cancelled_training_job_is_retried_and_resumes(slurm_runs_dir):
+    runs_dir = slurm_runs_dir
     steps, every = 60, 10
     proc = start_cli(runs_dir, f"train.steps={steps}", f"train.checkpoint_every={every}")
     found: dict = {}
