@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 import urllib.error
@@ -173,7 +174,7 @@ class Tracker:
         self.run_id = run_id
         self._client = MlflowClient(uri)
         self._pending: list[Any] = []  # mlflow.entities.Metric
-        self._flush_seconds = flush_seconds
+        self.flush_seconds = flush_seconds  # longest wait before buffered metrics are sent
         self._last_flush = time.monotonic()
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -191,7 +192,7 @@ class Tracker:
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
             self._pending.append(Metric(key, float(value), now_ms, step or 0))
-        if len(self._pending) >= 500 or time.monotonic() - self._last_flush > self._flush_seconds:
+        if len(self._pending) >= 500 or time.monotonic() - self._last_flush > self.flush_seconds:
             self.flush()
 
     def flush(self) -> None:
@@ -199,6 +200,17 @@ class Tracker:
             batch, self._pending = self._pending[:1000], self._pending[1000:]
             self._client.log_batch(self.run_id, metrics=batch)
         self._last_flush = time.monotonic()
+
+    def send_metrics(self, run_id: str | None, records: list[dict[str, Any]]) -> None:
+        """Write metric records ({"metrics": {key: value}, "step", "timestamp" in ms}) to
+        ``run_id`` (None: this run) now, in one request (at most 1000 values); raises when the
+        store does not take them."""
+        from mlflow.entities import Metric
+
+        batch = [Metric(key, float(value), int(record["timestamp"]), int(record["step"] or 0))
+                 for record in records for key, value in record["metrics"].items()]
+        if batch:
+            self._client.log_batch(run_id or self.run_id, metrics=batch)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         from mlflow.entities import RunTag
@@ -328,3 +340,73 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def import_metrics(spool: str | Path, uri: str | None = None) -> int:
+    """Send a metrics spool that training left behind (MLflow was away) to its runs; return
+    the records sent.
+
+    ``uri`` defaults to the tracking URI in the ``spec.json`` beside the spool, then to
+    MLFLOW_TRACKING_URI. When everything is sent the spool is renamed ``<spool>.imported``,
+    so importing again sends nothing twice; if the store fails midway, the spool keeps only
+    the records not yet sent."""
+    from model.training.metrics import deliver_spool
+
+    spool = Path(spool)
+    if not spool.is_file():
+        raise FileNotFoundError(f"{spool}: no such metrics spool")
+    uri = uri or _spool_tracking_uri(spool)
+    check_store(uri)
+    done = spool.with_name(f"{spool.name}.imported")
+    for n in range(2, 1000):
+        if not done.exists():
+            break
+        done = spool.with_name(f"{spool.name}.imported-{n}")
+    return deliver_spool(spool, Tracker(uri, "").send_metrics, done_path=done)
+
+
+def _spool_tracking_uri(spool: Path) -> str:
+    spec = spool.parent / "spec.json"
+    if spec.is_file():
+        uri = (json.loads(spec.read_text()).get("tracking") or {}).get("uri")
+        if uri:
+            return uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    raise TrackingError(f"{spool}: no spec.json with a tracking URI beside it and no "
+                        "MLFLOW_TRACKING_URI; pass --tracking-uri")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m stages.tracking import-metrics SPOOL [--tracking-uri URI]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m stages.tracking",
+                                     description="MLflow tools of the pipeline")
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import-metrics",
+                              help="send the metrics a training run kept while MLflow was away")
+    imp.add_argument("spool", type=Path, help="the spool (metrics_spool.jsonl in the train dir)")
+    imp.add_argument("--tracking-uri", help="default: the URI in spec.json beside the spool")
+    args = parser.parse_args(argv)
+    done = args.spool.with_name(f"{args.spool.name}.imported")
+    if not args.spool.exists() and done.exists():
+        print(f"{args.spool} was already imported ({done}); nothing to send")
+        return 0
+    try:
+        sent = import_metrics(args.spool, args.tracking_uri)
+    except (TrackingError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:  # noqa: BLE001 - what is left stays in the spool
+        from model.training.metrics import short_reason
+
+        print(f"error: import stopped ({short_reason(error)}); the records not sent are still in "
+              f"{args.spool}: run the command again", file=sys.stderr)
+        return 1
+    print(f"sent {sent} metric record(s) from {args.spool}; it is now marked imported")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from model.parallel.dist_env import from_environ, init_distributed
 from model.planner.plan import Plan
 from model.training.batches import SyntheticBatches
-from model.training.metrics import BackgroundSink
+from model.training.metrics import SPOOL_FILE, BackgroundSink
 from model.training.trainer import Trainer
 from stages.config import config_from_dict
 from stages.launch import RankSpec, rank_main
@@ -56,8 +57,13 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
         if tracking and trainer.is_logger:
             from stages.tracking import Tracker
 
+            # A lost tracking server must not stall training: one short try per write (MLflow
+            # retries for minutes by default); what fails is spooled and sent later.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
             # Metric writes happen on a background thread, off the training step.
-            trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]))
+            trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]),
+                                             spool=Path(spec.out_dir) / SPOOL_FILE)
         return trainer.fit(spec.steps)
     finally:
         dist.destroy_process_group()
