@@ -130,3 +130,85 @@ def test_export_of_tp2_pp2_checkpoint_matches(tmp_path):
     with torch.no_grad():
         diff = (ours(tokens) - load_hf(out)(tokens).logits).abs().max().item()
     assert diff < 1e-4
+
+
+def write_checkpoint_of(model: GPT, path: Path) -> Path:
+    """A model-only DCP checkpoint of ``model`` (as the trainer would write its weights)."""
+    from model.evaluation.dcp_io import write_model_checkpoint
+
+    state = model.state_dict()
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    return write_model_checkpoint(path, model.cfg, specs, lambda name: state[name])
+
+
+@pytest.mark.parametrize("case", ["llama-gqa", "neox-parallel-residual"])
+def test_streamed_sharded_export_equals_in_memory_export(tmp_path, case):
+    ours = tiny_model(5, **CASES[case])
+    ckpt = write_checkpoint_of(ours, tmp_path / "ckpt")
+    whole = export_model(ours, tmp_path / "whole")
+    sharded = export_checkpoint(ckpt, None, tmp_path / "sharded", shard_bytes=20_000)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    count = len(files)
+    assert count >= 4 and files == [f"model-{i:05d}-of-{count:05d}.safetensors"
+                                    for i in range(1, count + 1)]
+    assert sorted(set(index["weight_map"].values())) == files
+    for name in files:  # no shard over the limit unless it holds a single larger tensor
+        from safetensors import safe_open
+
+        with safe_open(str(sharded / name), "pt") as handle:
+            sizes = [handle.get_tensor(k).nbytes for k in handle.keys()]  # noqa: SIM118 - safe_open is no dict
+        assert sum(sizes) <= 20_000 or len(sizes) == 1
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        a, b = load_hf(whole)(tokens).logits, load_hf(sharded)(tokens).logits
+        assert torch.equal(a, b)
+        assert (ours(tokens) - b).abs().max().item() < 1e-4
+
+
+MEASURE = """
+import json, sys
+import psutil
+from model.evaluation.export_hf import export_checkpoint
+ckpt, warm, out, shard = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+export_checkpoint(warm, None, out + "-warm", shard_bytes=shard)  # imports, first-use caches
+baseline = psutil.Process().memory_info().rss
+export_checkpoint(ckpt, None, out, shard_bytes=shard)
+# VmHWM: this process's own peak RSS (ru_maxrss would carry the parent's over fork + exec).
+status = open("/proc/self/status").read().split("VmHWM:")[1]
+peak = int(status.split()[0]) * 1024
+print(json.dumps({"growth": peak - baseline}))
+"""
+
+
+def test_export_peak_memory_is_bounded_by_shard_not_model(tmp_path):
+    """Export a 179 MiB checkpoint in 16 MiB shards in a fresh process: the peak RSS growth
+    stays under shard + largest tensor + 64 MiB (a gathering export needs > the model)."""
+    import subprocess
+    import sys
+
+    from model.evaluation.dcp_io import write_model_checkpoint
+
+    pytest.importorskip("psutil")
+    big = ModelConfig(family="llama", n_layers=12, d_model=512, n_heads=8, vocab_size=8192,
+                      max_seq_len=64)
+    with torch.device("meta"):
+        specs = {k: (tuple(v.shape), v.dtype) for k, v in GPT(big).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    write_model_checkpoint(tmp_path / "big", big, specs,
+                           lambda name: 0.02 * torch.randn(specs[name][0], generator=gen))
+    write_checkpoint_of(tiny_model(0, family="llama"), tmp_path / "warm")
+    sizes = [torch.Size(shape).numel() * 4 for shape, _ in specs.values()]
+    model_bytes, largest, shard = sum(sizes), max(sizes), 16 * 2**20
+    assert model_bytes > 10 * shard
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(tmp_path / "big"), str(tmp_path / "warm"),
+         str(tmp_path / "hf"), str(shard)],
+        capture_output=True, text=True, timeout=300, check=False,
+        cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
+    bound = shard + largest + 64 * 2**20
+    assert growth < bound, f"peak RSS grew {growth / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
+    assert growth < model_bytes / 2
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 10

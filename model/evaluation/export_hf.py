@@ -1,6 +1,7 @@
 """Export a GPT to Hugging Face format: LlamaForCausalLM (llama) or GPTNeoXForCausalLM (neox).
 
-The export directory holds ``model.safetensors``, ``config.json``, ``generation_config.json``
+The export directory holds the weights (``model.safetensors``, or when they exceed the shard
+size ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``), ``config.json``, ``generation_config.json``
 and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``)
 so ``AutoModelForCausalLM.from_pretrained(dir)`` / ``AutoTokenizer.from_pretrained(dir)`` load
 it with no code from this project.
@@ -10,7 +11,8 @@ rotate_half convention, so the LLaMA export is a pure rename. GPT-NeoX fuses q/k
 ``query_key_value`` projection whose output is laid out per head as ``[q_h, k_h, v_h]``
 (HF views it as [B, T, H, 3*hd] and chunks the last dim), so we interleave per head.
 
-The weights are written straight from our state dict (no HF model is instantiated), and the
+The weights are written straight from our state dict or DCP checkpoint, one tensor at a time
+(no HF model is instantiated; ``export_checkpoint`` never holds the whole model), and the
 directory is published atomically: written to ``<out>.partial`` then renamed.
 """
 from __future__ import annotations
@@ -18,15 +20,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from model.config import ModelConfig
+from model.evaluation.shards import DEFAULT_SHARD_BYTES, TensorSpec, write_sharded
 
 # family -> transformers class name written into config.json "architectures".
 HF_CLASSES = {"llama": "LlamaForCausalLM", "neox": "GPTNeoXForCausalLM"}
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"  # a single-shard export
 
 
 class ExportError(ValueError):
@@ -142,43 +146,75 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_heads: int) -
     return torch.stack(parts, dim=1).reshape(-1, *rest)  # [H, 3, hd, ...] -> [3*H*hd, ...]
 
 
-def convert_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our unsharded GPT state dict -> the HF model's state dict (contiguous CPU tensors).
+def hf_layout(cfg: ModelConfig, names: set[str] | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """The HF tensors of ``cfg`` in file order: ``(hf_name, our source names)``.
 
-    Raises ExportError on a missing or unexpected key, so a partial (pipeline-stage) or
-    foreign state dict is never exported silently.
+    One source is a rename; three (GPT-NeoX ``query_key_value``) are fused per head by
+    ``combine``. ``names`` (default: a full GPT's) must be exactly our state dict's keys:
+    ExportError on a missing or unexpected key, so a partial (pipeline-stage) or foreign
+    state dict is never exported silently.
     """
     hf_class_name(cfg.family)
     expected = _expected_keys(cfg)
-    missing = sorted(expected - set(state))
+    names = expected if names is None else set(names)
+    missing = sorted(expected - names)
     if missing:
         raise ExportError(f"state dict lacks {missing[:5]}: export needs a full GPT (all stages)")
-    state = {k: v.detach().to("cpu") for k, v in state.items()}
-    out: dict[str, torch.Tensor] = {}
+    layout: list[tuple[str, tuple[str, ...]]] = []
+    used: set[str] = set()
+
+    def add(theirs: str, *ours: str) -> None:
+        if all(o in names for o in ours):
+            layout.append((theirs, ours))
+            used.update(ours)
+
     top = _TOP_LEVEL[cfg.family]
-    for ours, theirs in top.items():
-        for leaf in ("weight", "bias"):
-            if f"{ours}.{leaf}" in state:
-                out[f"{theirs}.{leaf}"] = state.pop(f"{ours}.{leaf}")
+    for leaf in ("weight", "bias"):
+        add(f"{top['tok_embeddings']}.{leaf}", f"tok_embeddings.{leaf}")
     for i in range(cfg.n_layers):
         prefix = f"layers.{i}."
-        names = _llama_names(str(i)) if cfg.family == "llama" else _neox_names(str(i))
-        if cfg.family == "neox":
-            qkv = f"gpt_neox.layers.{i}.attention.query_key_value"
+        table = _llama_names(str(i)) if cfg.family == "llama" else _neox_names(str(i))
+        for ours, theirs in table.items():
+            if cfg.family == "neox" and ours == "attention.wo":
+                qkv = f"gpt_neox.layers.{i}.attention.query_key_value"
+                for leaf in ("weight", "bias"):
+                    add(f"{qkv}.{leaf}", *(f"{prefix}attention.{w}.{leaf}" for w in QKV))
             for leaf in ("weight", "bias"):
-                keys = [f"{prefix}attention.{w}.{leaf}" for w in ("wq", "wk", "wv")]
-                out[f"{qkv}.{leaf}"] = _fuse_qkv(*(state.pop(k) for k in keys), cfg.n_heads)
-        for ours, theirs in names.items():
-            for leaf in ("weight", "bias"):
-                key = f"{prefix}{ours}.{leaf}"
-                if key in state:
-                    out[f"{theirs}.{leaf}"] = state.pop(key)
-    if state:
+                add(f"{theirs}.{leaf}", f"{prefix}{ours}.{leaf}")
+    for ours in ("norm", "output"):
+        for leaf in ("weight", "bias"):
+            add(f"{top[ours]}.{leaf}", f"{ours}.{leaf}")
+    unexpected = sorted(names - used)
+    if unexpected:
         raise ExportError(
-            f"unexpected parameters for family {cfg.family!r}: {sorted(state)[:5]} "
+            f"unexpected parameters for family {cfg.family!r}: {unexpected[:5]} "
             "(does model.* in the config match the checkpoint?)"
         )
-    return {k: v.contiguous() for k, v in out.items()}
+    return layout
+
+
+QKV = ("wq", "wk", "wv")
+
+
+def combine(parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """Our source tensors of one HF tensor -> that HF tensor (contiguous, on CPU)."""
+    if len(parts) == 1:
+        return parts[0].detach().to("cpu").contiguous()
+    return _fuse_qkv(*(t.detach().to("cpu") for t in parts), cfg.n_heads).contiguous()
+
+
+def hf_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Shape of the HF tensor made from sources of ``shapes`` (a fusion stacks dim 0)."""
+    return (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else tuple(shapes[0])
+
+
+def convert_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our unsharded GPT state dict -> the HF model's state dict (contiguous CPU tensors).
+
+    Raises ExportError on a missing or unexpected key (see ``hf_layout``).
+    """
+    layout = hf_layout(cfg, set(state))
+    return {theirs: combine([state[o] for o in ours], cfg) for theirs, ours in layout}
 
 
 def _expected_keys(cfg: ModelConfig) -> set[str]:
@@ -203,18 +239,15 @@ def save_tokenizer(tokenizer_file: str | Path, out_dir: Path, eos_token: str, ma
     tokenizer.save_pretrained(str(out_dir))
 
 
-def export_state_dict(
-    state: dict[str, torch.Tensor],
+def _publish(
     cfg: ModelConfig,
     out_dir: str | Path,
-    tokenizer_file: str | Path | None = None,
-    eos_token: str = "<|endoftext|>",
+    write_weights: Callable[[Path], object],
+    tokenizer_file: str | Path | None,
+    eos_token: str,
 ) -> Path:
-    """Write an HF model directory from our state dict; returns ``out_dir``.
-
-    Published atomically: an existing ``out_dir`` is replaced only once the new one is complete.
-    """
-    from safetensors.torch import save_file
+    """Write config, generation config, tokenizer and (``write_weights(work)``) the weights
+    into ``<out>.partial``, then rename it to ``out_dir`` (replacing an older export)."""
     from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
@@ -224,12 +257,11 @@ def export_state_dict(
         if not tokenizer_file.is_file():
             raise ExportError(f"tokenizer file {str(tokenizer_file)!r} does not exist")
         eos_id = json_token_id(tokenizer_file, eos_token)
-    tensors = convert_state_dict(state, cfg)
     config = hf_config(cfg, eos_id)
     work = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    save_file(tensors, str(work / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_weights(work)
     config.save_pretrained(str(work))
     GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id).save_pretrained(
         str(work)
@@ -240,6 +272,29 @@ def export_state_dict(
         shutil.rmtree(out_dir)
     os.replace(work, out_dir)
     return out_dir
+
+
+def export_state_dict(
+    state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | Path,
+    tokenizer_file: str | Path | None = None,
+    eos_token: str = "<|endoftext|>",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write an HF model directory from our (full, in-memory) state dict; returns ``out_dir``.
+
+    Published atomically: an existing ``out_dir`` is replaced only once the new one is complete.
+    """
+    layout = dict(hf_layout(cfg, set(state)))
+    specs = [TensorSpec(theirs, hf_shape([tuple(state[o].shape) for o in ours]),
+                        state[ours[0]].dtype) for theirs, ours in layout.items()]
+
+    def fetch(spec: TensorSpec) -> torch.Tensor:
+        return combine([state[o] for o in layout[spec.name]], cfg)
+
+    return _publish(cfg, out_dir, lambda work: write_sharded(work, specs, fetch, shard_bytes),
+                    tokenizer_file, eos_token)
 
 
 def json_token_id(tokenizer_file: Path, token: str) -> int:
@@ -257,13 +312,37 @@ def export_model(model: torch.nn.Module, out_dir: str | Path, **kwargs) -> Path:
     return export_state_dict(model.state_dict(), model.cfg, out_dir, **kwargs)
 
 
-def export_checkpoint(ckpt_dir: str | Path, cfg: ModelConfig, out_dir: str | Path, **kwargs) -> Path:
-    """Export a DCP checkpoint directory (any training layout) via ``load_for_inference``."""
-    from model.training.checkpoint import load_for_inference
+def export_checkpoint(
+    ckpt_dir: str | Path,
+    cfg: ModelConfig | None,
+    out_dir: str | Path,
+    tokenizer_file: str | Path | None = None,
+    eos_token: str = "<|endoftext|>",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Export a DCP checkpoint directory (any training layout), streamed.
 
-    hf_class_name(cfg.family)  # fail before loading weights
-    model = load_for_inference(ckpt_dir, cfg)
-    return export_model(model, out_dir, **kwargs)
+    The HF tensors are planned from the checkpoint's DCP metadata; each is then read alone
+    (a partial, process-group-free DCP load of its one to three source tensors), converted,
+    written into its safetensors shard and dropped. The peak memory is about the largest
+    tensor times a small factor, whatever the model's size (docs/evaluation.md). ``cfg``
+    None: the checkpoint's own ``model.json``; otherwise it must match it.
+    """
+    from model.evaluation.dcp_io import CheckpointTensors
+
+    source = CheckpointTensors(ckpt_dir, cfg)
+    cfg = source.cfg
+    hf_class_name(cfg.family)  # fail before writing anything
+    layout = dict(hf_layout(cfg, set(source.names())))
+    specs = [TensorSpec(theirs, hf_shape([source.shape(o) for o in ours]),
+                        source.dtype(ours[0])) for theirs, ours in layout.items()]
+
+    def fetch(spec: TensorSpec) -> torch.Tensor:
+        parts = source.load(layout[spec.name])
+        return combine([parts[o] for o in layout[spec.name]], cfg)
+
+    return _publish(cfg, out_dir, lambda work: write_sharded(work, specs, fetch, shard_bytes),
+                    tokenizer_file, eos_token)
 
 
 def read_export_info(out_dir: str | Path) -> dict:
