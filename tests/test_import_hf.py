@@ -1,0 +1,147 @@
+"""Hugging Face import: random LLaMA / Pythia-style GPT-NeoX models built by transformers
+become our checkpoints that compute HF's logits, in one process and under tp2 x pp2."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.evaluation.dcp_io import checkpoint_model_config
+from model.evaluation.import_hf import ImportHFError, import_hf, model_config_from_hf
+from model.training.checkpoint import load_for_inference
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parent.parent
+
+# Shapes equal to tests/train_helpers.TINY's model (so the multi-rank runs can use it).
+LLAMA = {"vocab_size": 384, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 88, "max_position_embeddings": 32,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+PYTHIA = {"vocab_size": 384, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "intermediate_size": 128, "max_position_embeddings": 32, "rotary_pct": 1.0,
+          "rotary_emb_base": 10000, "use_parallel_residual": True, "hidden_act": "gelu",
+          "layer_norm_eps": 1e-5, "tie_word_embeddings": False}
+NEOX_OVERRIDES = ("model.family=neox", "model.n_kv_heads=null", "model.ffn_hidden=128",
+                  "model.parallel_residual=true")
+
+
+def hf_model(family: str, seed: int = 0):
+    """A random HF model whose norm weights and biases are perturbed too (not just 1/0)."""
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    else:
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**PYTHIA))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 384, (3, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(ours, hf) -> float:
+    with torch.no_grad():
+        return (ours(tokens()) - hf(tokens()).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["llama", "neox"])
+def test_import_safetensors_logits_match(tmp_path, family):
+    hf = hf_model(family)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    out = import_hf(tmp_path / "hf", tmp_path / "ours")
+    cfg = checkpoint_model_config(out)
+    assert (cfg.family, cfg.n_layers, cfg.d_model) == (family, 4, 32)
+    assert cfg.kv_heads == (2 if family == "llama" else 4)
+    assert cfg.parallel_residual == (family == "neox")
+    assert (out / "manifest.json").is_file() and not (tmp_path / "ours.partial").exists()
+    assert max_diff(load_for_inference(out, cfg), hf) < 1e-4
+
+
+def test_import_sharded_bin_with_legacy_buffers_via_command_line(tmp_path):
+    """A sharded pytorch_model.bin (read with weights_only) carrying HF's old attention
+    buffers, imported by ``python -m model.import_hf``."""
+    hf = hf_model("neox", seed=2)
+    src = tmp_path / "hf"
+    src.mkdir()
+    hf.config.save_pretrained(str(src))
+    state = dict(hf.state_dict())
+    state["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
+    names = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for file, keys in halves.items():
+        torch.save({k: state[k].clone() for k in keys}, src / file)
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, keys in halves.items() for k in keys}}))
+    proc = subprocess.run([sys.executable, "-m", "model.import_hf", str(src), str(tmp_path / "o")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "neox, 4 layers, d_model 32" in proc.stdout
+    assert max_diff(load_for_inference(tmp_path / "o", checkpoint_model_config(tmp_path / "o")),
+                    hf) < 1e-4
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"rotary_pct": 0.25}, r"partial rotary \(rotary fraction 0.25\) is not supported"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=true is not supported"),
+    ({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new' is not supported"),
+])
+def test_unsupported_configs_are_refused_by_name(change, fragment):
+    config = transformers.GPTNeoXConfig(**{**PYTHIA, **change}).to_dict()
+    with pytest.raises(ImportHFError, match=fragment):
+        model_config_from_hf(config)
+
+
+def test_unknown_family_scaled_rope_and_offline_hub_are_refused(tmp_path):
+    with pytest.raises(ImportHFError, match="model_type 'gpt2' is not supported"):
+        model_config_from_hf(transformers.GPT2Config().to_dict())
+    scaled = transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ImportHFError, match="rope scaling 'linear' is not supported"):
+        model_config_from_hf(scaled.to_dict())
+    with pytest.raises(ImportHFError, match="hub is off.*pass its directory"):
+        import_hf("hf:EleutherAI/pythia-160m", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_config_translation_keeps_gqa_theta_and_eps():
+    cfg = model_config_from_hf(transformers.LlamaConfig(
+        **{**LLAMA, "rope_theta": 5e5, "rms_norm_eps": 1e-6}).to_dict())
+    assert (cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps, cfg.ffn_dim) == (2, 5e5, 1e-6, 88)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "neox"])
+def test_import_train_tp2_pp2_export_round_trip(tmp_path, family):
+    """HF -> ours; the first step's loss under tp2 x pp2 (4 gloo ranks) equals HF's on that
+    batch; train 4 steps; the streamed export loads in transformers with our logits."""
+    from model.evaluation.export_hf import export_checkpoint
+    from model.training.batches import SyntheticBatches
+    from tests.train_helpers import run_worker
+
+    hf = hf_model(family, seed=3)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "init")
+    overrides = NEOX_OVERRIDES if family == "neox" else ()
+    plan = {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "grad_accum": 4, "schedule": "1f1b",
+            "sharding": "none"}
+    summary = run_worker(tmp_path / "train", plan, 4, *overrides, f"train.init_from={ckpt}")
+    batch = SyntheticBatches(384, 32, 8, 0, 1, 1234).next_batch()
+    with torch.no_grad():
+        logits = hf(batch[:, :-1]).logits
+    hf_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    assert abs(summary["losses"][0] - hf_loss.item()) < 1e-4
+    assert summary["losses"][-1] < summary["losses"][0]
+    trained = load_for_inference(summary["checkpoint"], checkpoint_model_config(ckpt))
+    out = export_checkpoint(summary["checkpoint"], None, tmp_path / "export", shard_bytes=50_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert max_diff(trained, reloaded.eval()) < 1e-4
+    assert max_diff(trained, hf) > 1e-3  # the weights moved
