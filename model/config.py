@@ -191,6 +191,11 @@ class TrainConfig:
     compile: bool = False
     """Compile each transformer block with torch.compile (fuses norms/rotary/SwiGLU on GPU;
     costs tens of seconds of warm-up, so off by default)."""
+    init_from: str | None = None
+    """Start from these weights instead of a random initialisation (continued pretraining):
+    a Hugging Face LLaMA/GPT-NeoX directory or one of our checkpoints (``step-N``). The model
+    shape is taken from it (a conflicting model.* setting is an error); the optimizer, the
+    schedule and the data start afresh. A checkpoint of this run, once written, wins."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every"):

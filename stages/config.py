@@ -317,7 +317,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for text in overrides or []:
         key, value = parse_override(text)
         _set_path(raw, key, value)
+    adopt_init_from_shape(raw)
     return build_dataclass(PipelineConfig, raw, "")
+
+
+def adopt_init_from_shape(raw: dict[str, Any]) -> None:
+    """With ``train.init_from`` set (and present on this machine), take the model shape from
+    that checkpoint: every model.* key the config sets must equal the checkpoint's, else a
+    ConfigError names both values. A path that does not exist yet (a preset's placeholder)
+    is left to the train stage, which refuses it by name."""
+    train = raw.get("train")
+    source = train.get("init_from") if isinstance(train, dict) else None
+    if not isinstance(source, str) or not source or not Path(source).exists():
+        return
+    from model.evaluation.import_hf import init_model_config
+
+    try:
+        shape = dataclasses.asdict(init_model_config(source))
+    except ValueError as err:
+        raise ConfigError(f"train.init_from {source!r}: {err}") from None
+    given = raw.get("model") or {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"model must be a mapping, got {given!r}")
+    conflicts = [f"model.{k}={v!r} but train.init_from has {k}={shape[k]!r}"
+                 for k, v in given.items() if k in shape and k != "init_std" and v != shape[k]]
+    if conflicts:
+        raise ConfigError(f"{'; '.join(conflicts)} ({source}): the model shape comes from "
+                          "train.init_from; remove these model settings or make them match")
+    raw["model"] = {**given, **{k: v for k, v in shape.items() if k != "init_std"}}
 
 
 def config_from_dict(raw: dict[str, Any]) -> PipelineConfig:

@@ -26,6 +26,7 @@ WORKER = "stages.train_worker"
 SPEC_FILE = "spec.json"
 SUMMARY_FILE = "summary.json"
 LOSS_CURVE_FILE = "loss_curve.png"
+INIT_DIR = "init"  # train.init_from imported from Hugging Face
 
 
 def shape(cfg: PipelineConfig) -> StageShape:
@@ -65,6 +66,17 @@ def peak_tflops(cfg: PipelineConfig, plan: Plan) -> float | None:
         return None
 
 
+def initial_checkpoint(cfg: PipelineConfig, out_dir: Path) -> Path:
+    """The checkpoint of ours that ``train.init_from`` names, an HF directory imported into
+    ``out_dir/init`` once; TrainSetupError naming a missing, unsupported or other-shaped one."""
+    from model.evaluation.import_hf import resolve_init_from
+
+    try:
+        return resolve_init_from(cfg.train.init_from, Path(out_dir) / INIT_DIR, cfg.model)
+    except ValueError as err:  # ImportHFError, CheckpointError
+        raise TrainSetupError(f"train.init_from: {err}") from None
+
+
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> str:
     """Validate everything and write the ranks' ``spec.json``; return its path.
 
@@ -82,8 +94,11 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     if tracker is not None and getattr(tracker, "run_id", None):
         tracking = {"uri": tracker.uri, "run_id": tracker.run_id}
         tracker.log_params({"plan": plan.to_dict()})
+    config = cfg.to_dict()
+    if cfg.train.init_from:  # ranks load one of our checkpoints (an HF one imported here)
+        config["train"]["init_from"] = str(initial_checkpoint(cfg, out_dir).resolve())
     spec = RankSpec(worker=WORKER, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes,
-                    out_dir=str(out_dir.resolve()), config=cfg.to_dict(), plan=plan.to_dict(),
+                    out_dir=str(out_dir.resolve()), config=config, plan=plan.to_dict(),
                     store=tok.get("store"), tracking=tracking, peak_tflops=peak_tflops(cfg, plan))
     return str(spec.write(out_dir / SPEC_FILE))
 

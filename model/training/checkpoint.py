@@ -323,6 +323,25 @@ def load_checkpoint(
     return extra
 
 
+def load_initial_weights(ckpt_dir: str | Path, model: nn.Module, model_cfg: ModelConfig) -> None:
+    """Collectively load only the model weights of a checkpoint (ours or one imported from
+    Hugging Face) into this rank's (sharded, possibly partial) model: ``train.init_from``.
+
+    Raises CheckpointError if the checkpoint is incomplete or was written for another shape.
+    """
+    if (Path(ckpt_dir) / "config.json").is_file() and not (Path(ckpt_dir) / "model.json").is_file():
+        raise CheckpointError(
+            f"train.init_from {ckpt_dir} is a Hugging Face directory: the train stage imports "
+            "it, or run python -m model.import_hf SRC OUT and start from OUT")
+    problem = checkpoint_problem(ckpt_dir)
+    if problem is not None:
+        raise CheckpointError(f"train.init_from {ckpt_dir} cannot be loaded: {problem}")
+    check_model_shape(ckpt_dir, model_cfg)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(ckpt_dir))
+    set_model_state_dict(model, state["model"])
+
+
 def load_for_inference(ckpt_dir: str | Path, model_cfg: ModelConfig) -> GPT:
     """The checkpoint's weights in a plain single-process GPT on CPU (no process group).
 

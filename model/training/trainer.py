@@ -223,6 +223,10 @@ class Trainer:
         last_ckpt = self.resume()
         if last_ckpt is not None and self.is_logger:
             print(f"[train] resumed from step {self.step} ({last_ckpt})", flush=True)
+        if last_ckpt is None and self.cfg.init_from:
+            ckpt.load_initial_weights(self.cfg.init_from, self.model, self.model_cfg)
+            if self.is_logger:
+                print(f"[train] initialised from {self.cfg.init_from}", flush=True)
         first_step, step_times = self.step, []
         tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
         every = self.cfg.checkpoint_every
