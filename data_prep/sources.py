@@ -58,9 +58,11 @@ def _decode(path: Path, data: bytes, key: str) -> str:
         ) from None
 
 
-def _record_text(record: object, field: str, where: str) -> str:
+def record_text(record: object, field: str, where: str) -> str:
+    """The text field ``field`` of one JSON record; ``where`` (file:line) starts every error."""
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise DataError(f"{where}: expected a JSON object with field {field!r}, got "
+                        f"{type(record).__name__}: write one object per record")
     if field not in record:
         keys = ", ".join(sorted(map(str, record))[:10])
         raise DataError(
@@ -83,10 +85,10 @@ def _json_texts(path: Path, field: str, key: str) -> Iterator[str]:
             whole = None  # not one JSON document: read it as JSON lines below
         if isinstance(whole, list):
             for i, record in enumerate(whole):
-                yield _record_text(record, field, f"{path}: record [{i}]")
+                yield record_text(record, field, f"{path}: record [{i}]")
             return
         if whole is not None:
-            yield _record_text(whole, field, f"{path}")
+            yield record_text(whole, field, f"{path}")
             return
     for lineno, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
@@ -94,8 +96,9 @@ def _json_texts(path: Path, field: str, key: str) -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column {err.colno})") from None
-        yield _record_text(record, field, f"{path}:{lineno}")
+            raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column "
+                            f"{err.colno}): fix the line or remove the file from {key}") from None
+        yield record_text(record, field, f"{path}:{lineno}")
 
 
 def _generate(files: tuple[str, ...], field: str, skip_undecodable: bool, max_bytes: int | None,
@@ -190,7 +193,7 @@ def _select_text(ds: datasets.Dataset, cfg: DataConfig, where: str) -> datasets.
     return ds
 
 
-def _expand(source: str, key: str) -> list[Path]:
+def expand_files(source: str, key: str) -> list[Path]:
     """The data files a local source names (file, directory or glob), sorted."""
     path = Path(source).expanduser()
     if path.is_file():
@@ -199,13 +202,14 @@ def _expand(source: str, key: str) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED)
         if not files:
             raise DataError(
-                f"{key} directory {source!r} has no {'/'.join(SUPPORTED)} files"
+                f"{key} directory {source!r} has no {'/'.join(SUPPORTED)} files: add some, "
+                f"or point {key} at a directory that has them"
             )
     elif glob.has_magic(source):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)
                        if Path(p).is_file())
         if not files:
-            raise DataError(f"{key} glob {source!r} matched no files")
+            raise DataError(f"{key} glob {source!r} matched no files: fix the pattern")
     else:
         raise DataError(
             f"{key} {source!r} does not exist: give 'stdlib', a file, directory or glob "
@@ -217,7 +221,8 @@ def _expand(source: str, key: str) -> list[Path]:
     return files
 
 
-def _is_saved_dataset(path: Path) -> bool:
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a directory written by ``Dataset(Dict).save_to_disk``."""
     return path.is_dir() and (
         (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
     )
@@ -247,7 +252,7 @@ def load_source(cfg: DataConfig, cache_dir: str | Path, source: str | None = Non
         ds = _select_text(
             datasets.load_dataset(source[3:], split="train", cache_dir=str(cache_dir)), cfg, where
         )
-    elif _is_saved_dataset(Path(source)):
+    elif is_saved_dataset(Path(source)):
         loaded = datasets.load_from_disk(source)
         if isinstance(loaded, datasets.DatasetDict):
             if "train" not in loaded:
@@ -256,7 +261,7 @@ def load_source(cfg: DataConfig, cache_dir: str | Path, source: str | None = Non
             loaded = loaded["train"]
         ds = _select_text(loaded, cfg, f"{key}: {source}")
     else:
-        files = _expand(source, key)
+        files = expand_files(source, key)
         parquet = [p for p in files if p.suffix in PARQUET_SUFFIXES]
         if parquet and len(parquet) != len(files):
             raise DataError(

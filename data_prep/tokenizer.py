@@ -45,11 +45,14 @@ def load_tokenizer(path: str | Path, eos_token: str) -> Tokenizer:
     """Load a tokenizer.json and check that it knows the eos token."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"tokenizer.path {str(path)!r} does not exist")
+        raise DataError(f"tokenizer.path {str(path)!r} does not exist: point it at a "
+                        "tokenizer.json, or set tokenizer.path=null to train one")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # noqa: BLE001  (tokenizers raises a bare Exception on a bad file)
-        raise DataError(f"tokenizer.path {str(path)!r} is not a tokenizers JSON file: {err}") from None
+        raise DataError(f"tokenizer.path {str(path)!r} is not a tokenizers JSON file ({err}): "
+                        "point it at a tokenizer.json saved by the tokenizers library, or set "
+                        "tokenizer.path=null to train one") from None
     if tokenizer.token_to_id(eos_token) is None:
         raise DataError(
             f"tokenizer {path} has no token {eos_token!r}: set tokenizer.eos_token to one of its "

@@ -4,6 +4,12 @@ A stage module ``stages/<name>.py`` declares ``SECTIONS`` (the config sections i
 hashes), ``UPSTREAM`` (the stages whose outputs it consumes), ``RESUMABLE`` (whether a
 failed attempt's work directory is kept to continue from) and ``shape(cfg)`` (see
 ``stages.stage.StageShape``). The workflow reads these and knows no stage by name.
+
+A stage module may also define ``check(cfg) -> None``: a cheap pre-flight of its inputs
+(paths exist, files parse, settings fit together) that reads no more than the start of a
+file and writes nothing. It raises a ``ValueError`` subclass (``ConfigError``,
+``DataError``, ...) whose message names the setting and the fix. ``stages.preflight`` runs
+it for every stage a run will compute, before any work; the stage's own checks stay.
 """
 from __future__ import annotations
 

@@ -23,17 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from data_prep import build
+from data_prep import build, checks
 from data_prep.build import PREPARED, STORE, TOKENIZER
 from data_prep.corpus import open_corpus, prepare_corpus, saved_corpus, training_sample
+from data_prep.errors import DataError
 from data_prep.progress import Progress
 from data_prep.store import MANIFEST
 from data_prep.tokenizer import load_tokenizer, shared_tokenizer, train_tokenizer
+from model.config import vocab_fit_problem
 from stages.config import PipelineConfig
 from stages.stage import FAN_OUT, StageShape
 
-__all__ = ["PREPARED", "RESUMABLE", "SECTIONS", "STORE", "TOKENIZER", "UPSTREAM", "finalize",
-           "part", "prepare", "run", "shape"]
+__all__ = ["PREPARED", "RESUMABLE", "SECTIONS", "STORE", "TOKENIZER", "UPSTREAM", "check",
+           "finalize", "part", "prepare", "run", "shape"]
 
 SECTIONS = ("data", "tokenizer")
 UPSTREAM: tuple[str, ...] = ()
@@ -43,6 +45,23 @@ RESUMABLE = True  # finished shards are kept and not encoded again
 def shape(cfg: PipelineConfig) -> StageShape:
     """Fan-out: one part per input shard."""
     return StageShape(FAN_OUT, parts=cfg.data.num_shards, note=f"x{cfg.data.num_shards} shards")
+
+
+def check(cfg: PipelineConfig) -> None:
+    """Pre-flight, before any work: the sources and the tokenizer can be used.
+
+    Reads only the start of each input file (``data_prep.checks``): every local source exists
+    and holds non-empty UTF-8 text, JSON and parquet records have ``data.text_field``;
+    ``tokenizer.path`` (when set) loads, knows the eos token and its ids fit
+    ``data.token_dtype`` and ``model.vocab_size``. Raises ``DataError`` naming the key and
+    the fix; ``prepare`` and ``part`` still check the whole input as they read it.
+    """
+    checks.check_sources(cfg.data)
+    vocab = checks.check_tokenizer(cfg.tokenizer, cfg.data)
+    problem = vocab_fit_problem(vocab, cfg.model.vocab_size)
+    if problem:
+        where = f"tokenizer.path {cfg.tokenizer.path!r}: " if cfg.tokenizer.path else ""
+        raise DataError(f"{where}{problem}")
 
 
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> int:

@@ -407,12 +407,18 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(plan_stages(cfg, args.only, args.start, args.force, stage.package_version()), cfg))
             print(sites.dry_run_text(cfg, cfg.runs_dir))
             return 0
+        from stages.preflight import preflight
+
+        preflight(cfg, args.only, args.start, args.force)  # each stage's cheap input checks
         check_runs_dir(cfg.runs_dir)
         run_pipeline(cfg, args.only, args.start, args.force)
     except KeyboardInterrupt:
         return 130
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
+        return 2
+    except ValueError as error:  # an unusable input (DataError, ...) found before any work
+        print(f"input error: {error}", file=sys.stderr)
         return 2
     except PipelineFailed as error:
         print(f"\npipeline failed:\n{error}", file=sys.stderr)
