@@ -1,0 +1,160 @@
+"""Ctrl-C and SIGTERM stop everything; training ranks never outlive their launcher.
+
+The pipeline CLI runs for real (Parsl's interchange and worker pools, ``stages.launch``,
+torchrun, gloo ranks, the SQLite MLflow store) on a training long enough to be
+interrupted. After the driver is signalled, it must exit promptly, leave no process of its
+runs dir behind, and record the interrupted stage as failed on disk and in MLflow. A killed
+launcher (``stages.launch`` or torchrun) must take its ranks with it, so nothing writes into
+the stage directory afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stages import tracking
+from tests.reliability.test_resume import (
+    Driver,
+    checkpoints,
+    poll,
+    processes_of,
+    ranks_of,
+    runs_module,
+    start_pipeline,
+    stop,
+)
+
+LONG_TRAINING = ("train.steps=100000", "train.checkpoint_every=10", "site.retries=0")
+EXIT_WITHIN_S = 10.0  # the driver exits this soon after the signal
+SETTLE_S = 10.0  # after which no process of the runs dir may be left
+RANKS_GONE_WITHIN_S = 5.0  # after the launcher was killed
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def drivers() -> Iterator[list[Driver]]:
+    """Drivers a test starts; any still running at its end are stopped with their processes."""
+    started: list[Driver] = []
+    yield started
+    stop(started)
+
+
+def training_under_way(driver: Driver) -> None:
+    """Wait until the ranks run and have written a checkpoint."""
+    poll("a running training with a checkpoint",
+         lambda: ranks_of(driver.runs) and checkpoints(driver.runs), driver)
+
+
+def process_tree(driver: Driver) -> list[psutil.Process]:
+    """The driver, its descendants (Parsl's interchange), and every process of its runs dir
+    (worker pools, launcher, torchrun, ranks) with their descendants (Parsl's workers)."""
+    roots = [psutil.Process(driver.proc.pid), *processes_of(driver.runs)]
+    found: dict[int, psutil.Process] = {}
+    for root in roots:
+        try:
+            for proc in [root, *root.children(recursive=True)]:
+                found[proc.pid] = proc
+        except psutil.NoSuchProcess:
+            pass
+    return list(found.values())
+
+
+def alive(procs: list[psutil.Process]) -> list[str]:
+    """The processes of ``procs`` still running (same pid and start time; not zombies)."""
+    left = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{proc.pid}: {' '.join(proc.cmdline())[:200]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return left
+
+
+def train_status(runs: Path) -> dict:
+    found = list((runs / "stages" / "train").glob("*.partial/status.json"))
+    assert len(found) == 1, f"expected one train attempt, found {found}"
+    return json.loads(found[0].read_text())
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the driver", "SIGINT to its process group"])
+def test_a_signal_stops_every_process_and_marks_training_failed(
+    how: str, runs_dir: Path, drivers: list[Driver]
+) -> None:
+    group = "group" in how  # Ctrl-C in a terminal: SIGINT to the whole foreground group
+    drivers.append(start_pipeline(runs_dir, *LONG_TRAINING, new_session=group))
+    driver = drivers[-1]
+    training_under_way(driver)
+    tree = process_tree(driver)
+    kinds = " ".join(" ".join(p.cmdline()) for p in tree if p.is_running())
+    for part in ("process_worker_pool", "stages.launch", "torch.distributed.run",
+                 "stages.train_worker"):
+        assert part in kinds, f"no {part} among the pipeline's processes: {kinds[:2000]}"
+
+    if group:  # the driver leads a session of its own: this signals none of the tests
+        os.killpg(driver.proc.pid, signal.SIGINT)
+    else:
+        driver.proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    try:
+        code = driver.proc.wait(EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    took = time.monotonic() - signalled
+    console = driver.console()
+    assert code is not None, f"the driver was still running {EXIT_WITHIN_S} s after {how}:\n" \
+        f"{console[-3000:]}"
+    assert code == 130, f"exit {code} after {how}:\n{console[-3000:]}"
+    assert "[pipeline] interrupted" in console
+
+    time.sleep(max(0.0, SETTLE_S - (time.monotonic() - signalled - took)))
+    assert not alive(tree), f"processes outlived the driver: {alive(tree)}"
+    assert not processes_of(runs_dir), [p.cmdline() for p in processes_of(runs_dir)]
+
+    assert train_status(runs_dir)["state"] == "failed"
+    uri = tracking.default_tracking_uri(runs_dir)
+    runs = {r.info.run_name: r.info.status for r in tracking.search_runs(uri, "micro")}
+    parent = [s for name, s in runs.items() if name.startswith("pipeline-")]
+    train = [s for name, s in runs.items() if name.startswith("train-")]
+    assert parent == ["FAILED"], runs
+    assert train == ["FAILED"], runs
+    assert "RUNNING" not in runs.values(), runs
+
+
+@pytest.mark.parametrize("module", ["stages.launch", "torch.distributed.run"])
+def test_ranks_die_with_a_killed_launcher(
+    module: str, runs_dir: Path, drivers: list[Driver]
+) -> None:
+    drivers.append(start_pipeline(runs_dir, *LONG_TRAINING))
+    driver = drivers[-1]
+    training_under_way(driver)
+    (launcher,) = runs_module(runs_dir, module)
+    launcher.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    while ranks_of(runs_dir) and time.monotonic() - killed < RANKS_GONE_WITHIN_S:
+        time.sleep(0.1)
+    assert not ranks_of(runs_dir), \
+        f"ranks outlived their {module} by {RANKS_GONE_WITHIN_S} s: {ranks_of(runs_dir)}"
+
+    def newest() -> tuple[int, float]:
+        files = [p for p in (runs_dir / "stages" / "train").glob("*.partial/checkpoints/**/*")]
+        return max(checkpoints(runs_dir)), max(p.stat().st_mtime for p in files)
+
+    before = newest()
+    time.sleep(SETTLE_S)
+    assert newest() == before, "something wrote checkpoints after the ranks were stopped"
+
+    code = driver.wait()
+    console = driver.console()
+    assert code == 1, f"exit {code}:\n{console[-3000:]}"
+    assert "train failed:" in console, console[-3000:]
+    assert train_status(runs_dir)["state"] == "failed"
