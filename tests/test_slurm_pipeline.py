@@ -65,7 +65,7 @@ def wait_cli(proc: subprocess.Popen, runs_dir: Path, timeout: float) -> str:
 def train_block_jobs(runs_dir: Path) -> dict[str, str]:
     """Slurm job name -> job id of this run's training blocks (from Parsl's log)."""
     jobs = {}
-    for log in runs_dir.glob("parsl/*/parsl.log"):
+    for log in runs_dir.glob("parsl/**/parsl.log"):  # parsl/<driver>/<run>/parsl.log
         for block, job in re.findall(
             r"\[Scaling executor train\] Launched block (\d+) with job ID (\d+)", log.read_text()
         ):
@@ -83,8 +83,9 @@ def jobcomp_states() -> dict[str, tuple[str, str]]:
 
 def srun_steps(job_id: str) -> list[str]:
     """Steps slurmd launched for a job (each srun inside the job is one step)."""
-    log = (SLURM_DIR / "log" / "slurmd.log").read_text()
-    return re.findall(rf"launch task StepId={job_id}\.(\d+)", log)
+    # One slurmd log per node (slurmd.log on one node, slurmd-<node>.log on several).
+    logs = "".join(p.read_text() for p in sorted((SLURM_DIR / "log").glob("slurmd*.log")))
+    return sorted(set(re.findall(rf"launch task StepId={job_id}\.(\d+)", logs)))
 
 
 def pipeline_stage_runs(runs_dir: Path) -> tuple[list, dict]:

@@ -34,14 +34,18 @@ def is_user_error(error: BaseException) -> bool:
     return isinstance(error, ValueError)
 
 
-def retry_cost(error: Exception, task_record: dict[str, Any]) -> float:
-    """Parsl retry handler: user errors cost more than the budget; others cost one try."""
+def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0) -> float:
+    """Parsl retry handler: user errors cost more than the budget; others cost one try.
+
+    ``budget`` is ``site.retries``: the console says "retrying" only when a retry follows.
+    """
     if isinstance(error, DependencyError) or is_user_error(error):
         return NEVER_RETRY
-    attempt = task_record.get("fail_count", 1)
-    name = task_record.get("func_name", "app")
-    print(f"[pipeline] {name} failed on attempt {attempt} ({type(error).__name__}: "
-          f"{_first_line(error)}); retrying if the budget allows", file=sys.stderr, flush=True)
+    if task_record.get("fail_cost", 0) + 1 <= budget:
+        attempt = task_record.get("fail_count", 1)
+        name = task_record.get("func_name", "app")
+        print(f"[pipeline] {name} failed on attempt {attempt} ({type(error).__name__}: "
+              f"{_first_line(error)}); retrying", file=sys.stderr, flush=True)
     return 1.0
 
 

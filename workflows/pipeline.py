@@ -13,6 +13,7 @@ stage after it; the stages before must already have succeeded with the current c
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -247,6 +248,8 @@ def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> St
 
         rank_message = read_rank_error(work_dir)
         message = rank_message or f"the ranks exited with code {error.exitcode}"
+    if isinstance(error, OSError) and error.errno in failures_mod.STORAGE_ERRNOS:
+        message += f" (while writing under {work_dir.parent}: free space or pass another --runs-dir)"
     logs = [run.log] + ([run.ranks_log] if run.ranks_log else [])
     return StageFailure(run.name, message, failures_mod.is_user_error(error),
                         work_dir / stage.STATUS_FILE, logs)
@@ -314,15 +317,18 @@ def run_pipeline(
 
     from workflows import sites
 
+    # A log handler that cannot write (a full disk) must not print a traceback per record.
+    logging.raiseExceptions = False
+    runs_dir = cfg.runs_dir
+    uri = tracking.default_tracking_uri(runs_dir, cfg.tracking.uri)
+    tracking.check_store(uri)  # first: an unusable store is one line, before any work
     code = stage.code_hashes()
     plans = plan_stages(cfg, only, start, force, code)
-    runs_dir = cfg.runs_dir
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ConfigError(f"cannot create the runs dir {runs_dir} ({error}); pass a writable "
                           "--runs-dir") from None
-    uri = tracking.default_tracking_uri(runs_dir, cfg.tracking.uri)
     experiment_id = tracking.ensure_experiment(uri, cfg.tracking.experiment or cfg.name, runs_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     parent_id = tracking.start_run(
@@ -335,15 +341,21 @@ def run_pipeline(
     parent.set_tags({f"stage.{p.name}": p.action for p in plans})
     ctx = stage.PipelineContext(str(runs_dir), uri, experiment_id, parent_id, code)
     # Stage locks are held in this driver's name; keep them fresh while the stages run.
-    heartbeat = locks.Heartbeat(  # noqa: F841 - stopped when the driver is done
-        runs_dir, ctx.driver, ctx.lock_stale_s / 10).start()
+    heartbeat = locks.Heartbeat(runs_dir, ctx.driver, ctx.lock_stale_s / 10).start()
     parsl_dir = runs_dir / "parsl" / f"{stamp}-{os.getpid()}"  # one Parsl run dir per driver
     log_dir = runs_dir / "logs" / f"{stamp}-{parent_id[:8]}"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(describe(plans, cfg), flush=True)
     started = time.time()
     status = "FAILED"
-    dfk = parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir))
+    # Ctrl-C signals the terminal's whole process group: Parsl's interchanges (children of
+    # this driver) start with SIGINT ignored, so they live until dfk.cleanup() stops them
+    # instead of dying first and leaving the cleanup waiting on them.
+    interactive_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        dfk = parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir))
+    finally:
+        signal.signal(signal.SIGINT, interactive_handler)
     runs: dict[str, StageRun] = {}
     previous_handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -358,7 +370,12 @@ def run_pipeline(
         dfk.cleanup()  # stops the workers; local ranks die with them (stages.launch)
         parsl.clear()
         signal.signal(signal.SIGTERM, previous_handler)
-        _fail_running(ctx, runs, runs_dir)
+        try:
+            _fail_running(ctx, runs, runs_dir)
+        except Exception as error:  # noqa: BLE001 - must not hide the stage's own error
+            print(f"[pipeline] could not mark running stages failed: {error}", file=sys.stderr)
+        heartbeat.stop()
+        locks.release_all(runs_dir, ctx.driver)  # locks of stages that never finished
         parent.set_tags({"wall_seconds": f"{time.time() - started:.1f}"})
         tracking.end_run(uri, parent_id, status)
     for name in STAGE_ORDER:
@@ -404,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from workflows import sites
 
-            print(describe(plan_stages(cfg, args.only, args.start, args.force, stage.package_version()), cfg))
+            print(describe(plan_stages(cfg, args.only, args.start, args.force), cfg))
             print(sites.dry_run_text(cfg, cfg.runs_dir))
             return 0
         from stages.preflight import preflight

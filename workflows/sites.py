@@ -16,6 +16,7 @@ laptop, a generic Slurm cluster and Frontier is a config change, never a code ch
 """
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -86,7 +87,8 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
         executors=executors,
         run_dir=str(parsl_dir or Path(run_dir) / "parsl"),
         retries=cfg.site.retries,
-        retry_handler=retry_cost,  # user errors fail at once; lost workers/ranks are retried
+        # User errors fail at once; lost workers and killed ranks are retried.
+        retry_handler=functools.partial(retry_cost, budget=cfg.site.retries),
         # Frequent strategy passes: first app starts sooner, lost blocks are replaced sooner.
         strategy_period=0.5 if site == "local" else 1,
         initialize_logging=True,
