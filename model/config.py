@@ -44,6 +44,10 @@ class ModelConfig:
     """neox only: attention and MLP read the same input and are summed (GPT-J/NeoX style)."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rotary_fraction: float = 1.0
+    """neox only: the fraction of each head's dimensions that rotary rotates (the first
+    ``int(head_dim * rotary_fraction)``; the rest pass through), GPT-NeoX's ``rotary_pct``
+    (Pythia: 0.25)."""
     norm_eps: float = 1e-5
     """Epsilon of LayerNorm/RMSNorm."""
     init_std: float = 0.02
@@ -71,10 +75,23 @@ class ModelConfig:
             "model.parallel_residual is only supported for family 'neox'",
         )
         _require((self.d_model // self.n_heads) % 2 == 0, "model head dim must be even for rotary")
+        _require(0.0 < self.rotary_fraction <= 1.0,
+                 f"model.rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
+        _require(self.rotary_fraction == 1.0 or self.family == "neox",
+                 "model.rotary_fraction < 1 (partial rotary) is only supported for family 'neox'")
+        _require(self.rotary_dim > 0 and self.rotary_dim % 2 == 0,
+                 f"model.rotary_fraction={self.rotary_fraction} rotates int({self.head_dim} * "
+                 f"{self.rotary_fraction}) = {self.rotary_dim} dims of each head: that must be a "
+                 "positive even number")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that rotary rotates (HF GPT-NeoX's ``rotary_ndims``)."""
+        return int(self.head_dim * self.rotary_fraction)
 
     @property
     def kv_heads(self) -> int:

@@ -13,8 +13,10 @@ export is a rename (plus a q/k/v concatenation for GPT-NeoX's fused ``query_key_
 Rotary convention: HF "rotate_half" (the head dim is split into two halves, not
 interleaved pairs): ``q' = q * cos + rotate_half(q) * sin`` with
 ``cos = cat(cos(pos * inv_freq), cos(pos * inv_freq))``. This is what HF
-LlamaForCausalLM and GPTNeoXForCausalLM (rotary_pct = 1.0) compute, so exported weights
-need no permutation.
+LlamaForCausalLM and GPTNeoXForCausalLM compute, so exported weights need no permutation.
+Partial rotary (neox ``rotary_fraction`` < 1, GPT-NeoX's ``rotary_pct``, Pythia's 0.25)
+rotates only the first ``cfg.rotary_dim`` dims of each head, with tables (and inv_freq) built
+for that many dims, and passes the rest through, as HF GPT-NeoX does.
 
 The model is built on the meta device, parallelised, materialised with ``to_empty`` and
 then initialised by ``init_weights(seed)``: each parameter is drawn from a generator seeded
@@ -40,8 +42,12 @@ from model.config import ModelConfig
 # --------------------------------------------------------------------------------------
 # Rotary position embedding
 # --------------------------------------------------------------------------------------
-def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_seq_len, head_dim] in the HF rotate_half layout (float32)."""
+def rotary_tables(head_dim: int, max_seq_len: int,
+                  theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_seq_len, head_dim] in the HF rotate_half layout (float32).
+
+    ``head_dim`` is the number of dims rotated: the model passes ``cfg.rotary_dim``.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     pos = torch.arange(max_seq_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)  # [S, hd/2]
@@ -56,9 +62,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, hd]; cos/sin [T, hd] -> rotated x [B, H, T, hd] (same dtype as x)."""
+    """x [B, H, T, hd]; cos/sin [T, r] -> x [B, H, T, hd] (same dtype as x) with its first
+    r dims rotated and the other hd - r passed through (r = hd: the whole head)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
 # --------------------------------------------------------------------------------------
@@ -97,9 +108,9 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_rep > 1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D], cos/sin [max_seq_len, hd] -> [B, T, D]."""
+        """x [B, T, D], cos/sin [max_seq_len, rotary_dim] -> [B, T, D]."""
         bsz, seqlen, _ = x.shape  # full T even under sequence parallelism (input gathered)
-        cos, sin = cos[:seqlen], sin[:seqlen]  # [T, hd]
+        cos, sin = cos[:seqlen], sin[:seqlen]  # [T, rotary_dim]
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, hd]
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, hd]
@@ -133,9 +144,9 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: sequential (x + attn, then + mlp) or neox parallel residual.
 
     ``recompute`` (full) and ``attention.recompute_core`` (selective) are set by
-    ``model.parallel.parallelize.apply_activation_checkpointing``: the block's (or only the attention
-    core's) activations are recomputed in backward with torch.utils.checkpoint. Keeping them
-    attributes (not wrapper modules) keeps parameter names unchanged.
+    ``model.parallel.parallelize.apply_activation_checkpointing``: the block's (or only the
+    attention core's) activations are recomputed in backward with torch.utils.checkpoint.
+    Keeping them attributes (not wrapper modules) keeps parameter names unchanged.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -180,13 +191,14 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta)
         # Non-persistent: recomputed by init_weights, never part of checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (or hidden [B, T, D] on a later stage) -> logits [B, T, V] (or [B, T, D])."""
+        """tokens [B, T] (or hidden [B, T, D] on a later stage) -> logits [B, T, V]
+        (or [B, T, D])."""
         if self.tok_embeddings is not None:
             if tokens.shape[1] > self.cfg.max_seq_len:
                 raise ValueError(
@@ -214,7 +226,7 @@ class GPT(nn.Module):
         Each tensor is drawn over its full shape from a CPU generator seeded by
         (seed, name), then the local shard of a DTensor parameter is kept.
         """
-        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rotary_tables(self.cfg.rotary_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, param in self.named_parameters():

@@ -19,11 +19,13 @@ CASES = {
     "llama-gqa": {"family": "llama", "n_kv_heads": 2},
     "neox-sequential": {"family": "neox"},
     "neox-parallel-residual": {"family": "neox", "parallel_residual": True},
+    "neox-partial-rotary": {"family": "neox", "parallel_residual": True, "rotary_fraction": 0.5},
 }
 
 
 def tiny_model(seed: int = 0, **shape) -> GPT:
-    """A random tiny GPT whose norm weights and biases are perturbed too (not just 1/0)."""
+    """A random tiny GPT whose norm weights and biases are perturbed too (not just 1/0) and
+    whose attention is sharp (wq, wk x8), so the rotary embedding shows in the logits."""
     cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=300, max_seq_len=32,
                       **shape)
     model = GPT(cfg)
@@ -33,6 +35,8 @@ def tiny_model(seed: int = 0, **shape) -> GPT:
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(0.1 * torch.randn(param.shape, generator=gen))
+            if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                param.mul_(8.0)
     return model.eval()
 
 
@@ -87,7 +91,8 @@ def test_export_refuses_family_without_transformers_class(tmp_path):
     model = tiny_model(family="llama")
     model.cfg = ModelConfig(family="rwkv", n_layers=2, d_model=32, n_heads=4, vocab_size=300,
                             max_seq_len=32)
-    with pytest.raises(ExportError, match=r"model.family='rwkv'.*supported families: \['llama', 'neox'\]"):
+    with pytest.raises(ExportError,
+                       match=r"model.family='rwkv'.*supported families: \['llama', 'neox'\]"):
         export_model(model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
 
@@ -141,7 +146,7 @@ def write_checkpoint_of(model: GPT, path: Path) -> Path:
     return write_model_checkpoint(path, model.cfg, specs, lambda name: state[name])
 
 
-@pytest.mark.parametrize("case", ["llama-gqa", "neox-parallel-residual"])
+@pytest.mark.parametrize("case", ["llama-gqa", "neox-partial-rotary"])
 def test_streamed_sharded_export_equals_in_memory_export(tmp_path, case):
     ours = tiny_model(5, **CASES[case])
     ckpt = write_checkpoint_of(ours, tmp_path / "ckpt")

@@ -1,5 +1,6 @@
 """Hugging Face import: random LLaMA / Pythia-style GPT-NeoX models built by transformers
 become our checkpoints that compute HF's logits, in one process and under tp2 x pp2."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,26 +12,29 @@ import torch
 
 from model.evaluation.dcp_io import checkpoint_model_config
 from model.evaluation.import_hf import ImportHFError, import_hf, model_config_from_hf
+from model.gpt import GPT
 from model.training.checkpoint import load_for_inference
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent
 
-# Shapes equal to tests/train_helpers.TINY's model (so the multi-rank runs can use it).
+# Shapes equal to tests/train_helpers.TINY's model (so the multi-rank runs can use it); the
+# GPT-NeoX one is Pythia-style: parallel residual, rotary over a quarter of each head (4 of 16).
 LLAMA = {"vocab_size": 384, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 88, "max_position_embeddings": 32,
          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
-PYTHIA = {"vocab_size": 384, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
-          "intermediate_size": 128, "max_position_embeddings": 32, "rotary_pct": 1.0,
+PYTHIA = {"vocab_size": 384, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2,
+          "intermediate_size": 128, "max_position_embeddings": 32, "rotary_pct": 0.25,
           "rotary_emb_base": 10000, "use_parallel_residual": True, "hidden_act": "gelu",
           "layer_norm_eps": 1e-5, "tie_word_embeddings": False}
-NEOX_OVERRIDES = ("model.family=neox", "model.n_kv_heads=null", "model.ffn_hidden=128",
-                  "model.parallel_residual=true")
+NEOX_OVERRIDES = ("model.family=neox", "model.n_heads=2", "model.n_kv_heads=null",
+                  "model.ffn_hidden=128", "model.parallel_residual=true")
 
 
 def hf_model(family: str, seed: int = 0):
-    """A random HF model whose norm weights and biases are perturbed too (not just 1/0)."""
+    """A random HF model whose norm weights and biases are perturbed too (not just 1/0) and
+    whose attention is sharp (q/k/v weights x8), so the rotary embedding shows in the logits."""
     torch.manual_seed(seed)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
@@ -40,6 +44,8 @@ def hf_model(family: str, seed: int = 0):
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.add_(0.1 * torch.randn_like(param))
+            if name.endswith(("q_proj.weight", "k_proj.weight", "query_key_value.weight")):
+                param.mul_(8.0)
     return model.eval()
 
 
@@ -59,10 +65,16 @@ def test_import_safetensors_logits_match(tmp_path, family):
     out = import_hf(tmp_path / "hf", tmp_path / "ours")
     cfg = checkpoint_model_config(out)
     assert (cfg.family, cfg.n_layers, cfg.d_model) == (family, 4, 32)
-    assert cfg.kv_heads == (2 if family == "llama" else 4)
+    assert cfg.kv_heads == 2
     assert cfg.parallel_residual == (family == "neox")
+    assert cfg.rotary_fraction == (0.25 if family == "neox" else 1.0)
     assert (out / "manifest.json").is_file() and not (tmp_path / "ours.partial").exists()
-    assert max_diff(load_for_inference(out, cfg), hf) < 1e-4
+    ours = load_for_inference(out, cfg)
+    assert max_diff(ours, hf) < 1e-4
+    if family == "neox":  # the partial rotary matters: rotating whole heads misses HF's logits
+        whole = GPT(dataclasses.replace(cfg, rotary_fraction=1.0))
+        whole.load_state_dict(ours.state_dict())
+        assert max_diff(whole, hf) > 1e-2
 
 
 def test_import_sharded_bin_with_legacy_buffers_via_command_line(tmp_path):
@@ -90,7 +102,7 @@ def test_import_sharded_bin_with_legacy_buffers_via_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("change, fragment", [
-    ({"rotary_pct": 0.25}, r"partial rotary \(rotary fraction 0.25\) is not supported"),
+    ({"rotary_pct": 0.1}, r"rotates int\(16 \* 0.1\) = 1 dims .* positive even number"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=true is not supported"),
     ({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new' is not supported"),
 ])
@@ -103,6 +115,9 @@ def test_unsupported_configs_are_refused_by_name(change, fragment):
 def test_unknown_family_scaled_rope_and_offline_hub_are_refused(tmp_path):
     with pytest.raises(ImportHFError, match="model_type 'gpt2' is not supported"):
         model_config_from_hf(transformers.GPT2Config().to_dict())
+    partial = {**transformers.LlamaConfig(**LLAMA).to_dict(), "partial_rotary_factor": 0.5}
+    with pytest.raises(ImportHFError, match=r"rotary fraction 0.5\) is not supported for LLaMA"):
+        model_config_from_hf(partial)
     scaled = transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ImportHFError, match="rope scaling 'linear' is not supported"):
         model_config_from_hf(scaled.to_dict())
@@ -145,3 +160,36 @@ def test_import_train_tp2_pp2_export_round_trip(tmp_path, family):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert max_diff(trained, reloaded.eval()) < 1e-4
     assert max_diff(trained, hf) > 1e-3  # the weights moved
+
+
+def test_older_model_json_without_rotary_fraction_reads_as_full_rotary(tmp_path):
+    """A model.json written before model.rotary_fraction existed means full rotary."""
+    from model.training.checkpoint import CheckpointError, check_model_shape
+
+    hf_model("neox").save_pretrained(str(tmp_path / "hf"))
+    out = import_hf(tmp_path / "hf", tmp_path / "ours")
+    pythia = checkpoint_model_config(out)
+    saved = json.loads((out / "model.json").read_text())
+    del saved["rotary_fraction"]
+    (out / "model.json").write_text(json.dumps(saved))
+    full = checkpoint_model_config(out)
+    assert full.rotary_fraction == 1.0
+    check_model_shape(out, full)
+    with pytest.raises(CheckpointError, match="model.rotary_fraction: checkpoint 1.0 vs config "
+                                              "0.25"):
+        check_model_shape(out, pythia)
+
+
+def test_pythia_160m_config_translates_to_the_preset_model():
+    """Pythia-160M's published config.json (rotary_pct 0.25) gives configs/pythia-continue.yaml's
+    model section, so the preset's restated shape does not conflict with train.init_from."""
+    from stages.config import load_config
+
+    pythia_160m = transformers.GPTNeoXConfig(
+        vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+        intermediate_size=3072, max_position_embeddings=2048, rotary_pct=0.25,
+        rotary_emb_base=10000, use_parallel_residual=True, hidden_act="gelu",
+        layer_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02)
+    cfg = model_config_from_hf(pythia_160m.to_dict())
+    assert (cfg.rotary_fraction, cfg.rotary_dim, cfg.head_dim) == (0.25, 16, 64)
+    assert cfg == load_config(str(REPO / "configs" / "pythia-continue.yaml"), []).model

@@ -25,6 +25,9 @@ CONFIGS = {
                                    vocab_size=300, max_seq_len=32),
     "llama_mha": ModelConfig(family="llama", n_layers=3, d_model=32, n_heads=2, ffn_hidden=72,
                              vocab_size=260, max_seq_len=32),
+    "neox_partial_rotary": ModelConfig(family="neox", n_layers=2, d_model=64, n_heads=4,
+                                       vocab_size=300, max_seq_len=32, parallel_residual=True,
+                                       rotary_fraction=0.25),  # Pythia's: 4 of 16 dims
 }
 
 
@@ -101,6 +104,31 @@ def test_rotary_preserves_norms_and_encodes_relative_position() -> None:
     assert torch.allclose((rot(q, 3) * rot(k, 1)).sum(), (rot(q, 12) * rot(k, 10)).sum(), atol=1e-5)
 
 
+def test_partial_rotary_rotates_the_leading_dims_and_passes_the_rest() -> None:
+    cos, sin = rotary_tables(4, 32, 10000.0)  # 4 of 16 dims rotated
+    x = torch.randn(1, 2, 32, 16)
+    out = apply_rotary(x, cos, sin)
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    assert torch.equal(out[..., :4], apply_rotary(x[..., :4].contiguous(), cos, sin))
+    assert not torch.allclose(out[:, :, 1:, :4], x[:, :, 1:, :4])
+    # The tables belong to the rotated width: inv_freq = theta^(-2i/4), not theta^(-2i/16).
+    assert cos[1, 1].item() == pytest.approx(math.cos(10000.0 ** -0.5))
+    model = built(CONFIGS["neox_partial_rotary"])
+    assert tuple(model.rope_cos.shape) == (32, 4)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"rotary_fraction": 0.0}, r"model.rotary_fraction must be in \(0, 1\], got 0.0"),
+    ({"rotary_fraction": 1.5}, r"model.rotary_fraction must be in \(0, 1\], got 1.5"),
+    ({"rotary_fraction": 0.1}, r"rotates int\(16 \* 0.1\) = 1 dims .* positive even number"),
+    ({"rotary_fraction": 0.5, "family": "llama"}, "only supported for family 'neox'"),
+])
+def test_rotary_fraction_is_checked(fields, fragment) -> None:
+    shape = {"family": "neox", "d_model": 64, "n_heads": 4, **fields}
+    with pytest.raises(ValueError, match=fragment):
+        ModelConfig(**shape)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_hugging_face_after_export(name: str, tmp_path) -> None:
     """Same logits as LlamaForCausalLM / GPTNeoXForCausalLM loaded from our export."""
@@ -111,7 +139,8 @@ def test_matches_hugging_face_after_export(name: str, tmp_path) -> None:
     cfg = CONFIGS[name]
     model = built(cfg, 3)
     export_model(model, tmp_path / "hf")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                           attn_implementation="eager")
     hf.eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 20))
     with torch.no_grad():

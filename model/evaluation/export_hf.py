@@ -1,10 +1,11 @@
 """Export a GPT to Hugging Face format: LlamaForCausalLM (llama) or GPTNeoXForCausalLM (neox).
 
 The export directory holds the weights (``model.safetensors``, or when they exceed the shard
-size ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``), ``config.json``, ``generation_config.json``
-and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``)
-so ``AutoModelForCausalLM.from_pretrained(dir)`` / ``AutoTokenizer.from_pretrained(dir)`` load
-it with no code from this project.
+size ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``),
+``config.json``, ``generation_config.json`` and the tokenizer (``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``) so
+``AutoModelForCausalLM.from_pretrained(dir)`` / ``AutoTokenizer.from_pretrained(dir)`` load it
+with no code from this project.
 
 Our parameter names follow the Meta/torchtitan layout and our rotary embedding uses HF's
 rotate_half convention, so the LLaMA export is a pure rename. GPT-NeoX fuses q/k/v into one
@@ -91,7 +92,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         config = transformers.GPTNeoXConfig(
             **common,
             hidden_act="gelu",  # exact (erf) GELU, as torch.nn.functional.gelu
-            rotary_pct=1.0,
+            rotary_pct=cfg.rotary_fraction,
             rotary_emb_base=cfg.rope_theta,
             layer_norm_eps=cfg.norm_eps,
             use_parallel_residual=cfg.parallel_residual,
@@ -303,7 +304,8 @@ def json_token_id(tokenizer_file: Path, token: str) -> int:
 
     token_id = Tokenizer.from_file(str(tokenizer_file)).token_to_id(token)
     if token_id is None:
-        raise ExportError(f"tokenizer {tokenizer_file} has no token {token!r} (tokenizer.eos_token)")
+        raise ExportError(f"tokenizer {tokenizer_file} has no token {token!r} "
+                          "(tokenizer.eos_token)")
     return token_id
 
 

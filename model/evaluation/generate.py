@@ -67,7 +67,8 @@ def generate_text(
         greedy = generate_tokens(model, ids, max_new_tokens, None, eos_id=eos_id)
         sampled = generate_tokens(model, ids, max_new_tokens, temperature, generator, eos_id)
         out.append(
-            {"prompt": prompt, "greedy": tokenizer.decode(greedy), "sampled": tokenizer.decode(sampled)}
+            {"prompt": prompt, "greedy": tokenizer.decode(greedy),
+             "sampled": tokenizer.decode(sampled)}
         )
     return out
 

@@ -8,8 +8,9 @@ hub is reachable; OUT becomes a model-only checkpoint of ours (DCP + ``model.jso
 Streaming: tensors are read one at a time (safetensors lazily, ``.bin`` memory-mapped with
 ``weights_only=True``) while DCP writes them; GPT-NeoX's fused ``query_key_value`` is split
 per head back into wq/wk/wv (the inverse of the export's fusion). The HF config is
-translated field by field; what our model cannot compute (tied embeddings, partial rotary,
-rope scaling, other activations or biases) is refused with a message naming the field.
+translated field by field (GPT-NeoX's ``rotary_pct`` / ``partial_rotary_factor`` becomes
+``model.rotary_fraction``); what our model cannot compute (tied embeddings, partial rotary in
+a LLaMA, rope scaling, other activations or biases) is refused with a message naming the field.
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ def model_config_from_hf(config: dict[str, Any], where: str = "config.json") -> 
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     theta_key = "rope_theta" if family == "llama" else "rotary_emb_base"
     theta, fraction = _rope(config, theta_key)
-    _refuse(fraction == 1.0, f"{where}: partial rotary (rotary fraction {fraction}) is not "
-            "supported: our model rotates the whole head dimension")
+    _refuse(fraction == 1.0 or family == "neox", f"{where}: partial rotary (rotary fraction "
+            f"{fraction}) is not supported for LLaMA models (only GPT-NeoX's rotary_pct)")
     common = {"family": family, "n_layers": config["num_hidden_layers"], "d_model": hidden,
                   "n_heads": heads, "ffn_hidden": config["intermediate_size"],
                   "vocab_size": config["vocab_size"],
@@ -80,13 +81,22 @@ def model_config_from_hf(config: dict[str, Any], where: str = "config.json") -> 
         _refuse(head_dim * heads == hidden, f"{where}: head_dim {head_dim} x "
                 f"{heads} heads != hidden_size {hidden} is not supported")
         kv = config.get("num_key_value_heads") or heads
-        return ModelConfig(**common, n_kv_heads=None if kv == heads else kv,
-                           norm_eps=float(config.get("rms_norm_eps", 1e-6)))
+        return _model_config(where, **common, n_kv_heads=None if kv == heads else kv,
+                             norm_eps=float(config.get("rms_norm_eps", 1e-6)))
     act = config.get("hidden_act", "gelu")
     _refuse(act == "gelu", f"{where}: hidden_act {act!r} is not supported (neox: exact gelu)")
     _refuse(config.get("attention_bias", True), f"{where}: attention_bias=false is not supported")
-    return ModelConfig(**common, parallel_residual=bool(config.get("use_parallel_residual", True)),
-                       norm_eps=float(config.get("layer_norm_eps", 1e-5)))
+    return _model_config(where, **common, rotary_fraction=fraction,
+                         parallel_residual=bool(config.get("use_parallel_residual", True)),
+                         norm_eps=float(config.get("layer_norm_eps", 1e-5)))
+
+
+def _model_config(where: str, **fields: Any) -> ModelConfig:
+    """ModelConfig(**fields); its check failing (e.g. an odd rotary width) is an ImportHFError."""
+    try:
+        return ModelConfig(**fields)
+    except ValueError as err:
+        raise ImportHFError(f"{where}: not supported: {err}") from None
 
 
 def resolve_source(src: str) -> Path:

@@ -128,7 +128,8 @@ class GPTHarnessLM(LM):
         return out
 
 
-def write_heldout_task(task_dir: str | Path, documents: list[str], name: str = HELDOUT_TASK) -> Path:
+def write_heldout_task(task_dir: str | Path, documents: list[str],
+                       name: str = HELDOUT_TASK) -> Path:
     """A perplexity task (word/byte perplexity, bits per byte) over local documents.
 
     Writes ``<task_dir>/<name>.jsonl`` and ``<task_dir>/<name>.yaml``; pass ``task_dir`` to
@@ -199,7 +200,8 @@ def run_tasks(
     for task, metrics in raw["results"].items():
         clean = {}
         for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and math.isfinite(value):
                 clean[key.split(",")[0]] = float(value)  # "word_perplexity,none" -> name
         results[task] = clean
     return results

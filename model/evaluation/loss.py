@@ -75,7 +75,9 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     return 0, 1
 
 
-def _source_index(sources: list[tuple[int, int, str]] | None) -> tuple[list[str], np.ndarray, np.ndarray]:
+def _source_index(
+    sources: list[tuple[int, int, str]] | None,
+) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Sorted source names, span starts and each span's name index (for searchsorted)."""
     if not sources:
         return ["all"], np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
@@ -123,7 +125,8 @@ def heldout_loss(
             logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
         ).view(len(batch), plan.seq_len).double().cpu().numpy()  # [B, T]
         # Position of each predicted token in the split -> its source.
-        pos = np.array(batch, dtype=np.int64)[:, None] * plan.seq_len + np.arange(1, plan.seq_len + 1)
+        starts = np.array(batch, dtype=np.int64)[:, None] * plan.seq_len
+        pos = starts + np.arange(1, plan.seq_len + 1)
         which = span_ids[np.searchsorted(span_starts, pos, side="right") - 1]
         np.add.at(loss_sums, which.ravel(), losses.ravel())
         np.add.at(counts, which.ravel(), 1.0)

@@ -247,11 +247,15 @@ def load_extra(ckpt_dir: str | Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- save / load
 def check_model_shape(ckpt_dir: str | Path, model_cfg: ModelConfig) -> None:
-    """Raise CheckpointError naming each model field that differs from the checkpoint's."""
+    """Raise CheckpointError naming each model field that differs from the checkpoint's.
+
+    A field an older model.json lacks (added to ModelConfig since) counts as its default.
+    """
     path = Path(ckpt_dir) / "model.json"
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} has no model.json: not a checkpoint of this trainer")
-    saved = json.loads(path.read_text())
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved = {**defaults, **json.loads(path.read_text())}
     mine = dataclasses.asdict(model_cfg)
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {mine[k]!r}"
             for k in mine if saved.get(k) != mine[k] and k != "init_std"]
