@@ -66,10 +66,11 @@ def frontier_predictions() -> dict[str, dict]:
         cfg = load_config(ROOT / "configs" / f"frontier-{name}.yaml")
         for n in (1024, 3072):
             plan, _ = choose(cfg.model, cfg.train, cl, n, {})
+            pred = plan.predictions
             out[f"{name}_{n}"] = {"plan": plan.describe(),
-                                  "tflops_per_device": round(plan.predictions["tflops_per_device"], 2),
-                                  "mfu": round(plan.predictions["mfu"], 4),
-                                  "memory_gb": round(plan.predictions["memory_gb_per_device"], 1)}
+                                  "tflops_per_device": round(pred["tflops_per_device"], 2),
+                                  "mfu": round(pred["mfu"], 4),
+                                  "memory_gb": round(pred["memory_gb_per_device"], 1)}
             print(f"[frontier] {name} on {n} GCDs: {plan.describe()}  "
                   f"{plan.predictions['tflops_per_device']:.1f} TFLOPS/GCD, "
                   f"MFU {plan.predictions['mfu']:.1%}", flush=True)
@@ -112,10 +113,12 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
         if m["ok"]:
             rows.append({"plan": p.describe(), "pred": p.predictions, "meas": m["step_time_s"],
                          "meas_tps": m["tokens_per_s"]})
-            print(f"  {done}/{len(plans)} {p.describe():<40} predicted {p.predictions['step_time_s']:.4f} s"
+            print(f"  {done}/{len(plans)} {p.describe():<40} "
+                  f"predicted {p.predictions['step_time_s']:.4f} s"
                   f"  measured {m['step_time_s']:.4f} s  ETA {eta:.0f} s", flush=True)
         else:
-            print(f"  {done}/{len(plans)} {p.describe():<40} FAILED: {m['error'][-300:]}", flush=True)
+            print(f"  {done}/{len(plans)} {p.describe():<40} FAILED: {m['error'][-300:]}",
+                  flush=True)
     if not rows:
         return {"label": label, "nproc": nproc, "ok": False}
     # the machine is shared: interference only adds time, so the planner's pick and the

@@ -112,7 +112,8 @@ def ratio_mode(args, device: torch.device, tmp: Path) -> dict:
                       checkpoint_every=0, dtype="float32")
     plan = Plan(micro_batch=args.batch, grad_accum=1, sharding="none")
     trainer = Trainer(model_cfg, cfg, plan, tmp / "trainer",
-                      lambda r, n: SyntheticBatches(model_cfg.vocab_size, seq, args.batch, r, n, cfg.seed),
+                      lambda r, n: SyntheticBatches(model_cfg.vocab_size, seq, args.batch, r, n,
+                                                    cfg.seed),
                       device, tracker=BackgroundSink(make_tracker(tmp)))
     ours, plain = trainer_steps(trainer, args.steps), plain_loop(model_cfg, cfg, device, args.steps)
     next(ours), next(plain)  # warm-up round
@@ -120,7 +121,8 @@ def ratio_mode(args, device: torch.device, tmp: Path) -> dict:
     for r in range(args.rounds):
         ours_t += next(ours)
         plain_t += next(plain)
-        print(f"[bench] round {r + 1}/{args.rounds}: trainer {statistics.median(ours_t):.4f} s/step, "
+        print(f"[bench] round {r + 1}/{args.rounds}: "
+              f"trainer {statistics.median(ours_t):.4f} s/step, "
               f"plain {statistics.median(plain_t):.4f} s/step", flush=True)
     tokens = args.batch * seq
     # Medians: robust to other processes stealing the (shared) cores for a moment.
@@ -142,7 +144,8 @@ def gpu_mode(args, device: torch.device, tmp: Path) -> dict:
                 grad_accum=args.batch // (args.micro_batch or args.batch), sharding="none",
                 recompute=args.recompute)
     trainer = Trainer(model_cfg, cfg, plan, tmp / "gpu",
-                      lambda r, n: SyntheticBatches(model_cfg.vocab_size, seq, args.batch, r, n, cfg.seed),
+                      lambda r, n: SyntheticBatches(model_cfg.vocab_size, seq, args.batch, r, n,
+                                                    cfg.seed),
                       device, peak_tflops=args.peak_tflops)
     summary = trainer.fit(args.steps, save_final=False)
     return {"mode": "gpu", "device": str(device), "params": param_count(model_cfg),
@@ -154,13 +157,15 @@ def gpu_mode(args, device: torch.device, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run one mode, print the JSON result last."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gpu", action="store_true", help="train the ~1B model in bf16, report mfu")
+    parser.add_argument("--gpu", action="store_true",
+                        help="train the ~1B model in bf16, report mfu")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke runs, tests)")
     parser.add_argument("--steps", type=int, default=None, help="steps per round (gpu: total)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating measurement rounds")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step")
-    parser.add_argument("--micro-batch", type=int, default=None, help="gpu mode: sequences per micro-batch")
+    parser.add_argument("--micro-batch", type=int, default=None,
+                        help="gpu mode: sequences per micro-batch")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     parser.add_argument("--compile", action="store_true", help="gpu mode: torch.compile each block")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for mfu")
@@ -176,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        result = gpu_mode(args, device, Path(tmp)) if args.gpu else ratio_mode(args, device, Path(tmp))
+        mode = gpu_mode if args.gpu else ratio_mode
+        result = mode(args, device, Path(tmp))
     dist.destroy_process_group()
     if args.tiny:  # a smoke run of the code path: its figures measure nothing worth keeping
         print("[bench] --tiny: figures not recorded", file=sys.stderr, flush=True)

@@ -58,8 +58,13 @@ def write_text_atomic(path: str | Path, text: str, fsync: bool = True) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"), fsync)
 
 
-def write_json_atomic(path: str | Path, obj: Any, fsync: bool = True, indent: int | None = 2) -> Path:
-    """Write ``obj`` as JSON (non-JSON values as ``str``) to ``path`` atomically; return ``path``."""
+def write_json_atomic(
+    path: str | Path, obj: Any, fsync: bool = True, indent: int | None = 2
+) -> Path:
+    """Write ``obj`` as JSON (non-JSON values as ``str``) to ``path`` atomically.
+
+    Returns ``path``.
+    """
     return write_text_atomic(path, json.dumps(obj, indent=indent, default=str), fsync)
 
 

@@ -259,7 +259,9 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(encode, batches[0]) if batches else None
         if tokenizer_hash(tokenizer) != prepared["tokenizer_hash"]:
-            raise DataError(f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage")
+            raise DataError(
+                f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage"
+            )
         eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
         is_val = corpus_validation_mask(info, data.split_seed)[start:stop]
         writers = {
@@ -360,7 +362,9 @@ def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
     done = sorted(r["shard"] for r in shard_results)
     if done != list(range(num_shards)):
         missing = sorted(set(range(num_shards)) - set(done))
-        raise DataError(f"finalize got results for shards {done}; missing {missing} of {num_shards}")
+        raise DataError(
+            f"finalize got results for shards {done}; missing {missing} of {num_shards}"
+        )
     splits = {}
     for split in SPLITS:
         parts = _collect_parts(store, split, prepared["shards"], prepared["tokenizer_hash"])

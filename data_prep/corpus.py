@@ -125,14 +125,16 @@ def shard_plan(info: CorpusInfo, num_shards: int) -> list[dict[str, Any]]:
     """Every input shard as {"start", "stop", "source"}: contiguous document ranges in corpus
     order, each inside one labelled source ("source" None for a single data.source)."""
     if not info.sources:
-        return [{"start": a, "stop": b, "source": None}
-                for a, b in (shard_range(info.num_documents, num_shards, i) for i in range(num_shards))]
+        ranges = (shard_range(info.num_documents, num_shards, i) for i in range(num_shards))
+        return [{"start": a, "stop": b, "source": None} for a, b in ranges]
     counts = allocate_shards([s["stop"] - s["start"] for s in info.sources], num_shards)
     plan = []
     for src, count in zip(info.sources, counts, strict=True):
         for i in range(count):
             a, b = shard_range(src["stop"] - src["start"], count, i)
-            plan.append({"start": src["start"] + a, "stop": src["start"] + b, "source": src["label"]})
+            plan.append(
+                {"start": src["start"] + a, "stop": src["start"] + b, "source": src["label"]}
+            )
     return plan
 
 

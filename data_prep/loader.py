@@ -81,7 +81,8 @@ class TokenWindowLoader:
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
             sizes = np.full(self.num_blocks, self.block_windows, dtype=np.int64)
-            sizes[order == self.num_blocks - 1] = self.num_windows - (self.num_blocks - 1) * self.block_windows
+            last = self.num_windows - (self.num_blocks - 1) * self.block_windows
+            sizes[order == self.num_blocks - 1] = last
             per_group = np.add.reduceat(sizes, np.arange(0, self.num_blocks, self.group_blocks))
             self._epoch_cache = (epoch, order, np.cumsum(per_group))
         return self._epoch_cache[1], self._epoch_cache[2]
@@ -90,9 +91,9 @@ class TokenWindowLoader:
         """The shuffled window indices of one group of blocks."""
         if self._group_cache is None or self._group_cache[:2] != (epoch, group):
             blocks = order[group * self.group_blocks : (group + 1) * self.group_blocks]
+            bw = self.block_windows
             windows = np.concatenate([
-                np.arange(b * self.block_windows, min((b + 1) * self.block_windows, self.num_windows))
-                for b in blocks
+                np.arange(b * bw, min((b + 1) * bw, self.num_windows)) for b in blocks
             ])
             rng = np.random.default_rng([self.seed, epoch, group + 1])
             self._group_cache = (epoch, group, windows[rng.permutation(len(windows))])
@@ -114,7 +115,8 @@ class TokenWindowLoader:
             result = np.empty(len(pos), dtype=np.int64)
             for group in np.unique(groups):
                 sel = groups == group
-                result[sel] = self._group_windows(int(epoch), int(group), order)[pos[sel] - starts[sel]]
+                group_windows = self._group_windows(int(epoch), int(group), order)
+                result[sel] = group_windows[pos[sel] - starts[sel]]
             out[mask] = result
         return out
 
@@ -147,7 +149,10 @@ class TokenWindowLoader:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def next_batch(self) -> torch.Tensor:
-        """This rank's rows of the next global batch: LongTensor [global_batch // dp_size, seq_len + 1]."""
+        """This rank's rows of the next global batch.
+
+        A LongTensor [global_batch // dp_size, seq_len + 1].
+        """
         first = self.consumed + self.dp_rank * self.rows
         batch = self._batch(first, self.rows)
         self.consumed += self.global_batch

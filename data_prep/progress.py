@@ -34,7 +34,8 @@ class Progress:
         docs_s = self.docs / elapsed
         eta = (self.total - self.docs) / docs_s if docs_s > 0 else float("inf")
         pct = 100.0 * self.docs / self.total if self.total else 100.0
-        return (f"{self.label}: {self.docs}/{self.total} docs ({pct:.0f}%) | {docs_s:,.0f} docs/s | "
+        return (f"{self.label}: {self.docs}/{self.total} docs ({pct:.0f}%) | "
+                f"{docs_s:,.0f} docs/s | "
                 f"{self.tokens / elapsed:,.0f} tokens/s | "
                 + (f"done in {elapsed:,.1f}s" if done else f"ETA {eta:,.0f}s"))
 

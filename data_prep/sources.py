@@ -44,7 +44,8 @@ def stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
     return sorted(
-        p for p in root.rglob("*.py") if p.is_file() and not skip.intersection(p.relative_to(root).parts)
+        p for p in root.rglob("*.py")
+        if p.is_file() and not skip.intersection(p.relative_to(root).parts)
     )
 
 
@@ -185,7 +186,9 @@ def _select_text(ds: datasets.Dataset, cfg: DataConfig, where: str) -> datasets.
     limit = cfg.max_document_bytes
 
     def keep(batch: dict[str, list[str]]) -> list[bool]:
-        return [bool(t) and (limit is None or len(t.encode("utf-8")) <= limit) for t in batch["text"]]
+        return [
+            bool(t) and (limit is None or len(t.encode("utf-8")) <= limit) for t in batch["text"]
+        ]
 
     ds = ds.filter(keep, batched=True)
     if cfg.max_documents is not None and len(ds) > cfg.max_documents:
@@ -217,7 +220,9 @@ def expand_files(source: str, key: str) -> list[Path]:
         )
     bad = [p for p in files if p.suffix not in SUPPORTED]
     if bad:
-        raise DataError(f"{bad[0]}: unsupported file type {bad[0].suffix!r}; use one of {SUPPORTED}")
+        raise DataError(
+            f"{bad[0]}: unsupported file type {bad[0].suffix!r}; use one of {SUPPORTED}"
+        )
     return files
 
 
@@ -246,7 +251,9 @@ def load_source(cfg: DataConfig, cache_dir: str | Path, source: str | None = Non
                             "(data_prep.corpus.load_corpus loads them all)")
         source = cfg.source or "stdlib"
     if source == "stdlib":
-        ds = _from_files(stdlib_files(), cfg, cache_dir, skip_undecodable=True, source=source, key=key)
+        ds = _from_files(
+            stdlib_files(), cfg, cache_dir, skip_undecodable=True, source=source, key=key
+        )
     elif source.startswith("hf:"):
         where = f"{key}: hub dataset {source[3:]!r}"
         ds = _select_text(
@@ -269,7 +276,10 @@ def load_source(cfg: DataConfig, cache_dir: str | Path, source: str | None = Non
             )
         if parquet:
             loaded = datasets.load_dataset(
-                "parquet", data_files=[str(p) for p in parquet], split="train", cache_dir=str(cache_dir)
+                "parquet",
+                data_files=[str(p) for p in parquet],
+                split="train",
+                cache_dir=str(cache_dir),
             )
             ds = _select_text(loaded, cfg, f"parquet files of {key} {source!r}")
         else:

@@ -82,13 +82,18 @@ def open_store(path: str | Path, expected_tokenizer_hash: str | None = None) -> 
     try:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as err:
-        raise StoreError(f"{manifest_path} is not valid JSON ({err}); rerun the tokenize stage") from None
+        raise StoreError(
+            f"{manifest_path} is not valid JSON ({err}); rerun the tokenize stage"
+        ) from None
     if not manifest.get("complete") or manifest.get("format_version") != FORMAT_VERSION:
         raise StoreError(
             f"{manifest_path}: format_version {manifest.get('format_version')!r} / complete="
             f"{manifest.get('complete')!r} is not a complete version-{FORMAT_VERSION} store"
         )
-    if expected_tokenizer_hash is not None and manifest["tokenizer_hash"] != expected_tokenizer_hash:
+    if (
+        expected_tokenizer_hash is not None
+        and manifest["tokenizer_hash"] != expected_tokenizer_hash
+    ):
         raise StoreError(
             f"token store {root} was built with tokenizer {manifest['tokenizer_hash'][:12]}..., "
             f"but the configuration asks for {expected_tokenizer_hash[:12]}...: re-tokenize with "
@@ -98,7 +103,9 @@ def open_store(path: str | Path, expected_tokenizer_hash: str | None = None) -> 
     for name, split in manifest["splits"].items():
         for part in split["parts"]:
             if not (root / part["path"] / "zarr.json").is_file():
-                raise StoreError(f"token store {root}: part {part['path']} listed in {MANIFEST} is missing")
+                raise StoreError(
+                    f"token store {root}: part {part['path']} listed in {MANIFEST} is missing"
+                )
         splits[name] = SplitInfo(split["tokens"], split["documents"], split["parts"])
     sources = [SourceInfo(**src) for src in manifest.get("sources") or []]
     _check_sources(manifest_path, splits, sources)
@@ -117,7 +124,9 @@ def open_store(path: str | Path, expected_tokenizer_hash: str | None = None) -> 
     )
 
 
-def _check_sources(manifest_path: Path, splits: dict[str, SplitInfo], sources: list[SourceInfo]) -> None:
+def _check_sources(
+    manifest_path: Path, splits: dict[str, SplitInfo], sources: list[SourceInfo]
+) -> None:
     """Every labelled part names a listed source, and the per-source counts add up."""
     labels = {s.label for s in sources}
     for name, split in splits.items():

@@ -119,7 +119,8 @@ class SiteConfig:
     """Extra srun options for the training ranks; None: the site default
     (Frontier: '-c7 --gpus-per-task=1 --gpu-bind=closest', slurm: '--cpus-per-task=1')."""
     exclusive: bool | None = None
-    """Request whole nodes (#SBATCH --exclusive); None: the site default (Frontier yes, slurm no)."""
+    """Request whole nodes (#SBATCH --exclusive); None: the site default
+    (Frontier yes, slurm no)."""
     cores_per_node: int | None = None
     """CPUs requested per node for a non-exclusive training job; None: one per rank."""
     address: str | None = None
@@ -305,7 +306,9 @@ def resolve_preset(path: str | Path) -> Path:
     raise ConfigError(f"config file {str(path)!r} not found (nor {named})")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
     """Load a YAML preset (default configs/tiny.yaml), apply overrides, validate."""
     preset = resolve_preset(path) if path is not None else DEFAULT_CONFIG
     try:

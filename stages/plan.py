@@ -134,7 +134,8 @@ def choose(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster, wor
     fixed = fixed or {}
     manual = hand_plan(fixed, train_cfg.global_batch, world)
     if manual is not None:
-        return validate_plan(shapes, cluster, manual, model_cfg, train_cfg, world, calibration), None
+        checked = validate_plan(shapes, cluster, manual, model_cfg, train_cfg, world, calibration)
+        return checked, None
     result = search(shapes, cluster, world, train_cfg.global_batch, fixed, top_k, calibration)
     for p in result.plans:
         p.check(model_cfg, train_cfg, world)  # the search and Plan.check agree; fail loudly if not
@@ -320,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     the command line winning); with every field fixed the one plan is priced. ``--explain``
     adds the step-time and memory breakdown of the chosen plan.
     """
-    ap = argparse.ArgumentParser(description="Choose a parallel plan from the memory and time models.")
+    ap = argparse.ArgumentParser(
+        description="Choose a parallel plan from the memory and time models."
+    )
     ap.add_argument("--model", required=True, help="pipeline preset or model-shape YAML")
     ap.add_argument("--cluster", required=True, help="cluster name (configs/clusters) or YAML path")
     ap.add_argument("--devices", type=int, required=True, help="number of ranks (GPUs/GCDs)")

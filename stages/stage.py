@@ -379,7 +379,10 @@ def _child_run(ctx: PipelineContext, name: str, key: str, tags: dict[str, str]) 
 
 
 def _log_stage_params(
-    tracker: tracking.Tracker, cfg: PipelineConfig, sections: tuple[str, ...], inputs: dict[str, StageResult]
+    tracker: tracking.Tracker,
+    cfg: PipelineConfig,
+    sections: tuple[str, ...],
+    inputs: dict[str, StageResult],
 ) -> None:
     tracker.log_params({section: dataclasses.asdict(getattr(cfg, section)) for section in sections})
     tracker.set_tags({f"input.{name}.run_id": res.producer_run_id for name, res in inputs.items()})
@@ -387,7 +390,9 @@ def _log_stage_params(
     tracker.log_dict(cfg.to_dict(), "config.yaml")
 
 
-def reuse(ctx: PipelineContext, found: StageResult, cfg: PipelineConfig, sections, inputs) -> StageResult:
+def reuse(
+    ctx: PipelineContext, found: StageResult, cfg: PipelineConfig, sections, inputs
+) -> StageResult:
     """Record a reused stage: a child run tagged ``reused`` that points at its producer."""
     run_id = _child_run(
         ctx,
@@ -547,7 +552,8 @@ def run_stage(
 ) -> StageResult:
     """Run a stage module's ``run(cfg, inputs, out_dir, tracker)`` under the mechanism."""
     name = module.__name__.rsplit(".", 1)[-1]
-    attempt = begin(ctx, name, module.SECTIONS, cfg, inputs, force, getattr(module, "RESUMABLE", False))
+    resumable = getattr(module, "RESUMABLE", False)
+    attempt = begin(ctx, name, module.SECTIONS, cfg, inputs, force, resumable)
     if isinstance(attempt, StageResult):
         return attempt
     tracker = attempt.tracker(ctx)

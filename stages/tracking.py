@@ -133,7 +133,9 @@ def _ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
     try:
         # Without the kind tag MLflow 3 opens new experiments on its GenAI overview page.
         return client.create_experiment(
-            name, artifact_location=location, tags={"mlflow.experimentKind": "custom_model_development"}
+            name,
+            artifact_location=location,
+            tags={"mlflow.experimentKind": "custom_model_development"},
         )
     except Exception:  # created concurrently by another process
         experiment = client.get_experiment_by_name(name)

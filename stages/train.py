@@ -134,7 +134,9 @@ def _tokenizer_hash(store: str | None) -> str | None:
     return open_store(store).tokenizer_hash
 
 
-def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[str, Any]:
+def run(
+    cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any
+) -> dict[str, Any]:
     """prepare + every rank on this machine (torchrun) + finalize."""
     spec_path = prepare(cfg, inputs, out_dir, tracker)
     launch.run_local(spec_path, Path(out_dir) / "train.log", what="training")

@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.results import write_results
+from benchmarks.results import write_results  # noqa: E402 (needs the repository on sys.path)
 
 
 def test_write_results_records_figures_commit_date_and_machine(tmp_path: Path) -> None:

@@ -56,5 +56,6 @@ def test_make_corpus_is_deterministic(tmp_path: Path) -> None:
     first = make_corpus(tmp_path / "a", n_docs=5, seed=3)
     second = make_corpus(tmp_path / "b", n_docs=5, seed=3)
     assert first == second
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [f"doc_{i:04d}.txt" for i in range(5)]
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == [f"doc_{i:04d}.txt" for i in range(5)]
     assert make_corpus(tmp_path / "c", n_docs=5, seed=4) != first

@@ -71,7 +71,8 @@ def test_ranks_read_disjoint_slices_covering_the_global_batch(store: str) -> Non
             assert torch.equal(torch.cat(parts), whole[step])
     # Over one epoch the ranks' windows are disjoint and cover every window.
     dp = 2
-    ranks = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=dp, seed=2) for r in range(dp)]
+    ranks = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=dp, seed=2)
+             for r in range(dp)]
     n = ranks[0].num_windows
     seen = [ranks[r].window_indices(r * 4 + 8 * s, 4) for s in range(n // 8) for r in range(dp)]
     seen = np.concatenate(seen)
@@ -98,11 +99,13 @@ def test_resume_continues_exactly(store: str) -> None:
 
 def test_resume_with_another_dp_degree(store: str) -> None:
     whole = run_steps(TokenWindowLoader(store, "train", SEQ, 8, seed=4), 8)
-    old = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=2, seed=4) for r in range(2)]
+    old = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=2, seed=4)
+           for r in range(2)]
     for step in range(3):
         assert torch.equal(torch.cat([rank.next_batch() for rank in old]), whole[step])
     state = old[0].state_dict()
-    new = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=4, seed=4) for r in range(4)]
+    new = [TokenWindowLoader(store, "train", SEQ, 8, dp_rank=r, dp_size=4, seed=4)
+           for r in range(4)]
     for rank in new:
         rank.load_state_dict(state)
     for step in range(3, 8):

@@ -80,7 +80,8 @@ def test_limits(tmp_path: Path) -> None:
     assert [len(t) for t in texts(d, tmp_path, max_document_bytes=100)] == [10, 20, 30, 40]
     assert [len(t) for t in texts(d, tmp_path, max_document_bytes=100, max_documents=2)] == [10, 20]
     pq.write_table(pa.table({"text": ["a" * 10, "b" * 500, "c" * 5]}), tmp_path / "p.parquet")
-    assert texts(tmp_path / "p.parquet", tmp_path, max_document_bytes=100, max_documents=1) == ["a" * 10]
+    got = texts(tmp_path / "p.parquet", tmp_path, max_document_bytes=100, max_documents=1)
+    assert got == ["a" * 10]
 
 
 def test_empty_corpus(tmp_path: Path) -> None:
@@ -112,7 +113,8 @@ def test_malformed_json_line_names_file_and_line(tmp_path: Path) -> None:
 
 def test_missing_text_field_and_non_string(tmp_path: Path) -> None:
     (tmp_path / "m.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(DataError, match=r"m\.jsonl:2: record has no field 'text'.*data\.text_field"):
+    with pytest.raises(DataError,
+                       match=r"m\.jsonl:2: record has no field 'text'.*data\.text_field"):
         texts(tmp_path / "m.jsonl", tmp_path)
     (tmp_path / "n.jsonl").write_text('{"text": "ok"}\n{"text": ["a", "list"]}\n')
     with pytest.raises(DataError, match=r"n\.jsonl:2: field 'text' is list, expected a string"):

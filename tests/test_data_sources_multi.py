@@ -38,7 +38,8 @@ def _hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def make_prose(path: Path, n_docs: int, seed: int = 0) -> list[str]:
     """A .jsonl file of ``n_docs`` English-like documents (no word shared with make_corpus)."""
     rng = random.Random(seed)
-    texts = [" ".join(rng.choice(PROSE) for _ in range(rng.randint(20, 120))) for _ in range(n_docs)]
+    texts = [" ".join(rng.choice(PROSE) for _ in range(rng.randint(20, 120)))
+             for _ in range(n_docs)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
     return texts
@@ -106,7 +107,8 @@ def test_parts_are_labelled_and_counts_add_up(built: dict) -> None:
         assert sum(s.split_documents[split] for s in info.sources) == sinfo.documents
     code, prose = info.sources
     assert (code.documents, prose.documents) == (N_CODE, N_PROSE)
-    assert code.tokens + prose.tokens == info.tokens == out["train_tokens"] + out["validation_tokens"]
+    assert (code.tokens + prose.tokens == info.tokens
+            == out["train_tokens"] + out["validation_tokens"])
     # Validation documents are drawn per source: round(0.2 * n) of each.
     assert (code.split_documents["validation"], prose.split_documents["validation"]) == (6, 3)
     root = zarr.open_group(store, mode="r")
@@ -138,11 +140,13 @@ def test_each_part_decodes_to_its_own_sources_documents(built: dict) -> None:
 def test_same_tokens_for_any_shard_count_and_shard_order(built: dict, tracker) -> None:
     tmp, base = built["tmp"], built["outputs"]
     stores = {}
-    cfg = sources_cfg(tmp, built["specs"], "data.num_shards=2", f"tokenizer.path={base['tokenizer']}")
+    cfg = sources_cfg(tmp, built["specs"], "data.num_shards=2",
+                      f"tokenizer.path={base['tokenizer']}")
     (tmp / "out2").mkdir()
     stores[2] = tokenize.run(cfg, {}, tmp / "out2", tracker)
     # 7 shards, tokenized in reverse order (as unordered parallel workers would), then finalized.
-    cfg = sources_cfg(tmp, built["specs"], "data.num_shards=7", f"tokenizer.path={base['tokenizer']}")
+    cfg = sources_cfg(tmp, built["specs"], "data.num_shards=7",
+                      f"tokenizer.path={base['tokenizer']}")
     out = tmp / "out7"
     out.mkdir()
     n = tokenize.prepare(cfg, {}, out, tracker)
@@ -255,7 +259,8 @@ def test_config_forms(tmp_path: Path) -> None:
     (["data.source=null", "data.sources={'a b': /x}"], r"label 'a b' is not allowed"),
     (["data.source=null", "data.sources={'val/loss': /x}"], r"label 'val/loss' is not allowed"),
     (["data.source=null", "data.sources={'': /x}"], r"label '' is not allowed"),
-    (["data.source=null", "data.sources={Code: /x, code: /y}"], r"'Code' and 'code' differ only in case"),
+    (["data.source=null", "data.sources={Code: /x, code: /y}"],
+     r"'Code' and 'code' differ only in case"),
     (["data.source=null", "data.sources={a: ''}"], r"data.sources.a must be a non-empty"),
     (["data.source=null", "data.sources=[a, b]"], r"data.sources must be a mapping"),
     (["data.source=null", "data.sources={a: /x, b: /y, c: /z}"],

@@ -47,7 +47,8 @@ def built(tmp_path_factory: pytest.TempPathFactory, tracked: tuple) -> dict:
     out = tmp / "out3"
     out.mkdir()
     outputs = tokenize.run(cfg, {}, out, tracker)
-    return {"tmp": tmp, "texts": texts, "cfg": cfg, "outputs": outputs, "uri": uri, "run_id": run_id}
+    return {"tmp": tmp, "texts": texts, "cfg": cfg, "outputs": outputs, "uri": uri,
+            "run_id": run_id}
 
 
 def split_docs(store: str, split: str) -> list[np.ndarray]:
@@ -68,8 +69,8 @@ def test_outputs_and_store_format(built: dict) -> None:
     assert info.splits["validation"].documents == round(0.2 * N_DOCS)
     assert json.loads(json.dumps(out)) == out
     root = zarr.open_group(out["store"], mode="r")
-    for key in ("tokenizer_hash", "vocab_size", "eos_id", "tokens", "documents", "source_fingerprint",
-                "format_version"):
+    for key in ("tokenizer_hash", "vocab_size", "eos_id", "tokens", "documents",
+                "source_fingerprint", "format_version"):
         assert root.attrs[key] == info.manifest[key]
     assert root.attrs["tokens"] == out["train_tokens"] + out["validation_tokens"]
     part = zarr.open_array(str(Path(out["store"]) / "train" / "00000" / "tokens"), mode="r")
@@ -98,12 +99,14 @@ def test_round_trip_text(built: dict) -> None:
     for docs in decoded.values():
         assert [order[t] for t in docs] == sorted(order[t] for t in docs)
     # The loader's sequential windows rebuild the packed stream exactly.
-    loader = TokenWindowLoader(out["store"], "validation", seq_len=16, global_batch=4, shuffle=False)
+    loader = TokenWindowLoader(out["store"], "validation", seq_len=16, global_batch=4,
+                               shuffle=False)
     rows = [r for batch in loader.iter_sequential() for r in batch.numpy()]
     stream = np.concatenate([rows[0][:1]] + [r[1:] for r in rows])
     full = np.concatenate(split_docs(out["store"], "validation"))
     assert np.array_equal(stream, full[: len(stream)]) and len(full) - len(stream) < 16
-    assert tok.decode(stream.tolist(), skip_special_tokens=False).startswith(decoded["validation"][0])
+    text = tok.decode(stream.tolist(), skip_special_tokens=False)
+    assert text.startswith(decoded["validation"][0])
 
 
 def test_tracking(built: dict) -> None:
@@ -116,7 +119,8 @@ def test_tracking(built: dict) -> None:
     assert metrics["bytes_on_disk"] == store_bytes
     assert metrics["compression_ratio"] > 1.2  # zstd + shuffle on uint16 tokens
     assert run.data.tags["tokenizer_hash"] == out["tokenizer_hash"]
-    artifacts = {a.path for a in tracking.MlflowClient(built["uri"]).list_artifacts(built["run_id"])}
+    client = tracking.MlflowClient(built["uri"])
+    artifacts = {a.path for a in client.list_artifacts(built["run_id"])}
     assert {"tokenizer.json", "manifest.json"} <= artifacts
 
 
@@ -171,7 +175,9 @@ def test_existing_tokenizer_path(built: dict, tmp_path: Path, tracker) -> None:
     assert out["train_tokens"] == base["train_tokens"]
 
 
-def test_incomplete_store_and_other_tokenizer_are_refused(built: dict, tmp_path: Path, tracker) -> None:
+def test_incomplete_store_and_other_tokenizer_are_refused(
+    built: dict, tmp_path: Path, tracker
+) -> None:
     copy = tmp_path / "store.zarr"
     shutil.copytree(built["outputs"]["store"], copy)
     with pytest.raises(StoreError, match="built with tokenizer .* asks for"):
@@ -247,7 +253,8 @@ def test_bad_input_leaves_no_complete_store(case: str, tmp_path: Path, tracker) 
         (src / "a.txt").write_text("")
         match = "no documents"
     else:
-        extra = [f"tokenizer.path={big_vocab_tokenizer(tmp_path / 'big.json')}", "data.token_dtype=uint16"]
+        extra = [f"tokenizer.path={big_vocab_tokenizer(tmp_path / 'big.json')}",
+                 "data.token_dtype=uint16"]
         match = "70000 ids does not fit data.token_dtype=uint16"
     cfg = make_cfg(tmp_path, src, *extra)
     out = tmp_path / "out"
@@ -268,5 +275,6 @@ def test_more_shards_than_documents(tmp_path: Path, tracker) -> None:
     assert [p["documents"] for p in info.splits["train"].parts].count(0) >= 2  # empty parts
     assert (info.splits["train"].documents, info.splits["validation"].documents) == (2, 1)
     tok = Tokenizer.from_file(out["tokenizer"])
-    docs = [tok.decode(d[:-1].tolist()) for s in ("train", "validation") for d in split_docs(out["store"], s)]
+    docs = [tok.decode(d[:-1].tolist())
+            for s in ("train", "validation") for d in split_docs(out["store"], s)]
     assert sorted(docs) == sorted(texts)

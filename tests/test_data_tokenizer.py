@@ -58,7 +58,8 @@ def test_load_errors(tmp_path: Path, corpus: list[str]) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="bad.json.*not a tokenizers JSON"):
         load_tokenizer(tmp_path / "bad.json", EOS)
-    path = save_tokenizer(train_tokenizer(corpus, TokenizerConfig(vocab_size=300)), tmp_path / "t.json")
+    path = save_tokenizer(train_tokenizer(corpus, TokenizerConfig(vocab_size=300)),
+                          tmp_path / "t.json")
     with pytest.raises(DataError, match="has no token '<eos>'.*tokenizer.eos_token"):
         load_tokenizer(path, "<eos>")
 

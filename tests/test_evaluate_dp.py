@@ -50,7 +50,8 @@ def test_two_gloo_ranks_match_one_process(micro_pipeline, tmp_path):
     cfg, _, results = micro_pipeline
     ckpt, store = results["train"].outputs["checkpoint"], results["tokenize"].outputs["store"]
     single = _evaluate(cfg, ckpt, store, rank=0, world=1)
-    mp.start_processes(_rank_main, args=(2, _free_port(), cfg.to_dict(), ckpt, store, str(tmp_path)),
+    mp.start_processes(_rank_main,
+                       args=(2, _free_port(), cfg.to_dict(), ckpt, store, str(tmp_path)),
                        nprocs=2, start_method="spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     windows = cfg.eval.max_tokens // cfg.train.seq_len

@@ -96,7 +96,9 @@ def test_finalize_without_rank_output_is_a_clear_error(micro_pipeline, tmp_path)
         evaluate.finalize(cfg, tmp_path, [], tracker)
 
 
-def test_worker_refuses_a_launch_that_does_not_match_the_spec(micro_pipeline, tmp_path, monkeypatch):
+def test_worker_refuses_a_launch_that_does_not_match_the_spec(
+    micro_pipeline, tmp_path, monkeypatch
+):
     from stages.eval_worker import run_spec
 
     cfg, _, results = micro_pipeline
@@ -107,6 +109,7 @@ def test_worker_refuses_a_launch_that_does_not_match_the_spec(micro_pipeline, tm
     # e.g. scheduler variables leaking into a launch of 3 processes: stop before rendezvous.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match=r"launched on 3 rank\(s\) but the spec asks for eval.ranks=2"):
+    with pytest.raises(ValueError,
+                       match=r"launched on 3 rank\(s\) but the spec asks for eval.ranks=2"):
         run_spec(spec)
     assert not (tmp_path / LOSS_FILE).exists()

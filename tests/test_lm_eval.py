@@ -56,7 +56,8 @@ def test_heldout_task_through_the_stage_matches_direct_computation(micro_pipelin
     docs = heldout_documents(SplitReader(tok["store"], "validation"), tokenizer, tok["eos_id"],
                              cfg.eval.task_limit)
     assert len(docs) == cfg.eval.task_limit == got["sample_len"]
-    assert max(len(tokenizer.encode(d).ids) for d in docs) > 2 * cfg.model.max_seq_len  # windows roll
+    # windows roll
+    assert max(len(tokenizer.encode(d).ids) for d in docs) > 2 * cfg.model.max_seq_len
     loglik = sum(_doc_loglikelihood(model, tokenizer.encode(d).ids, tok["eos_id"],
                                     cfg.model.max_seq_len) for d in docs)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)

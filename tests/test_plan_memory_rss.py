@@ -51,14 +51,17 @@ print(json.dumps({"delta_gb": (peak - before) / 1e9}))
 
 
 @pytest.mark.parametrize("shape", [
-    {"family": "llama", "n_layers": 4, "d_model": 512, "n_heads": 8, "vocab_size": 8192, "max_seq_len": 256},
-    {"family": "neox", "n_layers": 2, "d_model": 256, "n_heads": 4, "vocab_size": 16384, "max_seq_len": 256},
+    {"family": "llama", "n_layers": 4, "d_model": 512, "n_heads": 8, "vocab_size": 8192,
+     "max_seq_len": 256},
+    {"family": "neox", "n_layers": 2, "d_model": 256, "n_heads": 4, "vocab_size": 16384,
+     "max_seq_len": 256},
 ])
 def test_memory_model_matches_measured_peak_rss(shape: dict) -> None:
     batch, seq = 8, 256
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shape), str(batch), str(seq)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=300)
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     measured = json.loads(out.stdout.strip().splitlines()[-1])["delta_gb"]
     model = ModelConfig(**shape)

@@ -119,8 +119,11 @@ def test_bubble_matches_formula() -> None:
 def test_interleaving_needs_enough_micro_batches_to_shorten_the_bubble() -> None:
     cl = load_cluster("frontier")
     s = Shapes(32, 4096, 32, 32, 16384, 51200, 2048, llama=False)
-    mk = lambda sched, v, ga: Plan(pp=4, dp=1, micro_batch=1, grad_accum=ga, schedule=sched,
-                                   virtual_stages=v, sharding="none")
+
+    def mk(sched: str, v: int, ga: int) -> Plan:
+        return Plan(pp=4, dp=1, micro_batch=1, grad_accum=ga, schedule=sched,
+                    virtual_stages=v, sharding="none")
+
     t = step_time(s, cl, encode([mk("1f1b", 1, 2), mk("interleaved_1f1b", 2, 2),
                                  mk("interleaved_1f1b", 2, 4)]))
     # 2 micro-batches on 4 stages: each still crosses all 8 chunks in turn, no gain
@@ -137,7 +140,10 @@ def test_tp_collectives_use_the_link_the_mesh_places_them_on() -> None:
     assert cl.link_for(8, 2).name == "network"     # dp across nodes
     assert cl.link_for(1, 16).name == "network"
     s = Shapes(32, 8192, 64, 64, 32768, 51200, 2048, llama=False)
-    mk = lambda tp: Plan(tp=tp, micro_batch=1, grad_accum=1, sharding="none")
+
+    def mk(tp: int) -> Plan:
+        return Plan(tp=tp, micro_batch=1, grad_accum=1, sharding="none")
+
     t = step_time(s, cl, encode([mk(2), mk(4), mk(8), mk(16)]))
     per_rank_tp = t["tp_comm"]
     # 2->4 leaves the fast GCD pair; 8->16 leaves the node: comm time grows although
@@ -150,7 +156,10 @@ def test_small_gemms_run_below_peak() -> None:
     from model.planner.time_model import gemm_time
 
     cl = load_cluster("frontier")
-    rate = lambda m, n, k: 2 * m * n * k / gemm_time(cl, "bfloat16", m, n, k)
+
+    def rate(m: int, n: int, k: int) -> float:
+        return 2 * m * n * k / gemm_time(cl, "bfloat16", m, n, k)
+
     big, small = rate(8192, 8192, 8192), rate(256, 256, 256)
     # 64 x 64 output tiles in waves of 110 CUs: 38 waves for 37.2 waves of work
     assert big == pytest.approx(cl.peak_tflops * 1e12 * cl.gemm_efficiency * 37.24 / 38,

@@ -43,7 +43,8 @@ def run_study(runs_dir: Path, out: Path, mode: str) -> subprocess.CompletedProce
     cmd = [sys.executable, "-m", "workflows.scaling", "--config", "micro", "--mode", mode,
            "--devices", ",".join(map(str, DEVICES)), "--runs-dir", str(runs_dir),
            "--out", str(out), "--set", "train.steps=3", "train.checkpoint_every=0"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 

@@ -59,7 +59,8 @@ def completed_jobs() -> str:
 
 
 def test_mpi_executor_runs_ranks_through_srun(slurm_env, tmp_path):
-    """A Parsl MPIExecutor app on the Slurm site gets distinct SLURM_PROCIDs via $PARSL_MPI_PREFIX."""
+    """A Parsl MPIExecutor app on the Slurm site gets distinct SLURM_PROCIDs
+    via $PARSL_MPI_PREFIX."""
     import parsl
     from parsl import bash_app
 
@@ -93,7 +94,8 @@ def test_mpi_executor_runs_ranks_through_srun(slurm_env, tmp_path):
     lines = out.read_text().splitlines()
     prefix = [line for line in lines if line.startswith("prefix=")]
     assert prefix and prefix[0].startswith("prefix=srun --ntasks 2 --ntasks-per-node 2")
-    ranks = [dict(kv.split("=") for kv in line.split()) for line in lines if line.startswith("rank=")]
+    ranks = [dict(kv.split("=") for kv in line.split())
+             for line in lines if line.startswith("rank=")]
     assert sorted(r["rank"] for r in ranks) == ["0", "1"]
     assert {r["n"] for r in ranks} == {"2"}
     jobs = {r["job"] for r in ranks}
@@ -125,7 +127,8 @@ ALLREDUCE_SCRIPT = textwrap.dedent(
 
 
 def test_gloo_allreduce_under_srun(slurm_env, tmp_path):
-    """Two srun tasks form a gloo group from Slurm's rank identity (model.parallel.dist_env) and all-reduce."""
+    """Two srun tasks form a gloo group from Slurm's rank identity (model.parallel.dist_env)
+    and all-reduce."""
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE_SCRIPT)
     from workflows.sites import REPO_ROOT

@@ -61,7 +61,8 @@ def test_partial_checkpoints_are_ignored(uninterrupted, tmp_path) -> None:
 def test_checkpoint_loads_into_another_layout(uninterrupted, tmp_path) -> None:
     src, full = uninterrupted
     # Written by one process, continued by an interleaved pipeline (two chunks per rank).
-    shutil.copytree(src / "checkpoints" / "step-00000003", tmp_path / "checkpoints" / "step-00000003")
+    shutil.copytree(src / "checkpoints" / "step-00000003",
+                    tmp_path / "checkpoints" / "step-00000003")
     resumed = run_worker(tmp_path, INTERLEAVED, 2, *STEPS)
     for got, want in zip(resumed["losses"][3:], full["losses"][3:], strict=True):
         assert abs(got - want) < 1e-5
@@ -69,7 +70,8 @@ def test_checkpoint_loads_into_another_layout(uninterrupted, tmp_path) -> None:
     cfg = tiny_config(*STEPS).model
     sharded = load_for_inference(resumed["checkpoint"], cfg)
     plain = load_for_inference(full["checkpoint"], cfg)
-    for (name, a), (_, b) in zip(sharded.state_dict().items(), plain.state_dict().items(), strict=True):
+    pairs = zip(sharded.state_dict().items(), plain.state_dict().items(), strict=True)
+    for (name, a), (_, b) in pairs:
         assert torch.allclose(a, b, atol=1e-5), name
 
 

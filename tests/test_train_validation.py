@@ -1,4 +1,5 @@
-"""Bad training setups fail in stages.train.prepare, before any rank starts, saying what to change."""
+"""Bad training setups fail in stages.train.prepare, before any rank starts,
+saying what to change."""
 from __future__ import annotations
 
 import json
@@ -28,9 +29,10 @@ def plan_file(tmp: Path, **fields) -> dict[str, dict]:
          ["tp=2", "key/value heads (1)"]),
         ((), {"pp": 8, "micro_batch": 1, "grad_accum": 8, "schedule": "gpipe"},
          ["pp*virtual_stages", "n_layers=4"]),
-        (("model.vocab_size=385", "tokenizer.vocab_size=384"), {"tp": 2, "micro_batch": 4, "grad_accum": 2},
-         ["tp=2", "vocab_size=385"]),
-        (("model.ffn_hidden=99",), {"tp": 2, "micro_batch": 4, "grad_accum": 2}, ["tp=2", "MLP size 99"]),
+        (("model.vocab_size=385", "tokenizer.vocab_size=384"),
+         {"tp": 2, "micro_batch": 4, "grad_accum": 2}, ["tp=2", "vocab_size=385"]),
+        (("model.ffn_hidden=99",), {"tp": 2, "micro_batch": 4, "grad_accum": 2},
+         ["tp=2", "MLP size 99"]),
         ((), {"dp": 4, "micro_batch": 2}, ["pp*dp*tp", "world size 2"]),
         ((), {"dp": 2, "micro_batch": 3}, ["micro_batch*grad_accum*dp", "global_batch=8"]),
         ((), {"tp": 2, "micro_batch": 8, "sharding": "ddp"}, ["sharding 'ddp'", "zero2"]),
@@ -89,14 +91,16 @@ def test_good_setup_writes_the_spec(tmp_path) -> None:
     assert spec.plan["tp"] == 2 and spec.store is None
     assert spec.config["model"]["n_layers"] == 4
     assert spec.peak_tflops is None  # no predictions; the local cluster is measured at plan time
-    predicted = Plan(tp=2, micro_batch=4, grad_accum=2,
-                     predictions={"tflops_per_device": 0.02, "mfu": 0.1}).to_json(tmp_path / "p2.json")
+    plan = Plan(tp=2, micro_batch=4, grad_accum=2,
+                predictions={"tflops_per_device": 0.02, "mfu": 0.1})
+    predicted = plan.to_json(tmp_path / "p2.json")
     spec = RankSpec.read(train.prepare(cfg, {"plan": {"plan": str(predicted)}}, tmp_path, None))
     assert spec.peak_tflops == pytest.approx(0.2)
 
 
 def test_parallel_dims_names_every_factor() -> None:
-    with pytest.raises(LayoutError, match=r"pp\*dp\*tp = 2\*3\*2 = 12 does not equal the world size 8"):
+    with pytest.raises(LayoutError,
+                       match=r"pp\*dp\*tp = 2\*3\*2 = 12 does not equal the world size 8"):
         ParallelDims(pp=2, dp=3, tp=2, world_size=8)
     dims = ParallelDims(pp=2, dp=2, tp=2, world_size=8)
     assert dims.coords(5) == (1, 0, 1)  # tp fastest, then dp, then pp

@@ -29,7 +29,10 @@ def run_worker(
     out_dir: Path, plan: dict[str, Any], nproc: int, *overrides: str, steps: int | None = None,
     timeout: int = 240,
 ) -> dict[str, Any]:
-    """Run stages.train_worker on ``nproc`` gloo ranks (torchrun; plain python for 1); return summary."""
+    """Run stages.train_worker on ``nproc`` gloo ranks (torchrun; plain python for 1).
+
+    Returns the summary.
+    """
     cfg = tiny_config(*overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = RankSpec(worker="stages.train_worker", nproc=nproc, nodes=1,

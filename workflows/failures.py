@@ -2,9 +2,9 @@
 
 A user mistake (bad config, data, plan or checkpoint: the project's errors all derive from
 ``ValueError``, and a ranks app that exits ``USER_ERROR_EXIT`` because a rank refused its
-input) and a full disk fail at once, with their own message and no traceback. Anything else (a lost worker,
-a killed rank, a cancelled job) may succeed when tried again and is retried up to
-``site.retries`` times; the console names the attempt and the cause.
+input) and a full disk fail at once, with their own message and no traceback. Anything else
+(a lost worker, a killed rank, a cancelled job) may succeed when tried again and is retried up
+to ``site.retries`` times; the console names the attempt and the cause.
 """
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ def plan_stages(
                 flag = f"--only {only}" if only else f"--from {start}"
                 raise ConfigError(
                     f"{flag} needs the '{name}' stage's output for the current config "
-                    f"(key {keys[name]}), and there is none: run the pipeline without {flag.split()[0]} first"
+                    f"(key {keys[name]}), and there is none: "
+                    f"run the pipeline without {flag.split()[0]} first"
                 )
             action = "reuse"
         elif force or only or start:
@@ -156,7 +157,8 @@ def _submit(cfg: PipelineConfig, plans: list[StagePlan], ctx, log_dir: Path) -> 
                 for i in range(shape.parts)
             ]
             run.result = apps.finish_app(ctx, p.name, cfg, run.opened, log, *parts)
-        else:  # RANKS: prepare (checks, rank spec) -> every rank on the "train" executor -> finalize
+        else:
+            # RANKS: prepare (checks, rank spec) -> every rank on the "train" executor -> finalize
             run.ranks_log = str(log_dir / f"{p.name}-ranks.log")
             ranks = apps.ranks_app(
                 cfg, run.opened, stdout=run.ranks_log, stderr=run.ranks_log,
@@ -181,7 +183,9 @@ class StageRun:
     result: Any = None  # the future (or reused StageResult) of the stage's result
 
 
-def _wait(runs: dict[str, StageRun], ctx, log_dir: Path, runs_dir: Path) -> dict[str, stage.StageResult]:
+def _wait(
+    runs: dict[str, StageRun], ctx, log_dir: Path, runs_dir: Path
+) -> dict[str, stage.StageResult]:
     """Wait for every stage, tailing logs; report each failed stage's own error."""
     offsets: dict[Path, int] = {}
     pending = {name: run.result for name, run in runs.items() if hasattr(run.result, "done")}
@@ -249,7 +253,9 @@ def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> St
         rank_message = read_rank_error(work_dir)
         message = rank_message or f"the ranks exited with code {error.exitcode}"
     if isinstance(error, OSError) and error.errno in failures_mod.STORAGE_ERRNOS:
-        message += f" (while writing under {work_dir.parent}: free space or pass another --runs-dir)"
+        message += (
+            f" (while writing under {work_dir.parent}: free space or pass another --runs-dir)"
+        )
     logs = [run.log] + ([run.ranks_log] if run.ranks_log else [])
     return StageFailure(run.name, message, failures_mod.is_user_error(error),
                         work_dir / stage.STATUS_FILE, logs)
@@ -389,7 +395,9 @@ def run_pipeline(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m workflows.pipeline",
-        description="Raw text -> tokenized Zarr store -> parallel plan -> trained GPT -> evaluation.",
+        description=(
+            "Raw text -> tokenized Zarr store -> parallel plan -> trained GPT -> evaluation."
+        ),
     )
     parser.add_argument("--config", default=None, help="YAML preset (default configs/tiny.yaml)")
     parser.add_argument(
@@ -398,11 +406,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--only", choices=STAGE_ORDER, help="recompute only this stage")
-    group.add_argument("--from", dest="start", choices=STAGE_ORDER, help="recompute from this stage on")
+    group.add_argument("--from", dest="start", choices=STAGE_ORDER,
+                       help="recompute from this stage on")
     parser.add_argument("--site", choices=["local", "slurm", "frontier"], help="where to run")
     parser.add_argument("--force", action="store_true", help="recompute every selected stage")
-    parser.add_argument("--dry-run", action="store_true", help="print the DAG and keys, run nothing")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in the runs dir)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the DAG and keys, run nothing")
+    parser.add_argument("--tracking-uri",
+                        help="MLflow tracking URI (default: SQLite in the runs dir)")
     parser.add_argument("--runs-dir", help="where stage outputs and the default MLflow store live")
     return parser
 

@@ -546,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", dest="overrides", action="append", default=[], nargs="+",
                         metavar="KEY=VALUE", help="override a config value")
     parser.add_argument("--site", choices=["local", "slurm", "frontier"], help="where to run")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: SQLite in the runs dir)")
+    parser.add_argument("--tracking-uri",
+                        help="MLflow tracking URI (default: SQLite in the runs dir)")
     parser.add_argument("--runs-dir", help="where stage outputs and the default MLflow store live")
     parser.add_argument("--out", type=Path, help="where the table and plots go (default "
                         "<runs dir>/scaling/<study>-<time>)")

@@ -5,11 +5,12 @@ Every pipeline has two executors:
 - ``cpu``: a HighThroughputExecutor on the submitting machine for the light stages
   (tokenize fan-out, plan, the driver-side parts of train and evaluate);
 - ``train``: where the multi-rank apps run (the training ranks, then the evaluation
-  ranks when eval.ranks > 1; one evaluation rank runs inside its "cpu" app). Locally a one-worker HTEX whose bash app calls ``torchrun``; on Slurm sites an
-  ``MPIExecutor`` whose block is a Slurm job and whose apps launch the ranks with
-  ``$PARSL_MPI_PREFIX`` (an ``srun`` line Parsl composes from the task's resource
-  specification). Both stages' ranks are launched by one command builder
-  (``ranks_command``), so they start the same way on every site.
+  ranks when eval.ranks > 1; one evaluation rank runs inside its "cpu" app). Locally a
+  one-worker HTEX whose bash app calls ``torchrun``; on Slurm sites an ``MPIExecutor``
+  whose block is a Slurm job and whose apps launch the ranks with ``$PARSL_MPI_PREFIX``
+  (an ``srun`` line Parsl composes from the task's resource specification). Both stages'
+  ranks are launched by one command builder (``ranks_command``), so they start the same way
+  on every site.
 
 All site settings come from ``cfg.site`` (stages/config.py SiteConfig), so moving between a
 laptop, a generic Slurm cluster and Frontier is a config change, never a code change.
@@ -295,7 +296,9 @@ def rank_env(cfg: PipelineConfig) -> dict[str, str]:
         env.update({
             "OMP_NUM_THREADS": "7",
             # RCCL over Slingshot through the libfabric (aws-ofi-rccl) plugin.
-            "LD_LIBRARY_PATH": f"{cfg.site.rccl_plugin_path}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}",
+            "LD_LIBRARY_PATH": (
+                f"{cfg.site.rccl_plugin_path}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
+            ),
             "NCCL_SOCKET_IFNAME": "hsn0",
             "NCCL_NET_GDR_LEVEL": "3",
             "NCCL_CROSS_NIC": "1",

@@ -1,1 +1,2 @@
-"""Parallelism: mesh and dims, TP/activation checkpointing/FSDP/DDP, pipeline chunks, rank identity."""
+"""Parallelism: mesh and dims, TP/activation checkpointing/FSDP/DDP, pipeline chunks,
+rank identity."""

@@ -79,7 +79,10 @@ def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
 
 
 def init_distributed(env: DistEnv) -> torch.device:
-    """Start the default process group (nccl/rccl on GPU, gloo on CPU); return this rank's device."""
+    """Start the default process group (nccl/rccl on GPU, gloo on CPU).
+
+    Returns this rank's device.
+    """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())

@@ -2,8 +2,9 @@
 
 ``parallelize_chunk`` applies: tensor parallelism (DTensor Colwise/Rowwise, vocab-parallel
 embedding and head, optional sequence parallelism) -> activation checkpointing ->
-torch.compile per block (optional) -> FSDP2 (``fully_shard`` per block, then the chunk). DDP is applied after the weights are
-initialised (``apply_ddp``) because it broadcasts parameters when it is constructed.
+torch.compile per block (optional) -> FSDP2 (``fully_shard`` per block, then the chunk). DDP
+is applied after the weights are initialised (``apply_ddp``) because it broadcasts
+parameters when it is constructed.
 """
 from __future__ import annotations
 

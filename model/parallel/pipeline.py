@@ -30,7 +30,10 @@ def chunk_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 
 
 def build_chunk(cfg: ModelConfig, chunk: int, n_chunks: int) -> GPT:
-    """A meta-device GPT holding only chunk ``chunk``'s layers (and embedding/head if first/last)."""
+    """A meta-device GPT holding only chunk ``chunk``'s layers.
+
+    The first chunk also holds the embedding and the last one the head.
+    """
     keep = {str(i) for i in stage_layers(cfg.n_layers, n_chunks)[chunk]}
     with torch.device("meta"):
         model = GPT(cfg)
@@ -69,5 +72,7 @@ def build_schedule(
         raise ValueError(f"schedule {schedule!r} runs one chunk per rank; use interleaved_1f1b")
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(schedule)
     if cls is None:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; use gpipe, 1f1b or interleaved_1f1b")
+        raise ValueError(
+            f"unknown pipeline schedule {schedule!r}; use gpipe, 1f1b or interleaved_1f1b"
+        )
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)

@@ -233,7 +233,9 @@ def resolve_cluster_path(name_or_path: str | Path) -> Path:
     if named.exists():
         return named
     known = sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
-    raise ClusterError(f"cluster {str(name_or_path)!r} not found: give a YAML path or one of {known}")
+    raise ClusterError(
+        f"cluster {str(name_or_path)!r} not found: give a YAML path or one of {known}"
+    )
 
 
 def read_cluster_file(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -248,7 +250,9 @@ def read_cluster_file(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, raw
 
 
-def load_cluster(name_or_path: str | Path, measured_fields: dict[str, Any] | None = None) -> Cluster:
+def load_cluster(
+    name_or_path: str | Path, measured_fields: dict[str, Any] | None = None
+) -> Cluster:
     """Load and validate a cluster file. Loading never measures anything: a ``measured: true``
     file needs ``measured_fields`` (``model.planner.microbench.load_measured_cluster`` measures
     this machine and passes them)."""

@@ -24,8 +24,8 @@ differentiated (about its full activation set) and, on the last stage, the logit
 gradient. The pipeline schedule decides how many micro-batches are in flight on the first
 stage: all m for GPipe, pp for 1F1B, and for interleaved 1F1B (pp-1)*2 + (v-1)*pp + 1
 chunks of L/(pp*v) layers (Megatron's warm-up count). The last stage also keeps logits (c)
-and their fp32 log-softmax for every in-flight micro-batch (and once more for the gradient). Everything is multiplied by
-(1 + fragmentation) and the cluster's reserved memory is added.
+and their fp32 log-softmax for every in-flight micro-batch (and once more for the gradient).
+Everything is multiplied by (1 + fragmentation) and the cluster's reserved memory is added.
 """
 from __future__ import annotations
 
@@ -48,8 +48,13 @@ from model.planner.shapes import (
 GB = 1e9
 
 
-def stage_layer_counts(s: Shapes, pp: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Layers on the first pipeline rank (the largest) and on the last one (model.planner.plan.stage_layers)."""
+def stage_layer_counts(
+    s: Shapes, pp: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Layers on the first pipeline rank (the largest) and on the last one.
+
+    The split is model.planner.plan.stage_layers's.
+    """
     chunks = pp * v
     base, extra = np.divmod(s.n_layers, chunks)
     # Rank 0 owns chunks 0, pp, 2pp, ...: chunk c gets base+1 layers when c < extra.

@@ -287,7 +287,10 @@ def run_microbench(nproc: int) -> dict[str, Any]:
 
 
 def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
-    """Cluster fields (see model.planner.cluster) from raw per-rank measurements (slowest rank counts)."""
+    """Cluster fields (see model.planner.cluster) from raw per-rank measurements.
+
+    The slowest rank counts.
+    """
     ranks = raw["ranks"]
     n_shapes = len(ranks[0]["matmul"])
     mm = [max(r["matmul"][i]["seconds"] for r in ranks) for i in range(n_shapes)]
@@ -330,7 +333,9 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
         "memory_gb": round(0.8 * psutil.virtual_memory().total / 1e9 / nproc, 3),
         "peak_tflops": rate / 1e12, "fp32_tflops": rate / 1e12,
         "hbm_bandwidth_gbps": copy, "gemm_efficiency": 1.0,
-        "kernel_overhead_us": overhead * 1e6, "reserved_gb": round(max(r.get("base_rss_gb", 0.35) for r in ranks), 3), "fragmentation": 0.10,
+        "kernel_overhead_us": overhead * 1e6,
+        "reserved_gb": round(max(r.get("base_rss_gb", 0.35) for r in ranks), 3),
+        "fragmentation": 0.10,
         # the block measurement includes its 21 GEMM launches, which gemm_time already counts
         "layer_overhead_us": max(host.get("layer_overhead_s", 0.0) - 21 * overhead, 0.0) * 1e6,
         "microbatch_overhead_us": host.get("microbatch_overhead_s", 0.0) * 1e6,
@@ -352,8 +357,12 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
     return fields
 
 
-def measured_cluster_fields(nproc: int, cache_path: str | Path | None = None,
-                            cache_dir: str | Path | None = None, refresh: bool = False) -> dict[str, Any]:
+def measured_cluster_fields(
+    nproc: int,
+    cache_path: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    refresh: bool = False,
+) -> dict[str, Any]:
     """Cluster fields for this machine with nproc ranks, from the cache or a fresh measurement."""
     path = Path(cache_path) if cache_path else cache_file(nproc, cache_dir)
     if path.exists() and not refresh:
@@ -389,7 +398,8 @@ def load_measured_cluster(name_or_path: str | Path, nproc: int | None,
         return load_cluster(path)
     if not nproc:
         raise ClusterError(f"{path} is measured at plan time: give the number of ranks (nproc)")
-    return load_cluster(path, measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir))
+    fields = measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir)
+    return load_cluster(path, fields)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from data_prep.atomic import write_text_atomic
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SHARDINGS = ("zero3", "zero2", "ddp", "none")
 RECOMPUTES = ("none", "selective", "full")
-PREDICTION_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "memory_gb_per_device")
+PREDICTION_KEYS = (
+    "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "memory_gb_per_device"
+)
 
 
 class PlanError(ValueError):
@@ -52,7 +54,8 @@ class Plan:
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence over the tp group (needs tp > 1)."""
     predictions: dict[str, float] = field(default_factory=dict)
-    """Model predictions: step_time_s, tokens_per_s, tflops_per_device, mfu, memory_gb_per_device."""
+    """Model predictions: step_time_s, tokens_per_s, tflops_per_device, mfu,
+    memory_gb_per_device."""
 
     # --- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -126,7 +129,9 @@ class Plan:
             if getattr(self, name) not in allowed:
                 raise PlanError(f"plan.{name}={getattr(self, name)!r} is not one of {allowed}")
         if not isinstance(self.sequence_parallel, bool):
-            raise PlanError(f"plan.sequence_parallel must be true/false, got {self.sequence_parallel!r}")
+            raise PlanError(
+                f"plan.sequence_parallel must be true/false, got {self.sequence_parallel!r}"
+            )
         if not isinstance(self.predictions, dict):
             raise PlanError("plan.predictions must be a mapping")
 

@@ -73,7 +73,9 @@ def point_batch(mode: str, global_batch: int, base_devices: int, devices: int) -
     return scaled // base_devices
 
 
-def efficiencies(devices: Sequence[int], tokens_per_s: Sequence[float | None]) -> list[float | None]:
+def efficiencies(
+    devices: Sequence[int], tokens_per_s: Sequence[float | None]
+) -> list[float | None]:
     """Per point, throughput per device over the first point's that has a value (None where a
     point has none; 1.0 at that first point)."""
     base = next(((n, t) for n, t in zip(devices, tokens_per_s) if t), None)

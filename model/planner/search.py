@@ -81,7 +81,8 @@ class SearchResult:
         if self.rejected:
             lines.append("rejected families:")
             for reason, fams in sorted(self.rejected.items(), key=lambda kv: -len(kv[1])):
-                shown = ", ".join(fams[:6]) + (f", ... ({len(fams)} in all)" if len(fams) > 6 else "")
+                more = f", ... ({len(fams)} in all)" if len(fams) > 6 else ""
+                shown = ", ".join(fams[:6]) + more
                 lines.append(f"  - {reason}: {shown}")
         return "\n".join(lines)
 

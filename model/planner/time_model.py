@@ -128,7 +128,8 @@ def layer_parts(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.
     t = gemm_time(cluster, dt, tokens, qkv_out / tp, h)
     t = t + gemm_time(cluster, dt, tokens, h, s.n_heads * hd / tp)
     up = 2 if s.llama else 1
-    t = t + up * gemm_time(cluster, dt, tokens, f / tp, h) + gemm_time(cluster, dt, tokens, h, f / tp)
+    t = (t + up * gemm_time(cluster, dt, tokens, f / tp, h)
+         + gemm_time(cluster, dt, tokens, h, f / tp))
     # attention core: scores and weighted values per head; causal kernels do half the work
     heads = mb * s.n_heads / tp
     bwd_extra = np.zeros_like(np.asarray(t, dtype=float))
@@ -234,7 +235,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     dp_exposed = dp_exposed + np.where(fsdp, ga * units * cluster.fsdp_unit_overhead_us * 1e-6, 0.0)
     dp_exposed = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_exposed)
     dp_raw = np.where(shard == DDP, ar, np.where(
-        shard == ZERO2, rs + z2_ags * ag, np.where(shard == ZERO3, z3_syncs * rs + z3_ags * ag, 0.0)))
+        shard == ZERO2, rs + z2_ags * ag,
+        np.where(shard == ZERO3, z3_syncs * rs + z3_ags * ag, 0.0)))
     dp_raw = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_raw)
 
     opt_params = np.where((shard == ZERO3) | (shard == ZERO2), params / dp, params)
@@ -280,7 +282,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     overlapped = {"tp_comm_overlapped": comm_scale * slots * np.maximum(n_first, n_last)
                   * (tp_raw - tp_layer),
                   "dp_comm_overlapped": comm_scale * np.maximum(dp_raw - dp_exposed, 0.0)}
-    return {"step": step, "breakdown": terms, "overlapped": overlapped, "compute": compute, "comm": comm, "stage": stage_comp + stage_tp,
+    return {"step": step, "breakdown": terms, "overlapped": overlapped, "compute": compute,
+            "comm": comm, "stage": stage_comp + stage_tp,
             "bubble_frac": np.where(single, 0.0, (slots - ga) / ga), "tp_comm": slots * stage_tp,
             "p2p": p2p, "dp_exposed": dp_exposed, "optimizer": optimizer}
 

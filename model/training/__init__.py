@@ -1,1 +1,2 @@
-"""The training loop and what it needs: optimizer, checkpoints, batches, metrics, pre-launch checks."""
+"""The training loop and what it needs: optimizer, checkpoints, batches, metrics,
+pre-launch checks."""

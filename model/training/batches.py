@@ -14,7 +14,13 @@ class SyntheticBatches:
     """``next_batch()`` -> LongTensor [global_batch // dp_size, seq_len + 1] for this dp rank."""
 
     def __init__(
-        self, vocab_size: int, seq_len: int, global_batch: int, dp_rank: int, dp_size: int, seed: int
+        self,
+        vocab_size: int,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
     ) -> None:
         if global_batch % dp_size:
             raise ValueError(f"train.global_batch={global_batch} is not divisible by dp={dp_size}")

@@ -32,7 +32,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, has_dtensor: bool) -> to
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Multiplier of cfg.lr after ``step`` completed steps: linear warm-up, cosine to min_lr_ratio."""
+    """Multiplier of cfg.lr after ``step`` completed steps.
+
+    Linear warm-up, then cosine decay to min_lr_ratio.
+    """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     span = max(1, cfg.steps - cfg.warmup_steps)
@@ -41,7 +44,9 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    opt: torch.optim.Optimizer, cfg: TrainConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over ``lr_factor`` (its state_dict is the step count, safe to checkpoint)."""
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
 

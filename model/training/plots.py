@@ -61,7 +61,8 @@ def plot_training(histories: dict[str, Series], out_dir: str | Path) -> list[Pat
     written = []
     for key, (name, title, ylabel, log_y) in TRAIN_PLOTS.items():
         if histories.get(key):
-            written.append(plot_series({key: histories[key]}, Path(out_dir) / name, title, ylabel, log_y))
+            path = Path(out_dir) / name
+            written.append(plot_series({key: histories[key]}, path, title, ylabel, log_y))
     return written
 
 

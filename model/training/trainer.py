@@ -91,7 +91,9 @@ class Trainer:
         self.out_dir, self.tracker = Path(out_dir), tracker
         self.dims = ParallelDims(plan.pp, plan.dp, plan.tp, dist.get_world_size())
         mesh = self.dims.build_mesh(device.type)
-        self.pp_rank, self.dp_rank, self.tp_rank = (mesh[d].get_local_rank() for d in ("pp", "dp", "tp"))
+        self.pp_rank, self.dp_rank, self.tp_rank = (
+            mesh[d].get_local_rank() for d in ("pp", "dp", "tp")
+        )
         self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
         self.param_dtype = torch.bfloat16 if train_cfg.dtype == "bfloat16" else None
         self.fsdp = plan.sharding in ("zero2", "zero3") and plan.dp > 1
@@ -215,7 +217,9 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def fit(self, steps: int | None = None, save_final: bool = True) -> dict[str, Any] | None:
-        """Train until ``steps`` (default train.steps) are done; the logger rank returns the summary.
+        """Train until ``steps`` (default train.steps) are done.
+
+        The logger rank returns the summary.
 
         Checkpoints every train.checkpoint_every steps and, if ``save_final``, at the end.
         """
