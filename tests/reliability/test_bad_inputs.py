@@ -140,6 +140,12 @@ TOKENIZER_CASES = [
          ("does not fit data.token_dtype=uint16", "set data.token_dtype=uint32 or auto")),
 ]
 
+CHECKPOINT_CASES = [
+    Case("init-from-not-a-checkpoint", sets(f"train.init_from={DATA}/not_a_checkpoint"),
+         ("config error: train.init_from", "not_a_checkpoint is neither a Hugging Face",
+          "nor a checkpoint of ours (model.json)")),
+]
+
 SITE_CASES = [
     Case("frontier-without-account", sets("site.name=frontier"),
          ("config error: site.account is required on Frontier",
@@ -150,7 +156,7 @@ SITE_CASES = [
          ("--runs-dir /proc/x is not writable", "choose a directory you can write"), runs=None),
 ]
 
-FAST_CASES = CONFIG_CASES + DATA_CASES + TOKENIZER_CASES + SITE_CASES
+FAST_CASES = CONFIG_CASES + DATA_CASES + TOKENIZER_CASES + CHECKPOINT_CASES + SITE_CASES
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +166,8 @@ def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "broken.yaml").write_text("name: micro\ndata: {source: stdlib\n")
     (root / "ok.txt").write_text("def main():\n    return 0\n")
     (root / "empty_dir").mkdir()
+    (root / "not_a_checkpoint").mkdir()
+    (root / "not_a_checkpoint" / "notes.txt").write_text("weights to come\n")
     (root / "other_types").mkdir()
     (root / "other_types" / "table.csv").write_text("a,b\n1,2\n")
     (root / "empty.txt").write_bytes(b"")
