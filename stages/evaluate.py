@@ -7,7 +7,9 @@ Reads the trained checkpoint (``inputs["train"]["checkpoint"]``) and the token s
   ``eval.max_tokens`` tokens of the validation split), per source, the number of ranks
   (``eval_ranks``), lm-eval results;
 - ``generations.txt``: greedy and sampled continuations of ``eval.prompts``;
-- ``hf/``: the Hugging Face export (LlamaForCausalLM / GPTNeoXForCausalLM + tokenizer);
+- ``hf/``: the Hugging Face export (LlamaForCausalLM / GPTNeoXForCausalLM + tokenizer),
+  streamed from the checkpoint into safetensors shards of at most ``EXPORT_SHARD_BYTES``
+  (``model.evaluation.export_hf.export_checkpoint``: never the whole model in memory);
 - ``plots/``: loss, learning rate and tokens/s of the train run, and perplexity (PNG).
 
 The stage has three parts, like train: ``prepare`` (every input check, then ``spec.json``),
@@ -34,6 +36,7 @@ from data_prep.atomic import write_text_atomic
 from data_prep.store import SplitReader, StoreInfo, open_store
 from model.config import vocab_fit_problem
 from model.evaluation.loss import plan_windows
+from model.evaluation.shards import DEFAULT_SHARD_BYTES
 from stages import launch, tracking
 from stages.config import PipelineConfig
 from stages.launch import RankSpec
@@ -55,6 +58,7 @@ def shape(cfg: PipelineConfig) -> StageShape:
 SPLIT = "validation"
 SPEC_FILE = "spec.json"
 LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
+EXPORT_SHARD_BYTES = DEFAULT_SHARD_BYTES  # safetensors shard size of the hf/ export
 
 
 class EvaluationError(ValueError):
@@ -69,7 +73,8 @@ def training_tokenizer_hash(train_outputs: dict[str, Any]) -> tuple[str | None, 
     None when training used synthetic tokens.
     """
     if train_outputs.get("tokenizer_hash"):
-        return train_outputs["tokenizer_hash"], f"train outputs (store {train_outputs.get('store')})"
+        store = train_outputs.get("store")
+        return train_outputs["tokenizer_hash"], f"train outputs (store {store})"
     if "tokenizer_hash" in train_outputs and not train_outputs.get("store"):
         return None, "trained on synthetic tokens"
     raise EvaluationError(
@@ -161,14 +166,16 @@ def report_markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|---:|",
     ]
     for name, src in report["per_source"].items():
-        lines.append(f"| {name} | {src['tokens']:,} | {src['val_loss']:.4f} | {src['perplexity']:.2f} |")
+        lines.append(f"| {name} | {src['tokens']:,} | {src['val_loss']:.4f} "
+                     f"| {src['perplexity']:.2f} |")
     if report.get("lm_eval"):
         lines += ["", "## lm-eval", ""]
         for task, metrics in sorted(report["lm_eval"].items()):
             shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
             lines.append(f"- {task}: {shown}")
     if report.get("hf_export"):
-        lines += ["", f"Hugging Face export: `{report['hf_export']}/` beside this report ({report['hf_class']})"]
+        lines += ["", f"Hugging Face export: `{report['hf_export']}/` beside this report "
+                      f"({report['hf_class']})"]
     return "\n".join(lines) + "\n"
 
 
@@ -221,14 +228,15 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
     log it all to MLflow; return the stage outputs."""
     from tokenizers import Tokenizer
 
-    from model.evaluation.export_hf import export_model
+    from model.evaluation.export_hf import export_checkpoint
     from model.evaluation.generate import format_generations, generate_text
     from model.training.checkpoint import load_for_inference
     from model.training.plots import plot_perplexity, plot_training
 
     out_dir = Path(out_dir)
     if not (out_dir / SPEC_FILE).is_file():
-        raise EvaluationError(f"{out_dir / SPEC_FILE} is missing: run stages.evaluate.prepare first")
+        raise EvaluationError(f"{out_dir / SPEC_FILE} is missing: run stages.evaluate.prepare "
+                              "first")
     spec = RankSpec.read(out_dir / SPEC_FILE)
     extra = spec.extra
     result = _read_json(out_dir / LOSS_FILE, "the evaluation ranks did not finish")
@@ -245,6 +253,11 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
             metrics[f"val_loss.{name}"] = src["val_loss"]
             metrics[f"perplexity.{name}"] = src["perplexity"]
 
+    # Streamed from the checkpoint, one tensor at a time: the export never holds the model.
+    hf_dir = export_checkpoint(extra["checkpoint"], cfg.model, out_dir / "hf",
+                               tokenizer_file=extra["tokenizer"],
+                               eos_token=cfg.tokenizer.eos_token, shard_bytes=EXPORT_SHARD_BYTES)
+
     model = load_for_inference(extra["checkpoint"], cfg.model)
     tokenizer = Tokenizer.from_file(extra["tokenizer"])
     generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
@@ -257,9 +270,6 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
         lm_eval_results = _lm_eval(cfg, model, tokenizer, store.eos_id, reader, out_dir)
         for task, values in lm_eval_results.items():
             metrics.update({f"{task}.{k}": v for k, v in values.items()})
-
-    hf_dir = export_model(model, out_dir / "hf", tokenizer_file=extra["tokenizer"],
-                          eos_token=cfg.tokenizer.eos_token)
 
     plots_dir = out_dir / "plots"
     plots_dir.mkdir(exist_ok=True)

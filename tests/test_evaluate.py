@@ -87,7 +87,8 @@ def test_mlflow_run_has_metrics_artifacts_plots_and_model(micro_pipeline):
     top = {a.path for a in client.list_artifacts(ev.run_id)}
     assert {"report.json", "report.md", "generations.txt", "plots", "hf"} <= top
     plots = {a.path for a in client.list_artifacts(ev.run_id, "plots")}
-    assert plots == {"plots/loss.png", "plots/lr.png", "plots/tokens_per_s.png", "plots/perplexity.png"}
+    assert plots == {"plots/loss.png", "plots/lr.png", "plots/tokens_per_s.png",
+                     "plots/perplexity.png"}
     for png in (Path(ev.out_dir) / "plots").glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     hf = {a.path for a in client.list_artifacts(ev.run_id, "hf")}
@@ -113,6 +114,34 @@ def test_mlflow_run_has_metrics_artifacts_plots_and_model(micro_pipeline):
     assert train_run.data.tags["stage"] == "train"
     report = json.loads(Path(ev.outputs["report"]).read_text())
     assert report["train_run_id"] == train_run.info.run_id
+
+
+def test_export_is_streamed_into_shards_that_compute_the_checkpoints_logits(
+        micro_pipeline, tmp_path, monkeypatch):
+    """finalize exports from the checkpoint in safetensors shards of EXPORT_SHARD_BYTES."""
+    import dataclasses
+
+    import transformers
+
+    cfg, ctx, _, train, ev = _outputs(micro_pipeline)
+    out = tmp_path / "eval"
+    shutil.copytree(ev.out_dir, out, ignore=shutil.ignore_patterns("hf", "lm_eval_tasks"))
+    monkeypatch.setattr(evaluate, "EXPORT_SHARD_BYTES", 100_000)
+    quick = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, tasks=[], log_model=False))
+    tracker = tracking.Tracker(ctx.tracking_uri, tracking.start_run(
+        ctx.tracking_uri, ctx.experiment_id, "sharded-export"))
+    outputs = evaluate.finalize(quick, out, [], tracker)
+    hf_dir = Path(outputs["hf_export"])
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in hf_dir.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and sorted(set(index["weight_map"].values())) == shards
+    assert not (hf_dir / "model.safetensors").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    ours = load_for_inference(train["checkpoint"], cfg.model)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(tokens) - hf.eval()(tokens).logits).abs().max().item() < 1e-4
 
 
 def test_tokenizer_mismatch_is_refused_before_any_work(micro_pipeline, tmp_path):
