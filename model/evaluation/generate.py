@@ -1,4 +1,6 @@
-"""Autoregressive text generation with a plain (single-process) GPT: greedy or sampled.
+"""Autoregressive text generation with a GPT, greedy or sampled: a plain single-process GPT,
+or a ``model.evaluation.layout.LayoutModel`` spread over tp x pp ranks (every rank then
+computes the same tokens).
 
 No key/value cache: each new token reruns the model on the last ``max_seq_len`` tokens.
 That is quadratic in the generated length but needs nothing from the model beyond
@@ -32,7 +34,10 @@ def generate_tokens(
     new: list[int] = []
     for _ in range(max_new_tokens):
         window = torch.tensor([tokens[-limit:]], dtype=torch.long)  # [1, T]
-        logits = model(window)[0, -1].float()  # [V]
+        if hasattr(model, "last_logits"):  # a LayoutModel: the same logits on every rank
+            logits = model.last_logits(window)[0]  # [V]
+        else:
+            logits = model(window)[0, -1].float()  # [V]
         if not temperature:
             next_id = int(torch.argmax(logits))
         else:

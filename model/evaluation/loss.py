@@ -105,7 +105,14 @@ def heldout_loss(
     Returns {"val_loss", "perplexity", "tokens", "windows", "local_windows", "seq_len",
     "per_source": {name: {"val_loss", "perplexity", "tokens"}}}; identical on every rank
     except ``local_windows`` (the windows this rank evaluated).
+
+    A ``model.evaluation.layout.LayoutModel`` (the model spread over tp x pp ranks) supplies
+    the per-token losses itself; its replicas (dp) split the windows and reduce over dp.
     """
+    group = None
+    if hasattr(model, "token_losses"):
+        rank, world = model.loss_rank_world()
+        group = model.dp_group
     rank, world = _rank_world(rank, world)
     plan = plan_windows(reader.num_tokens, seq_len, max_tokens)
     names, span_starts, span_ids = _source_index(sources)
@@ -120,10 +127,13 @@ def heldout_loss(
         rows = np.stack([reader.read(w * plan.seq_len, w * plan.seq_len + plan.seq_len + 1)
                          for w in batch]).astype(np.int64)  # [B, T+1]
         tokens = torch.from_numpy(rows).to(device)
-        logits = model(tokens[:, :-1])  # [B, T, V]
-        losses = F.cross_entropy(
-            logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
-        ).view(len(batch), plan.seq_len).double().cpu().numpy()  # [B, T]
+        if group is not None:
+            losses = model.token_losses(tokens).numpy()  # [B, T], the same on every rank
+        else:
+            logits = model(tokens[:, :-1])  # [B, T, V]
+            losses = F.cross_entropy(
+                logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"
+            ).view(len(batch), plan.seq_len).double().cpu().numpy()  # [B, T]
         # Position of each predicted token in the split -> its source.
         starts = np.array(batch, dtype=np.int64)[:, None] * plan.seq_len
         pos = starts + np.arange(1, plan.seq_len + 1)
@@ -140,7 +150,7 @@ def heldout_loss(
             last = now
     totals = torch.from_numpy(np.concatenate([loss_sums, counts]))
     if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
     loss_sums, counts = totals[: len(names)].numpy(), totals[len(names) :].numpy()
     total_loss, total_tokens = float(loss_sums.sum()), round(counts.sum())
     val_loss = total_loss / total_tokens
