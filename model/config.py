@@ -55,7 +55,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
-            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            _require(value > 0, f"model.{name} must be > 0, got {value}")
         _require(
             self.d_model % self.n_heads == 0,
             f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}",
@@ -216,7 +217,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every"):
-            _require(getattr(self, name) > 0, f"train.{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            _require(value > 0, f"train.{name} must be > 0, got {value}")
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")

@@ -25,80 +25,9 @@ from typing import Any
 from stages import locks, stage, tracking
 from stages.config import ConfigError, PipelineConfig, load_config
 from stages.registry import STAGE_ORDER, stage_module, upstream
+from stages.selection import StagePlan, plan_stages
 from stages.stage import FAN_OUT, SINGLE
 from workflows import failures as failures_mod
-
-
-@dataclass
-class StagePlan:
-    """What the driver will do with one stage."""
-
-    name: str
-    key: str
-    action: str  # "run", "force", "reuse"
-    existing: stage.StageResult | None
-    reason: str = ""  # for "run": why an older output of this stage is not reused
-
-
-def stage_ingredients(
-    cfg: PipelineConfig, code: dict[str, str] | str
-) -> dict[str, dict[str, Any]]:
-    """Every stage's key ingredients (``stage.key_ingredients``), from the config and the
-    code hashes alone (no work done)."""
-    ctx_code = stage.PipelineContext("", "", "", "", code)
-    keys: dict[str, str] = {}
-    found: dict[str, dict[str, Any]] = {}
-    for name in STAGE_ORDER:
-        inputs = {u: keys[u] for u in upstream(name)}
-        found[name] = stage.key_ingredients(
-            name, cfg, stage_module(name).SECTIONS, inputs, ctx_code.code_for(name)
-        )
-        keys[name] = stage.key_of(found[name])
-    return found
-
-
-def stage_keys(cfg: PipelineConfig, code: dict[str, str] | str | None = None) -> dict[str, str]:
-    """Every stage's key (``code``: ``stage.code_hashes()`` when not given)."""
-    code = stage.code_hashes() if code is None else code
-    return {n: stage.key_of(i) for n, i in stage_ingredients(cfg, code).items()}
-
-
-def plan_stages(
-    cfg: PipelineConfig, only: str | None, start: str | None, force: bool,
-    code: dict[str, str] | str | None = None,
-) -> list[StagePlan]:
-    """Decide run / force / reuse per stage; refuse selections whose upstream is missing.
-
-    ``code`` is the per-stage code hash the keys use (``stage.code_hashes()`` when not
-    given; the driver computes it once and passes the same to its PipelineContext)."""
-    ingredients = stage_ingredients(cfg, stage.code_hashes() if code is None else code)
-    keys = {n: stage.key_of(i) for n, i in ingredients.items()}
-    runs_dir = cfg.runs_dir
-    if only:
-        selected = {only}
-    elif start:
-        selected = set(STAGE_ORDER[STAGE_ORDER.index(start) :])
-    else:
-        selected = set(STAGE_ORDER)
-    plans = []
-    for name in STAGE_ORDER:
-        existing = stage.find_succeeded(runs_dir, name, keys[name])
-        if name not in selected:
-            if existing is None:
-                flag = f"--only {only}" if only else f"--from {start}"
-                raise ConfigError(
-                    f"{flag} needs the '{name}' stage's output for the current config "
-                    f"(key {keys[name]}), and there is none: "
-                    f"run the pipeline without {flag.split()[0]} first"
-                )
-            action = "reuse"
-        elif force or only or start:
-            action = "force"
-        else:
-            action = "reuse" if existing is not None else "run"
-        reason = stage.rerun_reason(runs_dir, ingredients[name]) if action == "run" else ""
-        plans.append(StagePlan(name, keys[name], action, existing, reason))
-    return plans
 
 
 def describe(plans: list[StagePlan], cfg: PipelineConfig) -> str:
@@ -134,6 +63,8 @@ def _submit(cfg: PipelineConfig, plans: list[StagePlan], ctx, log_dir: Path) -> 
 
     runs: dict[str, StageRun] = {}
     for p in plans:
+        if p.action == "skip":
+            continue
         module = stage_module(p.name)
         inputs = {u: runs[u].result for u in upstream(p.name)}
         log = str(log_dir / f"{p.name}.log")
@@ -384,8 +315,7 @@ def run_pipeline(
         locks.release_all(runs_dir, ctx.driver)  # locks of stages that never finished
         parent.set_tags({"wall_seconds": f"{time.time() - started:.1f}"})
         tracking.end_run(uri, parent_id, status)
-    for name in STAGE_ORDER:
-        result = results[name]
+    for name, result in results.items():
         how = "reused" if result.reused else "ran"
         print(f"{name:<9} {how:<6} {result.out_dir}", flush=True)
     print(f"\nMLflow store: {uri}\nOpen the UI:  {tracking.ui_command(uri, runs_dir)}", flush=True)
@@ -436,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             print(sites.dry_run_text(cfg, cfg.runs_dir))
             return 0
         from stages.preflight import preflight
+        from workflows import sites
 
+        sites.check_site(cfg)  # e.g. Frontier without site.account: before any run is opened
         preflight(cfg, args.only, args.start, args.force)  # each stage's cheap input checks
         check_runs_dir(cfg.runs_dir)
         run_pipeline(cfg, args.only, args.start, args.force)

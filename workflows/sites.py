@@ -139,6 +139,12 @@ def _local_train_executor() -> HighThroughputExecutor:
     )
 
 
+def check_site(cfg: PipelineConfig) -> None:
+    """The site settings' checks, before any work (the driver calls it first)."""
+    if cfg.site.name in ("slurm", "frontier"):
+        _check_slurm_site(cfg)
+
+
 def _check_slurm_site(cfg: PipelineConfig) -> None:
     site = cfg.site
     if site.name == "frontier":

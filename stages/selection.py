@@ -1,0 +1,92 @@
+"""Which stages an invocation runs, reuses, forces or skips, from the config alone.
+
+The one home of the rule the driver (``workflows.pipeline``), the pre-flight checks
+(``stages.preflight``) and the scaling studies share: a stage whose key already succeeded
+is reused; ``--only``/``--from``/``--force`` recompute the selected stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stages import stage
+from stages.config import ConfigError, PipelineConfig
+from stages.registry import STAGE_ORDER, stage_module, upstream
+
+
+@dataclass
+class StagePlan:
+    """What the driver will do with one stage."""
+
+    name: str
+    key: str
+    action: str  # "run", "force", "reuse", "skip" (after the stage given to --only)
+    existing: stage.StageResult | None
+    reason: str = ""  # for "run": why an older output of this stage is not reused
+
+
+def stage_ingredients(
+    cfg: PipelineConfig, code: dict[str, str] | str
+) -> dict[str, dict[str, Any]]:
+    """Every stage's key ingredients (``stage.key_ingredients``), from the config and the
+    code hashes alone (no work done)."""
+    ctx_code = stage.PipelineContext("", "", "", "", code)
+    keys: dict[str, str] = {}
+    found: dict[str, dict[str, Any]] = {}
+    for name in STAGE_ORDER:
+        inputs = {u: keys[u] for u in upstream(name)}
+        found[name] = stage.key_ingredients(
+            name, cfg, stage_module(name).SECTIONS, inputs, ctx_code.code_for(name)
+        )
+        keys[name] = stage.key_of(found[name])
+    return found
+
+
+def stage_keys(cfg: PipelineConfig, code: dict[str, str] | str | None = None) -> dict[str, str]:
+    """Every stage's key (``code``: ``stage.code_hashes()`` when not given)."""
+    code = stage.code_hashes() if code is None else code
+    return {n: stage.key_of(i) for n, i in stage_ingredients(cfg, code).items()}
+
+
+def plan_stages(
+    cfg: PipelineConfig, only: str | None, start: str | None, force: bool,
+    code: dict[str, str] | str | None = None,
+) -> list[StagePlan]:
+    """Decide run / force / reuse / skip per stage; refuse selections whose upstream is missing.
+
+    ``--only STAGE`` recomputes that stage, reuses the stages before it (they must exist)
+    and skips the stages after it; ``--from STAGE`` recomputes it and every later stage.
+
+    ``code`` is the per-stage code hash the keys use (``stage.code_hashes()`` when not
+    given; the driver computes it once and passes the same to its PipelineContext)."""
+    ingredients = stage_ingredients(cfg, stage.code_hashes() if code is None else code)
+    keys = {n: stage.key_of(i) for n, i in ingredients.items()}
+    runs_dir = cfg.runs_dir
+    if only:
+        selected = {only}
+    elif start:
+        selected = set(STAGE_ORDER[STAGE_ORDER.index(start) :])
+    else:
+        selected = set(STAGE_ORDER)
+    plans = []
+    for name in STAGE_ORDER:
+        existing = stage.find_succeeded(runs_dir, name, keys[name])
+        if only and STAGE_ORDER.index(name) > STAGE_ORDER.index(only):
+            plans.append(StagePlan(name, keys[name], "skip", existing))
+            continue
+        if name not in selected:
+            if existing is None:
+                flag = f"--only {only}" if only else f"--from {start}"
+                raise ConfigError(
+                    f"{flag} needs the '{name}' stage's output for the current config "
+                    f"(key {keys[name]}), and there is none: "
+                    f"run the pipeline without {flag.split()[0]} first"
+                )
+            action = "reuse"
+        elif force or only or start:
+            action = "force"
+        else:
+            action = "reuse" if existing is not None else "run"
+        reason = stage.rerun_reason(runs_dir, ingredients[name]) if action == "run" else ""
+        plans.append(StagePlan(name, keys[name], action, existing, reason))
+    return plans
