@@ -10,7 +10,8 @@ import pytest
 from stages import stage, tracking
 from stages.config import load_config
 from stages.registry import STAGE_ORDER, stage_module
-from workflows.pipeline import describe, plan_stages, stage_keys
+from stages.selection import plan_stages, stage_keys
+from workflows.pipeline import describe
 
 REPO = Path(__file__).resolve().parents[2]
 
