@@ -24,6 +24,7 @@ from data_prep.sources import (
     PARQUET_SUFFIXES,
     expand_files,
     is_saved_dataset,
+    json_line_texts,
     record_text,
 )
 from data_prep.tokenizer import load_tokenizer, token_dtype
@@ -148,13 +149,4 @@ def _check_first_record(path: Path, text: str, complete: bool, field: str, key: 
             return
     if not complete:
         text = text[: text.rfind("\n") + 1]  # whole lines only
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column "
-                            f"{err.colno}): fix the line or remove the file from {key}") from None
-        record_text(record, field, f"{path}:{lineno}")
-        return
+    next(json_line_texts(path, text, field, key), None)  # the first record only

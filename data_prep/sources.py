@@ -91,7 +91,13 @@ def _json_texts(path: Path, field: str, key: str) -> Iterator[str]:
         if whole is not None:
             yield record_text(whole, field, f"{path}")
             return
-    for lineno, line in enumerate(raw.splitlines(), start=1):
+    yield from json_line_texts(path, raw, field, key)
+
+
+def json_line_texts(path: Path, text: str, field: str, key: str) -> Iterator[str]:
+    """The ``field`` of every JSON line of ``text`` (read from ``path``; blank lines skipped);
+    a malformed line or record is a DataError naming its line and the fix."""
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:

@@ -348,8 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def cli_overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides of the shared options: ``--set``, ``--site``, ``--tracking-uri``,
+    ``--runs-dir`` (the pipeline's and the scaling study's command lines)."""
     overrides = [item for group in args.overrides for item in group]
     if args.site:
         overrides.append(f"site.name={args.site}")
@@ -357,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"tracking.uri={args.tracking_uri}")
     if args.runs_dir:
         overrides.append(f"tracking.runs_dir={args.runs_dir}")
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = cli_overrides(args)
     try:
         cfg = load_config(args.config, overrides)
         if args.dry_run:

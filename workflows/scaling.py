@@ -435,16 +435,10 @@ def plot_report(rows: list[dict[str, Any]], out_dir: Path, title: str) -> list[P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from data_prep.atomic import atomic_path
+    from model.training.plots import save_png
 
     def save(fig: Any, name: str) -> Path:
-        path = out_dir / name
-        try:
-            with atomic_path(path) as tmp:
-                fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
-        finally:
-            plt.close(fig)
-        return path
+        return save_png(fig, out_dir / name)
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     files = []
@@ -555,14 +549,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from workflows.pipeline import cli_overrides
+
     args = build_parser().parse_args(argv)
-    overrides = [item for group in args.overrides for item in group]
-    if args.site:
-        overrides.append(f"site.name={args.site}")
-    if args.tracking_uri:
-        overrides.append(f"tracking.uri={args.tracking_uri}")
-    if args.runs_dir:
-        overrides.append(f"tracking.runs_dir={args.runs_dir}")
+    overrides = cli_overrides(args)
     try:
         if args.predict:
             configs = args.config or [str(CONFIG_DIR / f"{name}.yaml") for name in PRESETS]

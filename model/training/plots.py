@@ -25,7 +25,8 @@ TRAIN_PLOTS = {
 }
 
 
-def _save(fig, path: Path) -> Path:
+def save_png(fig, path: str | Path) -> Path:
+    """Write a matplotlib figure to ``path`` as PNG, atomically, and close it."""
     path = Path(path)
     try:
         with atomic_path(path) as tmp:
@@ -53,7 +54,7 @@ def plot_series(series: dict[str, Series], path: str | Path, title: str, ylabel:
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend()
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_training(histories: dict[str, Series], out_dir: str | Path) -> list[Path]:
@@ -87,4 +88,4 @@ def plot_perplexity(train_loss: Series, eval_perplexity: float, per_source: dict
     right.bar(names, [per_source[n] for n in names], color="tab:red")
     right.set_title("Held-out perplexity by source")
     right.set_ylabel("perplexity")
-    return _save(fig, path)
+    return save_png(fig, path)

@@ -334,5 +334,6 @@ def test_preflight_checks_exactly_the_stages_the_driver_computes(tokenized) -> N
     runs, _, _ = tokenized
     cfg = load_config(MICRO, ["parallel.cluster=nosuch", f"tracking.runs_dir={runs}"])
     assert [name for name, _ in stages_to_compute(cfg)] == ["plan", "train", "evaluate"]
-    assert [name for name, _ in stages_to_compute(cfg, start="train")] == ["train", "evaluate"]
+    assert [name for name, _ in stages_to_compute(cfg, start="plan")] == [
+        "plan", "train", "evaluate"]
     assert [name for name, _ in stages_to_compute(cfg, only="tokenize")] == ["tokenize"]
