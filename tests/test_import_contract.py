@@ -1,0 +1,98 @@
+"""The layering the architecture promises, read from the sources themselves.
+
+workflows -> stages -> model -> data_prep: a package imports only packages to its right;
+only workflows/ imports parsl; only stages/tracking.py imports mlflow; module-level imports
+form no cycle; and the planner plans without torch.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("workflows", "stages", "model", "data_prep")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    """Absolute module names imported by a file (every import, or module-level ones)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for layer in LAYERS for p in (ROOT / layer).rglob("*.py")}
+
+
+def test_each_package_imports_only_packages_to_its_right() -> None:
+    wrong = []
+    for name, path in _sources().items():
+        layer = name.split(".")[0]
+        allowed = set(LAYERS[LAYERS.index(layer):])
+        for imported in _imports(path, top_level_only=False):
+            top = imported.split(".")[0]
+            if top in LAYERS and top not in allowed:
+                wrong.append(f"{name} imports {imported}")
+            if top == "parsl" and layer != "workflows":
+                wrong.append(f"{name} imports parsl (only workflows/ may)")
+            if top == "mlflow" and name != "stages.tracking":
+                wrong.append(f"{name} imports mlflow (only stages/tracking.py may)")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_module_level_imports_form_no_cycle() -> None:
+    sources = _sources()
+    graph = {
+        name: {m for m in _imports(path, top_level_only=True) if m in sources and m != name}
+        for name, path in sources.items()
+    }
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path, node, nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start, [])
+            assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_planner_plans_without_torch() -> None:
+    planner = sorted(_module_name(p) for p in (ROOT / "model" / "planner").glob("*.py"))
+    code = (
+        "import sys\n"
+        f"for name in {planner + ['model.config', 'model.flops']!r}:\n"
+        "    __import__(name)\n"
+        "from model.planner.cluster import load_cluster\n"
+        "from model.planner.search import search\n"
+        "from model.planner.shapes import Shapes\n"
+        "from model.config import ModelConfig, TrainConfig\n"
+        "shapes = Shapes.from_configs(ModelConfig(), TrainConfig())\n"
+        "assert search(shapes, load_cluster('frontier'), 64, 64).best is not None\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
