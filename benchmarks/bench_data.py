@@ -152,6 +152,8 @@ def measure_scaling(cfg, out: Path, tracker, run_dir: Path, reps: int) -> dict[i
     from parsl.executors import HighThroughputExecutor
     from parsl.providers import LocalProvider
 
+    from workflows.sites import interchange_command
+
     n = tokenize.prepare(cfg, {}, out, tracker)
     bin_dir = Path(sys.executable).parent
     init = (f"export PATH={shlex.quote(str(bin_dir))}:$PATH; export RAYON_NUM_THREADS=1; "
@@ -159,7 +161,7 @@ def measure_scaling(cfg, out: Path, tracker, run_dir: Path, reps: int) -> dict[i
     executors = [
         HighThroughputExecutor(
             label=f"w{workers}", address="127.0.0.1", max_workers_per_node=workers,
-            cores_per_worker=1e-6,
+            cores_per_worker=1e-6, interchange_launch_cmd=interchange_command(),
             provider=LocalProvider(init_blocks=1, min_blocks=1, max_blocks=1, worker_init=init),
         )
         for workers in (1, 2)

@@ -107,10 +107,10 @@ def _path_init() -> str:
     return f"export PATH={shlex.quote(str(BIN_DIR))}:$PATH\n{_python_path_init()}"
 
 
-def _interchange_cmd() -> str:
-    # The interchange is started by the submitting process; use the script beside the
-    # interpreter so it works even when the venv is not activated. (A plain string: Popen
-    # runs it as one program path, and MPIExecutor's signature accepts only str.)
+def interchange_command() -> str:
+    """HTEX's ``interchange_launch_cmd``: the script beside this interpreter, so Parsl works
+    when the venv is not activated (``.venv/bin/python -m ...``)."""
+    # A plain string: Popen runs it as one program path, and MPIExecutor accepts only str.
     script = BIN_DIR / "interchange.py"
     return str(script) if script.exists() else "interchange.py"
 
@@ -122,7 +122,7 @@ def _cpu_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
         address="127.0.0.1",
         max_workers_per_node=cfg.site.max_workers,
         cores_per_worker=1e-6,  # the worker count is max_workers, whatever the core count
-        interchange_launch_cmd=_interchange_cmd(),
+        interchange_launch_cmd=interchange_command(),
         provider=LocalProvider(init_blocks=1, min_blocks=0, max_blocks=1, worker_init=_path_init()),
     )
 
@@ -134,7 +134,7 @@ def _local_train_executor() -> HighThroughputExecutor:
         address="127.0.0.1",
         max_workers_per_node=1,
         cores_per_worker=1e-6,
-        interchange_launch_cmd=_interchange_cmd(),
+        interchange_launch_cmd=interchange_command(),
         provider=LocalProvider(init_blocks=1, min_blocks=0, max_blocks=1, worker_init=_path_init()),
     )
 
@@ -228,7 +228,7 @@ def _slurm_train_executor(cfg: PipelineConfig) -> MPIExecutor:
         max_workers_per_block=1,
         provider=slurm_provider(cfg),
         address=cfg.site.address,
-        interchange_launch_cmd=_interchange_cmd(),
+        interchange_launch_cmd=interchange_command(),
         heartbeat_threshold=threshold,
         heartbeat_period=max(1, threshold // 4),
         # CurveZMQ between the login node's interchange and the compute nodes' worker pool
