@@ -26,6 +26,7 @@ def atomic_path(path: str | Path, fsync: bool = True) -> Iterator[Path]:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
+    os.fchmod(fd, 0o666 & ~_umask())  # as a plain open() would: others on a shared FS can read
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -66,6 +67,13 @@ def write_json_atomic(
     Returns ``path``.
     """
     return write_text_atomic(path, json.dumps(obj, indent=indent, default=str), fsync)
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it, so set it straight back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:

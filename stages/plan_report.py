@@ -10,8 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from data_prep.atomic import atomic_path
 from model.planner.plan import Plan
+from model.training.plots import save_png
 
 
 def comparison_png(plans: list[Plan], path: Path) -> Path:
@@ -29,12 +29,7 @@ def comparison_png(plans: list[Plan], path: Path) -> Path:
     ax2.plot(mem, list(y), "o", color="tab:red", label="memory GB/device")
     ax2.set_xlabel("predicted memory per device (GB)", color="tab:red")
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=90, format="png")
-    finally:
-        plt.close(fig)
-    return Path(path)
+    return save_png(fig, path)
 
 
 def measured_report(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:

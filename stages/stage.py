@@ -46,7 +46,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -100,14 +99,6 @@ _PKG = "|".join(CODE_PACKAGES)
 _DOTTED = re.compile(rf"(?<![\w.])(?:{_PKG})(?:\.\w+)+".encode())
 _FROM = re.compile(rf"^[ \t]*from[ \t]+((?:{_PKG})[\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
                    .encode(), re.MULTILINE)
-
-
-def package_version() -> str:
-    """Version of the installed project (informational; stage keys hash the code instead)."""
-    try:
-        return metadata.version("frontier-llm")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def _module_files(root: Path) -> dict[str, Path]:
@@ -339,10 +330,6 @@ def rerun_reason(runs_dir: str | Path, ingredients: dict[str, Any]) -> str:
     return f"{', '.join(changes)} since key {key}"
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    write_json_atomic(path, obj)
-
-
 def _overwrite_status(path: Path, status: dict[str, Any], error: BaseException) -> None:
     """Last resort when the disk is full: rewrite status.json in place, short, inside the
     space the "running" status already holds (no new file, no new blocks)."""
@@ -461,7 +448,7 @@ def begin(
             shutil.rmtree(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
         run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir)})
-        _write_json_atomic(
+        write_json_atomic(
             work_dir / STATUS_FILE, _status("running", run_id, key=key, ingredients=ingredients)
         )
         attempt = StageAttempt(
@@ -495,8 +482,8 @@ def finish(ctx: PipelineContext, attempt: StageAttempt, outputs: dict[str, Any])
     """Publish a stage's outputs atomically and close its MLflow run as FINISHED."""
     work, final = Path(attempt.work_dir), Path(attempt.final_dir)
     outputs = _relocate(outputs, str(work), str(final))
-    _write_json_atomic(work / OUTPUTS_FILE, outputs)
-    _write_json_atomic(work / STATUS_FILE, _status(
+    write_json_atomic(work / OUTPUTS_FILE, outputs)
+    write_json_atomic(work / STATUS_FILE, _status(
         "succeeded", attempt.run_id, key=attempt.key, ingredients=attempt.ingredients
     ))
     attempt.tracker(ctx).log_artifact(work / OUTPUTS_FILE)
@@ -527,7 +514,7 @@ def fail(ctx: PipelineContext, attempt: StageAttempt, error: BaseException) -> N
         status = _status("failed", attempt.run_id, key=attempt.key, error=detail,
                          ingredients=attempt.ingredients)
         try:
-            _write_json_atomic(work / STATUS_FILE, status)
+            write_json_atomic(work / STATUS_FILE, status)
         except OSError:
             _overwrite_status(work / STATUS_FILE, status, error)
     try:

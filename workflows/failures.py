@@ -49,16 +49,6 @@ def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0) -
     return 1.0
 
 
-def root_causes(error: BaseException) -> list[BaseException]:
-    """The failures behind ``error``, looking through Parsl's dependency wrappers."""
-    if isinstance(error, DependencyError):
-        causes: list[BaseException] = []
-        for inner, _tid in error.dependent_exceptions_tids:
-            causes.extend(root_causes(inner))
-        return causes
-    return [error]
-
-
 def own_failure(futures: list[Any]) -> BaseException | None:
     """The first failure among a stage's own app futures that is not an upstream's."""
     for future in futures:

@@ -376,16 +376,19 @@ def main(argv: list[str] | None = None) -> int:
         from workflows import sites
 
         sites.check_site(cfg)  # e.g. Frontier without site.account: before any run is opened
-        preflight(cfg, args.only, args.start, args.force)  # each stage's cheap input checks
+        try:
+            preflight(cfg, args.only, args.start, args.force)  # each stage's cheap input checks
+        except ConfigError:
+            raise
+        except ValueError as error:  # an unusable input (DataError, ...) found before any work
+            print(f"input error: {error}", file=sys.stderr)
+            return 2
         check_runs_dir(cfg.runs_dir)
         run_pipeline(cfg, args.only, args.start, args.force)
     except KeyboardInterrupt:
         return 130
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
-        return 2
-    except ValueError as error:  # an unusable input (DataError, ...) found before any work
-        print(f"input error: {error}", file=sys.stderr)
         return 2
     except PipelineFailed as error:
         print(f"\npipeline failed:\n{error}", file=sys.stderr)

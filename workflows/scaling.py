@@ -288,6 +288,7 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
         if ctx is not None and runs:
             pipeline._fail_running(ctx, runs, runs_dir)
         heartbeat.stop()
+        locks.release_all(runs_dir, driver)  # locks of stages that never finished
         for run_id in point_ids.values():
             tracking.end_run(uri, run_id, status)
         tracking.end_run(uri, parent_id, status)

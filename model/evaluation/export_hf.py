@@ -18,7 +18,6 @@ directory is published atomically: written to ``<out>.partial`` then renamed.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Callable
@@ -209,15 +208,6 @@ def hf_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else tuple(shapes[0])
 
 
-def convert_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our unsharded GPT state dict -> the HF model's state dict (contiguous CPU tensors).
-
-    Raises ExportError on a missing or unexpected key (see ``hf_layout``).
-    """
-    layout = hf_layout(cfg, set(state))
-    return {theirs: combine([state[o] for o in ours], cfg) for theirs, ours in layout}
-
-
 def _expected_keys(cfg: ModelConfig) -> set[str]:
     """Our parameter names for ``cfg`` (from a GPT built on the meta device)."""
     from model.gpt import GPT
@@ -345,8 +335,3 @@ def export_checkpoint(
 
     return _publish(cfg, out_dir, lambda work: write_sharded(work, specs, fetch, shard_bytes),
                     tokenizer_file, eos_token)
-
-
-def read_export_info(out_dir: str | Path) -> dict:
-    """config.json of an export (architecture, sizes) for reports."""
-    return json.loads((Path(out_dir) / "config.json").read_text())

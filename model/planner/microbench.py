@@ -399,7 +399,7 @@ def load_measured_cluster(name_or_path: str | Path, nproc: int | None,
     if not nproc:
         raise ClusterError(f"{path} is measured at plan time: give the number of ranks (nproc)")
     fields = measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir)
-    return load_cluster(path, fields)
+    return cluster_from_dict({**raw, **fields}, str(path))
 
 
 if __name__ == "__main__":

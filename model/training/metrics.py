@@ -56,11 +56,9 @@ def plot_losses(losses: list[float], first_step: int, path: str | Path) -> Path:
     ax.set_ylabel("training loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    from model.training.plots import save_png
+
+    return save_png(fig, path)
 
 
 SPOOL_FILE = "metrics_spool.jsonl"  # in the training stage's directory

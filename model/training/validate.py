@@ -38,7 +38,8 @@ def validate_training(
     if checkpoint_root is not None:
         from model.training import checkpoint as ckpt  # torch: only when there is a root
 
-        latest = ckpt.latest_checkpoint(checkpoint_root)
+        # Names and sizes only: the ranks check the shards' checksums when they resume.
+        latest = ckpt.latest_checkpoint(checkpoint_root, checksum_limit=0)
         if latest is not None:
             try:
                 ckpt.check_model_shape(latest, model_cfg)
