@@ -1,8 +1,10 @@
 """Memory model against the measured peak resident memory of a real training step on CPU.
 
-A fresh process builds a GPT, runs three AdamW steps (the optimizer states exist from the
-first) and reports the rise of its peak RSS over the RSS before the model existed; of two
-such processes the smaller rise counts, since allocator slack only ever adds to it. The
+A fresh process warms torch up on a one-layer throwaway model (lazily loaded kernels and
+allocator arenas are not the model's memory), builds a GPT, runs three AdamW steps (the
+optimizer states exist from the first) and reports the rise of its peak RSS over the RSS
+before the model existed; of two such processes the smaller rise counts, since allocator
+slack only ever adds to it. The
 prediction uses no margin (no reserved memory, no fragmentation), so the comparison shows
 the raw model. Tolerance: CPU peak RSS also holds autograd temporaries (activation
 gradients, the logits' gradient) and allocator slack that the model covers only through the
@@ -36,6 +38,12 @@ torch.manual_seed(0)
 cfg = ModelConfig(**json.loads(sys.argv[1]))
 batch, seq = int(sys.argv[2]), int(sys.argv[3])
 x = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+# Warm up torch's lazily loaded kernels and allocator on a throwaway model of one layer, so
+# the measured rise is the model's memory, not one-time library start-up.
+small = GPT(ModelConfig(**{**json.loads(sys.argv[1]), "n_layers": 1}))
+F.cross_entropy(small(x[:1, :8]).reshape(-1, cfg.vocab_size), x[:1, 1:9].reshape(-1)).backward()
+torch.optim.AdamW(small.parameters(), lr=1e-4, foreach=False).step()
+del small
 before = psutil.Process().memory_info().rss
 model = GPT(cfg)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
