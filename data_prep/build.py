@@ -7,7 +7,8 @@ side, ``writer`` the low-level part writer). A build lives in one directory ``ou
     tokenizer.json         the tokenizer
     prepared.json          what ``prepare_store`` decided: shard plan, dtype, eos, hashes, config
     store.zarr/            the store
-    parts/<shard>.json     one record per finished input shard (its result)
+    parts/<shard>.json     one record per finished input shard (its result, with the host
+                           that encoded it)
 
 ``prepare_store`` saves the tokenizer and lays out an empty store; ``write_part`` encodes one
 input shard into its train and validation parts (one process per shard, in parallel);
@@ -27,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -239,7 +241,8 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
 
     Any earlier record of the shard is removed first, and the parts are written from
     scratch (each under a temporary name, renamed into place); the record is written last.
-    Returns the shard's result: its counts, part summaries and timings.
+    Returns the shard's result: its counts, part summaries, timings and ``host`` (the
+    hostname of the machine that encoded it).
     """
     out_dir = Path(out_dir)
     shard = shard_entry(prepared, shard_index)
@@ -287,14 +290,16 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
         "start_time": began,
         "end_time": began + (time.perf_counter() - t0),
         "seconds": time.perf_counter() - t0,
+        "host": socket.gethostname(),
     }
     _write_json(record, {"digest": _part_digest(prepared, shard_index, data), "result": result})
     return result
 
 
 def _collect_parts(store: Path, split: str, shards: list[dict[str, Any]],
-                   token_hash: str) -> list[dict[str, Any]]:
-    """Each shard's part of ``split``, checked against the attributes its writer left."""
+                   token_hash: str, hosts: dict[int, str | None]) -> list[dict[str, Any]]:
+    """Each shard's part of ``split``, checked against the attributes its writer left, with
+    the host that encoded it (``hosts``: shard -> hostname, None when unknown)."""
     parts = []
     for shard, plan in enumerate(shards):
         path = store / part_name(split, shard)
@@ -311,6 +316,8 @@ def _collect_parts(store: Path, split: str, shards: list[dict[str, Any]],
                 "documents": attrs["documents"]}
         if plan["source"] is not None:
             part["source"] = plan["source"]
+        if hosts.get(shard):
+            part["host"] = hosts[shard]
         parts.append(part)
     return parts
 
@@ -352,7 +359,8 @@ def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
     """Check every part, write the store attributes and the manifest (last, atomically).
 
     ``shard_results`` are the results of every input shard (``write_part`` or
-    ``finished_part``). Afterwards the saved corpus copy is removed (the store holds it all).
+    ``finished_part``); each manifest part names the host that encoded it. Afterwards the
+    saved corpus copy is removed (the store holds it all).
     """
     out_dir = Path(out_dir)
     prepared = read_prepared(out_dir)
@@ -365,9 +373,11 @@ def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
         raise DataError(
             f"finalize got results for shards {done}; missing {missing} of {num_shards}"
         )
+    hosts = {r["shard"]: r.get("host") for r in shard_results}
     splits = {}
     for split in SPLITS:
-        parts = _collect_parts(store, split, prepared["shards"], prepared["tokenizer_hash"])
+        parts = _collect_parts(store, split, prepared["shards"], prepared["tokenizer_hash"],
+                               hosts)
         splits[split] = {"tokens": sum(p["tokens"] for p in parts),
                          "documents": sum(p["documents"] for p in parts), "parts": parts}
     if sum(s["documents"] for s in splits.values()) != info.num_documents:

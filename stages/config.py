@@ -92,7 +92,11 @@ class SiteConfig:
     name: Literal["local", "slurm", "frontier"] = "local"
     """Site kind: local (HTEX on this machine), slurm (generic) or frontier."""
     max_workers: int = 2
-    """Parallel Parsl workers for the light stages (tokenization fan-out)."""
+    """Parallel Parsl workers for the light stages: on this machine (local), per compute node
+    of the tokenize block (slurm, frontier)."""
+    tokenize_nodes: int = 1
+    """Compute nodes of the tokenize block (slurm, frontier): one Slurm job of this many nodes,
+    one worker pool of site.max_workers workers on each; the input shards spread over them."""
     account: str | None = None
     """Slurm account (required on Frontier)."""
     partition: str | None = None
@@ -142,6 +146,8 @@ class SiteConfig:
             )
         if self.max_workers <= 0:
             raise ValueError(f"site.max_workers must be > 0, got {self.max_workers}")
+        if self.tokenize_nodes <= 0:
+            raise ValueError(f"site.tokenize_nodes must be > 0, got {self.tokenize_nodes}")
         if self.retries < 0:
             raise ValueError("site.retries must be >= 0")
         parts = self.walltime.split(":")

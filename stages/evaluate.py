@@ -29,6 +29,7 @@ from one corpus reports a single ``"all"`` source).
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from model.evaluation.shards import DEFAULT_SHARD_BYTES
 from stages import launch, tracking
 from stages.config import PipelineConfig
 from stages.launch import RankSpec
-from stages.stage import RANKS, SINGLE, StageShape
+from stages.stage import ALLOCATION, RANKS, SINGLE, StageShape
 
 SECTIONS = ("eval",)
 UPSTREAM = ("tokenize", "train")
@@ -50,11 +51,12 @@ WORKER = "stages.eval_worker"
 
 def shape(cfg: PipelineConfig) -> StageShape:
     """Ranks when ``eval.ranks`` > 1; else one app computes everything in one process (a
-    separate rank process would only add its start-up, ~5 s of the tiny preset's run)."""
+    separate rank process would only add its start-up, ~5 s of the tiny preset's run).
+    Under Slurm every part runs in the training block's allocation, on its first node."""
     if cfg.eval.ranks > 1:
         return StageShape(RANKS, nproc=cfg.eval.ranks, nodes=1, worker=WORKER,
-                          note=f"on {cfg.eval.ranks} ranks")
-    return StageShape(SINGLE, note="in one process")
+                          note=f"on {cfg.eval.ranks} ranks", placement=ALLOCATION)
+    return StageShape(SINGLE, note="in one process", placement=ALLOCATION)
 SPLIT = "validation"
 SPEC_FILE = "spec.json"
 LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
@@ -295,6 +297,7 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
         "hf_export": hf_dir.name,  # relative: the stage directory moves when published
         "hf_class": extra["hf_class"],
         "train_run_id": train_run_id,
+        "host": socket.gethostname(),  # where finalize ran (a compute node under Slurm)
     }
     report_path = _write_text(out_dir / "report.json", json.dumps(report, indent=2))
     md_path = _write_text(out_dir / "report.md", report_markdown(report))

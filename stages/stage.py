@@ -58,6 +58,8 @@ from stages.registry import STAGE_ORDER
 STATUS_FILE = "status.json"
 
 SINGLE, FAN_OUT, RANKS = "single", "fan-out", "ranks"
+LOGIN, COMPUTE, ALLOCATION = "login", "compute", "allocation"
+PLACEMENTS = (LOGIN, COMPUTE, ALLOCATION)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,13 @@ class StageShape:
     - ``ranks``: ``prepare`` writes a ``stages.launch.RankSpec`` and returns its path, the
       launcher starts ``nproc`` ranks of ``python -m <worker> --spec PATH`` on ``nodes``
       nodes, then ``finalize(cfg, out_dir, [], tracker)``.
+
+    ``placement`` says where the stage's Python apps (the single app; prepare, parts and
+    finalize) run on a Slurm site; locally they all run on this machine. ``login``: the
+    submitting node, for light work; ``compute``: a block of compute nodes of their own
+    (``site.tokenize_nodes``), for work that spreads over nodes; ``allocation``: the block
+    that runs the ranks stages, for work that needs a compute node after training. A ranks
+    stage's ranks always run in that block, wherever its prepare and finalize run.
     """
 
     kind: str
@@ -78,10 +87,13 @@ class StageShape:
     nodes: int = 1
     worker: str = ""
     note: str = ""  # what --dry-run prints after the stage, e.g. "x2 shards"
+    placement: str = LOGIN
 
     def __post_init__(self) -> None:
         if self.kind not in (SINGLE, FAN_OUT, RANKS):
             raise ValueError(f"unknown stage shape {self.kind!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"unknown stage placement {self.placement!r}; one of {PLACEMENTS}")
         if self.kind == RANKS and not self.worker:
             raise ValueError("a ranks stage names its worker module")
 OUTPUTS_FILE = "outputs.json"

@@ -18,6 +18,7 @@ token and document counts per split.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from data_prep.store import MANIFEST
 from data_prep.tokenizer import load_tokenizer, shared_tokenizer, train_tokenizer
 from model.config import vocab_fit_problem
 from stages.config import PipelineConfig
-from stages.stage import FAN_OUT, StageShape
+from stages.stage import COMPUTE, FAN_OUT, StageShape
 
 __all__ = ["PREPARED", "RESUMABLE", "SECTIONS", "STORE", "TOKENIZER", "UPSTREAM", "check",
            "finalize", "part", "prepare", "run", "shape"]
@@ -43,8 +44,10 @@ RESUMABLE = True  # finished shards are kept and not encoded again
 
 
 def shape(cfg: PipelineConfig) -> StageShape:
-    """Fan-out: one part per input shard."""
-    return StageShape(FAN_OUT, parts=cfg.data.num_shards, note=f"x{cfg.data.num_shards} shards")
+    """Fan-out: one part per input shard, on compute nodes under Slurm (``site.tokenize_nodes``
+    nodes, ``site.max_workers`` shards at a time on each)."""
+    return StageShape(FAN_OUT, parts=cfg.data.num_shards, note=f"x{cfg.data.num_shards} shards",
+                      placement=COMPUTE)
 
 
 def check(cfg: PipelineConfig) -> None:
@@ -146,6 +149,11 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
     manifest, splits = done.manifest, done.manifest["splits"]
     raw_bytes = manifest["tokens"] * np.dtype(manifest["dtype"]).itemsize
     span = (max(r["end_time"] for r in shard_results) - min(r["start_time"] for r in shard_results))
+    hosts = Counter(r["host"] for r in shard_results if r.get("host"))
+    if hosts:
+        print("tokenize: shards encoded on " + ", ".join(f"{host} ({count})" for host, count
+                                                        in sorted(hosts.items())), flush=True)
+        tracker.set_tags({"hosts": ",".join(sorted(hosts))})
     tracker.log_metrics({
         "tokens": manifest["tokens"],
         "documents": manifest["documents"],

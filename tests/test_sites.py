@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 from parsl.executors import HighThroughputExecutor, MPIExecutor
-from parsl.launchers import SimpleLauncher
+from parsl.executors.errors import InvalidResourceSpecification
+from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
-from stages import evaluate, train
+from stages import evaluate, plan, tokenize, train
 from stages.config import ConfigError, load_config
 from stages.launch import USER_ERROR_EXIT, RankSpec
 from stages.stage import RANKS, StageShape
@@ -94,13 +95,27 @@ def test_frontier_srun_line_golden():
     assert "export MIOPEN_USER_DB_PATH=/tmp/" in text
 
 
-def test_dry_run_shows_the_block_and_each_ranks_stage():
-    cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=4"])
+def test_dry_run_shows_the_blocks_and_each_ranks_stage():
+    cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=4", "site.tokenize_nodes=3"])
     text = sites.dry_run_text(cfg, RUN_DIR)
     assert "#SBATCH --nodes=2" in text and "#SBATCH --account=ABC123" in text
+    assert "#SBATCH --job-name=parsl.train.block-0\n" in text
+    assert "#SBATCH --job-name=parsl.compute.block-0\n" in text
+    assert "#SBATCH --nodes=3" in text  # the compute block
     assert "# --- train app: 2 node(s) x 8 ranks" in text
     assert "# --- evaluate app: 1 node(s) x 4 ranks" in text
-    assert text.count("srun --ntasks") == 2
+    # The two ranks launches, and the compute block's one worker pool per node.
+    assert text.count("srun --ntasks ") == 3
+    workers = cfg.site.max_workers
+    assert f"srun --ntasks 3 -l --ntasks-per-node=1 --cpus-per-task={workers} bash" in text
+    where = dict(line.split(None, 2)[1:] for line in text.splitlines()
+                 if line.startswith("#   "))
+    shards = cfg.data.num_shards
+    assert where["tokenize"].startswith(f"prepare, {shards} parts, finalize: compute block")
+    assert f"3 node(s) x {workers} workers" in where["tokenize"]
+    assert where["plan"] == "one app: login node ('cpu' executor)"
+    assert where["train"].startswith("prepare, finalize: login node")
+    assert where["evaluate"].startswith("prepare, finalize: allocation ('train' executor")
     local = sites.dry_run_text(load_config(None), RUN_DIR)
     assert "train runs torchrun --nproc-per-node 2" in local and "\n" not in local
     assert "evaluate" not in local  # one evaluation rank runs inside its Python app
@@ -178,8 +193,10 @@ def test_slurm_config(tmp_path):
     ])
     config = sites.make_parsl_config(cfg, tmp_path)
     by_label = {e.label: e for e in config.executors}
+    assert set(by_label) == {"cpu", "compute", "train"}
     assert type(by_label["cpu"]) is HighThroughputExecutor
     assert isinstance(by_label["cpu"].provider, LocalProvider)
+    assert by_label["cpu"].address == "127.0.0.1"
     ranks = by_label["train"]
     assert isinstance(ranks, MPIExecutor) and ranks.mpi_launcher == "srun"
     assert ranks.max_workers_per_block == 1 and ranks.address == "10.1.2.3"
@@ -292,3 +309,97 @@ def test_frontier_eval_srun_line_golden():
         sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=9"]), RUN_DIR)
     with pytest.raises(ConfigError, match="eval.ranks must be >= 1"):
         load_config(None, ["eval.ranks=0"])
+
+
+def test_compute_block_is_a_slurm_job_of_tokenize_nodes_with_a_pool_per_node(tmp_path):
+    cfg = load_config(None, ["site.name=slurm", "site.address=10.1.2.3", "site.max_workers=3",
+                             "site.tokenize_nodes=4", "site.heartbeat_threshold=40"])
+    by_label = {e.label: e for e in sites.make_parsl_config(cfg, tmp_path).executors}
+    compute = by_label["compute"]
+    assert type(compute) is HighThroughputExecutor
+    assert compute.address == "10.1.2.3" and compute.encrypted
+    assert compute.interchange_launch_cmd == sites.interchange_command()
+    assert compute.max_workers_per_node == 3 and compute.heartbeat_threshold == 40
+    provider = compute.provider
+    assert isinstance(provider, SlurmProvider) and isinstance(provider.launcher, SrunLauncher)
+    assert provider.nodes_per_block == 4
+    assert (provider.init_blocks, provider.min_blocks, provider.max_blocks) == (0, 0, 1)
+    # Non-exclusive: one CPU per worker, and srun hands them all to the node's pool.
+    assert not provider.exclusive and provider.cores_per_node == 3
+    assert provider.worker_init.strip() == sites.worker_init(cfg)
+    script = sites.batch_script(cfg, tmp_path, "compute")
+    assert "#SBATCH --nodes=4\n" in script and "#SBATCH --cpus-per-task=3" in script
+    assert "srun --ntasks 4 -l --ntasks-per-node=1 --cpus-per-task=3 bash" in script
+    assert "--max_workers_per_node=3 " in script and "--enable_mpi_mode" not in script
+    frontier = load_config(None, FRONTIER_OVERRIDES)
+    provider = sites.compute_provider(frontier)
+    assert provider.exclusive and provider.cores_per_node is None
+    assert provider.account == "ABC123" and provider.walltime == "02:00:00"
+
+
+def test_each_stage_runs_where_its_placement_says():
+    """Locally every Python app is on "cpu"; under Slurm tokenize fans out on the compute
+    block, evaluation runs in the allocation, plan and train's own apps on the login node."""
+    modules = {"tokenize": tokenize, "plan": plan, "train": train, "evaluate": evaluate}
+    expected = {"local": dict.fromkeys(modules, "cpu"),
+                "slurm": {"tokenize": "compute", "plan": "cpu", "train": "cpu",
+                          "evaluate": "train"}}
+    expected["frontier"] = expected["slurm"]
+    for site, labels in expected.items():
+        for ranks in (1, 2):
+            cfg = load_config(None, [f"site.name={site}", f"eval.ranks={ranks}"])
+            got = {name: sites.executor_label(cfg, module.shape(cfg).placement)
+                   for name, module in modules.items()}
+            assert got == labels, (site, ranks)
+    with pytest.raises(sites.SiteError, match="unknown stage placement 'gpu'"):
+        sites.executor_label(load_config(None), "gpu")
+    with pytest.raises(ValueError, match="unknown stage placement"):
+        StageShape("single", placement="anywhere")
+
+
+def test_python_apps_in_the_allocation_carry_the_resource_spec_the_mpi_executor_needs(tmp_path):
+    cfg = load_config(None, ["site.name=slurm", "site.address=10.1.2.3"])
+    by_label = {e.label: e for e in sites.make_parsl_config(cfg, tmp_path).executors}
+    mpi = by_label["train"]
+    with pytest.raises(InvalidResourceSpecification):
+        mpi.validate_resource_spec({})  # a Python app without one would be refused
+    spec = sites.app_resource_spec(cfg, "train")
+    mpi.validate_resource_spec(dict(spec))
+    assert spec["num_nodes"] == 1  # one node of the block: the app runs on its first node
+    for label in ("cpu", "compute"):
+        assert sites.app_resource_spec(cfg, label) == {}
+        by_label[label].validate_resource_spec({})
+    assert sites.app_resource_spec(load_config(None), "train") == {}
+
+
+def test_tokenize_nodes_and_workers_are_checked():
+    with pytest.raises(ConfigError, match="site.tokenize_nodes must be > 0, got 0"):
+        load_config(None, ["site.tokenize_nodes=0"])
+    with pytest.raises(ConfigError, match="site.tokenize_nodes"):
+        load_config(None, ["site.tokenize_nodes=two"])
+    with pytest.raises(sites.SiteError, match="site.max_workers=64.*56"):
+        sites.check_site(load_config(None, FRONTIER_OVERRIDES + ["site.max_workers=64"]))
+    assert load_config(None, ["site.tokenize_nodes=8"]).site.tokenize_nodes == 8
+
+
+def test_frontier_compute_batch_script_golden():
+    cfg = load_config(None, FRONTIER_OVERRIDES + ["site.tokenize_nodes=4", "site.max_workers=48"])
+    script = _normalise(sites.batch_script(cfg, RUN_DIR, "compute"))
+    _check_golden("frontier_compute_batch.txt", script)
+    assert "#SBATCH --job-name=parsl.compute.block-0\n" in script
+    assert "#SBATCH --nodes=4\n" in script and "#SBATCH --exclusive\n" in script
+    assert "#SBATCH --account=ABC123\n" in script and "#SBATCH --time=120\n" in script
+    assert "source activate /ccs/proj/abc123/envs/frontier-llm" in script
+    assert "srun --ntasks 4 -l --ntasks-per-node=1 --cpus-per-task=48 bash" in script
+    assert "process_worker_pool.py --max_workers_per_node=48 -a <addresses>" in script
+
+
+def test_frontier_two_node_dry_run_golden():
+    """The whole Slurm part of a 2-node Frontier dry run: where each stage runs, both
+    blocks' scripts, the training and evaluation ranks' srun lines."""
+    cfg = load_config(None, FRONTIER_OVERRIDES + ["site.tokenize_nodes=4", "eval.ranks=8"])
+    assert cfg.parallel.nodes == 2
+    text = _normalise(sites.dry_run_text(cfg, RUN_DIR))
+    _check_golden("frontier_dry_run.txt", text)
+    assert text.count("#!/bin/bash") == 2 and "#SBATCH --nodes=2\n" in text
+    assert "--nodelist <node0>,<node1> --nodes 2" in text

@@ -1,19 +1,26 @@
 """Parsl apps: thin wrappers that run stage functions on executors, by the stage's shape.
 
-Single-app stages, and the prepare / part / finalize steps of multi-part stages, run on the
-"cpu" executor; the ranks of a ranks stage run as one bash app on the "train" executor
-(``stages.launch`` locally, ``$PARSL_MPI_PREFIX`` under Slurm). Every python app sends its
-prints to a log file that the driver tails, since worker output is otherwise only in
-Parsl's worker logs. No app knows a stage by name.
+Single-app stages, and the prepare / part / finalize steps of multi-part stages, run as
+Python apps on the executor of the stage's placement (``workflows.sites.executor_label``:
+"cpu" locally; "cpu", "compute" or "train" under Slurm); the ranks of a ranks stage run as
+one bash app on the "train" executor (``stages.launch`` locally, ``$PARSL_MPI_PREFIX``
+under Slurm). Parsl fixes an app's executors when the app is made, so each Python app is
+made once per executor label here (``apps_on``), from one plain function. Every python app
+sends its prints to a log file that the driver tails, since worker output is otherwise only
+in Parsl's worker logs. No app knows a stage by name.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from parsl import bash_app, python_app
+from parsl.app.python import PythonApp
+
+from workflows.sites import EXECUTOR_LABELS
 
 
 @contextlib.contextmanager
@@ -28,8 +35,8 @@ def _logged(log_path: str) -> Iterator[None]:
         yield
 
 
-@python_app(executors=["cpu"])
-def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
+def stage_app(ctx, name: str, cfg, force: bool, log_path: str,
+              parsl_resource_specification=None, **upstream):
     """Run a whole single-app stage under the stage mechanism."""
     from stages import stage
     from stages.registry import stage_module
@@ -38,8 +45,8 @@ def stage_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
         return stage.run_stage(ctx, stage_module(name), cfg, upstream, force)
 
 
-@python_app(executors=["cpu"])
-def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
+def begin_app(ctx, name: str, cfg, force: bool, log_path: str,
+              parsl_resource_specification=None, **upstream):
     """Open a multi-part stage (fan-out or ranks) and run its ``prepare`` step.
 
     Returns the stage's StageResult when it is reused, else (attempt, prepared).
@@ -64,8 +71,8 @@ def begin_app(ctx, name: str, cfg, force: bool, log_path: str, **upstream):
         return attempt, prepared
 
 
-@python_app(executors=["cpu"])
-def part_app(name: str, cfg, opened, index: int, log_path: str) -> dict[str, Any] | None:
+def part_app(name: str, cfg, opened, index: int, log_path: str,
+             parsl_resource_specification=None) -> dict[str, Any] | None:
     """One part of a fan-out stage (e.g. one input shard of tokenize); no-op when reused."""
     from stages import stage
     from stages.registry import stage_module
@@ -77,8 +84,8 @@ def part_app(name: str, cfg, opened, index: int, log_path: str) -> dict[str, Any
         return stage_module(name).part(cfg, Path(attempt.work_dir), index)
 
 
-@python_app(executors=["cpu"])
-def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts, after=None):
+def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts, after=None,
+               parsl_resource_specification=None):
     """Run a multi-part stage's ``finalize`` and publish it (pass-through when reused).
 
     ``parts`` are a fan-out stage's part results; ``after`` is the ranks app's future, only
@@ -114,3 +121,25 @@ def ranks_app(cfg, opened, stdout=None, stderr=None, parsl_resource_specificatio
         return "true"
     _, spec_path = opened
     return sites.ranks_command(cfg, RankSpec.read(spec_path), spec_path)
+
+
+@dataclass(frozen=True)
+class StageApps:
+    """The Python apps of a stage, all bound to one executor."""
+
+    single: PythonApp  # stage_app
+    begin: PythonApp  # begin_app
+    part: PythonApp  # part_app
+    finish: PythonApp  # finish_app
+
+
+_APPS = {
+    label: StageApps(*(python_app(fn, executors=[label])
+                       for fn in (stage_app, begin_app, part_app, finish_app)))
+    for label in EXECUTOR_LABELS
+}
+
+
+def apps_on(label: str) -> StageApps:
+    """The Python apps bound to executor ``label`` (made once, at import)."""
+    return _APPS[label]

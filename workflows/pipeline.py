@@ -58,7 +58,11 @@ def _tail_logs(log_dir: Path, offsets: dict[Path, int]) -> None:
 
 
 def _submit(cfg: PipelineConfig, plans: list[StagePlan], ctx, log_dir: Path) -> dict[str, StageRun]:
-    """Submit every stage's apps by its declared shape; return name -> StageRun."""
+    """Submit every stage's apps by its declared shape; return name -> StageRun.
+
+    A stage's Python apps go to the executor of its shape's placement for this site
+    (``sites.executor_label``); the ranks of a ranks stage always go to "train".
+    """
     from workflows import apps, sites
 
     runs: dict[str, StageRun] = {}
@@ -77,17 +81,24 @@ def _submit(cfg: PipelineConfig, plans: list[StagePlan], ctx, log_dir: Path) -> 
             run.result = stage.reuse(ctx, p.existing, cfg, module.SECTIONS, ready)
             continue
         shape = module.shape(cfg)
+        label = sites.executor_label(cfg, shape.placement)
+        on = apps.apps_on(label)
+        spec = sites.app_resource_spec(cfg, label)
         if shape.kind == SINGLE:
-            run.result = apps.stage_app(ctx, p.name, cfg, force, log, **inputs)
+            run.result = on.single(ctx, p.name, cfg, force, log,
+                                   parsl_resource_specification=spec, **inputs)
             run.futures = [run.result]
             continue
-        run.opened = apps.begin_app(ctx, p.name, cfg, force, log, **inputs)
+        run.opened = on.begin(ctx, p.name, cfg, force, log,
+                              parsl_resource_specification=spec, **inputs)
         if shape.kind == FAN_OUT:
             parts = [
-                apps.part_app(p.name, cfg, run.opened, i, str(log_dir / f"{p.name}-part{i}.log"))
+                on.part(p.name, cfg, run.opened, i, str(log_dir / f"{p.name}-part{i}.log"),
+                        parsl_resource_specification=spec)
                 for i in range(shape.parts)
             ]
-            run.result = apps.finish_app(ctx, p.name, cfg, run.opened, log, *parts)
+            run.result = on.finish(ctx, p.name, cfg, run.opened, log, *parts,
+                                   parsl_resource_specification=spec)
         else:
             # RANKS: prepare (checks, rank spec) -> every rank on the "train" executor -> finalize
             run.ranks_log = str(log_dir / f"{p.name}-ranks.log")
@@ -96,7 +107,8 @@ def _submit(cfg: PipelineConfig, plans: list[StagePlan], ctx, log_dir: Path) -> 
                 parsl_resource_specification=sites.ranks_resource_spec(cfg, shape) or {},
             )
             parts = [ranks]
-            run.result = apps.finish_app(ctx, p.name, cfg, run.opened, log, after=ranks)
+            run.result = on.finish(ctx, p.name, cfg, run.opened, log, after=ranks,
+                                   parsl_resource_specification=spec)
         run.futures = [run.opened, *parts, run.result]
     return runs
 

@@ -1,16 +1,30 @@
 """Parsl site configurations built from the pipeline config's ``site`` section.
 
-Every pipeline has two executors:
+The executors:
 
-- ``cpu``: a HighThroughputExecutor on the submitting machine for the light stages
-  (tokenize fan-out, plan, the driver-side parts of train and evaluate);
+- ``cpu``: a HighThroughputExecutor on the submitting machine (the login node under
+  Slurm) for the light apps: the plan stage and the prepare / finalize apps of train
+  (light: checks, the rank spec, summary and plots). Locally every Python app runs here.
+- ``compute`` (slurm, frontier): an HTEX whose block is a Slurm job of
+  ``site.tokenize_nodes`` nodes, one worker pool of ``site.max_workers`` workers per node
+  (``SrunLauncher``), for the stages placed on compute nodes (tokenize: prepare, every
+  shard, finalize). Its workers connect back to the interchange on the login node at
+  ``site.address``, encrypted.
 - ``train``: where the multi-rank apps run (the training ranks, then the evaluation
-  ranks when eval.ranks > 1; one evaluation rank runs inside its "cpu" app). Locally a
-  one-worker HTEX whose bash app calls ``torchrun``; on Slurm sites an ``MPIExecutor``
-  whose block is a Slurm job and whose apps launch the ranks with ``$PARSL_MPI_PREFIX``
-  (an ``srun`` line Parsl composes from the task's resource specification). Both stages'
-  ranks are launched by one command builder (``ranks_command``), so they start the same way
-  on every site.
+  ranks when eval.ranks > 1). Locally a one-worker HTEX whose bash app calls ``torchrun``;
+  on Slurm sites an ``MPIExecutor`` whose block is a Slurm job and whose apps launch the
+  ranks with ``$PARSL_MPI_PREFIX`` (an ``srun`` line Parsl composes from the task's resource
+  specification). Under Slurm the stages placed in the allocation (evaluate: prepare,
+  ranks, finalize with generations, export, lm-eval and plots) run their Python apps here
+  too, on the block's first node, one app at a time (``max_workers_per_block=1``; each
+  stage's apps depend on each other, so they never wait for a worker they hold). Both
+  stages' ranks are launched by one command builder (``ranks_command``), so they start the
+  same way on every site.
+
+A stage says where its Python apps run by its shape's ``placement`` (stages.stage:
+login, compute, allocation); ``executor_label`` is the one place that maps a placement to
+an executor for a site. Only the driver, the plan stage, train's prepare / finalize and
+MLflow's SQLite writes of those stay on the login node.
 
 All site settings come from ``cfg.site`` (stages/config.py SiteConfig), so moving between a
 laptop, a generic Slurm cluster and Frontier is a config change, never a code change.
@@ -27,7 +41,7 @@ from typing import Any
 from parsl.config import Config
 from parsl.executors import HighThroughputExecutor, MPIExecutor
 from parsl.executors.high_throughput.mpi_prefix_composer import compose_srun_launch_cmd
-from parsl.launchers import SimpleLauncher
+from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 from parsl.providers.slurm.template import template_string as SLURM_TEMPLATE
 from parsl.utils import wtime_to_minutes
@@ -35,7 +49,7 @@ from parsl.utils import wtime_to_minutes
 from stages.config import ConfigError, PipelineConfig
 from stages.launch import RANK_ERROR_FILE, USER_ERROR_EXIT, RankSpec
 from stages.registry import STAGE_ORDER, stage_module
-from stages.stage import RANKS, StageShape
+from stages.stage import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS, RANKS, StageShape
 from workflows.failures import retry_cost
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +63,15 @@ FRONTIER_MODULES = ("PrgEnv-gnu", "rocm/6.2.4", "craype-accel-amd-gfx90a", "mini
 
 FRONTIER_GCDS_PER_NODE = 8
 """One training rank per MI250X GCD."""
+
+FRONTIER_CORES_PER_NODE = 56
+"""Usable cores of a Frontier node (64, 8 of them reserved for the system)."""
+
+SLURM_PLACEMENT_EXECUTORS = {LOGIN: "cpu", COMPUTE: "compute", ALLOCATION: "train"}
+"""Under slurm/frontier: a stage's placement -> the executor its Python apps run on."""
+
+EXECUTOR_LABELS = ("cpu", "compute", "train")
+"""Every executor label a site may have ("compute" only under slurm/frontier)."""
 
 SITE_SRUN_OPTIONS = {
     # 7 cores per rank (56 usable per node), one GCD each, bound to the nearest NIC/cores.
@@ -68,7 +91,8 @@ class SiteError(ConfigError):
 
 
 def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None = None) -> Config:
-    """Build the Parsl config for ``cfg.site.name`` with executors "cpu" and "train".
+    """Build the Parsl config for ``cfg.site.name``: executors "cpu" and "train", and under
+    slurm/frontier "compute".
 
     Parsl's own logs and submit scripts go under ``parsl_dir`` (default ``run_dir/parsl``);
     every driver passes its own, since two drivers sharing one mix them. Stage reuse is keyed by
@@ -81,7 +105,7 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
         executors = [_cpu_executor(cfg), _local_train_executor()]
     elif site in ("slurm", "frontier"):
         _check_slurm_site(cfg)
-        executors = [_cpu_executor(cfg), _slurm_train_executor(cfg)]
+        executors = [_cpu_executor(cfg), _compute_executor(cfg), _slurm_train_executor(cfg)]
     else:  # SiteConfig already restricts the names; kept for a clear message.
         raise SiteError(f"site.name={site!r} is not one of local, slurm, frontier")
     return Config(
@@ -157,6 +181,12 @@ def _check_slurm_site(cfg: PipelineConfig) -> None:
                 f"parallel.nproc={cfg.parallel.nproc} over parallel.nodes={cfg.parallel.nodes} "
                 f"gives {cfg.parallel.ranks_per_node} ranks per node; Frontier has "
                 f"{FRONTIER_GCDS_PER_NODE} GCDs per node: raise parallel.nodes"
+            )
+        if site.max_workers > FRONTIER_CORES_PER_NODE:
+            raise SiteError(
+                f"site.max_workers={site.max_workers}: each tokenize worker on a Frontier node "
+                f"gets a core and a node has {FRONTIER_CORES_PER_NODE}: set site.max_workers <= "
+                f"{FRONTIER_CORES_PER_NODE}"
             )
         if cfg.eval.ranks > FRONTIER_GCDS_PER_NODE:
             raise SiteError(
@@ -236,6 +266,79 @@ def _slurm_train_executor(cfg: PipelineConfig) -> MPIExecutor:
         # which the nodes read over the shared filesystem.
         encrypted=True,
     )
+
+
+def compute_provider(cfg: PipelineConfig) -> SlurmProvider:
+    """The SlurmProvider of the "compute" block: ``site.tokenize_nodes`` nodes, one worker
+    pool per node (srun starts one task per node).
+
+    Submitted only when the first app placed on compute nodes is ready (init_blocks=0) and
+    handed back once idle, so nothing is held before or after. A non-exclusive job asks for
+    ``site.max_workers`` CPUs per node (one per worker); srun gives the pool as many, so its
+    workers are not bound to one core.
+    """
+    site = cfg.site
+    exclusive = _exclusive(cfg)
+    cores = site.max_workers
+    return PolledSlurmProvider(
+        poll_seconds=min(60, site.heartbeat_threshold),
+        account=site.account,
+        partition=site.partition,
+        qos=site.qos,
+        walltime=site.walltime,
+        nodes_per_block=site.tokenize_nodes,
+        cores_per_node=None if exclusive else cores,
+        scheduler_options=site.scheduler_options,
+        worker_init=worker_init(cfg),
+        exclusive=exclusive,
+        launcher=SrunLauncher(overrides=f"--ntasks-per-node=1 --cpus-per-task={cores}"),
+        init_blocks=0,
+        min_blocks=0,
+        max_blocks=1,
+        cmd_timeout=30,
+    )
+
+
+def _compute_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
+    """Python apps on compute nodes: ``site.max_workers`` workers on each node of the block."""
+    threshold = cfg.site.heartbeat_threshold
+    return HighThroughputExecutor(
+        label="compute",
+        address=cfg.site.address,
+        max_workers_per_node=cfg.site.max_workers,
+        cores_per_worker=1e-6,  # the worker count is max_workers, whatever the core count
+        interchange_launch_cmd=interchange_command(),
+        provider=compute_provider(cfg),
+        heartbeat_threshold=threshold,
+        heartbeat_period=max(1, threshold // 4),
+        # The workers on the compute nodes reach the login node's interchange over the
+        # network: CurveZMQ, keys in the run's Parsl directory (shared filesystem).
+        encrypted=True,
+    )
+
+
+def executor_label(cfg: PipelineConfig, placement: str) -> str:
+    """The executor that runs the Python apps of a stage placed at ``placement``.
+
+    local: "cpu" for every placement (this machine); slurm/frontier: login -> "cpu",
+    compute -> "compute", allocation -> "train" (``SLURM_PLACEMENT_EXECUTORS``).
+    """
+    if placement not in PLACEMENTS:
+        raise SiteError(f"unknown stage placement {placement!r}; one of {PLACEMENTS}")
+    if cfg.site.name == "local":
+        return "cpu"
+    return SLURM_PLACEMENT_EXECUTORS[placement]
+
+
+def app_resource_spec(cfg: PipelineConfig, label: str) -> dict[str, Any]:
+    """The resource specification of a Python app on executor ``label``.
+
+    The MPIExecutor refuses a task without one: a Python app there claims one node of the
+    block and runs in the worker on the block's first node. Other executors take none.
+    """
+    if label == "train" and cfg.site.name != "local":
+        return {"num_nodes": 1, "ranks_per_node": 1, "num_ranks": 1}
+    return {}
 
 
 def worker_init(cfg: PipelineConfig) -> str:
@@ -374,7 +477,7 @@ class _Placeholders(dict):
         return f"<{key}>"
 
 
-def _worker_pool_command(executor: MPIExecutor) -> str:
+def _worker_pool_command(executor: HighThroughputExecutor) -> str:
     """The executor's worker-pool launch line with run-time values (ports...) as <name>."""
     known = _Placeholders(
         debug="",
@@ -388,7 +491,7 @@ def _worker_pool_command(executor: MPIExecutor) -> str:
         heartbeat_threshold=executor.heartbeat_threshold,
         drain_period=executor.drain_period,
         cpu_affinity=executor.cpu_affinity,
-        enable_mpi_mode="--enable_mpi_mode",
+        enable_mpi_mode="--enable_mpi_mode" if executor.enable_mpi_mode else "",
         mpi_launcher=executor.mpi_launcher,
         accelerators="",
     )
@@ -396,26 +499,30 @@ def _worker_pool_command(executor: MPIExecutor) -> str:
     return " ".join(line.split())
 
 
-def batch_script(cfg: PipelineConfig, run_dir: Path) -> str:
-    """The sbatch script Parsl's SlurmProvider writes for the training block (not submitted).
+def batch_script(cfg: PipelineConfig, run_dir: Path, label: str = "train") -> str:
+    """The sbatch script Parsl's SlurmProvider writes for a block (not submitted): the
+    "train" block (the ranks' allocation) or the "compute" block.
 
-    Rendered from the provider's own template, #SBATCH options and worker_init, exactly as
-    ``SlurmProvider.submit`` fills them, with the job name's timestamp left out.
+    Rendered from the provider's own template, #SBATCH options, worker_init and launcher,
+    exactly as ``SlurmProvider.submit`` fills them, with the job name's timestamp left out.
     """
-    executor = _slurm_train_executor(cfg)
+    executor = _slurm_train_executor(cfg) if label == "train" else _compute_executor(cfg)
     provider = executor.provider
     assert isinstance(provider, SlurmProvider)
-    tasks_per_node = 1  # one worker pool per block; ranks come from srun inside it
+    # One worker pool per node: the train block's on its first node (ranks come from srun
+    # inside it), the compute block's on every node (srun starts one per node).
+    tasks_per_node = 1
     scheduler_options = provider.scheduler_options
     init = provider.worker_init
     if provider.cores_per_node is not None:
         cpus = provider.cores_per_node // tasks_per_node
         scheduler_options += f"#SBATCH --cpus-per-task={cpus}"
         init += f"export PARSL_CORES={cpus}\n"
-    job_name = "parsl.train.block-0"
-    script_path = Path(run_dir) / "parsl" / "<NNN>" / "submit_scripts" / job_name
+    job_name = f"parsl.{label}.block-0"
+    script_dir = Path(run_dir) / "parsl" / "<NNN>" / "submit_scripts"
+    script_path = script_dir / job_name
     command = provider.launcher(
-        _worker_pool_command(executor), tasks_per_node, provider.nodes_per_block
+        _worker_pool_command(executor), tasks_per_node, provider.nodes_per_block, str(script_dir)
     )
     return Template(SLURM_TEMPLATE).substitute(
         jobname=job_name,
@@ -452,10 +559,38 @@ def srun_line(cfg: PipelineConfig, run_dir: Path, name: str, shape: StageShape) 
     return command.replace("$PARSL_MPI_PREFIX", " ".join(prefix.split()))
 
 
+def _where(cfg: PipelineConfig, label: str) -> str:
+    """Words for where an executor's apps run (dry run)."""
+    if label == "compute":
+        return (f"compute block ('compute' executor, {cfg.site.tokenize_nodes} node(s) x "
+                f"{cfg.site.max_workers} workers)")
+    if label == "train":
+        return "allocation ('train' executor, first node of the ranks' block)"
+    return "login node ('cpu' executor)"
+
+
+def placement_lines(cfg: PipelineConfig) -> list[str]:
+    """Where each stage's apps run under ``cfg``'s site, one line per stage."""
+    lines = []
+    for name in STAGE_ORDER:
+        shape = stage_module(name).shape(cfg)
+        where = _where(cfg, executor_label(cfg, shape.placement))
+        if shape.kind == RANKS:
+            nodes, per_node = ranks_layout(shape)
+            line = (f"prepare, finalize: {where}; ranks: {nodes} node(s) x {per_node}, "
+                    "allocation ('train' executor)")
+        elif shape.parts:
+            line = f"prepare, {shape.parts} parts, finalize: {where}"
+        else:
+            line = f"one app: {where}"
+        lines.append(f"#   {name:<9} {line}")
+    return lines
+
+
 def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
-    """Where each ranks stage would run: locally the launch line; on slurm/frontier the batch
-    script of the block and each ranks app's srun line. Stages that are not ranks run as
-    Python apps on the cpu executor."""
+    """Where each stage would run: locally the launch line; on slurm/frontier where each
+    stage's apps run, the batch script of each block (the allocation and the compute block)
+    and each ranks app's srun line."""
     stages = _ranks_stages(cfg)
     if cfg.site.name == "local":
         launches = "; ".join(
@@ -467,7 +602,15 @@ def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
             f"{launches}; outputs in {run_dir}"
         )
     _check_slurm_site(cfg)
-    parts = [f"# --- batch script for the ranks block (sbatch) ---\n{batch_script(cfg, run_dir)}"]
+    site = cfg.site
+    parts = [
+        "# --- where each stage's apps run ---",
+        *placement_lines(cfg),
+        f"# --- batch script for the allocation, the ranks block (sbatch, {cfg.parallel.nodes} "
+        f"node(s)) ---\n{batch_script(cfg, run_dir, 'train')}",
+        f"# --- batch script for the compute block (sbatch, {site.tokenize_nodes} node(s) x "
+        f"{site.max_workers} workers) ---\n{batch_script(cfg, run_dir, 'compute')}",
+    ]
     for name, shape in stages:
         nodes, per_node = ranks_layout(shape)
         parts.append(
