@@ -28,7 +28,15 @@ class ConfigError(ValueError):
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation."""
+    """Held-out evaluation.
+
+    Two layouts (``layout``): ``replicas`` loads the whole model in every evaluation
+    process; ``training`` spreads it over the training plan's tp x pp ranks, so no process
+    ever holds all of it. With ``training`` the held-out loss and both generations (greedy,
+    and sampled with the fixed seed ``train.seed``: every rank draws the same tokens) run
+    on the ranks; the Hugging Face export is streamed from the checkpoint as always; the
+    lm-eval tasks need one process holding the model and are refused (``tasks``).
+    """
 
     max_tokens: int = 32768
     """Evaluate validation loss over at most this many tokens (token-weighted)."""
@@ -56,11 +64,23 @@ class EvalConfig:
     > 1: ranks started like the training ranks (torchrun locally; srun on slurm/frontier,
     inside the training job's allocation), all on one node: on slurm a non-exclusive job
     asks for at least this many CPUs per node, on Frontier it must be <= 8 (one rank per
-    GCD). Generations, lm-eval and the export run once, in the stage's driver-side app."""
+    GCD). Generations, lm-eval and the export run once, in the stage's driver-side app.
+    With ``layout: training``: tp*pp*k ranks (k model replicas of the training plan's tp x pp
+    layout, which split the windows), at most ``parallel.nproc``."""
+    layout: Literal["replicas", "training"] = "replicas"
+    """replicas: every rank loads the whole model and evaluates its share of the windows
+    (small models). training: the ranks take the training plan's tp x pp layout, each loads
+    only its shard of the checkpoint, and the loss and generations run on them (a model too
+    big for one process); lm-eval tasks are refused."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
             raise ValueError(f"eval.ranks must be >= 1, got {self.ranks}")
+        if self.layout == "training" and self.tasks:
+            raise ValueError(
+                f"eval.tasks={self.tasks} with eval.layout=training: lm-eval drives one model "
+                "object in one process, which the training layout never builds: set "
+                "eval.tasks=[] or eval.layout=replicas")
         if self.task_limit is not None and self.task_limit <= 0:
             raise ValueError(f"eval.task_limit must be > 0 or null, got {self.task_limit}")
         if self.max_tokens <= 0:

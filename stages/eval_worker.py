@@ -6,9 +6,16 @@ loads the checkpoint, computes the loss over its round-robin share of the valida
 windows (``model.evaluation.loss.heldout_loss``, sums all-reduced), and rank 0 writes
 ``<out_dir>/loss.json`` atomically.
 
+With the training layout (``extra["layout"]`` = {"tp", "pp", "dp"}, ``eval.layout=training``)
+no rank loads the whole model: each builds its tp shard of its pipeline stage
+(``model.evaluation.layout.LayoutModel``, loaded straight from the DCP checkpoint), the dp
+replicas split the windows, and every rank also runs the greedy and sampled generations of
+``eval.prompts`` (the same tokens on every rank); rank 0 writes ``generations.json``, then
+``loss.json``.
+
 The ``stages.launch.RankSpec`` (written by ``stages.evaluate.prepare``) carries the config,
-the store and the output directory; its ``extra`` holds "checkpoint", "split" and
-"sources" ([[start, stop, name], ...]).
+the store and the output directory; its ``extra`` holds "checkpoint", "split", "sources"
+([[start, stop, name], ...]), "tokenizer" and "layout" (None: every rank holds the model).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import torch.distributed as dist
 
 from data_prep.atomic import write_json_atomic
 from data_prep.store import SplitReader, open_store
+from model.evaluation.generate import generate_text
 from model.evaluation.loss import heldout_loss
 from model.parallel.dist_env import DistEnv, from_environ
 from model.training.checkpoint import load_for_inference
@@ -31,6 +39,7 @@ from stages.config import config_from_dict
 from stages.launch import RankSpec, rank_main
 
 LOSS_FILE = "loss.json"
+GENERATIONS_FILE = "generations.json"  # training layout: the ranks' generations
 
 
 def evaluate_spec(spec: RankSpec, rank: int = 0, world: int = 1,
@@ -86,6 +95,8 @@ def run_spec(spec: RankSpec) -> dict[str, Any]:
         # run) would wait forever for ranks that never come: stop with a clear error.
         raise ValueError(f"{spec.out_dir}: launched on {env.world_size} rank(s) but the spec "
                          f"asks for eval.ranks={expected}: launch exactly that many ranks")
+    if spec.extra.get("layout"):
+        return run_layout(spec, env)
     if env.world_size == 1:
         return run_single(spec)
     _init_gloo(env)
@@ -98,6 +109,77 @@ def run_spec(spec: RankSpec) -> dict[str, Any]:
             write_loss(spec.out_dir, result)
             print(f"[eval] val_loss {result['val_loss']:.4f} over {result['tokens']:,} tokens on "
                   f"{env.world_size} ranks in {result['eval_seconds']:.1f}s", flush=True)
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def _init_layout(env: DistEnv) -> torch.device:
+    """The process group of the training layout and this rank's device: on GPUs the model's
+    collectives go over nccl and the loss sums (CPU tensors) over gloo."""
+    os.environ["MASTER_ADDR"] = env.master_addr
+    os.environ["MASTER_PORT"] = str(env.master_port)
+    device, backend = torch.device("cpu"), "gloo"
+    if torch.cuda.is_available():
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(minutes=10))
+    return device
+
+
+def evaluate_layout(spec: RankSpec, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Held-out loss and generations with the model spread over the training layout.
+
+    Call on every rank of an initialised process group of tp*pp*dp ranks. Returns
+    heldout_loss's dict (the same on every rank but "local_windows") plus "ranks",
+    "layout", "device", "load_seconds", "eval_seconds", "generate_seconds" and
+    "generations" (with token ids).
+    """
+    from tokenizers import Tokenizer
+
+    from model.evaluation.layout import LayoutModel
+
+    cfg, layout = config_from_dict(spec.config), spec.extra["layout"]
+    t0 = time.perf_counter()
+    model = LayoutModel(spec.extra["checkpoint"], cfg.model, layout["tp"], layout["pp"], device)
+    store = open_store(spec.store)
+    reader = SplitReader(store, spec.extra["split"])
+    t1 = time.perf_counter()
+    sources = [(int(a), int(b), str(name)) for a, b, name in spec.extra["sources"]]
+    result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
+                          cfg.eval.batch_size, sources=sources)
+    t2 = time.perf_counter()
+    tokenizer = Tokenizer.from_file(spec.extra["tokenizer"])
+    generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
+                                cfg.eval.temperature, cfg.train.seed, store.eos_id,
+                                with_ids=True)
+    return {**result, "ranks": dist.get_world_size(), "layout": layout, "device": str(device),
+            "load_seconds": t1 - t0, "eval_seconds": t2 - t1,
+            "generate_seconds": time.perf_counter() - t2, "generations": generations}
+
+
+def run_layout(spec: RankSpec, env: DistEnv) -> dict[str, Any]:
+    """This rank's part of a training-layout evaluation; rank 0 writes generations.json,
+    then loss.json (the file finalize waits for)."""
+    device = _init_layout(env)
+    try:
+        result = evaluate_layout(spec, device)
+        per_rank: list[Any] = [None] * env.world_size
+        dist.all_gather_object(per_rank, result["local_windows"])
+        result["windows_per_rank"] = per_rank
+        if env.rank == 0:
+            generations = result.pop("generations")
+            write_json_atomic(Path(spec.out_dir) / GENERATIONS_FILE,
+                              {"generations": generations, "layout": result["layout"],
+                               "seconds": result["generate_seconds"]})
+            write_loss(spec.out_dir, result)
+            lay = result["layout"]
+            print(f"[eval] val_loss {result['val_loss']:.4f} over {result['tokens']:,} tokens on "
+                  f"tp{lay['tp']} x pp{lay['pp']} x dp{lay['dp']} ranks in "
+                  f"{result['eval_seconds']:.1f}s; generations in "
+                  f"{result['generate_seconds']:.1f}s", flush=True)
         return result
     finally:
         dist.destroy_process_group()

@@ -19,6 +19,12 @@ each computing the loss over its share of the windows; rank 0 writes ``loss.json
 ranks like the training ranks; ``run`` chains the three on this machine, computing the loss
 in this process when ``eval.ranks`` is 1.
 
+``eval.layout=training`` (a model too big for one process): the ranks take the training
+plan's tp x pp layout (``eval.ranks`` = tp*pp*k) and each loads only its shard of the
+checkpoint; they compute the loss and the generations (rank 0 also writes
+``generations.json``), and ``finalize`` never loads the model. lm-eval tasks are refused
+with that layout (``stages.config.EvalConfig``); the export is streamed either way.
+
 All of it is logged to the stage's MLflow run, and the export is logged as an MLflow
 ``transformers`` model with a signature (``eval.log_model``).
 
@@ -52,14 +58,17 @@ WORKER = "stages.eval_worker"
 def shape(cfg: PipelineConfig) -> StageShape:
     """Ranks when ``eval.ranks`` > 1; else one app computes everything in one process (a
     separate rank process would only add its start-up, ~5 s of the tiny preset's run).
-    Under Slurm every part runs in the training block's allocation, on its first node."""
+    Under Slurm every part runs in the training block's allocation, on its first node
+    (a training layout with more ranks than a training node: on as many nodes as it needs)."""
     if cfg.eval.ranks > 1:
-        return StageShape(RANKS, nproc=cfg.eval.ranks, nodes=1, worker=WORKER,
-                          note=f"on {cfg.eval.ranks} ranks", placement=ALLOCATION)
+        layout = " (training layout)" if cfg.eval.layout == "training" else ""
+        return StageShape(RANKS, nproc=cfg.eval.ranks, nodes=eval_nodes(cfg), worker=WORKER,
+                          note=f"on {cfg.eval.ranks} ranks{layout}", placement=ALLOCATION)
     return StageShape(SINGLE, note="in one process", placement=ALLOCATION)
 SPLIT = "validation"
 SPEC_FILE = "spec.json"
 LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
+GENERATIONS_FILE = "generations.json"  # written by rank 0 with eval.layout=training
 EXPORT_SHARD_BYTES = DEFAULT_SHARD_BYTES  # safetensors shard size of the hf/ export
 
 
@@ -68,6 +77,69 @@ class EvaluationError(ValueError):
 
 
 # -- checks -----------------------------------------------------------------------------
+def eval_nodes(cfg: PipelineConfig) -> int:
+    """Nodes of the evaluation ranks: one, except a training layout with more ranks than a
+    training node holds, which spreads like the training ranks (``parallel.ranks_per_node``)."""
+    per_node = cfg.parallel.ranks_per_node
+    if cfg.eval.layout == "training" and cfg.eval.ranks > per_node:
+        return -(-cfg.eval.ranks // per_node)
+    return 1
+
+
+def check(cfg: PipelineConfig) -> None:
+    """Pre-flight (before any stage runs): with ``eval.layout=training``, ``eval.ranks`` fits
+    the training allocation and, where the config fixes them, ``parallel.tp`` x ``parallel.pp``.
+    ``prepare`` checks it again against the plan the checkpoint was trained with."""
+    if cfg.eval.layout != "training":
+        return
+    ranks, par = cfg.eval.ranks, cfg.parallel
+    if ranks > par.nproc:
+        raise EvaluationError(
+            f"eval.ranks={ranks} with eval.layout=training: the evaluation ranks take the "
+            f"training layout inside the training allocation of parallel.nproc={par.nproc} "
+            f"ranks: set eval.ranks <= {par.nproc} (eval.ranks={par.nproc} always fits)")
+    if par.tp and par.pp and ranks % (par.tp * par.pp):
+        raise EvaluationError(_ranks_problem(ranks, par.tp, par.pp, par.nproc,
+                                             "parallel.tp x parallel.pp"))
+    if ranks > par.ranks_per_node and ranks % par.ranks_per_node:
+        raise EvaluationError(
+            f"eval.ranks={ranks} with eval.layout=training spans nodes of "
+            f"{par.ranks_per_node} ranks (parallel.nproc / parallel.nodes): make it a "
+            f"multiple of {par.ranks_per_node} or at most {par.ranks_per_node}")
+
+
+def _ranks_problem(ranks: int, tp: int, pp: int, nproc: int, where: str) -> str:
+    size = tp * pp
+    return (f"eval.layout=training: the model is split over tp={tp} x pp={pp} = {size} ranks "
+            f"({where}), so the evaluation ranks come in groups of {size}; eval.ranks={ranks} "
+            f"is not a multiple of {size}: set eval.ranks={size} (or a multiple of it up to "
+            f"parallel.nproc={nproc})")
+
+
+def training_layout(cfg: PipelineConfig, train_outputs: dict[str, Any]) -> dict[str, int] | None:
+    """{"tp", "pp", "dp"} of the evaluation ranks with ``eval.layout=training``, from the plan
+    the checkpoint was trained with (the train stage's summary.json); None with
+    ``eval.layout=replicas`` or a plan that does not split the model (tp = pp = 1)."""
+    if cfg.eval.layout != "training":
+        return None
+    summary = train_outputs.get("summary")
+    plan = None
+    if summary and Path(summary).is_file():
+        plan = json.loads(Path(summary).read_text()).get("plan")
+    if not plan:
+        raise EvaluationError(
+            f"eval.layout=training needs the training plan, but the train outputs' summary "
+            f"{summary} has none: rerun the train stage (python -m workflows.pipeline "
+            "--from train) or set eval.layout=replicas")
+    tp, pp, ranks = int(plan["tp"]), int(plan["pp"]), cfg.eval.ranks
+    if ranks % (tp * pp):
+        where = f"the plan checkpoint {train_outputs.get('checkpoint')} was trained with"
+        raise EvaluationError(_ranks_problem(ranks, tp, pp, cfg.parallel.nproc, where))
+    if tp * pp == 1:
+        return None
+    return {"tp": tp, "pp": pp, "dp": ranks // (tp * pp)}
+
+
 def training_tokenizer_hash(train_outputs: dict[str, Any]) -> tuple[str | None, str]:
     """(hash of the tokenizer the checkpoint was trained with, where it was found).
 
@@ -152,6 +224,13 @@ def _lm_eval(cfg, model, tokenizer, eos_id, reader, out_dir: Path) -> dict[str, 
     return harness.run_tasks(lm, cfg.eval.tasks, include, cfg.eval.task_limit)
 
 
+def _layout_text(layout: Any) -> str:
+    """", training layout tp2 x pp2 x dp1" for a layout dict; "" for replicas."""
+    if not isinstance(layout, dict):
+        return ""
+    return f", training layout tp{layout['tp']} x pp{layout['pp']} x dp{layout['dp']}"
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     """A short human summary of report.json."""
     lines = [
@@ -161,7 +240,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         (f"- validation loss: **{report['val_loss']:.4f}** nats/token, perplexity "
         f"**{report['perplexity']:.2f}** over {report['tokens']:,} tokens "
         f"({report['windows']} windows of {report['seq_len']}, "
-        f"{report.get('eval_ranks', 1)} rank(s))"),
+        f"{report.get('eval_ranks', 1)} rank(s){_layout_text(report.get('eval_layout'))})"),
         f"- {report['tokenizer_check']}",
         "",
         "| source | tokens | loss | perplexity |",
@@ -209,9 +288,13 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     except ValueError as err:
         raise EvaluationError(str(err)) from None
     hf_class = hf_class_name(cfg.model.family)  # refuse an unexportable family before work
-    (out_dir / LOSS_FILE).unlink(missing_ok=True)
+    check(cfg)
+    layout = training_layout(cfg, train_out)
+    for name in (LOSS_FILE, GENERATIONS_FILE):
+        (out_dir / name).unlink(missing_ok=True)
     spec = RankSpec(
-        worker=WORKER, nproc=cfg.eval.ranks, nodes=1, out_dir=str(out_dir.resolve()),
+        worker=WORKER, nproc=cfg.eval.ranks, nodes=eval_nodes(cfg),
+        out_dir=str(out_dir.resolve()),
         config=cfg.to_dict(), store=str(store.path),
         extra={
             "checkpoint": str(train_out["checkpoint"]),
@@ -220,6 +303,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
             "sources": [list(span) for span in split_sources(store, SPLIT)],
             "tokenizer_check": tokenizer_note,
             "hf_class": hf_class,
+            "layout": layout,
         },
     )
     return str(spec.write(out_dir / SPEC_FILE))
@@ -260,15 +344,21 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
                                tokenizer_file=extra["tokenizer"],
                                eos_token=cfg.tokenizer.eos_token, shard_bytes=EXPORT_SHARD_BYTES)
 
-    model = load_for_inference(extra["checkpoint"], cfg.model)
-    tokenizer = Tokenizer.from_file(extra["tokenizer"])
-    generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
-                                cfg.eval.temperature, cfg.train.seed, store.eos_id)
+    layout = extra.get("layout")
+    if layout:  # computed by the ranks: no process here loads the model
+        ranked = _read_json(out_dir / GENERATIONS_FILE, "the evaluation ranks did not finish")
+        generations = [{k: item[k] for k in ("prompt", "greedy", "sampled")}
+                       for item in ranked["generations"]]
+    else:
+        model = load_for_inference(extra["checkpoint"], cfg.model)
+        tokenizer = Tokenizer.from_file(extra["tokenizer"])
+        generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
+                                    cfg.eval.temperature, cfg.train.seed, store.eos_id)
     gen_path = _write_text(out_dir / "generations.txt",
                            format_generations(generations, cfg.eval.temperature))
 
     lm_eval_results = {}
-    if cfg.eval.tasks:
+    if cfg.eval.tasks and not layout:  # EvalConfig refuses tasks with the training layout
         lm_eval_results = _lm_eval(cfg, model, tokenizer, store.eos_id, reader, out_dir)
         for task, values in lm_eval_results.items():
             metrics.update({f"{task}.{k}": v for k, v in values.items()})
@@ -288,6 +378,7 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
         "split": extra["split"],
         **{k: result[k] for k in loss_keys},
         "eval_ranks": ranks,
+        "eval_layout": layout or "replicas",
         "windows_per_rank": result["windows_per_rank"],
         "eval_device": result.get("device", "cpu"),
         "tokenizer_check": extra["tokenizer_check"],

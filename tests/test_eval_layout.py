@@ -1,5 +1,6 @@
 """Held-out loss and greedy generation with the training layout: the model spread over
-tp=2 x pp=2 gloo ranks (no process holds all of it) gives one process's loss and tokens."""
+tp=2 x pp=2 gloo ranks (no process holds all of it), or tp=2 x dp=2 (two replicas splitting
+the windows), gives one process's loss and tokens."""
 import dataclasses
 import json
 import subprocess
@@ -25,6 +26,8 @@ SHAPES = {
                             "rotary_fraction": 0.5},
 }
 PROMPTS = [[5, 17, 42], [300]]
+# (shape, tp, pp) on 4 ranks: dp = 4 / (tp * pp)
+CASES = [("llama-gqa", 2, 2), ("neox-partial-rotary", 2, 2), ("llama-gqa", 2, 1)]
 
 WORKER = """
 import json, sys
@@ -36,11 +39,14 @@ from model.evaluation.layout import LayoutModel
 from model.evaluation.loss import heldout_loss
 from tests.test_eval_layout import ArrayReader, PROMPTS
 
-ckpt, cfg_json, out = sys.argv[1], sys.argv[2], sys.argv[3]
+ckpt, cfg_json, out, tp, pp = sys.argv[1:6]
 dist.init_process_group("gloo")
-model = LayoutModel(ckpt, ModelConfig(**json.loads(cfg_json)), tp=2, pp=2)
-assert len(model.stage.layers) == 2  # this rank holds half the layers
+model = LayoutModel(ckpt, ModelConfig(**json.loads(cfg_json)), tp=int(tp), pp=int(pp))
+assert len(model.stage.layers) == 4 // int(pp)  # this rank holds its stage's layers
 result = heldout_loss(model, ArrayReader(), 16, 160, 3, progress_seconds=0)
+windows = [None] * dist.get_world_size()
+dist.all_gather_object(windows, result["local_windows"])
+result["windows_per_rank"] = windows
 result["greedy"] = [generate_tokens(model, p, 10) for p in PROMPTS]
 if dist.get_rank() == 0:
     open(out, "w").write(json.dumps(result))
@@ -60,8 +66,8 @@ class ArrayReader:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(SHAPES))
-def test_tp2_pp2_loss_and_greedy_tokens_equal_one_process(tmp_path, case):
+@pytest.mark.parametrize(("case", "tp", "pp"), CASES)
+def test_layout_loss_and_greedy_tokens_equal_one_process(tmp_path, case, tp, pp):
     cfg = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=384, max_seq_len=32,
                       init_std=0.2, **SHAPES[case])
     model = GPT(cfg)
@@ -76,12 +82,15 @@ def test_tp2_pp2_loss_and_greedy_tokens_equal_one_process(tmp_path, case):
     (tmp_path / "worker.py").write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", "4", str(tmp_path / "worker.py"), str(ckpt),
-           json.dumps(dataclasses.asdict(cfg)), str(tmp_path / "out.json")]
+           json.dumps(dataclasses.asdict(cfg)), str(tmp_path / "out.json"), str(tp), str(pp)]
     proc = subprocess.run(cmd, cwd=REPO, env=rank_environment(), capture_output=True, text=True,
                           timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads((tmp_path / "out.json").read_text())
     assert (got["tokens"], got["windows"]) == (expected["tokens"], expected["windows"]) == (160, 10)
     assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-6)
+    # One replica: every rank went through all 10 windows; two: each replica (and each rank
+    # of it) through half of them.
+    assert got["windows_per_rank"] == {1: [10] * 4, 2: [5] * 4}[4 // (tp * pp)]
     assert got["greedy"] == greedy
     assert len(set(map(tuple, greedy))) > 1 and len(set(greedy[0])) > 1  # not one token

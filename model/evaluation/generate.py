@@ -58,10 +58,14 @@ def generate_text(
     temperature: float,
     seed: int = 0,
     eos_id: int | None = None,
-) -> list[dict[str, str]]:
+    with_ids: bool = False,
+) -> list[dict]:
     """Greedy and sampled continuations of each prompt (``tokenizers.Tokenizer`` in and out).
 
-    Returns one dict per prompt: {"prompt", "greedy", "sampled"} (continuations only).
+    Returns one dict per prompt: {"prompt", "greedy", "sampled"} (continuations only), plus
+    their token ids "greedy_ids" and "sampled_ids" with ``with_ids``. The sampled tokens
+    depend only on ``seed`` and the logits: ranks of a ``LayoutModel`` (which all see the
+    same logits) draw the same tokens.
     """
     generator = torch.Generator().manual_seed(seed)
     out = []
@@ -71,10 +75,11 @@ def generate_text(
             raise ValueError(f"eval.prompts entry {prompt!r} encodes to no tokens")
         greedy = generate_tokens(model, ids, max_new_tokens, None, eos_id=eos_id)
         sampled = generate_tokens(model, ids, max_new_tokens, temperature, generator, eos_id)
-        out.append(
-            {"prompt": prompt, "greedy": tokenizer.decode(greedy),
-             "sampled": tokenizer.decode(sampled)}
-        )
+        item: dict = {"prompt": prompt, "greedy": tokenizer.decode(greedy),
+                      "sampled": tokenizer.decode(sampled)}
+        if with_ids:
+            item.update(greedy_ids=greedy, sampled_ids=sampled)
+        out.append(item)
     return out
 
 
