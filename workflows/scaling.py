@@ -10,6 +10,13 @@ fixes a layout family. Stage outputs are reused by key exactly as in the pipelin
 (``workflows.pipeline.plan_stages``, ``_submit``, ``_wait``): the token store is made once,
 and running the same study again recomputes nothing.
 
+On a Slurm site a point spans ``devices / ranks per node`` nodes (``--ranks-per-node``, by
+default the configuration's ``parallel.nproc / parallel.nodes``), and each point runs in a
+Slurm block sized to it: the Parsl configuration is built again whenever a point's nodes or
+ranks per node differ from the previous point's, so a one-node point never shares a block
+of several nodes (where Parsl's node pool could hand it a node other than the job's first,
+at which the ranks meet). Each row records the nodes and the hosts its ranks ran on.
+
 ``--predict`` trains nothing: the plan stage's search and time model price each point of
 the Frontier presets (22B, 175B, 1T; or the ``--config`` given) from one node to the whole
 machine, with the breakdown term that dominates each point and the one that explains its
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import math
 import os
 import signal
@@ -52,13 +60,15 @@ PARALLEL_FIXES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages",
 """Plan fields a measured study can fix (the parallel section's)."""
 PLAN_FIELDS = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
                "sharding", "recompute", "sequence_parallel")
-COLUMNS = ("model", "mode", "devices", "nodes", "global_batch", *PLAN_FIELDS,
+COLUMNS = ("model", "mode", "devices", "nodes", "ranks_per_node", "hosts", "global_batch",
+           *PLAN_FIELDS,
            "step_time_s", "tokens_per_s", "mfu", "efficiency",
            "predicted_step_time_s", "predicted_tokens_per_s", "predicted_mfu",
            "predicted_efficiency", "dominant_term", "dominant_fraction", "overhead_term",
            "overhead_fraction", "loss_term", "loss_share", "plan_key", "train_key", "reused",
            "note")
-"""The columns of scaling.csv, one row per point (empty where a value does not apply)."""
+"""The columns of scaling.csv, one row per point (empty where a value does not apply);
+``hosts``: the distinct hostnames of a measured point's ranks, in rank order, space-separated."""
 CSV_FILE, EFFICIENCY_PNG, THROUGHPUT_PNG = "scaling.csv", "efficiency.png", "throughput.png"
 COMPARE_PNG = "measured_vs_predicted.png"
 
@@ -94,14 +104,30 @@ def fix_overrides(fixes: list[str]) -> list[str]:
             for k, v in fixed.items()]
 
 
-def point_nodes(cfg: PipelineConfig, devices: int) -> int:
-    """Nodes a point spans: one on the local site, else the configuration's ranks per node."""
-    per_node = cfg.parallel.ranks_per_node
+def study_ranks_per_node(cfg: PipelineConfig, ranks_per_node: int | None) -> int:
+    """The ranks per node of a study's points: ``--ranks-per-node``, else the configuration's
+    ``parallel.nproc / parallel.nodes``; checked before any work."""
+    if ranks_per_node is None:
+        return cfg.parallel.ranks_per_node
+    if ranks_per_node < 1:
+        raise ConfigError(f"--ranks-per-node {ranks_per_node}: give a count >= 1")
+    if cfg.site.name == "local":
+        raise ConfigError("--ranks-per-node places ranks on the nodes of a Slurm site; the "
+                          "local site runs every point on this machine: drop it or pass "
+                          "--site slurm")
+    return ranks_per_node
+
+
+def point_nodes(cfg: PipelineConfig, devices: int, per_node: int | None = None) -> int:
+    """Nodes a point spans: one on the local site, else whole nodes of ``per_node`` ranks
+    (default the configuration's ranks per node); a point up to one node's ranks takes one."""
+    per_node = per_node or cfg.parallel.ranks_per_node
     if cfg.site.name == "local" or devices <= per_node:
         return 1
     if devices % per_node:
         raise ConfigError(f"{devices} devices do not fill whole nodes of {per_node} ranks "
-                          "(parallel.nproc / parallel.nodes): choose multiples of it")
+                          "(--ranks-per-node, else parallel.nproc / parallel.nodes): choose "
+                          "device counts that are multiples of it")
     return devices // per_node
 
 
@@ -126,21 +152,33 @@ def _check_formable(cfg: PipelineConfig) -> None:
 
 
 def study_points(config: str | None, overrides: list[str], mode: str,
-                 devices: list[int]) -> list[Point]:
+                 devices: list[int], ranks_per_node: int | None = None) -> list[Point]:
     """Every point's validated configuration (a bad one stops the study before any work)."""
+    from workflows import sites
+
     base = load_config(config, overrides)
+    per_node = study_ranks_per_node(base, ranks_per_node)
     points = []
     for n in devices:
         try:
             batch = scaling.point_batch(mode, base.train.global_batch, base.parallel.nproc, n)
         except scaling.ScalingError as error:
             raise ConfigError(str(error)) from None
-        nodes = point_nodes(base, n)
+        nodes = point_nodes(base, n, per_node)
         cfg = load_config(config, [*overrides, f"parallel.nproc={n}", f"parallel.nodes={nodes}",
                                    f"train.global_batch={batch}"])
+        sites.check_site(cfg)  # e.g. more ranks per node than a Frontier node has GCDs
         _check_formable(cfg)
         points.append(Point(n, nodes, batch, cfg))
     return points
+
+
+def block_shape(cfg: PipelineConfig) -> tuple[int, int] | None:
+    """What a point's Parsl configuration depends on: (nodes, ranks per node) of its Slurm
+    block; None on the local site, where one configuration serves every point."""
+    if cfg.site.name == "local":
+        return None
+    return cfg.parallel.nodes, cfg.parallel.ranks_per_node
 
 
 # --- the planner's view of a point ---------------------------------------------------------
@@ -206,7 +244,10 @@ def _point_row(point: Point, mode: str, results: dict[str, stage.StageResult]) -
 
     train, plan_out = results["train"].outputs, results["plan"].outputs
     row: dict[str, Any] = {"model": point.cfg.name, "mode": mode, "devices": point.devices,
-                           "nodes": point.nodes, "global_batch": point.global_batch}
+                           "nodes": point.nodes,
+                           "ranks_per_node": point.cfg.parallel.ranks_per_node,
+                           "hosts": " ".join(train_hosts(results["train"])),
+                           "global_batch": point.global_batch}
     plan = Plan.from_json(plan_out["plan"])
     row.update(plan_row(plan))
     row.update(step_time_s=train.get("step_time_s"), tokens_per_s=train.get("tokens_per_s"),
@@ -221,12 +262,44 @@ def _point_row(point: Point, mode: str, results: dict[str, stage.StageResult]) -
     return row
 
 
-def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) -> Path:
-    """Run every point's stages with Parsl (one point at a time), track the study in MLflow
-    and write its table and plots; return the output directory."""
+def train_hosts(result: stage.StageResult) -> list[str]:
+    """The distinct hostnames a train stage's ranks ran on, in rank order (its summary.json;
+    for a reused stage, the run that made it)."""
+    path = Path(result.out_dir) / "summary.json"
+    try:
+        hosts = json.loads(path.read_text()).get("hosts") or []
+    except (OSError, ValueError):
+        return []
+    return list(dict.fromkeys(hosts))
+
+
+def load_parsl(cfg: PipelineConfig, runs_dir: Path, parsl_dir: Path) -> Any:
+    """Load the Parsl configuration of ``cfg``'s site (its blocks sized to ``cfg``); Parsl's
+    interchanges start with SIGINT ignored, so a Ctrl-C leaves them to ``cleanup``."""
     import parsl
 
-    from workflows import pipeline, sites
+    from workflows import sites
+
+    interactive_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir))
+    finally:
+        signal.signal(signal.SIGINT, interactive_handler)
+
+
+def stop_parsl(dfk: Any) -> None:
+    """Stop a loaded Parsl configuration: its workers, and its blocks' Slurm jobs."""
+    import parsl
+
+    dfk.cleanup()
+    parsl.clear()
+
+
+def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) -> Path:
+    """Run every point's stages with Parsl (one point at a time, each in a block sized to
+    it), track the study in MLflow and write its table and plots; return the output
+    directory."""
+    from workflows import pipeline
 
     first = points[0].cfg
     runs_dir = first.runs_dir
@@ -247,18 +320,23 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
     heartbeat = locks.Heartbeat(runs_dir, driver, locks.STALE_AFTER_S / 10).start()
     parsl_dir = runs_dir / "parsl" / f"{stamp}-{os.getpid()}"
     log_root = runs_dir / "logs" / f"{stamp}-{parent_id[:8]}"
-    largest = max(points, key=lambda p: p.devices).cfg  # the Slurm blocks fit every point
-    dfk = parsl.load(sites.make_parsl_config(largest, runs_dir, parsl_dir=parsl_dir))
     previous_handler = signal.signal(signal.SIGTERM, pipeline._interrupt)
     status, point_ids = "FAILED", {}
-    ctx, runs = None, {}
+    ctx, runs, dfk, block = None, {}, None, None
     try:
         for point in points:
+            if dfk is None or block_shape(point.cfg) != block:
+                if dfk is not None:  # the previous point's block goes back to Slurm first
+                    stop_parsl(dfk)
+                    dfk = None
+                dfk, block = load_parsl(point.cfg, runs_dir, parsl_dir), block_shape(point.cfg)
             plans = [p for p in pipeline.plan_stages(point.cfg, None, None, False, code)
                      if p.name in STUDY_STAGES]
             actions = ", ".join(f"{p.name} {p.action}" for p in plans)
-            print(f"[scaling] {point.devices} devices, global batch {point.global_batch}: "
-                  f"{actions}", flush=True)
+            where = (f" on {point.nodes} node(s) x {point.cfg.parallel.ranks_per_node} ranks"
+                     if block else "")
+            print(f"[scaling] {point.devices} devices{where}, global batch "
+                  f"{point.global_batch}: {actions}", flush=True)
             point_ids[point.devices] = tracking.start_run(
                 uri, experiment_id, f"{first.name}-{mode}-{point.devices}", parent_run_id=parent_id,
                 tags={"scaling_point": "true", "devices": str(point.devices), "mode": mode})
@@ -282,8 +360,8 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
         print("\n[scaling] interrupted: stopping workers and ranks", file=sys.stderr, flush=True)
         raise
     finally:
-        dfk.cleanup()
-        parsl.clear()
+        if dfk is not None:
+            stop_parsl(dfk)
         signal.signal(signal.SIGTERM, previous_handler)
         if ctx is not None and runs:
             pipeline._fail_running(ctx, runs, runs_dir)
@@ -330,7 +408,8 @@ def predict_points(configs: list[str], overrides: list[str], mode: str,
                                        f"parallel.nodes={nodes}", f"train.global_batch={batch}"])
             point = Point(n, max(1, math.ceil(n / per_node)), batch, cfg)
             point.row = {"model": cfg.name, "mode": mode, "devices": n, "nodes": point.nodes,
-                         "global_batch": batch, "reused": ""}
+                         "ranks_per_node": min(n, per_node), "global_batch": batch,
+                         "reused": ""}
             train = TrainConfig(global_batch=batch, seq_len=cfg.train.seq_len,
                                 dtype=cfg.train.dtype)
             try:
@@ -392,13 +471,15 @@ def run_predicted(points: list[Point], mode: str, out_dir: Path | None = None) -
 
 def log_point(tracker: tracking.Tracker, row: dict[str, Any]) -> None:
     """A point's layout as params, its figures as metrics, its terms and note as tags."""
-    numbers = {k: float(v) for k, v in row.items() if k not in PLAN_FIELDS and k != "devices"
+    numbers = {k: float(v) for k, v in row.items()
+               if k not in (*PLAN_FIELDS, "devices", "ranks_per_node")
                and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    tracker.log_params({k: row[k] for k in ("devices", "nodes", "global_batch", *PLAN_FIELDS)
+    tracker.log_params({k: row[k] for k in ("devices", "nodes", "ranks_per_node",
+                                            "global_batch", *PLAN_FIELDS)
                         if row.get(k) is not None})
     tracker.log_metrics(numbers)
-    tracker.set_tags({k: row[k] for k in ("model", "dominant_term", "overhead_term", "loss_term",
-                                          "plan_key", "train_key", "reused", "note")
+    tracker.set_tags({k: row[k] for k in ("model", "hosts", "dominant_term", "overhead_term",
+                                          "loss_term", "plan_key", "train_key", "reused", "note")
                       if row.get(k) not in (None, "")})
     tracker.flush()
 
@@ -541,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--set", dest="overrides", action="append", default=[], nargs="+",
                         metavar="KEY=VALUE", help="override a config value")
     parser.add_argument("--site", choices=["local", "slurm", "frontier"], help="where to run")
+    parser.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                        help="Slurm sites: ranks per node of every point, a point of n devices "
+                             "spanning n / N nodes (default parallel.nproc / parallel.nodes)")
     parser.add_argument("--tracking-uri",
                         help="MLflow tracking URI (default: SQLite in the runs dir)")
     parser.add_argument("--runs-dir", help="where stage outputs and the default MLflow store live")
@@ -556,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = cli_overrides(args)
     try:
         if args.predict:
+            if args.ranks_per_node is not None:
+                raise ConfigError("--ranks-per-node places a measured study's ranks; a "
+                                  "prediction takes the cluster file's ranks per node")
             configs = args.config or [str(CONFIG_DIR / f"{name}.yaml") for name in PRESETS]
             devices = scaling.parse_devices(args.devices) if args.devices else None
             points = predict_points(configs, overrides, args.mode, devices, args.fix)
@@ -565,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("a measured study takes one --config")
         config = args.config[0] if args.config else None
         devices = scaling.parse_devices(args.devices or MEASURED_DEVICES)
-        points = study_points(config, [*overrides, *fix_overrides(args.fix)], args.mode, devices)
+        points = study_points(config, [*overrides, *fix_overrides(args.fix)], args.mode, devices,
+                              args.ranks_per_node)
         run_measured(points, args.mode, args.out)
     except KeyboardInterrupt:
         return 130
