@@ -9,13 +9,16 @@ from model.planner.published import (
     FILE_FIELDS,
     PLAN_FIELDS,
     ROW_FIELDS,
+    fit_factors,
     leave_one_source_out,
     load_published,
+    pick_versus_source,
 )
 from stages.plan import main as plan_main
 
-LOO_BOUND = {"narayanan2021": 0.15, "korthikanti2022": 0.15, "dash2023": 0.25,
-             "torchtitan2024": 0.40}
+# leave-one-source-out tokens/s MAPE per source (benchmarks/bench_plan.py --published)
+LOO_BOUND = {"narayanan2021": 0.10, "korthikanti2022": 0.10, "bigscience2022": 0.08,
+             "llmfoundry2024": 0.17, "torchtitan2024": 0.19, "dash2023": 0.26}
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +45,45 @@ def test_every_row_has_its_source_plan_and_figure(rows) -> None:
     assert {r.role for r in rows if r.source == "dash2023"} == {"test"}
 
 
-def test_leave_one_source_out_error_stays_bounded(rows) -> None:
-    loo = leave_one_source_out(rows)
+@pytest.fixture(scope="module")
+def loo(rows):
+    return leave_one_source_out(rows)
+
+
+def test_leave_one_source_out_error_stays_bounded(rows, loo) -> None:
     for src, bound in LOO_BOUND.items():
         assert loo["per_source"][src] <= bound, (src, loo["per_source"][src])
-    # a held-out source never informs its own prediction
-    assert loo["factors"]["torchtitan2024"]["pytorch"] == loo["factors"]["torchtitan2024"][
-        "megatron"]
+    assert loo["mape"] <= 0.14
+    # a held-out source never informs its own prediction: torchtitan's PyTorch factor is the
+    # one LLM Foundry's rows give, and Megatron-DeepSpeed held out (BLOOM is its only fitting
+    # source) falls back to the mean of the other frameworks' factors
+    foundry = fit_factors([r for r in rows if r.source == "llmfoundry2024"])
+    assert loo["factors"]["torchtitan2024"]["pytorch"] == foundry["pytorch"]
+    held = loo["factors"]["bigscience2022"]
+    others = [v for k, v in held.items() if k != "megatron-deepspeed"]
+    assert held["megatron-deepspeed"] == pytest.approx(sum(others) / len(others))
+    assert loo["factors"]["dash2023"]["megatron-deepspeed"] == fit_factors(
+        [r for r in rows if r.source == "bigscience2022"])["megatron-deepspeed"]
+
+
+def test_frontier_study_is_over_predicted_most_where_the_pipeline_is_short(loo) -> None:
+    # No fitting source ran on MI250X: the study's plans are predicted 3-14 points of peak
+    # above the measured 38.4 / 36.1 / 32.0 %, the gap shrinking as the pipeline bubble and
+    # cross-node transfers (which the model prices) take more of the 1T step.
+    off = {r["name"]: 100 * (r["predicted_pct_peak"] - r["measured_pct_peak"])
+           for r in loo["rows"] if r["source"] == "dash2023"}
+    assert 0 < off["gpt-1t"] < 4 < off["gpt-175b"] < 10 < off["gpt-22b"] < 14
+
+
+def test_planner_pick_beats_the_study_plan_by_dropping_recompute(rows, loo) -> None:
+    row = next(r for r in rows if r.source == "dash2023" and r.name == "gpt-175b")
+    cmp = pick_versus_source(row, loo["factors"]["dash2023"])
+    assert cmp["source_plan"] == row.plan.describe() != cmp["pick_plan"]
+    assert 1.2 < cmp["speedup"] < 1.6
+    # the study recomputes every block; the pick fits without (sequence parallelism shrinks
+    # the activations) and that saved forward pass is the largest single gain
+    assert cmp["pick"].recompute != "full" and row.plan.recompute == "full"
+    assert max(cmp["saved_s"], key=cmp["saved_s"].get) == "compute_recompute"
 
 
 FULL = ["tp=2", "pp=4", "dp=128", "micro_batch=1", "grad_accum=8", "schedule=1f1b",

@@ -9,10 +9,13 @@ tokens/s per device with the source's own FLOP formula, so predictions and measu
 compared on the same quantity whatever the source reports.
 
 The fitted parameters are the per-framework efficiency factors (``Cluster.framework_efficiency``):
-the model's compute time is divided by the factor of the framework that ran. They are fitted by
-minimising the squared relative error of tokens/s over the rows of the fitting sources; a
-framework with no fitting rows takes the mean factor of the others. ``leave_one_source_out``
-predicts each source from a fit on the other fitting sources.
+the model's compute time is divided by the factor of the framework that ran (megatron,
+megatron-deepspeed, pytorch). They are fitted by minimising the squared relative error of
+tokens/s over the rows of the fitting sources; a framework with no fitting rows takes the mean
+factor of the others. Everything else (peak, maximum achievable matmul efficiency, links) is a
+published per-hardware figure in the cluster file, never fitted. ``leave_one_source_out``
+predicts each source from a fit on the other fitting sources; ``pick_versus_source`` prices the
+planner's own pick against a source's plan.
 """
 from __future__ import annotations
 
@@ -181,7 +184,7 @@ def best_plan(row: Row, cluster: Cluster) -> Plan:
 
 def _parts(row: Row, cluster: Cluster) -> tuple[float, float]:
     """(compute, comm) seconds per step of the row's plan at framework factor 1."""
-    t = step_time(row.shapes, cluster, encode([row.plan]))
+    t = step_time(row.shapes, cluster, encode([row.plan]), framework=row.framework)
     return float(t["compute"][0]), float(t["comm"][0])
 
 
@@ -232,6 +235,31 @@ def with_fallback(factors: dict[str, float], frameworks: set[str]) -> dict[str, 
     """Fill frameworks without a fitted factor with the mean of the fitted ones."""
     mean = float(np.mean(list(factors.values()))) if factors else 1.0
     return {**{fw: mean for fw in frameworks}, **factors}
+
+
+def pick_versus_source(row: Row, factors: dict[str, float],
+                       cache: dict[str, Cluster] | None = None) -> dict[str, Any]:
+    """The planner's own pick for a row's model, devices and global batch (tp at most 8, any
+    sharding) against the source's plan, both priced for the source's framework under
+    ``factors``: predicted tokens/s per device of each, the speed-up and the terms (seconds per
+    step) that the pick shortens most."""
+    cache = {} if cache is None else cache
+    cl = _cluster(row.cluster, factors, cache)
+    if row.plan is None:
+        raise PlanError(f"{row.source}/{row.name}: the source's plan is unknown")
+    pick = best_plan(Row(**{**row.__dict__, "constraints": {}}), cl)
+    terms = {}
+    for name, plan in (("source", row.plan), ("pick", pick)):
+        t = step_time(row.shapes, cl, encode([plan]), framework=row.framework)
+        terms[name] = {k: float(v[0]) for k, v in t["breakdown"].items()}
+        terms[name + "_step"] = float(t["step"][0])
+    saved = {k: terms["source"][k] - terms["pick"][k] for k in terms["source"]}
+    top = sorted(saved, key=saved.get, reverse=True)[:3]
+    return {"name": row.name, "pick": pick, "source_plan": row.plan.describe(),
+            "pick_plan": pick.describe(),
+            "speedup": terms["source_step"] / terms["pick_step"],
+            "source_step_s": terms["source_step"], "pick_step_s": terms["pick_step"],
+            "saved_s": {k: saved[k] for k in top}}
 
 
 def leave_one_source_out(rows: list[Row]) -> dict[str, Any]:

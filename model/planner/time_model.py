@@ -5,25 +5,30 @@ and the logits on the last stage) is timed with a roofline,
 ``max(flops / (peak * gemm_efficiency), bytes / hbm_bandwidth) + kernel_overhead``, so
 small GEMMs (small micro-batches, wide tensor parallelism) run below peak. Norms,
 activations, rotary and residual adds are memory bound. Backward costs twice the forward;
-full recompute adds a forward, selective recompute the attention core.
+full recompute adds a forward, selective recompute the attention core. Fused (flash)
+attention skips the masked half of the causal scores; unfused attention computes them all.
 
 Communication (ring collectives, ``2(n-1)/n * bytes / bw + 2(n-1) * latency`` for an
 all-reduce, half for reduce-scatter or all-gather) runs on the link the mesh places the
 group on. The mesh is ("pp", "dp", "tp") with tp fastest varying, so a tp group is
 consecutive ranks (tp=2: one MI250X on Frontier, tp<=8: one node), a dp group has stride
-tp and a pp group stride tp*dp (usually the network). Per block and micro-batch tensor
-parallelism costs 2 all-reduces forward and 2 backward (2 more with full recompute);
-with sequence parallelism each becomes an all-gather + reduce-scatter of the same volume.
+tp and a pp group stride tp*dp (usually the network). A group crossing nodes shares each node's
+NICs with the other groups that have ranks there (``_group_bandwidth``). Per block and
+micro-batch tensor parallelism costs 2 all-reduces forward and 2 backward (2 more with full
+recompute); with sequence parallelism each becomes an all-gather + reduce-scatter of the same
+volume.
 
 Pipeline: the stage time per micro-batch times (m + (pp-1)/v) (bubble (pp-1)/m, divided
 by the virtual stages for interleaved 1F1B when m >= pp), plus activation send/recv on the
-critical path. On CPUs with more ranks than cores (``cores_per_node``) the bubble is partly filled
-by other ranks' work. Data parallelism: gradient reduce-scatter (all-reduce for DDP) and parameter
-all-gathers, hidden under backward/forward up to the cluster's comm_overlap. FSDP under
-torch pipelining keeps gradients unsharded until the last micro-batch (one reduce-scatter
-per step); without pipelining zero2 reduce-scatters once per step and re-gathers parameters
-each micro-batch, zero3 does both every micro-batch (twice gathering). The optimizer step
-is memory bound (fp32 params, grads and Adam moments read and written).
+critical path (twice as many blocking transfers under DeepSpeed's pipeline engine,
+``PIPELINE_P2P_PER_MICROBATCH``). On CPUs with more ranks than cores (``cores_per_node``)
+the bubble is partly filled by other ranks' work. Data parallelism: gradient reduce-scatter
+(all-reduce for DDP) and parameter all-gathers, hidden under backward/forward up to the
+cluster's comm_overlap. FSDP under torch pipelining keeps gradients unsharded until the last
+micro-batch (one reduce-scatter per step); without pipelining zero2 reduce-scatters once per
+step and re-gathers parameters each micro-batch, zero3 does both every micro-batch (twice
+gathering). The optimizer step is memory bound (fp32 params, grads and Adam moments read
+and written).
 
 Fixed host costs (cluster.layer_overhead_us per block and micro-batch,
 microbatch_overhead_us, optimizer_overhead_us per parameter tensor, fsdp_unit_overhead_us
@@ -53,6 +58,14 @@ import numpy as np
 from model.planner.memory_model import stage_layer_counts
 from model.planner.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, ZERO2, ZERO3, Shapes
 
+PIPELINE_P2P_PER_MICROBATCH: dict[str, int] = {"megatron-deepspeed": 4}
+"""Blocking point-to-point transfers per micro-batch on a pipeline stage's critical path, by
+framework (2 when not listed). Megatron-LM's (and this project's) 1F1B pairs every send with the
+opposite receive in one batched exchange (send_forward_recv_backward,
+send_backward_recv_forward); DeepSpeed's pipeline engine (deepspeed/runtime/pipe/schedule.py,
+TrainSchedule) issues SendActivation, RecvActivation, SendGrad and RecvGrad as four separate
+blocking instructions, so each stage waits for twice as many transfers."""
+
 
 def gemm_time(cluster: Any, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) -> np.ndarray:
     """Roofline time (s) of ``batch`` GEMMs [m,k] x [k,n]; efficiency falls for small shapes.
@@ -74,6 +87,25 @@ def gemm_time(cluster: Any, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) 
         + cluster.kernel_overhead_us * 1e-6
 
 
+def _group_bandwidth(cluster: Any, link: Any, stride: int) -> float:
+    """Bus bandwidth (bytes/s) per rank of a collective group at this rank stride on ``link``.
+
+    Across the network a node's NICs are shared by the groups that have ranks on it: with
+    stride s < ranks_per_node a group holds ranks_per_node/s ranks of every node and shares the
+    NICs with s - 1 other groups. NCCL/RCCL run one ring (or tree) channel per NIC and move
+    the node-local part over the in-node links, so what crosses the network per node is about
+    the group's whole buffer, spread over the node's NICs: the group's bus bandwidth is the
+    node's network bandwidth / s, capped by the in-node link the rest of the ring runs on.
+    With stride >= ranks_per_node (one rank per node, e.g. dp groups under tp = 8) every rank
+    has 1/ranks_per_node of the node's NICs, as before.
+    """
+    if link.name != "network" or stride >= cluster.ranks_per_node:
+        return cluster.rank_bandwidth(link)
+    inner = [lk for lk in cluster.links if lk.name != "network"]
+    cap = inner[-1].bandwidth_gbps * 1e9 if inner else float("inf")
+    return min(cluster.rank_bandwidth(link, concurrent=stride), cap)
+
+
 def _coll(cluster: Any, kind: str, nbytes: Any, n: Any, stride: Any, calls: Any = 1) -> np.ndarray:
     """Ring collective time (s) of ``nbytes`` per rank over n ranks at the given rank stride,
     split into ``calls`` collectives (each pays the latency)."""
@@ -87,7 +119,7 @@ def _coll(cluster: Any, kind: str, nbytes: Any, n: Any, stride: Any, calls: Any 
         if size <= 1:
             continue
         link = cluster.link_for(int(st), int(size))
-        bw = cluster.rank_bandwidth(link)
+        bw = _group_bandwidth(cluster, link, int(st))
         lat = link.latency_us * 1e-6
         meas = cluster.collectives.get(kind) if cluster.collectives else None
         if meas:  # measured bus bandwidth and per-hop latency of this collective
@@ -139,8 +171,11 @@ def layer_parts(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.
             + cluster.kernel_overhead_us * 1e-6
         bwd_extra = 0.5 * core
     else:
-        core = 0.5 * (gemm_time(cluster, dt, s.seq_len, s.seq_len, hd, heads)
-                      + gemm_time(cluster, dt, s.seq_len, hd, s.seq_len, heads))
+        # A fused (flash) kernel skips the masked upper triangle; unfused attention computes
+        # the full s x s scores and applies the causal mask in the softmax.
+        causal = 0.5 if s.flash_attention else 1.0
+        core = causal * (gemm_time(cluster, dt, s.seq_len, s.seq_len, hd, heads)
+                         + gemm_time(cluster, dt, s.seq_len, hd, s.seq_len, heads))
     if not s.flash_attention:  # softmax over the stored score matrix
         core = core + 3 * s.act_bytes * heads * s.seq_len ** 2 / (cluster.hbm_bandwidth_gbps * 1e9)
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
@@ -203,7 +238,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     slots = ga + np.where(single, 0.0, (pp - 1) / v_eff)
 
     p2p_bytes = act_bytes * np.where(sp == 1, 1.0 / tp, 1.0)
-    p2p = np.where(single, 0.0, 2 * (ga * v + pp - 1) * _p2p(cluster, p2p_bytes, tp * dp))
+    n_p2p = PIPELINE_P2P_PER_MICROBATCH.get(framework or "", 2)
+    p2p = np.where(single, 0.0, n_p2p * (ga * v + pp - 1) * _p2p(cluster, p2p_bytes, tp * dp))
 
     # data parallelism over the stage's parameters
     layer_p = s.layer_matrix_params / tp + s.layer_norm_params
