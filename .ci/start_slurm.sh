@@ -14,6 +14,8 @@
 #   .ci/start_slurm.sh --nodes 2        # two compute nodes nid001, nid002 on 10.231.0.0/24
 #   . /tmp/frontier-llm-slurm/env       # exports SLURM_CONF (and the cluster's facts)
 #   .ci/stop_slurm.sh                   # same --state-dir as the start
+#   .ci/start_slurm.sh --stop-node nid002   # a node crash: its slurmd and every process in
+#   .ci/start_slurm.sh --start-node nid002  # its namespace killed; then its slurmd back
 #
 # Options (multi-node only unless said otherwise):
 #   --nodes N         compute nodes (default 1)
@@ -24,6 +26,10 @@
 #                     (default 10.231.0)
 #   --prefix NAME     node hostname prefix, also names the bridge, namespaces and links
 #                     (default nid)
+#   --stop-node NAME  on the running cluster: SIGKILL node NAME's slurmd and every process in
+#                     its namespace (job steps, ranks), as a crashed node; nothing else changes
+#   --start-node NAME on the running cluster: start node NAME's slurmd again and wait until
+#                     the node takes jobs (ReturnToService=2 returns a DOWN node to service)
 # Settings (environment):
 #   SLURM_TEST_CPUS   CPUs each node advertises (default: max(8, nproc)); more than the real
 #                     cores so several ranks fit on a 2-core box.
@@ -34,7 +40,9 @@ STATE_DIR="${FRONTIER_LLM_SLURM_DIR:-/tmp/frontier-llm-slurm}"
 PORT=6817
 SUBNET=10.231.0
 PREFIX=nid
-usage() { sed -n '2,30p' "$0" >&2; exit 2; }
+NODE_ACTION=""
+ACTION_NODE=""
+usage() { sed -n '2,36p' "$0" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --nodes) NODES="$2"; shift 2 ;;
@@ -42,6 +50,8 @@ while [[ $# -gt 0 ]]; do
         --port) PORT="$2"; shift 2 ;;
         --subnet) SUBNET="$2"; shift 2 ;;
         --prefix) PREFIX="$2"; shift 2 ;;
+        --stop-node) NODE_ACTION=stop; ACTION_NODE="$2"; shift 2 ;;
+        --start-node) NODE_ACTION=start; ACTION_NODE="$2"; shift 2 ;;
         -h|--help) usage ;;
         *) echo "[start_slurm] unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -71,6 +81,67 @@ node_addr() { echo "$SUBNET.$(( 10 + $1 ))"; }
 if [[ "$(id -u)" != 0 ]]; then
     echo "[start_slurm] must run as root (Slurm daemons and munged)" >&2
     exit 1
+fi
+
+# --- nodes: readiness, a node's slurmd ------------------------------------------------------
+ready() { [[ "$1" == idle* || "$1" == mix* || "$1" == alloc* ]]; }
+
+wait_node() {  # wait_node NAME: until slurmctld lets the node take jobs
+    local name="$1" state="" _
+    for _ in $(seq 120); do
+        state="$(timeout 5 sinfo -h -n "$name" -o '%t' 2>/dev/null | head -1 || true)"
+        ready "$state" && break
+        if [[ "$state" == down* || "$state" == drain* ]]; then
+            timeout 5 scontrol update NodeName="$name" State=RESUME >/dev/null 2>&1 || true
+        fi
+        sleep 0.5
+    done
+    if ! ready "$state"; then
+        echo "[start_slurm] node $name not ready (state '$state'); see $STATE_DIR/log/" >&2
+        exit 1
+    fi
+    log "node $name is $state"
+}
+
+start_node_slurmd() {  # start_node_slurmd NAME (multi-node)
+    local name="$1"
+    mkdir -p "$STATE_DIR/spool/$name"
+    # A UTS namespace inside the node's network namespace: its own hostname, inherited by the
+    # daemon and every job step it starts. nsenter, not "ip netns exec": that one remounts
+    # /sys, hiding the cgroup filesystem slurmd needs.
+    nsenter --net="/run/netns/fl-$name" unshare --uts \
+        sh -c "hostname $name && exec slurmd -f '$CONF' -N $name"
+}
+
+if [[ -n "$NODE_ACTION" ]]; then
+    # One node of the running multi-node cluster; its configuration is left as it is.
+    export SLURM_CONF="$CONF"
+    if [[ ! -s "$STATE_DIR/prefix" || ! -e "/run/netns/fl-$ACTION_NODE" ]]; then
+        echo "[start_slurm] no node '$ACTION_NODE' in a multi-node cluster in $STATE_DIR" >&2
+        exit 2
+    fi
+    pidfile="$STATE_DIR/slurmd-$ACTION_NODE.pid"
+    if [[ "$NODE_ACTION" == stop ]]; then
+        # SIGKILL, as a crash: slurmd tells slurmctld nothing, the job steps get no signal.
+        [[ -s "$pidfile" ]] && kill -9 "$(cat "$pidfile")" 2>/dev/null || true
+        rm -f "$pidfile"
+        for _ in $(seq 50); do
+            pids="$(ip netns pids "fl-$ACTION_NODE" 2>/dev/null || true)"
+            [[ -z "$pids" ]] && break
+            # shellcheck disable=SC2086 # one pid per word
+            kill -9 $pids 2>/dev/null || true
+            sleep 0.1
+        done
+        log "node $ACTION_NODE stopped (slurmd and every process in fl-$ACTION_NODE killed)"
+    else
+        if [[ -s "$pidfile" ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
+            log "node $ACTION_NODE: slurmd already running"
+        else
+            start_node_slurmd "$ACTION_NODE"
+        fi
+        wait_node "$ACTION_NODE"
+    fi
+    exit 0
 fi
 
 # --- packages -------------------------------------------------------------------------------
@@ -171,6 +242,12 @@ SlurmctldPort=$PORT
 SlurmdPort=$(( PORT + 1 ))
 MinJobAge=600
 KillWait=5
+# A node whose slurmd stops answering is DOWN (and its jobs NODE_FAIL) after 15 s, not the
+# default 5 minutes: the node-loss test waits for it. ReturnToService=2 above returns it to
+# service as soon as its slurmd registers again. No requeue of a failed job: Parsl replaces a
+# lost block itself (a requeued one would restart only after a 2-minute BeginTime).
+SlurmdTimeout=15
+JobRequeue=0
 InactiveLimit=0
 $NODE_LINES
 PartitionName=debug Nodes=$PART_NODES Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
@@ -182,14 +259,24 @@ slurmd_pidfile() {
     if (( NODES == 1 )); then echo "$STATE_DIR/slurmd.pid"; else echo "$STATE_DIR/slurmd-$1.pid"; fi
 }
 
-running() {
-    [[ -f "$CONF" && "$(cat "$CONF")" == "$NEW_CONF" ]] || return 1
+daemons_up() {
     pid_alive "$STATE_DIR/slurmctld.pid" || return 1
     local name
     for name in "${NODE_NAMES[@]}"; do
         pid_alive "$(slurmd_pidfile "$name")" || return 1
         if (( NODES > 1 )); then ip netns pids "fl-$name" >/dev/null 2>&1 || return 1; fi
     done
+}
+
+running() { [[ -f "$CONF" && "$(cat "$CONF")" == "$NEW_CONF" ]] && daemons_up; }
+
+# Settings the daemons take on "scontrol reconfigure": a change to these (and comments) alone
+# is applied to the running cluster in place, so its jobs live on.
+RECONFIGURABLE='SlurmdTimeout|JobRequeue|ReturnToService|KillWait|MinJobAge|InactiveLimit'
+only_settings_changed() {
+    [[ -f "$CONF" ]] || return 1
+    local other="^(#|($RECONFIGURABLE)=)"
+    [[ "$(grep -vE "$other" "$CONF")" == "$(grep -vE "$other" <<<"$NEW_CONF")" ]]
 }
 
 # --- the compute nodes' namespaces (multi-node) --------------------------------------------
@@ -240,17 +327,17 @@ start_slurmds() {
         return
     fi
     for name in "${NODE_NAMES[@]}"; do
-        mkdir -p "$STATE_DIR/spool/$name"
-        # A UTS namespace inside the node's network namespace: its own hostname, inherited by
-        # the daemon and every job step it starts. nsenter, not "ip netns exec": that one
-        # remounts /sys, hiding the cgroup filesystem slurmd needs.
-        nsenter --net="/run/netns/fl-$name" unshare --uts \
-            sh -c "hostname $name && exec slurmd -f '$CONF' -N $name"
+        start_node_slurmd "$name"
     done
 }
 
 if running; then
     log "already running (state in $STATE_DIR)"
+elif daemons_up && only_settings_changed; then
+    printf '%s\n' "$NEW_CONF" > "$CONF.tmp"
+    mv "$CONF.tmp" "$CONF"
+    SLURM_CONF="$CONF" scontrol reconfigure
+    log "running; settings changed, reconfigured in place (state in $STATE_DIR)"
 else
     # A stale or differently configured cluster: stop it first.
     stop_args=(--state-dir "$STATE_DIR")
@@ -272,22 +359,8 @@ fi
 export SLURM_CONF="$CONF"
 
 # --- wait for the nodes ---------------------------------------------------------------------
-ready() { [[ "$1" == idle* || "$1" == mix* || "$1" == alloc* ]]; }
 for name in "${NODE_NAMES[@]}"; do
-    state=""
-    for _ in $(seq 120); do
-        state="$(timeout 5 sinfo -h -n "$name" -o '%t' 2>/dev/null | head -1 || true)"
-        ready "$state" && break
-        if [[ "$state" == down* || "$state" == drain* ]]; then
-            timeout 5 scontrol update NodeName="$name" State=RESUME >/dev/null 2>&1 || true
-        fi
-        sleep 0.5
-    done
-    if ! ready "$state"; then
-        echo "[start_slurm] node $name not ready (state '$state'); see $STATE_DIR/log/" >&2
-        exit 1
-    fi
-    log "node $name is $state"
+    wait_node "$name"
 done
 
 if (( NODES == 1 )); then
