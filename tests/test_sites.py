@@ -305,7 +305,7 @@ def test_frontier_eval_srun_line_golden():
     train_text = _normalise(_srun(cfg))
     assert [ln for ln in text.splitlines() if ln.startswith("export")] == [
         ln for ln in train_text.splitlines() if ln.startswith("export")]
-    with pytest.raises(sites.SiteError, match="eval.ranks=9.*one node.*8 GCDs"):
+    with pytest.raises(sites.SiteError, match="evaluate runs 9 ranks on 1 node.*8 GCDs"):
         sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=9"]), RUN_DIR)
     with pytest.raises(ConfigError, match="eval.ranks must be >= 1"):
         load_config(None, ["eval.ranks=0"])

@@ -188,12 +188,14 @@ def _check_slurm_site(cfg: PipelineConfig) -> None:
                 f"gets a core and a node has {FRONTIER_CORES_PER_NODE}: set site.max_workers <= "
                 f"{FRONTIER_CORES_PER_NODE}"
             )
-        if cfg.eval.ranks > FRONTIER_GCDS_PER_NODE:
-            raise SiteError(
-                f"eval.ranks={cfg.eval.ranks}: the evaluation ranks run on one node, and a "
-                f"Frontier node has {FRONTIER_GCDS_PER_NODE} GCDs: set eval.ranks <= "
-                f"{FRONTIER_GCDS_PER_NODE}"
-            )
+        for name, shape in _ranks_stages(cfg):
+            per_node = -(-shape.nproc // shape.nodes)
+            if per_node > FRONTIER_GCDS_PER_NODE:
+                raise SiteError(
+                    f"{name} runs {shape.nproc} ranks on {shape.nodes} node(s), {per_node} per "
+                    f"node, and a Frontier node has {FRONTIER_GCDS_PER_NODE} GCDs: lower the "
+                    f"stage's ranks (e.g. eval.ranks) or spread them over more nodes"
+                )
 
 
 def _exclusive(cfg: PipelineConfig) -> bool:
@@ -223,14 +225,14 @@ def slurm_provider(cfg: PipelineConfig) -> SlurmProvider:
 
     No block is submitted until the training app is ready (init_blocks=0), so the allocation
     is not held while the light stages run. A non-exclusive job asks for one CPU per rank
-    (or site.cores_per_node) so srun can place the ranks inside it: per node, the training
-    ranks or the evaluation ranks (all on one node), whichever are more.
+    (or site.cores_per_node) so srun can place the ranks inside it: per node, the most ranks
+    any ranks stage (training, evaluation) puts on one node.
     """
     site = cfg.site
     exclusive = _exclusive(cfg)
     cores = site.cores_per_node
     if cores is None and not exclusive:
-        cores = max(cfg.parallel.ranks_per_node, cfg.eval.ranks)
+        cores = max(-(-shape.nproc // shape.nodes) for _, shape in _ranks_stages(cfg))
     return PolledSlurmProvider(
         poll_seconds=min(60, site.heartbeat_threshold),
         account=site.account,
