@@ -22,6 +22,7 @@ One Zarr v3 group per dataset, ``<out_dir>/store.zarr``::
       manifest.json          written LAST and atomically: the store is complete only when it
                              exists ({"complete": true, "format_version": 1, ...,
                              "splits": {split: {"tokens", "documents", "parts": [...]}},
+                             each part entry naming the "host" that encoded it,
                              "sources": [...]})
       train/                 group per split ("train", "validation")
         00000/               one part per input shard (group; attributes: shard, split,
