@@ -191,11 +191,40 @@ def test_unfused_attention_computes_the_masked_half() -> None:
 def test_deepspeed_pipeline_waits_for_twice_the_transfers() -> None:
     cl = load_cluster("frontier")
     s = Shapes(32, 8192, 64, 64, 32768, 51200, 2048, llama=False)
-    plan = encode([Plan(tp=4, pp=4, micro_batch=1, grad_accum=16, sharding="none")])
+    plan = encode([Plan(tp=1, pp=4, micro_batch=1, grad_accum=16, sharding="none")])
     mega = step_time(s, cl, plan, framework="megatron")
     deep = step_time(s, cl, plan, framework="megatron-deepspeed")
     assert float(deep["p2p"][0]) == pytest.approx(2 * float(mega["p2p"][0]))
     assert float(deep["compute"][0]) == pytest.approx(float(mega["compute"][0]))
+
+
+def test_deepspeed_pipeline_sends_a_tp_slice_and_gathers_it() -> None:
+    # tp4 pp4 on one Frontier node: neighbours 4 ranks apart (node link, 50 GB/s, 8 us);
+    # DeepSpeed sends 1/4 of the activation per rank and all-gathers it over the tp group
+    cl = load_cluster("frontier")
+    s = Shapes(32, 8192, 64, 64, 32768, 51200, 2048, llama=False)
+    plan = encode([Plan(tp=4, pp=4, micro_batch=1, grad_accum=16, sharding="none")])
+    deep = step_time(s, cl, plan, framework="megatron-deepspeed")
+    act = 2048 * 8192 * 2
+    send = act / 4 / 50e9 + 8e-6
+    gather = 3 / 4 * act / 50e9 + 3 * 8e-6
+    assert float(deep["p2p"][0]) == pytest.approx(4 * (16 + 3) * (send + gather / 2))
+    mega = step_time(s, cl, plan, framework="megatron")  # the whole activation, twice
+    assert float(mega["p2p"][0]) == pytest.approx(2 * (16 + 3) * (act / 50e9 + 8e-6))
+
+
+def test_pipeline_fill_and_drain_cost_the_mean_stage() -> None:
+    # a vocabulary as large as the blocks makes the last stage the slowest; the steady state
+    # runs at its pace, the fill and drain at the stages' mean (one pass through all of them)
+    cl = load_cluster("frontier")
+    s = Shapes(8, 4096, 32, 32, 16384, 256000, 2048, llama=False)
+    one = step_time(s, cl, encode([Plan(micro_batch=1, grad_accum=1, sharding="none")]))
+    four = step_time(s, cl, encode([Plan(pp=4, micro_batch=1, grad_accum=8, sharding="none")]))
+    terms = ("gemm", "attention", "elementwise", "recompute", "logits", "host_overhead")
+    whole = sum(float(one["breakdown"][f"compute_{k}"][0]) for k in terms)
+    slowest = sum(float(four["breakdown"][f"compute_{k}"][0]) for k in terms) / 8
+    assert float(four["breakdown"]["bubble"][0]) == pytest.approx(3 * whole / 4)
+    assert slowest > 1.2 * whole / 4
 
 
 def test_small_gemms_run_below_peak() -> None:

@@ -5,20 +5,23 @@ import json
 
 import pytest
 
+from model.planner.cluster import load_cluster
 from model.planner.published import (
     FILE_FIELDS,
     PLAN_FIELDS,
     ROW_FIELDS,
+    fit_all,
     fit_factors,
     leave_one_source_out,
     load_published,
     pick_versus_source,
+    predict_row,
 )
 from stages.plan import main as plan_main
 
 # leave-one-source-out tokens/s MAPE per source (benchmarks/bench_plan.py --published)
-LOO_BOUND = {"narayanan2021": 0.10, "korthikanti2022": 0.10, "bigscience2022": 0.08,
-             "llmfoundry2024": 0.17, "torchtitan2024": 0.19, "dash2023": 0.26}
+LOO_BOUND = {"narayanan2021": 0.10, "korthikanti2022": 0.10, "bigscience2022": 0.05,
+             "llmfoundry2024": 0.17, "torchtitan2024": 0.19, "dash2023": 0.20}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def test_every_row_has_its_source_plan_and_figure(rows) -> None:
                 assert set(PLAN_FIELDS) <= set(full), (path, r)
     assert {r.source for r in rows} == set(LOO_BOUND)
     assert all(r.measured_tps > 0 for r in rows)
-    assert {r.role for r in rows if r.source == "dash2023"} == {"test"}
+    assert {r.role for r in rows if r.source == "dash2023"} == {"fit"}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +56,7 @@ def loo(rows):
 def test_leave_one_source_out_error_stays_bounded(rows, loo) -> None:
     for src, bound in LOO_BOUND.items():
         assert loo["per_source"][src] <= bound, (src, loo["per_source"][src])
-    assert loo["mape"] <= 0.14
+    assert loo["mape"] <= 0.13
     # a held-out source never informs its own prediction: torchtitan's PyTorch factor is the
     # one LLM Foundry's rows give, and Megatron-DeepSpeed held out (BLOOM is its only fitting
     # source) falls back to the mean of the other frameworks' factors
@@ -64,20 +67,41 @@ def test_leave_one_source_out_error_stays_bounded(rows, loo) -> None:
     assert held["megatron-deepspeed"] == pytest.approx(sum(others) / len(others))
     assert loo["factors"]["dash2023"]["megatron-deepspeed"] == fit_factors(
         [r for r in rows if r.source == "bigscience2022"])["megatron-deepspeed"]
+    # the study's rows fit only Frontier's stack factor: held out, there is none; with any
+    # other source held out it is fitted, and never moves a framework factor
+    assert loo["stacks"]["dash2023"] == {}
+    assert set(loo["stacks"]["narayanan2021"]) == {"frontier"}
+    assert fit_factors(rows) == fit_factors([r for r in rows if r.source != "dash2023"])
 
 
-def test_frontier_study_is_over_predicted_most_where_the_pipeline_is_short(loo) -> None:
-    # No fitting source ran on MI250X: the study's plans are predicted 3-14 points of peak
-    # above the measured 38.4 / 36.1 / 32.0 %, the gap shrinking as the pipeline bubble and
-    # cross-node transfers (which the model prices) take more of the 1T step.
-    off = {r["name"]: 100 * (r["predicted_pct_peak"] - r["measured_pct_peak"])
-           for r in loo["rows"] if r["source"] == "dash2023"}
-    assert 0 < off["gpt-1t"] < 4 < off["gpt-175b"] < 10 < off["gpt-22b"] < 14
+@pytest.fixture(scope="module")
+def fitted(rows):
+    return fit_all(rows)
 
 
-def test_planner_pick_beats_the_study_plan_by_dropping_recompute(rows, loo) -> None:
+def test_frontier_study_within_three_points_once_its_stack_is_fitted(rows, loo, fitted) -> None:
+    # Held out, the MI250X stack is unknown and the study is over-predicted (3-10 points of
+    # peak above the measured 38.4 / 36.1 / 32.0 %); the planner's model, whose Frontier stack
+    # factor is fitted on the study, is within 3 points on all three, with one factor < 1.
+    factors, stacks = fitted
+    assert 0.6 < stacks["frontier"] < 0.95
+    study = [r for r in rows if r.source == "dash2023"]
+    off = {p["name"]: 100 * (p["predicted_pct_peak"] - p["measured_pct_peak"])
+           for p in (predict_row(r, factors, stacks=stacks) for r in study)}
+    assert all(abs(v) < 3 for v in off.values()), off
+    held = {r["name"]: 100 * (r["predicted_pct_peak"] - r["measured_pct_peak"])
+            for r in loo["rows"] if r["source"] == "dash2023"}
+    assert 0 < held["gpt-1t"] < 4 < held["gpt-175b"] < held["gpt-22b"] < 10
+    # the cluster file carries the fitted values
+    cl = load_cluster("frontier")
+    assert cl.stack_efficiency == pytest.approx(stacks["frontier"], abs=1e-3)
+    assert cl.framework_factor("pytorch") == pytest.approx(
+        factors["pytorch"] * stacks["frontier"], abs=2e-3)
+
+
+def test_planner_pick_beats_the_study_plan_by_dropping_recompute(rows, fitted) -> None:
     row = next(r for r in rows if r.source == "dash2023" and r.name == "gpt-175b")
-    cmp = pick_versus_source(row, loo["factors"]["dash2023"])
+    cmp = pick_versus_source(row, fitted[0], stacks=fitted[1])
     assert cmp["source_plan"] == row.plan.describe() != cmp["pick_plan"]
     assert 1.2 < cmp["speedup"] < 1.6
     # the study recomputes every block; the pick fits without (sequence parallelism shrinks

@@ -105,6 +105,13 @@ class Cluster:
     """Per-framework efficiency factor (e.g. megatron, pytorch): the compute time the model
     predicts is divided by it. Fitted to published measurements
     (model.planner.published); a framework not listed gets 1.0."""
+    stack_efficiency: float | None = None
+    """Efficiency of this device's software stack (BLAS, attention kernels, runtime) beyond
+    what the per-device figures and the framework factor capture, a multiplier on the
+    framework factor of every framework run on the cluster. Set only on a cluster that has
+    published measurements of its own (Frontier: the MI250X with ROCm 5.x of the Frontier
+    study) and fitted to them alone (model.planner.published.fit_stack); None: not a fitted
+    parameter of this cluster (factor 1)."""
     collectives: dict[str, dict[str, float]] = field(default_factory=dict)
     """Optional measured bus bandwidth/latency per collective (local clusters)."""
     measured: bool = False
@@ -138,8 +145,10 @@ class Cluster:
         return link.bandwidth_gbps * 1e9
 
     def framework_factor(self, framework: str | None) -> float:
-        """The fitted efficiency factor of ``framework`` on this cluster (1.0 if unknown)."""
-        return float(self.framework_efficiency.get(framework or "", 1.0))
+        """The fitted efficiency factor of ``framework`` on this cluster (1.0 if unknown),
+        times the cluster's software-stack efficiency where it has one."""
+        stack = 1.0 if self.stack_efficiency is None else self.stack_efficiency
+        return float(self.framework_efficiency.get(framework or "", 1.0)) * stack
 
     def peak_for(self, dtype: str) -> float:
         """Peak FLOP/s per device for the compute dtype."""
@@ -210,6 +219,12 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
         raise ClusterError(f"{where}: framework_efficiency must map framework names to "
                            f"factors in (0, 1.5], got {fw!r}")
     optional["framework_efficiency"] = {str(k): float(v) for k, v in fw.items()}
+    if "stack_efficiency" in raw:
+        st = raw["stack_efficiency"]
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st <= 1.5:
+            raise ClusterError(f"{where}: stack_efficiency must be a factor in (0, 1.5], "
+                               f"got {st!r}")
+        optional["stack_efficiency"] = float(st)
     known = set(REQUIRED) | set(optional) | {"measured", "collectives", "source", "notes"}
     unknown = sorted(set(raw) - known)
     if unknown:

@@ -12,10 +12,13 @@ The fitted parameters are the per-framework efficiency factors (``Cluster.framew
 the model's compute time is divided by the factor of the framework that ran (megatron,
 megatron-deepspeed, pytorch). They are fitted by minimising the squared relative error of
 tokens/s over the rows of the fitting sources; a framework with no fitting rows takes the mean
-factor of the others. Everything else (peak, maximum achievable matmul efficiency, links) is a
-published per-hardware figure in the cluster file, never fitted. ``leave_one_source_out``
-predicts each source from a fit on the other fitting sources; ``pick_versus_source`` prices the
-planner's own pick against a source's plan.
+factor of the others. A cluster whose file carries ``stack_efficiency`` (Frontier) has one more
+parameter, the efficiency of its software stack: its rows are left out of the framework fit and
+fit that factor alone, given the framework factors (``fit_stack``); without fitting rows on it
+the factor is 1 (the framework factor alone). Everything else (peak, maximum achievable matmul
+efficiency, links) is a published per-hardware figure in the cluster file, never fitted.
+``leave_one_source_out`` predicts each source from a fit on the other fitting sources;
+``pick_versus_source`` prices the planner's own pick against a source's plan.
 """
 from __future__ import annotations
 
@@ -152,12 +155,26 @@ def load_published(directory: str | Path = PUBLISHED_DIR) -> list[Row]:
     return [row for f in files for row in _rows_of(f)]
 
 
-def _cluster(name: str, factors: dict[str, float], cache: dict[str, Cluster]) -> Cluster:
+def _base(name: str, cache: dict[str, Cluster]) -> Cluster:
     if name not in cache:
         cache[name] = load_cluster(name)
-    cl = copy.copy(cache[name])
+    return cache[name]
+
+
+def _cluster(name: str, factors: dict[str, float], cache: dict[str, Cluster],
+             stacks: dict[str, float] | None = None) -> Cluster:
+    """The cluster with the given framework factors and, where it has a stack parameter, the
+    fitted stack factor (1 when ``stacks`` does not fit it)."""
+    cl = copy.copy(_base(name, cache))
     cl.framework_efficiency = dict(factors)
+    if cl.stack_efficiency is not None:
+        cl.stack_efficiency = (stacks or {}).get(name, 1.0)
     return cl
+
+
+def has_stack(name: str, cache: dict[str, Cluster] | None = None) -> bool:
+    """Whether a cluster's software-stack efficiency is a fitted parameter of its own."""
+    return _base(name, {} if cache is None else cache).stack_efficiency is not None
 
 
 def best_plan(row: Row, cluster: Cluster) -> Plan:
@@ -189,10 +206,11 @@ def _parts(row: Row, cluster: Cluster) -> tuple[float, float]:
 
 
 def predict_row(row: Row, factors: dict[str, float],
-                cache: dict[str, Cluster] | None = None) -> dict[str, Any]:
-    """Predicted tokens/s per device of a row under the given framework factors."""
+                cache: dict[str, Cluster] | None = None,
+                stacks: dict[str, float] | None = None) -> dict[str, Any]:
+    """Predicted tokens/s per device of a row under the given framework (and stack) factors."""
     cache = {} if cache is None else cache
-    cl = _cluster(row.cluster, factors, cache)
+    cl = _cluster(row.cluster, factors, cache, stacks)
     plan = row.plan if row.plan is not None else best_plan(row, cl)
     compute, comm = _parts(Row(**{**row.__dict__, "plan": plan}), cl)
     step = compute / cl.framework_factor(row.framework) + comm
@@ -207,28 +225,62 @@ def predict_row(row: Row, factors: dict[str, float],
     return out
 
 
+def _fit_grid(pts: list[tuple[float, float, float]]) -> float:
+    """The factor f minimising sum((ideal / (compute / f + comm) - 1)^2) over (compute, comm,
+    ideal) seconds: the squared relative error of tokens/s."""
+    grid = np.linspace(*BOUNDS, 1201)
+    a = np.array(pts)
+    pred = a[None, :, 0] / grid[:, None] + a[None, :, 1]
+    err = ((a[None, :, 2] / pred - 1) ** 2).sum(axis=1)
+    return float(grid[int(np.argmin(err))])
+
+
+def _point(r: Row, cache: dict[str, Cluster]) -> tuple[float, float, float]:
+    compute, comm = _parts(r, _cluster(r.cluster, {}, cache))
+    return compute, comm, r.global_batch * r.shapes.seq_len / r.devices / r.measured_tps
+
+
 def fit_factors(rows: list[Row], cache: dict[str, Cluster] | None = None) -> dict[str, float]:
     """Per-framework efficiency factors minimising the squared relative tokens/s error over
-    ``rows`` (their plans must be known); frameworks without rows are left out."""
+    ``rows`` (their plans must be known); frameworks without rows are left out. Rows on a
+    cluster with a stack parameter (``has_stack``) fit that instead (``fit_stack``)."""
     cache = {} if cache is None else cache
     out = {}
     for fw in sorted({r.framework for r in rows}):
+        pts = [_point(r, cache) for r in rows if r.framework == fw and r.plan is not None
+               and not has_stack(r.cluster, cache)]
+        if pts:
+            out[fw] = _fit_grid(pts)
+    return out
+
+
+def fit_stack(rows: list[Row], factors: dict[str, float],
+              cache: dict[str, Cluster] | None = None) -> dict[str, float]:
+    """Software-stack efficiency per cluster that has one, fitted on that cluster's ``rows``
+    alone given the framework ``factors`` (the stack multiplies them); clusters without rows
+    are left out (factor 1)."""
+    cache = {} if cache is None else cache
+    out = {}
+    for name in sorted({r.cluster for r in rows if has_stack(r.cluster, cache)}):
         pts = []
         for r in rows:
-            if r.framework != fw or r.plan is None:
-                continue
-            compute, comm = _parts(r, _cluster(r.cluster, {}, cache))
-            ideal = r.global_batch * r.shapes.seq_len / r.devices / r.measured_tps
-            pts.append((compute, comm, ideal))
-        if not pts:
-            continue
-        grid = np.linspace(*BOUNDS, 1201)
-        a = np.array(pts)
-        pred = a[None, :, 0] / grid[:, None] + a[None, :, 1]
-        # relative error of tokens/s = ideal/pred - 1
-        err = ((a[None, :, 2] / pred - 1) ** 2).sum(axis=1)
-        out[fw] = float(grid[int(np.argmin(err))])
+            if r.cluster == name and r.plan is not None:
+                compute, comm, ideal = _point(r, cache)
+                pts.append((compute / factors.get(r.framework, 1.0), comm, ideal))
+        if pts:
+            out[name] = _fit_grid(pts)
     return out
+
+
+def fit_all(rows: list[Row], cache: dict[str, Cluster] | None = None,
+            frameworks: set[str] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """(framework factors, stack factors) fitted on the rows of the fitting sources, as the
+    cluster files carry them; frameworks (of ``rows``, or those given) without fitting rows take
+    the mean of the others."""
+    cache = {} if cache is None else cache
+    fit = [r for r in rows if r.role == "fit"]
+    factors = with_fallback(fit_factors(fit, cache), frameworks or {r.framework for r in rows})
+    return factors, fit_stack(fit, factors, cache)
 
 
 def with_fallback(factors: dict[str, float], frameworks: set[str]) -> dict[str, float]:
@@ -238,13 +290,14 @@ def with_fallback(factors: dict[str, float], frameworks: set[str]) -> dict[str, 
 
 
 def pick_versus_source(row: Row, factors: dict[str, float],
-                       cache: dict[str, Cluster] | None = None) -> dict[str, Any]:
+                       cache: dict[str, Cluster] | None = None,
+                       stacks: dict[str, float] | None = None) -> dict[str, Any]:
     """The planner's own pick for a row's model, devices and global batch (tp at most 8, any
     sharding) against the source's plan, both priced for the source's framework under
     ``factors``: predicted tokens/s per device of each, the speed-up and the terms (seconds per
     step) that the pick shortens most."""
     cache = {} if cache is None else cache
-    cl = _cluster(row.cluster, factors, cache)
+    cl = _cluster(row.cluster, factors, cache, stacks)
     if row.plan is None:
         raise PlanError(f"{row.source}/{row.name}: the source's plan is unknown")
     pick = best_plan(Row(**{**row.__dict__, "constraints": {}}), cl)
@@ -265,17 +318,18 @@ def pick_versus_source(row: Row, factors: dict[str, float],
 def leave_one_source_out(rows: list[Row]) -> dict[str, Any]:
     """Predict each source from a fit on the other fitting sources.
 
-    Returns {"rows": [...], "per_source": {id: mape}, "mape": overall, "factors": {id: fit}}.
+    Returns {"rows": [...], "per_source": {id: mape}, "mape": overall, "factors": {id: fit},
+    "stacks": {id: stack factors fitted}}: a held-out source's own rows fit neither.
     """
     cache: dict[str, Cluster] = {}
-    frameworks = {r.framework for r in rows}
-    results, per_source, factors_used = [], {}, {}
+    results, per_source, factors_used, stacks_used = [], {}, {}, {}
     for src in sorted({r.source for r in rows}):
-        train = [r for r in rows if r.source != src and r.role == "fit"]
-        factors = with_fallback(fit_factors(train, cache), frameworks)
-        factors_used[src] = factors
-        preds = [predict_row(r, factors, cache) for r in rows if r.source == src]
+        factors, stacks = fit_all([r for r in rows if r.source != src], cache,
+                                  {r.framework for r in rows})
+        factors_used[src], stacks_used[src] = factors, stacks
+        preds = [predict_row(r, factors, cache, stacks) for r in rows if r.source == src]
         results += preds
         per_source[src] = float(np.mean([abs(p["error"]) for p in preds]))
     mape = float(np.mean([abs(p["error"]) for p in results]))
-    return {"rows": results, "per_source": per_source, "mape": mape, "factors": factors_used}
+    return {"rows": results, "per_source": per_source, "mape": mape, "factors": factors_used,
+            "stacks": stacks_used}

@@ -19,9 +19,11 @@ recompute); with sequence parallelism each becomes an all-gather + reduce-scatte
 volume.
 
 Pipeline: the stage time per micro-batch times (m + (pp-1)/v) (bubble (pp-1)/m, divided
-by the virtual stages for interleaved 1F1B when m >= pp), plus activation send/recv on the
-critical path (twice as many blocking transfers under DeepSpeed's pipeline engine,
-``PIPELINE_P2P_PER_MICROBATCH``). On CPUs with more ranks than cores (``cores_per_node``)
+by the virtual stages for interleaved 1F1B when m >= pp; the fill and drain cost the stages'
+mean time, the steady state the slowest stage's), plus activation send/recv on the critical
+path (twice as many blocking transfers under DeepSpeed's pipeline engine,
+``PIPELINE_P2P_PER_MICROBATCH``, each a 1/tp slice gathered over tp on arrival,
+``PIPELINE_PARTITIONED``). On CPUs with more ranks than cores (``cores_per_node``)
 the bubble is partly filled by other ranks' work. Data parallelism: gradient reduce-scatter
 (all-reduce for DDP) and parameter all-gathers, hidden under backward/forward up to the
 cluster's comm_overlap. FSDP under torch pipelining keeps gradients unsharded until the last
@@ -65,6 +67,15 @@ opposite receive in one batched exchange (send_forward_recv_backward,
 send_backward_recv_forward); DeepSpeed's pipeline engine (deepspeed/runtime/pipe/schedule.py,
 TrainSchedule) issues SendActivation, RecvActivation, SendGrad and RecvGrad as four separate
 blocking instructions, so each stage waits for twice as many transfers."""
+
+PIPELINE_PARTITIONED: frozenset[str] = frozenset({"megatron-deepspeed"})
+"""Frameworks whose pipeline sends split the activation over the tensor-parallel ranks.
+DeepSpeed's pipeline engine (deepspeed/runtime/pipe/engine.py, ``is_pipe_partitioned`` and
+``is_grad_partitioned``, on by default whenever the model-parallel group has more than one
+rank) sends each tp rank's 1/tp slice of the activation and of its gradient as a
+PartitionedTensor and all-gathers it over the tp group on the receiving stage, so a
+cross-node transfer carries 1/tp of the bytes (as sequence parallelism does) and each receive
+adds an in-node all-gather."""
 
 
 def gemm_time(cluster: Any, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) -> np.ndarray:
@@ -236,10 +247,20 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     # than pp of them a micro-batch still passes all pp*v chunks one after another.
     v_eff = np.where((sched == INTERLEAVED) & (ga >= pp), v, 1)
     slots = ga + np.where(single, 0.0, (pp - 1) / v_eff)
+    # The fill and drain of the pipeline (the bubble) is one micro-batch passing every stage
+    # once, forward and backward: it costs the stages' mean time, not pp - 1 times the slowest
+    # one (the steady state runs at the slowest stage: 1F1B takes about
+    # (m - 1) t_max + pp t_mean). The last stage's logits, say, lengthen the steady state but
+    # enter the fill and drain once. Equal stages give (m + pp - 1) t as before.
+    mean_comp = (s.n_layers * layer + logits + mb_host) / pp
 
-    p2p_bytes = act_bytes * np.where(sp == 1, 1.0 / tp, 1.0)
+    partitioned = (framework or "") in PIPELINE_PARTITIONED
+    p2p_bytes = act_bytes * np.where((sp == 1) | partitioned, 1.0 / tp, 1.0)
     n_p2p = PIPELINE_P2P_PER_MICROBATCH.get(framework or "", 2)
-    p2p = np.where(single, 0.0, n_p2p * (ga * v + pp - 1) * _p2p(cluster, p2p_bytes, tp * dp))
+    p2p_one = _p2p(cluster, p2p_bytes, tp * dp)
+    if partitioned:  # the receiving stage all-gathers the tp slices (activation, gradient)
+        p2p_one = p2p_one + 0.5 * _coll(cluster, "all_gather", act_bytes, tp, 1)
+    p2p = np.where(single, 0.0, n_p2p * (ga * v + pp - 1) * p2p_one)
 
     # data parallelism over the stage's parameters
     layer_p = s.layer_matrix_params / tp + s.layer_norm_params
@@ -288,9 +309,10 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     world = tp * pp * dp
     share = np.maximum(1.0, np.minimum(world, cluster.ranks_per_node) / cluster.cores_per_node) \
         if cluster.cores_per_node else np.ones_like(slots, dtype=float)
-    mean_stage = np.where(single, stage_comp, (s.n_layers * layer + logits + mb_host) / pp)
+    mean_stage = np.where(single, stage_comp, mean_comp)
     busy = ga * np.where(share > 1, mean_stage, stage_comp)
-    compute = np.maximum(busy, slots * stage_comp / share) + optimizer
+    critical = ga * stage_comp + (slots - ga) * np.minimum(mean_stage, stage_comp)
+    compute = np.maximum(busy, critical / share) + optimizer
     comm = slots * stage_tp + p2p + dp_exposed
     cal = calibration or {}
     fw = cluster.framework_factor(framework)
@@ -309,8 +331,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
               "recompute": n_crit * recompute, "logits": with_logits,
               "host_overhead": n_crit * host + mb_h}
     terms = {f"compute_{k}": compute_scale * ga * v_ for k, v_ in per_mb.items()}
-    terms["bubble"] = compute_scale * (slots - ga) * stage_comp
-    terms["core_sharing"] = compute_scale * (compute - optimizer - slots * stage_comp)
+    terms["bubble"] = compute_scale * (slots - ga) * np.minimum(mean_stage, stage_comp)
+    terms["core_sharing"] = compute_scale * (compute - optimizer - critical)
     terms["optimizer"] = compute_scale * optimizer
     terms["tp_comm_exposed"] = comm_scale * slots * stage_tp
     terms["pp_p2p"] = comm_scale * p2p
