@@ -244,10 +244,9 @@ MinJobAge=600
 KillWait=5
 # A node whose slurmd stops answering is DOWN (and its jobs NODE_FAIL) after 15 s, not the
 # default 5 minutes: the node-loss test waits for it. ReturnToService=2 above returns it to
-# service as soon as its slurmd registers again. No requeue of a failed job: Parsl replaces a
-# lost block itself (a requeued one would restart only after a 2-minute BeginTime).
+# service as soon as its slurmd registers again. JobRequeue stays Slurm's default (1), as on
+# most sites: the project's blocks ask for --no-requeue themselves (workflows.sites).
 SlurmdTimeout=15
-JobRequeue=0
 InactiveLimit=0
 $NODE_LINES
 PartitionName=debug Nodes=$PART_NODES Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO

@@ -220,6 +220,20 @@ class PolledSlurmProvider(SlurmProvider):
         return self.poll_seconds
 
 
+def scheduler_options(cfg: PipelineConfig) -> str:
+    """The #SBATCH lines of every block: ``--no-requeue``, then ``site.scheduler_options``.
+
+    Parsl owns retries: a block that loses a node must end, so that Parsl submits a new one
+    and the retried app resumes from its checkpoint. A job Slurm requeued instead
+    (``JobRequeue=1``, the default on many sites) would keep Parsl waiting on a block that
+    looks pending, for as long as the site's requeue delay.
+    """
+    lines = "#SBATCH --no-requeue\n"
+    if cfg.site.scheduler_options.strip():
+        lines += cfg.site.scheduler_options.strip() + "\n"
+    return lines
+
+
 def slurm_provider(cfg: PipelineConfig) -> SlurmProvider:
     """The SlurmProvider whose blocks (one Slurm job each) host the training worker.
 
@@ -241,7 +255,7 @@ def slurm_provider(cfg: PipelineConfig) -> SlurmProvider:
         walltime=site.walltime,
         nodes_per_block=cfg.parallel.nodes,
         cores_per_node=cores,
-        scheduler_options=site.scheduler_options,
+        scheduler_options=scheduler_options(cfg),
         worker_init=worker_init(cfg),
         exclusive=exclusive,
         launcher=SimpleLauncher(),
@@ -290,7 +304,7 @@ def compute_provider(cfg: PipelineConfig) -> SlurmProvider:
         walltime=site.walltime,
         nodes_per_block=site.tokenize_nodes,
         cores_per_node=None if exclusive else cores,
-        scheduler_options=site.scheduler_options,
+        scheduler_options=scheduler_options(cfg),
         worker_init=worker_init(cfg),
         exclusive=exclusive,
         launcher=SrunLauncher(overrides=f"--ntasks-per-node=1 --cpus-per-task={cores}"),
