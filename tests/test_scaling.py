@@ -138,6 +138,8 @@ def test_predicted_175b_frontier_table_from_one_node_to_the_whole_machine(
     throughput = [float(r["predicted_tokens_per_s"]) for r in priced]
     assert all(b > a for a, b in itertools.pairwise(throughput))
     assert [int(r["global_batch"]) for r in rows] == [n // 2 for n in ladder]  # 1536 per 3072
+    assert all(int(r["nodes"]) * 8 == int(r["devices"]) and r["ranks_per_node"] == "8"
+               for r in rows)
     for r in priced:
         assert r["dominant_term"] == "compute_gemm"
         assert 0 < float(r["predicted_efficiency"]) < 1.5
@@ -160,3 +162,31 @@ def test_batch_and_efficiency_rules() -> None:
     # 2 devices at 1.8x the throughput of 1: 90 %; a point without a figure has none
     assert efficiencies([1, 2, 4], [100.0, 180.0, None]) == [1.0, 0.9, None]
     assert efficiencies([8, 16], [None, 50.0]) == [None, 1.0]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--ranks-per-node", "2"], "local site runs every point on this machine"),
+    (["--site", "slurm", "--ranks-per-node", "3"], "4 devices do not fill whole nodes of 3"),
+    (["--site", "slurm", "--ranks-per-node", "0"], "--ranks-per-node 0: give a count >= 1"),
+    (["--predict", "--ranks-per-node", "2"], "takes the cluster file's ranks per node"),
+])
+def test_ranks_per_node_mistakes_stop_the_study_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+        message: str) -> None:
+    runs = tmp_path / "runs"
+    code = scaling.main(["--config", "micro", "--mode", "weak", "--devices", "2,4",
+                         "--runs-dir", str(runs), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not runs.exists()  # no store, no stage, no Slurm job
+
+
+def test_points_span_whole_nodes_of_the_ranks_per_node() -> None:
+    points = scaling.study_points("micro", ["site.name=slurm"], "weak", [1, 2, 4, 8], 2)
+    assert [(p.devices, p.nodes, p.cfg.parallel.ranks_per_node) for p in points] == [
+        (1, 1, 1), (2, 1, 2), (4, 2, 2), (8, 4, 2)]
+    # the Parsl configuration is rebuilt where the block's shape changes: 1 -> 2 ranks, 4 -> 8
+    assert [scaling.block_shape(p.cfg) for p in points] == [(1, 1), (1, 2), (2, 2), (4, 2)]
+    local = scaling.study_points("micro", [], "weak", [1, 4], None)
+    assert [p.nodes for p in local] == [1, 1] and scaling.block_shape(local[1].cfg) is None
+
