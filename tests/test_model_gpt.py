@@ -204,7 +204,13 @@ def test_rank_identity_from_torchrun_and_slurm() -> None:
                           "SLURM_JOB_NODELIST": "frontier[00012-00013]", "SLURM_JOB_ID": "123456"})
     assert (slurm.rank, slurm.local_rank, slurm.world_size) == (9, 1, 16)
     assert slurm.master_addr == "frontier00012"
-    assert slurm.master_port == 20000 + 123456 % 20000
+    assert slurm.master_port == 20000 + 123456 * 16 % 20000
+    # A step on some nodes of the job meets on the step's first node, at the step's port.
+    step = from_environ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "123456",
+                         "SLURM_JOB_NODELIST": "nid[001-002]", "SLURM_STEP_NODELIST": "nid002",
+                         "SLURM_STEP_ID": "3"})
+    assert step.master_addr == "nid002"
+    assert step.master_port == 20000 + (123456 * 16 + 3) % 20000 != slurm.master_port
     assert expand_first_host("login1,nid[3-4]") == "login1"
     assert expand_first_host("nid[007,010-012]") == "nid007"
     single = from_environ({})

@@ -219,6 +219,24 @@ def test_slurm_config(tmp_path):
         sites.ranks_resource_spec(cfg, StageShape(RANKS, nproc=3, nodes=2, worker=train.WORKER))
 
 
+def test_the_allocation_is_sized_for_the_stages_that_run(tmp_path):
+    """Evaluating alone asks for the evaluation's node and ranks, not the training's."""
+    cfg = load_config(None, ["site.name=slurm", "parallel.nproc=8", "parallel.nodes=4",
+                             "eval.ranks=3"])
+
+    def block(running):
+        config = sites.make_parsl_config(cfg, tmp_path, running=running)
+        provider = next(e for e in config.executors if e.label == "train").provider
+        return provider.nodes_per_block, provider.cores_per_node
+
+    assert block(None) == (4, 3)  # training: 4 nodes x 2 ranks; evaluation: 3 on one node
+    assert block(["plan", "train"]) == (4, 2)
+    assert block(["evaluate"]) == (1, 3)
+    single = load_config(None, ["site.name=slurm", "parallel.nproc=8", "parallel.nodes=4"])
+    provider = sites.slurm_provider(single, ["evaluate"])  # one process, in the allocation
+    assert (provider.nodes_per_block, provider.cores_per_node) == (1, 1)
+
+
 def test_slurm_ranks_command_turns_a_rank_refusal_into_the_user_error_exit(tmp_path):
     """The command's exit code, run by a real shell: a rank's rank-error.json means no retry."""
     cfg = load_config(None, ["site.name=slurm"])

@@ -113,7 +113,7 @@ ALLREDUCE_SCRIPT = textwrap.dedent(
     import torch.distributed as dist
     from model.parallel.dist_env import from_environ, init_distributed
 
-    env = from_environ()  # SLURM_PROCID / SLURM_NTASKS / first node of the job
+    env = from_environ()  # SLURM_PROCID / SLURM_NTASKS / first node of the step
     init_distributed(env)
     value = torch.tensor([float(env.rank + 1), 10.0 * (env.rank + 1)])
     dist.all_reduce(value)

@@ -302,7 +302,9 @@ def run_pipeline(
     # instead of dying first and leaving the cleanup waiting on them.
     interactive_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        dfk = parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir))
+        running = [p.name for p in plans if p.action in ("run", "force")]
+        dfk = parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir,
+                                                 running=running))
     finally:
         signal.signal(signal.SIGINT, interactive_handler)
     runs: dict[str, StageRun] = {}

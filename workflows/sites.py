@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import shlex
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from string import Template
 from typing import Any
@@ -90,9 +91,14 @@ class SiteError(ConfigError):
 # --------------------------------------------------------------------------------------------
 
 
-def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None = None) -> Config:
+def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None = None,
+                      running: Collection[str] | None = None) -> Config:
     """Build the Parsl config for ``cfg.site.name``: executors "cpu" and "train", and under
     slurm/frontier "compute".
+
+    ``running`` names the stages this invocation runs (default: all): the "train" block is
+    sized for those of them that use it, so ``--only evaluate`` asks for the evaluation's
+    nodes, not the training's.
 
     Parsl's own logs and submit scripts go under ``parsl_dir`` (default ``run_dir/parsl``);
     every driver passes its own, since two drivers sharing one mix them. Stage reuse is keyed by
@@ -105,7 +111,8 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
         executors = [_cpu_executor(cfg), _local_train_executor()]
     elif site in ("slurm", "frontier"):
         _check_slurm_site(cfg)
-        executors = [_cpu_executor(cfg), _compute_executor(cfg), _slurm_train_executor(cfg)]
+        executors = [_cpu_executor(cfg), _compute_executor(cfg),
+                     _slurm_train_executor(cfg, running)]
     else:  # SiteConfig already restricts the names; kept for a clear message.
         raise SiteError(f"site.name={site!r} is not one of local, slurm, frontier")
     return Config(
@@ -234,26 +241,38 @@ def scheduler_options(cfg: PipelineConfig) -> str:
     return lines
 
 
-def slurm_provider(cfg: PipelineConfig) -> SlurmProvider:
+def _allocation_stages(cfg: PipelineConfig,
+                       running: Collection[str] | None) -> list[StageShape]:
+    """Shapes of the stages in ``running`` (None: all) that use the "train" block: ranks
+    stages and stages placed in the allocation."""
+    shapes = [stage_module(name).shape(cfg) for name in STAGE_ORDER
+              if running is None or name in running]
+    return [shape for shape in shapes if shape.kind == RANKS or shape.placement == ALLOCATION]
+
+
+def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) -> SlurmProvider:
     """The SlurmProvider whose blocks (one Slurm job each) host the training worker.
 
     No block is submitted until the training app is ready (init_blocks=0), so the allocation
-    is not held while the light stages run. A non-exclusive job asks for one CPU per rank
+    is not held while the light stages run. A block spans the most nodes that any stage of
+    ``running`` (None: all) run in it needs. A non-exclusive job asks for one CPU per rank
     (or site.cores_per_node) so srun can place the ranks inside it: per node, the most ranks
-    any ranks stage (training, evaluation) puts on one node.
+    any of those stages (training, evaluation) puts on one node.
     """
     site = cfg.site
     exclusive = _exclusive(cfg)
+    shapes = _allocation_stages(cfg, running)
+    nodes = max([shape.nodes for shape in shapes], default=1)
     cores = site.cores_per_node
     if cores is None and not exclusive:
-        cores = max(-(-shape.nproc // shape.nodes) for _, shape in _ranks_stages(cfg))
+        cores = max([-(-shape.nproc // shape.nodes) for shape in shapes], default=1)
     return PolledSlurmProvider(
         poll_seconds=min(60, site.heartbeat_threshold),
         account=site.account,
         partition=site.partition,
         qos=site.qos,
         walltime=site.walltime,
-        nodes_per_block=cfg.parallel.nodes,
+        nodes_per_block=nodes,
         cores_per_node=cores,
         scheduler_options=scheduler_options(cfg),
         worker_init=worker_init(cfg),
@@ -266,13 +285,14 @@ def slurm_provider(cfg: PipelineConfig) -> SlurmProvider:
     )
 
 
-def _slurm_train_executor(cfg: PipelineConfig) -> MPIExecutor:
+def _slurm_train_executor(cfg: PipelineConfig,
+                          running: Collection[str] | None = None) -> MPIExecutor:
     threshold = cfg.site.heartbeat_threshold
     return MPIExecutor(
         label="train",
         mpi_launcher="srun",
         max_workers_per_block=1,
-        provider=slurm_provider(cfg),
+        provider=slurm_provider(cfg, running),
         address=cfg.site.address,
         interchange_launch_cmd=interchange_command(),
         heartbeat_threshold=threshold,

@@ -2,7 +2,9 @@
 
 The same entry point runs under ``torchrun`` (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR set)
 and under ``srun`` (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the rendezvous host is the
-first node of SLURM_JOB_NODELIST and the port is derived from SLURM_JOB_ID).
+first node of the step, SLURM_STEP_NODELIST, and the port is derived from SLURM_JOB_ID and
+SLURM_STEP_ID). The step's nodes, not the job's: a launch that uses some nodes of a larger
+job (a one-node evaluation in a training allocation) may not include the job's first node.
 """
 from __future__ import annotations
 
@@ -66,14 +68,17 @@ def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
         )
     if "SLURM_PROCID" in env:
         job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        step_id = int(env.get("SLURM_STEP_ID", "0") or 0)
+        nodelist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                    or env.get("SLURM_NODELIST") or "127.0.0.1")
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             world_size=int(env.get("SLURM_NTASKS", 1)),
             master_addr=env.get("MASTER_ADDR") or expand_first_host(nodelist),
-            # A port per job so concurrent jobs on one node do not collide.
-            master_port=int(env.get("MASTER_PORT") or 20000 + job_id % 20000),
+            # A port per job step: concurrent jobs on one node do not collide, and a step
+            # retried in the same job does not meet a previous step's lingering store.
+            master_port=int(env.get("MASTER_PORT") or 20000 + (job_id * 16 + step_id) % 20000),
         )
     return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
 
