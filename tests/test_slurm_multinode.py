@@ -95,7 +95,8 @@ def test_training_across_two_nodes_equals_one_node(multinode, shared_runs_dir, t
     # not this machine's: the ranks meet across the bridge.
     assert socket.gethostbyname(first) == node_addr(first) != multinode["login_addr"]
 
-    proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}",
+    # Two evaluation ranks in the training allocation: a step on one node of the two.
+    proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}", "eval.ranks=2",
                      "parallel.nproc=4", "parallel.nodes=2", *FIXED, *LAYOUTS[layout])
     wait_cli(proc, runs_dir, timeout=1200)
     train_dirs = sorted(runs_dir.glob("stages/train/*/summary.json"))
@@ -109,6 +110,10 @@ def test_training_across_two_nodes_equals_one_node(multinode, shared_runs_dir, t
     assert summary["world_size"] == 4
     assert summary["hosts"] == [first, first, second, second]
     assert summary["steps_done"] == 6 and len(summary["losses"]) == 6
+    reports = sorted(runs_dir.glob("stages/evaluate/*/report.json"),
+                     key=lambda p: p.stat().st_mtime)
+    report = json.loads(reports[-1].read_text())
+    assert report["eval_ranks"] == 2 and report["host"] in (first, second)
 
     local = run_on_one_node(summary_path.parent / "spec.json", tmp_path / "one-node")
     assert local["hosts"] == [socket.gethostname()] * 4
