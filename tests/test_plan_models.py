@@ -227,6 +227,46 @@ def test_pipeline_fill_and_drain_cost_the_mean_stage() -> None:
     assert slowest > 1.2 * whole / 4
 
 
+def test_eager_pytorch_moves_the_unfused_elementwise_bytes() -> None:
+    import copy
+    from dataclasses import replace
+
+    from model.planner.time_model import layer_parts
+
+    # Llama 3.1 8B, micro-batch 2 x 8192 tokens on one H100: eager RMSNorm (36h each, two),
+    # residual adds (12h) against compiled add+norm kernels (18h): 66h; rotary on q and k
+    # (20 against 4 bytes per element), repeat_kv of k and v (GQA): 16h + 16kvd + 4kvd;
+    # SiLU * w3 (10f against 6f): 4f. 270,336 + 86,016 + 57,344 bytes per token and block.
+    cl = load_cluster("h100")
+    s = Shapes(32, 4096, 32, 8, 14336, 128256, 8192, llama=True)
+    one, two = np.array([1]), np.array([2])
+    elem = {e: float(layer_parts(replace(s, eager=e), cl, two, one, one)["elementwise"][0])
+            for e in (False, True)}
+    per_token = 66 * 4096 + 16 * 4096 + 16 * 1024 + 4 * 1024 + 4 * 14336
+    assert per_token == 413_696
+    assert elem[True] - elem[False] == pytest.approx(2 * 8192 * per_token / 3350e9, rel=1e-9)
+    # tp 2 with sequence parallelism halves all of it; GELU blocks only fuse the residual adds
+    tp2 = layer_parts(replace(s, eager=True), cl, two, two, one)["elementwise"][0] \
+        - layer_parts(s, cl, two, two, one)["elementwise"][0]
+    assert float(tp2) == pytest.approx(2 * 8192 * per_token / 2 / 3350e9, rel=1e-9)
+    neox = Shapes(24, 2048, 16, 16, 8192, 50368, 2048, llama=False)
+    gelu = {e: float(layer_parts(replace(neox, eager=e), cl, one, one, one)["elementwise"][0])
+            for e in (False, True)}
+    assert gelu[True] - gelu[False] == pytest.approx(2048 * 2 * 2048 / 3350e9, rel=1e-9)
+    # the eager fp32 cross-entropy: 24 more bytes per logit (36 in all, 12 priced fused)
+    plan = encode([Plan(micro_batch=2, grad_accum=1, sharding="none", recompute="selective")])
+    loss = {e: float(step_time(replace(s, eager_loss=e), cl, plan)["breakdown"]
+                     ["compute_logits"][0]) for e in (False, True)}
+    assert loss[True] - loss[False] == pytest.approx(
+        2 * 8192 * 128256 * 24 / 3350e9 / cl.framework_factor(None), rel=1e-9)
+    # on a CPU cluster (no gemm_sms) the measured block rate covers eager work: nothing added
+    cpu = copy.copy(cl)
+    cpu.gemm_sms = 0
+    same = [float(layer_parts(replace(s, eager=e), cpu, two, one, one)["elementwise"][0])
+            for e in (False, True)]
+    assert same[0] == same[1]
+
+
 def test_small_gemms_run_below_peak() -> None:
     from model.planner.time_model import gemm_time
 

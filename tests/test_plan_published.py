@@ -21,7 +21,7 @@ from stages.plan import main as plan_main
 
 # leave-one-source-out tokens/s MAPE per source (benchmarks/bench_plan.py --published)
 LOO_BOUND = {"narayanan2021": 0.10, "korthikanti2022": 0.10, "bigscience2022": 0.05,
-             "llmfoundry2024": 0.17, "torchtitan2024": 0.19, "dash2023": 0.20}
+             "llmfoundry2024": 0.11, "torchtitan2024": 0.11, "dash2023": 0.20}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def loo(rows):
 def test_leave_one_source_out_error_stays_bounded(rows, loo) -> None:
     for src, bound in LOO_BOUND.items():
         assert loo["per_source"][src] <= bound, (src, loo["per_source"][src])
-    assert loo["mape"] <= 0.13
+    assert loo["mape"] <= 0.10
     # a held-out source never informs its own prediction: torchtitan's PyTorch factor is the
     # one LLM Foundry's rows give, and Megatron-DeepSpeed held out (BLOOM is its only fitting
     # source) falls back to the mean of the other frameworks' factors
@@ -72,6 +72,23 @@ def test_leave_one_source_out_error_stays_bounded(rows, loo) -> None:
     assert loo["stacks"]["dash2023"] == {}
     assert set(loo["stacks"]["narayanan2021"]) == {"frontier"}
     assert fit_factors(rows) == fit_factors([r for r in rows if r.source != "dash2023"])
+
+
+def test_eager_torchtitan_rows_are_priced_slower_than_compiled(rows, loo) -> None:
+    # torchtitan's plain FSDP rows run eager kernels, its compiled rows fused ones: measured
+    # 6667 / 5762 (8 GPUs) and 6514 / 5605 (128 GPUs), 1.16 times; the unfused bytes give
+    # about 1.12, with no parameter fitted to the difference
+    titan = {r.name: r for r in rows if r.source == "torchtitan2024"}
+    assert titan["llama3.1-8b-fsdp-8gpu"].shapes.eager
+    assert not titan["llama3.1-8b-fsdp-compile-8gpu"].shapes.eager
+    assert all(r.shapes.eager_loss for r in titan.values())
+    assert not any(r.shapes.eager for r in rows if r.source != "torchtitan2024")
+    pred = {r["name"]: r["predicted_tps"] for r in loo["rows"] if r["source"] == "torchtitan2024"}
+    for n in ("8gpu", "128gpu"):
+        ratio = pred[f"llama3.1-8b-fsdp-compile-{n}"] / pred[f"llama3.1-8b-fsdp-{n}"]
+        assert 1.08 < ratio < 1.16, (n, ratio)
+    held = [r["error"] for r in loo["rows"] if r["source"] == "torchtitan2024"]
+    assert all(0 < e < 0.14 for e in held), held
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,11 @@ parameter, the efficiency of its software stack: its rows are left out of the fr
 fit that factor alone, given the framework factors (``fit_stack``); without fitting rows on it
 the factor is 1 (the framework factor alone). Everything else (peak, maximum achievable matmul
 efficiency, links) is a published per-hardware figure in the cluster file, never fitted.
+A source file may say ``eager: true`` (its blocks' elementwise work runs as separate eager
+PyTorch kernels; a row with ``compiled: true`` ran torch.compile'd blocks and is priced fused)
+and ``eager_loss: true`` (an unfused fp32 cross-entropy); both default to false (hand-fused
+kernels, as Megatron's and LLM Foundry's). These are physical terms (bytes over the cluster's
+HBM bandwidth, ``time_model.eager_block_bytes``), not fitted.
 ``leave_one_source_out`` predicts each source from a fit on the other fitting sources;
 ``pick_versus_source`` prices the planner's own pick against a source's plan.
 """
@@ -99,6 +104,10 @@ def _rows_of(path: Path) -> list[Row]:
     if raw["measure"] not in MEASURES or raw["flops_formula"] not in FORMULAS:
         raise ValueError(f"{path}: measure must be one of {MEASURES} and flops_formula one of "
                          f"{FORMULAS}")
+    for key in ("eager", "eager_loss"):
+        if not isinstance(raw.get(key, False), bool):
+            raise ValueError(f"{path}: {key} must be true or false")
+    eager, eager_loss = raw.get("eager", False), raw.get("eager_loss", False)
     cluster = load_cluster(raw["cluster"])
     dtype = "bfloat16" if raw["dtype"] in ("bfloat16", "float16") else "float32"
     out = []
@@ -113,10 +122,13 @@ def _rows_of(path: Path) -> list[Row]:
             raise ValueError(f"{where}: missing field(s) {lack}")
         llama = r["family"] == "llama"
         ffn = r.get("ffn") or (4 * r["d_model"])
+        if not isinstance(r.get("compiled", False), bool):
+            raise ValueError(f"{where}: compiled must be true or false")
         s = Shapes(n_layers=r["n_layers"], d_model=r["d_model"], n_heads=r["n_heads"],
                    kv_heads=r.get("kv_heads", r["n_heads"]), ffn=ffn, vocab=r["vocab"],
                    seq_len=r["seq_len"], llama=llama, dtype=dtype,
-                   flash_attention=bool(raw["flash_attention"]))
+                   flash_attention=bool(raw["flash_attention"]),
+                   eager=eager and not r.get("compiled", False), eager_loss=eager_loss)
         plan = None
         if not best:
             dp = r.get("dp") or r["devices"] // (r["tp"] * r["pp"])

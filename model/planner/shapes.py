@@ -38,15 +38,27 @@ class Shapes:
     """Compute dtype: 'bfloat16' (mixed precision, fp32 master weights) or 'float32'."""
     flash_attention: bool = True
     """Attention kernel keeps no s x s score matrix (SDPA flash/memory-efficient)."""
+    eager: bool = False
+    """The blocks' elementwise work runs as separate eager PyTorch kernels (not
+    torch.compile'd, no hand-fused kernels): priced on GPU clusters by
+    ``time_model.eager_block_bytes``."""
+    eager_loss: bool = False
+    """The loss is eager ``cross_entropy(logits.float(), ...)`` (fp32 cast, log-softmax and
+    their backward as separate kernels): priced on GPU clusters by
+    ``time_model.EAGER_LOSS_BYTES``."""
 
     @classmethod
     def from_configs(cls, model_cfg: Any, train_cfg: Any, flash_attention: bool = True) -> Shapes:
-        """Build from model.config.ModelConfig and TrainConfig."""
+        """Build from model.config.ModelConfig and TrainConfig.
+
+        This project's blocks run eager unless ``train.compile`` (which compiles the blocks,
+        not the loss: model.training.trainer.cross_entropy stays eager)."""
         return cls(
             n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
             kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn_dim, vocab=model_cfg.vocab_size,
             seq_len=train_cfg.seq_len, llama=model_cfg.family == "llama", dtype=train_cfg.dtype,
-            flash_attention=flash_attention,
+            flash_attention=flash_attention, eager=not getattr(train_cfg, "compile", False),
+            eager_loss=True,
         )
 
     @property

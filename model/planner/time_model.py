@@ -4,9 +4,11 @@ Compute: every GEMM of a block (QKV, attention scores and values, output project
 and the logits on the last stage) is timed with a roofline,
 ``max(flops / (peak * gemm_efficiency), bytes / hbm_bandwidth) + kernel_overhead``, so
 small GEMMs (small micro-batches, wide tensor parallelism) run below peak. Norms,
-activations, rotary and residual adds are memory bound. Backward costs twice the forward;
-full recompute adds a forward, selective recompute the attention core. Fused (flash)
-attention skips the masked half of the causal scores; unfused attention computes them all.
+activations, rotary and residual adds are memory bound; on GPUs, eager PyTorch's unfused
+kernels move more bytes than fused ones (``eager_block_bytes``, ``EAGER_LOSS_BYTES``).
+Backward costs twice the forward; full recompute adds a forward, selective recompute the
+attention core. Fused (flash) attention skips the masked half of the causal scores; unfused
+attention computes them all.
 
 Communication (ring collectives, ``2(n-1)/n * bytes / bw + 2(n-1) * latency`` for an
 all-reduce, half for reduce-scatter or all-gather) runs on the link the mesh places the
@@ -76,6 +78,66 @@ rank) sends each tp rank's 1/tp slice of the activation and of its gradient as a
 PartitionedTensor and all-gathers it over the tp group on the receiving stage, so a
 cross-node transfer carries 1/tp of the bytes (as sequence parallelism does) and each receive
 adds an in-node all-gather."""
+
+
+EAGER_LOSS_BYTES = 24.0
+"""Bytes per logit (forward and backward together) that eager
+``F.cross_entropy(logits.float(), targets)`` moves beyond the 12 the logits term already
+charges (a fused loss: read the bf16 logit, write its gradient, one fp32 pass). Kernel by kernel
+for one bf16 logit: the fp32 cast reads 2 and writes 4 bytes (6); log-softmax reads the fp32
+logit and writes the fp32 log-probability (8); backward, nll_loss writes the fp32 gradient of the
+log-probabilities (4), log-softmax's backward reads that gradient and its saved output and writes
+the fp32 gradient (12), and the cast's backward reads it and writes bf16 (6): 36 bytes, 24 more
+than a fused loss. torchtitan (its loss is never compiled) and this project's trainer
+(model.training.trainer.cross_entropy; ``train.compile`` compiles the blocks only) run it."""
+
+
+def eager_block_bytes(s: Shapes, tp: Any, spf: Any) -> np.ndarray:
+    """Bytes per token of one block's forward that eager PyTorch moves through HBM beyond what
+    the compiled (or hand-fused) block does, the kernels that compile fuses away; backward moves
+    twice as much (the time model's ``3 x forward``: each unfused kernel's backward reads the
+    output gradient and the saved input and writes the input gradient). ``spf`` is 1/tp under
+    sequence parallelism (norms and residual adds run on a 1/tp slice of the sequence), else 1.
+
+    Per token, bf16 activations (2 bytes), fp32 intermediates (4), h = d_model, kvd = kv_heads *
+    head_dim, f = ffn, "r/w" = bytes read/written per element:
+
+    llama (torchtitan's and this project's block: RMSNorm, rotary, repeat_kv, SwiGLU):
+
+    - RMSNorm, eager (``nn.RMSNorm``/torchtitan's RMSNorm are composite ops: upcast to fp32,
+      pow, mean, x * rsqrt, cast back, * weight): cast r2 w4 (6), pow r4 w4 (8), mean r4 (4),
+      mul r4 w4 (8), cast r4 w2 (6), weight mul r2 w2 (4): 36h per norm, two per block: 72h.
+    - residual adds, eager: r2 + r2, w2: 6h each, two: 12h. Compiled, each residual add fuses
+      with the norm after it: the block's input norm r2 w2 (4h), add + ffn norm r2 r2 w2 w2
+      (8h), the closing add r2 r2 w2 (6h): 18h for norms and adds. Extra: 84h - 18h = 66h.
+    - rotary on q (h) and k (kvd), eager: upcast r2 w4 (6), complex or cos/sin multiply
+      (rotate_half: mul, neg-and-cat, mul, add) r4 w4 (8), cast back r4 w2 (6): 20 per element;
+      compiled one kernel r2 w2 (4). repeat_kv (grouped-query attention only, g = 1 when
+      kv_heads < heads): k and v copied out to h wide, eager r2kvd w2h each (4kvd + 4h in
+      all); compiled, k's copy is the rotary kernel writing h wide (r2kvd w2h) and v's copy
+      stays (r2kvd w2h). Eager 20(h + kvd) + g(4h + 4kvd), compiled 4(h + kvd) + g 4h:
+      extra 16h + 16kvd + g 4kvd, split by tp.
+    - SwiGLU, eager: silu r2f w2f (4f), multiply r2f r2f w2f (6f): 10f; compiled one kernel
+      r4f w2f (6f): extra 4f, split by tp.
+    - no dropout (torchtitan and this project's GPT have none).
+
+    So llama: 66h spf + (16h + 16kvd + g 4kvd + 4f) / tp. Llama 3.1 8B (h 4096, kvd 1024,
+    f 14336, tp 1): 270,336 + 86,016 + 57,344 = 413,696 bytes per token and block forward.
+
+    neox (LayerNorm, GELU MLP): ``F.layer_norm`` and ``F.gelu`` are single kernels in eager
+    too (r2 w2 each); what compile fuses is the two residual adds into the next norm, 20h
+    eager (2 x 4h + 2 x 6h) against 18h: extra 2h spf. (Rotary in this project's neox blocks
+    is not counted.)
+
+    The parameters' fp32 -> bf16 casts (FSDP's mixed precision casts the 1/dp shard before the
+    all-gather) move 6 bytes per parameter / dp per micro-batch and are left out (under 0.1 %
+    of a block's traffic at the published runs' micro-batches).
+    """
+    h, kvd, f = s.d_model, s.kv_heads * s.head_dim, s.ffn
+    if not s.llama:
+        return 2.0 * h * spf + 0.0 * tp
+    gqa = 1.0 if s.kv_heads < s.n_heads else 0.0
+    return 66.0 * h * spf + (16.0 * h + 16.0 * kvd + gqa * 4.0 * kvd + 4.0 * f) / tp
 
 
 def gemm_time(cluster: Any, dtype: str, m: Any, n: Any, k: Any, batch: Any = 1) -> np.ndarray:
@@ -191,6 +253,8 @@ def layer_parts(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.
         core = core + 3 * s.act_bytes * heads * s.seq_len ** 2 / (cluster.hbm_bandwidth_gbps * 1e9)
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     elem_bytes = s.act_bytes * tokens * (14 * h * spf + 4 * h / tp + (5 if s.llama else 2) * f / tp)
+    if s.eager and getattr(cluster, "gemm_sms", 0):  # GPU: unfused kernels (CPU: measured)
+        elem_bytes = elem_bytes + tokens * eager_block_bytes(s, tp, spf)
     elem = elem_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
     return {"gemm": t, "attention": core, "elementwise": elem + 0 * t,
             "attention_bwd_extra": bwd_extra}
@@ -232,7 +296,9 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     tp_raw = n_tp_ops * _coll(cluster, "all_reduce", act_bytes, tp, 1)
     tp_layer = (1 - cluster.tp_comm_overlap) * tp_raw  # the exposed part
     logits = 3 * gemm_time(cluster, s.dtype, tokens, s.vocab / tp, s.d_model)
-    logits = logits + 3 * tokens * s.vocab / tp * 4 / (cluster.hbm_bandwidth_gbps * 1e9)
+    loss_bytes = 12.0 + (EAGER_LOSS_BYTES if s.eager_loss and getattr(cluster, "gemm_sms", 0)
+                         else 0.0)
+    logits = logits + tokens * s.vocab / tp * loss_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
     first_t = n_first * layer
     last_t = n_last * layer + logits
     single = pp == 1
