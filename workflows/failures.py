@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import sys
+import threading
 from typing import Any
 
 from parsl.app.errors import BashExitFailure
@@ -34,12 +35,17 @@ def is_user_error(error: BaseException) -> bool:
     return isinstance(error, ValueError)
 
 
-def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0) -> float:
+def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0,
+               stopping: threading.Event | None = None) -> float:
     """Parsl retry handler: user errors cost more than the budget; others cost one try.
 
     ``budget`` is ``site.retries``: the console says "retrying" only when a retry follows.
+    Nothing is retried once ``stopping`` is set (the driver is shutting Parsl down, and the
+    apps it stops fail).
     """
     if isinstance(error, DependencyError) or is_user_error(error):
+        return NEVER_RETRY
+    if stopping is not None and stopping.is_set():
         return NEVER_RETRY
     if task_record.get("fail_cost", 0) + 1 <= budget:
         attempt = task_record.get("fail_count", 1)

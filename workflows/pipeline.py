@@ -262,8 +262,6 @@ def run_pipeline(
     force: bool = False,
 ) -> dict[str, stage.StageResult]:
     """Run the pipeline with Parsl and MLflow; return each stage's result."""
-    import parsl
-
     from workflows import sites
 
     # A log handler that cannot write (a full disk) must not print a traceback per record.
@@ -297,16 +295,8 @@ def run_pipeline(
     print(describe(plans, cfg), flush=True)
     started = time.time()
     status = "FAILED"
-    # Ctrl-C signals the terminal's whole process group: Parsl's interchanges (children of
-    # this driver) start with SIGINT ignored, so they live until dfk.cleanup() stops them
-    # instead of dying first and leaving the cleanup waiting on them.
-    interactive_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        running = [p.name for p in plans if p.action in ("run", "force")]
-        dfk = parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir,
-                                                 running=running))
-    finally:
-        signal.signal(signal.SIGINT, interactive_handler)
+    running = [p.name for p in plans if p.action in ("run", "force")]
+    dfk = sites.start_parsl(cfg, runs_dir, parsl_dir, running)
     runs: dict[str, StageRun] = {}
     previous_handler = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -318,8 +308,7 @@ def run_pipeline(
               "failed", file=sys.stderr, flush=True)
         raise
     finally:
-        dfk.cleanup()  # stops the workers; local ranks die with them (stages.launch)
-        parsl.clear()
+        sites.stop_parsl(dfk)  # stops the workers; local ranks die with them (stages.launch)
         signal.signal(signal.SIGTERM, previous_handler)
         try:
             _fail_running(ctx, runs, runs_dir)

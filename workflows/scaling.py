@@ -273,33 +273,11 @@ def train_hosts(result: stage.StageResult) -> list[str]:
     return list(dict.fromkeys(hosts))
 
 
-def load_parsl(cfg: PipelineConfig, runs_dir: Path, parsl_dir: Path) -> Any:
-    """Load the Parsl configuration of ``cfg``'s site (its blocks sized to ``cfg``); Parsl's
-    interchanges start with SIGINT ignored, so a Ctrl-C leaves them to ``cleanup``."""
-    import parsl
-
-    from workflows import sites
-
-    interactive_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        return parsl.load(sites.make_parsl_config(cfg, runs_dir, parsl_dir=parsl_dir))
-    finally:
-        signal.signal(signal.SIGINT, interactive_handler)
-
-
-def stop_parsl(dfk: Any) -> None:
-    """Stop a loaded Parsl configuration: its workers, and its blocks' Slurm jobs."""
-    import parsl
-
-    dfk.cleanup()
-    parsl.clear()
-
-
 def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) -> Path:
     """Run every point's stages with Parsl (one point at a time, each in a block sized to
     it), track the study in MLflow and write its table and plots; return the output
     directory."""
-    from workflows import pipeline
+    from workflows import pipeline, sites
 
     first = points[0].cfg
     runs_dir = first.runs_dir
@@ -327,9 +305,10 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
         for point in points:
             if dfk is None or block_shape(point.cfg) != block:
                 if dfk is not None:  # the previous point's block goes back to Slurm first
-                    stop_parsl(dfk)
+                    sites.stop_parsl(dfk)
                     dfk = None
-                dfk, block = load_parsl(point.cfg, runs_dir, parsl_dir), block_shape(point.cfg)
+                dfk = sites.start_parsl(point.cfg, runs_dir, parsl_dir)
+                block = block_shape(point.cfg)
             plans = [p for p in pipeline.plan_stages(point.cfg, None, None, False, code)
                      if p.name in STUDY_STAGES]
             actions = ", ".join(f"{p.name} {p.action}" for p in plans)
@@ -361,7 +340,7 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
         raise
     finally:
         if dfk is not None:
-            stop_parsl(dfk)
+            sites.stop_parsl(dfk)
         signal.signal(signal.SIGTERM, previous_handler)
         if ctx is not None and runs:
             pipeline._fail_running(ctx, runs, runs_dir)

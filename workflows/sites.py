@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import functools
 import shlex
+import signal
+import subprocess
 import sys
+import threading
 from collections.abc import Collection
 from pathlib import Path
 from string import Template
@@ -120,11 +123,70 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
         run_dir=str(parsl_dir or Path(run_dir) / "parsl"),
         retries=cfg.site.retries,
         # User errors fail at once; lost workers and killed ranks are retried.
-        retry_handler=functools.partial(retry_cost, budget=cfg.site.retries),
+        retry_handler=functools.partial(retry_cost, budget=cfg.site.retries,
+                                        stopping=threading.Event()),
         # Frequent strategy passes: first app starts sooner, lost blocks are replaced sooner.
         strategy_period=0.5 if site == "local" else 1,
         initialize_logging=True,
     )
+
+
+def start_parsl(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path,
+                running: Collection[str] | None = None) -> Any:
+    """Load ``make_parsl_config``'s configuration; return the DataFlowKernel.
+
+    Parsl's interchanges (children of this driver) start with SIGINT ignored: a Ctrl-C in a
+    terminal signals the whole process group, and they must live until ``stop_parsl`` stops
+    them, not die first and leave the cleanup waiting on them.
+    """
+    import parsl
+
+    interactive_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return parsl.load(make_parsl_config(cfg, run_dir, parsl_dir, running))
+    finally:
+        signal.signal(signal.SIGINT, interactive_handler)
+
+
+def stop_parsl(dfk: Any) -> None:
+    """``dfk.cleanup()`` and ``parsl.clear()``, also when Parsl's interchanges are gone.
+
+    A SIGTERM sent to the driver's whole process group (``timeout``, ``scancel`` of a job
+    that runs the driver, a closed terminal) kills the interchanges along with the driver,
+    and the scale-in that cleanup first sends each executor's interchange would wait for its
+    reply forever. An executor whose interchange has exited is set to its bad state instead
+    (cleanup then skips its scale-in), and its blocks are cancelled through the provider.
+    """
+    import parsl
+
+    handler = dfk.config.retry_handler
+    if isinstance(handler, functools.partial) and "stopping" in handler.keywords:
+        handler.keywords["stopping"].set()  # apps failed by the shutdown are not retried
+    for executor in dfk.executors.values():
+        process = getattr(executor, "interchange_proc", None)
+        if process is None or _still_running(process):
+            continue
+        executor.set_bad_state_and_fail_all(RuntimeError(
+            f"the {executor.label} executor's interchange exited ({process.returncode})"))
+        job_ids = [job for job in executor.blocks_to_job_id.values() if job]
+        if job_ids and executor.provider is not None:
+            try:
+                executor.provider.cancel(job_ids)
+            except Exception as error:  # noqa: BLE001 - cleanup goes on; say what is left
+                print(f"[pipeline] could not cancel {executor.label} blocks {job_ids}: {error}",
+                      file=sys.stderr, flush=True)
+    dfk.cleanup()
+    parsl.clear()
+
+
+def _still_running(process: Any, grace_s: float = 0.3) -> bool:
+    """Whether a child process is alive ``grace_s`` from now: the signal that killed the
+    group may still be on its way to it."""
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
 
 
 def _python_path_init() -> str:

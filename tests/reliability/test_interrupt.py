@@ -86,11 +86,14 @@ def train_status(runs: Path) -> dict:
     return json.loads(found[0].read_text())
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the driver", "SIGINT to its process group"])
+@pytest.mark.parametrize("how", ["SIGTERM to the driver", "SIGINT to its process group",
+                                 "SIGTERM to its process group"])
 def test_a_signal_stops_every_process_and_marks_training_failed(
     how: str, runs_dir: Path, drivers: list[Driver]
 ) -> None:
-    group = "group" in how  # Ctrl-C in a terminal: SIGINT to the whole foreground group
+    # Ctrl-C in a terminal signals the whole foreground group with SIGINT; timeout, scancel
+    # and a closed terminal signal it with SIGTERM, which kills Parsl's interchanges too.
+    group = "group" in how
     drivers.append(start_pipeline(runs_dir, *LONG_TRAINING, new_session=group))
     driver = drivers[-1]
     training_under_way(driver)
@@ -101,7 +104,7 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
         assert part in kinds, f"no {part} among the pipeline's processes: {kinds[:2000]}"
 
     if group:  # the driver leads a session of its own: this signals none of the tests
-        os.killpg(driver.proc.pid, signal.SIGINT)
+        os.killpg(driver.proc.pid, signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
     else:
         driver.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
