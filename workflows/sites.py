@@ -328,6 +328,15 @@ def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) 
     cores = site.cores_per_node
     if cores is None and not exclusive:
         cores = max([-(-shape.nproc // shape.nodes) for shape in shapes], default=1)
+    return _block_provider(cfg, nodes, cores, SimpleLauncher())
+
+
+def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
+                    launcher: Any) -> SlurmProvider:
+    """A block of ``nodes`` nodes (``cores`` CPUs per node when not exclusive), submitted
+    only when an app needs it (init_blocks=0), at most one at a time, polled as often as
+    the heartbeat threshold."""
+    site = cfg.site
     return PolledSlurmProvider(
         poll_seconds=min(60, site.heartbeat_threshold),
         account=site.account,
@@ -338,8 +347,8 @@ def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) 
         cores_per_node=cores,
         scheduler_options=scheduler_options(cfg),
         worker_init=worker_init(cfg),
-        exclusive=exclusive,
-        launcher=SimpleLauncher(),
+        exclusive=_exclusive(cfg),
+        launcher=launcher,
         init_blocks=0,
         min_blocks=0,
         max_blocks=1,
@@ -375,26 +384,10 @@ def compute_provider(cfg: PipelineConfig) -> SlurmProvider:
     ``site.max_workers`` CPUs per node (one per worker); srun gives the pool as many, so its
     workers are not bound to one core.
     """
-    site = cfg.site
-    exclusive = _exclusive(cfg)
-    cores = site.max_workers
-    return PolledSlurmProvider(
-        poll_seconds=min(60, site.heartbeat_threshold),
-        account=site.account,
-        partition=site.partition,
-        qos=site.qos,
-        walltime=site.walltime,
-        nodes_per_block=site.tokenize_nodes,
-        cores_per_node=None if exclusive else cores,
-        scheduler_options=scheduler_options(cfg),
-        worker_init=worker_init(cfg),
-        exclusive=exclusive,
-        launcher=SrunLauncher(overrides=f"--ntasks-per-node=1 --cpus-per-task={cores}"),
-        init_blocks=0,
-        min_blocks=0,
-        max_blocks=1,
-        cmd_timeout=30,
-    )
+    cores = cfg.site.max_workers
+    launcher = SrunLauncher(overrides=f"--ntasks-per-node=1 --cpus-per-task={cores}")
+    return _block_provider(cfg, cfg.site.tokenize_nodes,
+                           None if _exclusive(cfg) else cores, launcher)
 
 
 def _compute_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
