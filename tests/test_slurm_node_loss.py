@@ -25,7 +25,13 @@ import pytest
 
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import FIXED, LAYOUTS, multinode, run_on_one_node  # noqa: F401
-from tests.test_slurm_pipeline import jobcomp_states, start_cli, train_block_jobs, wait_cli
+from tests.test_slurm_pipeline import (
+    jobcomp_states,
+    start_cli,
+    train_block_jobs,
+    wait_cli,
+    watching,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 START_SLURM = REPO / ".ci" / "start_slurm.sh"
@@ -84,16 +90,10 @@ def test_training_survives_a_lost_node(multinode, slurm_env, tmp_path,  # noqa: 
     proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}", "parallel.nproc=4",
                      "parallel.nodes=2", *FIXED, *LAYOUTS["dp_across_nodes"],
                      *NODE_LOSS_SETTINGS)
-    found: dict = {}
-    stop = threading.Event()
-    watcher = threading.Thread(target=crash_node_after_checkpoint,
-                               args=(runs_dir, lost, found, stop))
-    watcher.start()
     try:
-        output = wait_cli(proc, runs_dir, timeout=600)
+        with watching(crash_node_after_checkpoint, runs_dir, lost) as found:
+            output = wait_cli(proc, runs_dir, timeout=600)
     finally:
-        stop.set()
-        watcher.join()
         for job in train_block_jobs(runs_dir).values():  # a hung run leaves none behind
             subprocess.run(["scancel", job], timeout=30, check=False)
         node_action("start", lost)  # whatever happened, the node takes jobs again

@@ -7,6 +7,7 @@ Parsl retries the app in a new job and training resumes from the last complete c
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +41,21 @@ def slurm_runs_dir(slurm_env, tmp_path: Path, request: pytest.FixtureRequest) ->
     runs_dir.mkdir()
     request.getfixturevalue("seed_microbench")(runs_dir)
     return runs_dir
+
+
+@contextlib.contextmanager
+def watching(target: Callable[..., None], *args: Any) -> Iterator[dict]:
+    """Run ``target(*args, found, stop)`` in a thread while the block runs; yield ``found``
+    (what the watcher saw) and stop and join the thread on the way out."""
+    found: dict = {}
+    stop = threading.Event()
+    thread = threading.Thread(target=target, args=(*args, found, stop))
+    thread.start()
+    try:
+        yield found
+    finally:
+        stop.set()
+        thread.join()
 
 
 def start_cli(runs_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -164,15 +182,8 @@ def test_cancelled_training_job_is_retried_and_resumes(slurm_runs_dir):
     runs_dir = slurm_runs_dir
     steps, every = 60, 10
     proc = start_cli(runs_dir, f"train.steps={steps}", f"train.checkpoint_every={every}")
-    found: dict = {}
-    stop = threading.Event()
-    watcher = threading.Thread(target=_cancel_after_first_checkpoint, args=(runs_dir, found, stop))
-    watcher.start()
-    try:
+    with watching(_cancel_after_first_checkpoint, runs_dir) as found:
         output = wait_cli(proc, runs_dir, timeout=1200)
-    finally:
-        stop.set()
-        watcher.join()
     assert "job" in found, "training finished before a checkpoint could be cancelled"
 
     parents, children = pipeline_stage_runs(runs_dir)
