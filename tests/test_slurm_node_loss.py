@@ -40,7 +40,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS, EVERY = 20, 2
 # A lost block is noticed within seconds; the retry's new block is polled for as often.
 NODE_LOSS_SETTINGS = [f"train.steps={STEPS}", f"train.checkpoint_every={EVERY}",
-                      "site.heartbeat_threshold=10", "site.retries=1", "eval.max_tokens=256"]
+                      "site.heartbeat_threshold=10", "site.retries=2", "eval.max_tokens=256"]
+# Two retries: a lost node can cost two tries. The surviving ranks fail first (their peers are
+# gone), and that retry may start in the same block before Slurm has declared the node down;
+# the block's end then fails it too, and the next retry runs in a new block.
 
 
 def node_action(action: str, node: str) -> None:
