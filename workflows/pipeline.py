@@ -299,16 +299,19 @@ def run_pipeline(
     dfk = sites.start_parsl(cfg, runs_dir, parsl_dir, running)
     runs: dict[str, StageRun] = {}
     previous_handler = signal.signal(signal.SIGTERM, _interrupt)
+    interrupted = False
     try:
         runs = _submit(cfg, plans, ctx, log_dir)
         results = _wait(runs, ctx, log_dir, runs_dir)
         status = "FINISHED"
     except KeyboardInterrupt:
+        interrupted = True
         print("\n[pipeline] interrupted: stopping workers and ranks, marking running stages "
               "failed", file=sys.stderr, flush=True)
         raise
     finally:
-        sites.stop_parsl(dfk)  # stops the workers; local ranks die with them (stages.launch)
+        # Stops the workers; local ranks die with them (stages.launch).
+        sites.stop_parsl(dfk, interrupted)
         signal.signal(signal.SIGTERM, previous_handler)
         try:
             _fail_running(ctx, runs, runs_dir)

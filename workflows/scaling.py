@@ -301,6 +301,7 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
     previous_handler = signal.signal(signal.SIGTERM, pipeline._interrupt)
     status, point_ids = "FAILED", {}
     ctx, runs, dfk, block = None, {}, None, None
+    interrupted = False
     try:
         for point in points:
             if dfk is None or block_shape(point.cfg) != block:
@@ -336,11 +337,12 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
             parent.log_artifact(path)
         status = "FINISHED"
     except KeyboardInterrupt:
+        interrupted = True
         print("\n[scaling] interrupted: stopping workers and ranks", file=sys.stderr, flush=True)
         raise
     finally:
         if dfk is not None:
-            sites.stop_parsl(dfk)
+            sites.stop_parsl(dfk, interrupted)
         signal.signal(signal.SIGTERM, previous_handler)
         if ctx is not None and runs:
             pipeline._fail_running(ctx, runs, runs_dir)

@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Collection
 from pathlib import Path
 from string import Template
@@ -148,23 +149,26 @@ def start_parsl(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path,
         signal.signal(signal.SIGINT, interactive_handler)
 
 
-def stop_parsl(dfk: Any) -> None:
+def stop_parsl(dfk: Any, interrupted: bool = False) -> None:
     """``dfk.cleanup()`` and ``parsl.clear()``, also when Parsl's interchanges are gone.
 
     A SIGTERM sent to the driver's whole process group (``timeout``, ``scancel`` of a job
     that runs the driver, a closed terminal) kills the interchanges along with the driver,
     and the scale-in that cleanup first sends each executor's interchange would wait for its
-    reply forever. An executor whose interchange has exited is set to its bad state instead
-    (cleanup then skips its scale-in), and its blocks are cancelled through the provider.
+    reply forever. So when the driver was ``interrupted``, each interchange gets up to
+    ``INTERCHANGE_EXIT_GRACE_S`` (one window shared by all: one signal hit them together) to
+    be seen gone; an executor whose interchange has exited is set to its bad state (cleanup
+    then skips its scale-in), and its blocks are cancelled through the provider.
     """
     import parsl
 
     handler = dfk.config.retry_handler
     if isinstance(handler, functools.partial) and "stopping" in handler.keywords:
         handler.keywords["stopping"].set()  # apps failed by the shutdown are not retried
+    deadline = time.monotonic() + (INTERCHANGE_EXIT_GRACE_S if interrupted else 0.0)
     for executor in dfk.executors.values():
         process = getattr(executor, "interchange_proc", None)
-        if process is None or _still_running(process):
+        if process is None or _alive_until(process, deadline):
             continue
         executor.set_bad_state_and_fail_all(RuntimeError(
             f"the {executor.label} executor's interchange exited ({process.returncode})"))
@@ -179,11 +183,15 @@ def stop_parsl(dfk: Any) -> None:
     parsl.clear()
 
 
-def _still_running(process: Any, grace_s: float = 0.3) -> bool:
-    """Whether a child process is alive ``grace_s`` from now: the signal that killed the
-    group may still be on its way to it."""
+INTERCHANGE_EXIT_GRACE_S = 3.0
+"""How long an interrupted driver waits to see its interchanges exit (a loaded machine may
+take a moment to run a signalled process's exit)."""
+
+
+def _alive_until(process: Any, deadline: float) -> bool:
+    """Whether a child process is still running at ``deadline`` (``time.monotonic``)."""
     try:
-        process.wait(timeout=grace_s)
+        process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         return True
     return False
