@@ -96,6 +96,12 @@ class StageShape:
             raise ValueError(f"unknown stage placement {self.placement!r}; one of {PLACEMENTS}")
         if self.kind == RANKS and not self.worker:
             raise ValueError("a ranks stage names its worker module")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The most ranks the stage puts on one node (its processes spread over its nodes)."""
+        return -(-self.nproc // self.nodes)
+
 OUTPUTS_FILE = "outputs.json"
 
 

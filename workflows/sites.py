@@ -266,7 +266,7 @@ def _check_slurm_site(cfg: PipelineConfig) -> None:
                 f"{FRONTIER_CORES_PER_NODE}"
             )
         for name, shape in _ranks_stages(cfg):
-            per_node = -(-shape.nproc // shape.nodes)
+            per_node = shape.ranks_per_node
             if per_node > FRONTIER_GCDS_PER_NODE:
                 raise SiteError(
                     f"{name} runs {shape.nproc} ranks on {shape.nodes} node(s), {per_node} per "
@@ -335,7 +335,7 @@ def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) 
     nodes = max([shape.nodes for shape in shapes], default=1)
     cores = site.cores_per_node
     if cores is None and not exclusive:
-        cores = max([-(-shape.nproc // shape.nodes) for shape in shapes], default=1)
+        cores = max([shape.ranks_per_node for shape in shapes], default=1)
     return _block_provider(cfg, nodes, cores, SimpleLauncher())
 
 
