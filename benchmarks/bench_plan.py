@@ -262,8 +262,9 @@ def local_run(max_plans: int, steps: int) -> tuple[dict, list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-plans", type=int, default=12,
-                    help="plans per setting (default 12: about 15 minutes a run; 0: all, about 45)")
+    ap.add_argument("--max-plans", type=int, default=8,
+                    help="plans per setting (default 8: about 5 minutes a run on 2 cores; "
+                         "0: all, about 45)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3,
                     help="independent local runs, each with a fresh microbenchmark; the worst "

@@ -319,6 +319,30 @@ def test_shared_cores_fill_the_pipeline_bubble() -> None:
     assert shared["compute"][0] - shared["optimizer"][0] == pytest.approx(4 * slot, rel=0.01)
 
 
+def test_a_pipeline_whose_busy_ranks_fit_the_cores_runs_at_the_measured_alone_speed() -> None:
+    s = Shapes(4, 128, 4, 4, 512, 64, 128, llama=True, dtype="float32")
+    plans = encode([Plan(pp=2, dp=2, micro_batch=8, grad_accum=1, schedule="gpipe", sharding="ddp"),
+                    Plan(pp=2, dp=2, micro_batch=4, grad_accum=2, schedule="gpipe", sharding="ddp"),
+                    Plan(pp=1, dp=4, micro_batch=4, grad_accum=2, sharding="ddp")])
+    own = step_time(s, _cpu_cluster(), plans)
+    ratio = step_time(s, _cpu_cluster(cores_per_node=2), plans)  # 4 ranks on 2 cores: x2
+    alone = step_time(s, _cpu_cluster(cores_per_node=2, alone_speedup=2.5), plans)
+
+    def work(t: dict, i: int) -> float:
+        return float(t["compute"][i] - t["optimizer"][i])
+
+    # One micro-batch on 2 stages: 2 of the 4 ranks hold it at a time, one per core, so the
+    # whole critical path (2 stage slots) runs at the measured alone speed.
+    assert work(alone, 0) == pytest.approx(work(own, 0) / 2.5)
+    assert work(ratio, 0) == pytest.approx(work(own, 0) / 2)
+    # Two micro-batches fill both stages: all 4 ranks compete for the cores, so the step
+    # is the busy work (2 slots at the all-busy speed) whatever a lone rank could do.
+    assert work(alone, 1) == pytest.approx(work(ratio, 1))
+    assert work(alone, 1) == pytest.approx(work(own, 1) * 2 / 3, rel=0.01)
+    # Data parallelism has every rank busy all the time.
+    assert work(alone, 2) == pytest.approx(work(own, 2))
+
+
 def test_tensor_parallel_host_cost_applies_to_tp_plans_only() -> None:
     s = Shapes(4, 128, 4, 4, 512, 2048, 128, llama=True, dtype="float32")
     plans = encode([Plan(tp=2, micro_batch=4, grad_accum=2, sharding="none"),

@@ -89,6 +89,10 @@ class Cluster:
     """CPU cores the ranks of one node share (measured clusters on CPUs); 0: every rank has
     its own device. With more ranks than cores a rank waiting in a pipeline bubble leaves
     its core to another rank, which the time model accounts for."""
+    alone_speedup: float = 0.0
+    """With more ranks than cores: how much faster a block runs when only one rank per core
+    is busy than when every rank is (measured; above ranks/cores when oversubscription's
+    context switches cost time). 0: ranks/cores."""
     gemm_sms: int = 0
     """Streaming multiprocessors / compute units per device; > 0 turns on tile and wave
     quantisation of GEMMs (output tiles of ``gemm_tile`` x ``gemm_tile`` run in waves of
@@ -205,7 +209,8 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
     for key in ("kernel_overhead_us", "reserved_gb", "fragmentation", "comm_overlap",
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
                 "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
-                "cores_per_node", "gemm_tile", "attention_efficiency", "tp_comm_overlap"):
+                "cores_per_node", "alone_speedup", "gemm_tile", "attention_efficiency",
+                "tp_comm_overlap"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
     if "gemm_sms" in raw:

@@ -6,7 +6,8 @@ shapes (the fastest gives the achievable rate, the small ones the per-kernel ove
 copy bandwidth, the fixed host costs of a GPT block, a micro-batch, an AdamW step per
 tensor, an FSDP2 unit and DTensor tensor parallelism (per block and per micro-batch), a
 small real GPT's forward + backward (which scales the kernel rates down to what a real
-block reaches, see ``block_rate_scale``), and all-reduce / all-gather / reduce-scatter /
+block reaches, see ``block_rate_scale``; with more ranks than cores, timed again with one
+rank per core running, ``alone_speedup``), and all-reduce / all-gather / reduce-scatter /
 send-recv time at a small and a large size over gloo (latency from the small, bus
 bandwidth from the difference).
 The result is cached as JSON keyed by hostname, rank count and torch version.
@@ -47,13 +48,18 @@ def cache_file(nproc: int, cache_dir: str | Path | None = None) -> Path:
     return base / f"microbench-{host}-n{nproc}-torch{torch.__version__.replace('+', '_')}.json"
 
 
-def _time(fn, repeat: int) -> float:
+def _time(fn, repeat: int, rounds: int = 1) -> float:
+    """Seconds per call of ``fn``: the mean over ``repeat`` calls, the median over ``rounds``."""
     fn()  # warm-up
-    # the mean, not the best: all ranks run together and the contention is what we want
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat
+    # the mean, not the best: all ranks run together and the contention is what we want;
+    # the median of rounds keeps one descheduled round from moving a small difference
+    means = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        means.append((time.perf_counter() - t0) / repeat)
+    return float(np.median(means))
 
 
 def _collective(kind: str, rank: int, nproc: int, n_el: int):
@@ -84,7 +90,12 @@ def _collective(kind: str, rank: int, nproc: int, n_el: int):
 TINY_GPT = {"n_layers": 1, "d_model": 16, "n_heads": 2, "vocab_size": 32, "max_seq_len": 8}
 
 
-def _gpt_fwd_bwd_seconds(model: Any, micro_batch: int, repeat: int) -> float:
+HOST_ROUNDS = 5
+"""Rounds (median) of the GPT timings: the host costs are small differences of them, and the
+reference GPT sets the block rate every prediction scales with."""
+
+
+def _gpt_fwd_bwd_seconds(model: Any, micro_batch: int, repeat: int, rounds: int = 1) -> float:
     """Mean seconds of one forward + backward (cross-entropy) of ``model`` on random tokens."""
     import torch
     import torch.nn.functional as F
@@ -96,7 +107,7 @@ def _gpt_fwd_bwd_seconds(model: Any, micro_batch: int, repeat: int) -> float:
         logits = model(x[:, :-1])
         F.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1)).backward()
 
-    return _time(run, repeat)
+    return _time(run, repeat, rounds)
 
 
 def _host_overheads(repeat: int = 5) -> dict[str, float]:
@@ -111,9 +122,9 @@ def _host_overheads(repeat: int = 5) -> dict[str, float]:
     from model.config import ModelConfig
     from model.gpt import GPT
 
-    t1 = _gpt_fwd_bwd_seconds(GPT(ModelConfig(**TINY_GPT)), 1, repeat)
+    t1 = _gpt_fwd_bwd_seconds(GPT(ModelConfig(**TINY_GPT)), 1, repeat, HOST_ROUNDS)
     model = GPT(ModelConfig(**{**TINY_GPT, "n_layers": 3}))
-    t3 = _gpt_fwd_bwd_seconds(model, 1, repeat)
+    t3 = _gpt_fwd_bwd_seconds(model, 1, repeat, HOST_ROUNDS)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     t_opt = _time(opt.step, repeat)
     n_tensors = sum(1 for _ in model.parameters())
@@ -143,7 +154,7 @@ def _fsdp_overhead(nproc: int, plain_s: float, repeat: int = 5) -> float:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     units = len(model.layers) + 1
-    return max(_gpt_fwd_bwd_seconds(model, 1, repeat) - plain_s, 0.0) / units
+    return max(_gpt_fwd_bwd_seconds(model, 1, repeat, HOST_ROUNDS) - plain_s, 0.0) / units
 
 
 REFERENCE_GPT = {"n_layers": 2, "d_model": 128, "n_heads": 4, "vocab_size": 512,
@@ -159,7 +170,8 @@ def _reference_gpt(repeat: int = 5) -> float:
     from model.gpt import GPT
 
     torch.manual_seed(0)
-    return _gpt_fwd_bwd_seconds(GPT(ModelConfig(**REFERENCE_GPT)), REFERENCE_MICRO_BATCH, repeat)
+    return _gpt_fwd_bwd_seconds(GPT(ModelConfig(**REFERENCE_GPT)), REFERENCE_MICRO_BATCH, repeat,
+                                HOST_ROUNDS)
 
 
 def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
@@ -220,7 +232,7 @@ def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
         torch.manual_seed(0)
         model = GPT(ModelConfig(**{**TINY_GPT, "n_layers": n_layers}))
         apply_tp(model, mesh["tp"])
-        return _gpt_fwd_bwd_seconds(model, 1, repeat)
+        return _gpt_fwd_bwd_seconds(model, 1, repeat, HOST_ROUNDS)
 
     t1, t3 = fwd_bwd(1), fwd_bwd(3)
     per_block = max((t3 - t1) / 2, 1e-6)
@@ -250,6 +262,14 @@ def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
     res["host"] = _host_overheads()
     dist.barrier()
     res["host"]["reference_gpt_s"] = _reference_gpt()
+    cores = len(os.sched_getaffinity(0))
+    if nproc > cores:
+        # the same block with only one rank per core running: what a rank gains when the
+        # others wait (a pipeline bubble), oversubscription's context switches included
+        dist.barrier()
+        if rank < cores:
+            res["host"]["reference_gpt_alone_s"] = _reference_gpt()
+        dist.barrier()
     if nproc > 1:
         dist.barrier()
         res["host"]["fsdp_unit_overhead_s"] = _fsdp_overhead(nproc, res["host"]["plain3_s"])
@@ -314,7 +334,8 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
                 ring = (2.0 if kind == "all_reduce" else 1.0) * (nproc - 1)
                 bw, lat = ring / nproc / b, a / ring
             collectives[kind] = {"bandwidth_gbps": bw / 1e9, "latency_us": lat * 1e6}
-    host = {k: max(r["host"][k] for r in ranks) for k in ranks[0].get("host", {})}
+    host = {k: max(r["host"][k] for r in ranks if k in r["host"])
+            for k in ranks[0].get("host", {})}
     link_bw = collectives.get("all_reduce", {}).get("bandwidth_gbps", copy)
     link_lat = collectives.get("all_reduce", {}).get("latency_us", 1.0)
     tp_layer_us = tp_mb_us = 0.0
@@ -345,6 +366,8 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
         "tp_microbatch_overhead_us": tp_mb_us,
         "comm_overlap": 0.0,  # gloo runs on the same cores as the compute
         "cores_per_node": float(len(os.sched_getaffinity(0))),
+        "alone_speedup": (host["reference_gpt_s"] / host["reference_gpt_alone_s"]
+                          if "reference_gpt_alone_s" in host else 0.0),
         "links": {"node": {"group": nproc, "bandwidth_gbps": link_bw, "latency_us": link_lat}},
         "collectives": collectives,
     }

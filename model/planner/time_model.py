@@ -370,15 +370,22 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     # Ranks sharing too few cores (CPU runs): the figures were measured with every rank busy,
     # but a rank idle in the pipeline bubble lends its core, so the step takes the larger of
     # the busy work (all ranks' micro-batches spread over the cores) and the critical path
-    # at the speed of a rank that has a core to itself.
-    # The busy work is the mean stage's: a rank idle behind a slower stage lends its core too.
+    # at the speed of a rank that has a core to itself (``alone_speedup`` faster, measured;
+    # else ranks/cores). The busy work is the mean stage's: a rank idle behind a slower stage
+    # lends its core too. With fewer micro-batches than stages only min(ga, pp) of the pp
+    # stages hold one at a time; when those ranks fit the cores, none waits for a core and the
+    # critical path alone sets the time.
     world = tp * pp * dp
-    share = np.maximum(1.0, np.minimum(world, cluster.ranks_per_node) / cluster.cores_per_node) \
-        if cluster.cores_per_node else np.ones_like(slots, dtype=float)
+    ranks = np.minimum(world, cluster.ranks_per_node)
+    cores = cluster.cores_per_node
+    share = np.maximum(1.0, ranks / cores) if cores else np.ones_like(slots, dtype=float)
+    speedup = np.where(share > 1, cluster.alone_speedup or share, 1.0)
+    crowded = ranks * np.minimum(ga, pp) / pp > cores
     mean_stage = np.where(single, stage_comp, mean_comp)
     busy = ga * np.where(share > 1, mean_stage, stage_comp)
+    busy = np.where((share > 1) & ~crowded, 0.0, busy)
     critical = ga * stage_comp + (slots - ga) * np.minimum(mean_stage, stage_comp)
-    compute = np.maximum(busy, critical / share) + optimizer
+    compute = np.maximum(busy, critical / speedup) + optimizer
     comm = slots * stage_tp + p2p + dp_exposed
     cal = calibration or {}
     fw = cluster.framework_factor(framework)
