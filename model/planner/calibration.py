@@ -4,7 +4,10 @@ Each measured plan gives (predicted compute seconds, predicted comm seconds, mea
 seconds). Two non-negative scales are fitted by least squares,
 ``measured ~= compute_scale * compute + comm_scale * comm``, and stored as JSON that later
 searches read (``load_calibration``). With fewer than two distinct points a single
-measured/predicted ratio scales both.
+measured/predicted ratio scales both. Each scale is also pulled toward that single ratio
+with the weight of a tenth of a plan (``PRIOR_WEIGHT``): a few plans that barely
+communicate leave comm_scale almost undetermined, and without the pull one such fit could
+multiply a comm-heavy plan's prediction several times.
 """
 from __future__ import annotations
 
@@ -15,6 +18,11 @@ from typing import Any
 import numpy as np
 
 from data_prep.atomic import write_json_atomic
+
+
+PRIOR_WEIGHT = 0.1
+"""How many plans' worth of evidence pulls each scale toward the single measured/predicted
+ratio: a tenth of a plan moves two well-determined scales by about 1 %."""
 
 
 def fit_scales(points: list[dict[str, float]]) -> dict[str, float]:
@@ -28,9 +36,13 @@ def fit_scales(points: list[dict[str, float]]) -> dict[str, float]:
     single = {"compute_scale": ratio, "comm_scale": ratio}
     if len(pts) < 2 or np.linalg.matrix_rank(a) < 2:
         return single
-    # relative least squares: every plan counts the same whatever its step time
+    # relative least squares: every plan counts the same whatever its step time; two prior
+    # rows ask each scale to equal the single ratio
     w = 1.0 / y
-    sol, *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
+    prior = PRIOR_WEIGHT * np.eye(2) / ratio
+    rows = np.vstack([a * w[:, None], prior])
+    target = np.concatenate([y * w, [PRIOR_WEIGHT, PRIOR_WEIGHT]])
+    sol, *_ = np.linalg.lstsq(rows, target, rcond=None)
     if (sol <= 0.05).any():  # fall back to one ratio rather than a degenerate fit
         return single
     return {"compute_scale": float(sol[0]), "comm_scale": float(sol[1])}

@@ -103,6 +103,9 @@ class Cluster:
     attention_efficiency: float = 0.0
     """Fraction of peak a fused (flash) attention kernel reaches; its backward recomputes the
     scores (2.5 forward passes in all). 0: attention is timed as two batched GEMMs."""
+    tp_comm_scale: float = 1.0
+    """Multiplier on the modelled tensor-parallel communication: measured on CPUs (a real
+    tp=2 block against the model, ``model.planner.microbench.tp_comm_scale``), 1 elsewhere."""
     tp_comm_overlap: float = 0.0
     """Fraction of tensor-parallel communication hidden under GEMMs (0: all exposed)."""
     framework_efficiency: dict[str, float] = field(default_factory=dict)
@@ -210,7 +213,7 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
                 "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
                 "cores_per_node", "alone_speedup", "gemm_tile", "attention_efficiency",
-                "tp_comm_overlap"):
+                "tp_comm_overlap", "tp_comm_scale"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
     if "gemm_sms" in raw:

@@ -7,7 +7,7 @@ copy bandwidth, the fixed host costs of a GPT block, a micro-batch, an AdamW ste
 tensor, an FSDP2 unit and DTensor tensor parallelism (per block and per micro-batch), a
 small real GPT's forward + backward (which scales the kernel rates down to what a real
 block reaches, see ``block_rate_scale``; with more ranks than cores, timed again with one
-rank per core running, ``alone_speedup``), and all-reduce / all-gather / reduce-scatter /
+rank per core running, ``alone_speedup``; and under tp=2, ``tp_comm_scale``), and all-reduce / all-gather / reduce-scatter /
 send-recv time at a small and a large size over gloo (latency from the small, bus
 bandwidth from the difference).
 The result is cached as JSON keyed by hostname, rank count and torch version.
@@ -211,6 +211,59 @@ def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
     return (lo * hi) ** 0.5
 
 
+def _reference_gpt_tp(nproc: int, repeat: int = 5) -> float:
+    """Seconds of REFERENCE_GPT's forward + backward under tensor parallelism over rank pairs
+    (tp=2, as in _tp_overhead), every rank busy."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from model.parallel.parallelize import apply_tp
+
+    mesh = init_device_mesh("cpu", (nproc // 2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**REFERENCE_GPT))
+    apply_tp(model, mesh["tp"])
+    return _gpt_fwd_bwd_seconds(model, REFERENCE_MICRO_BATCH, repeat, HOST_ROUNDS)
+
+
+def tp_comm_scale(fields: dict[str, Any], reference_tp_s: float) -> float:
+    """How much longer tensor-parallel communication takes in a real block than modelled.
+
+    The microbenchmark's collectives run back to back; in a block each waits for its partner
+    to finish its share of the GEMMs first, and DTensor adds redistributions and the gathered
+    logits (gloo on CPU: 2-3x the modelled time). The time model is evaluated for REFERENCE_GPT
+    at tp=2 with these fields and its tensor-parallel communication multiplied by a factor Y;
+    returns the Y at which it predicts the measured ``reference_tp_s`` (within [0.25, 50]).
+    """
+    from types import SimpleNamespace
+
+    from model.config import ModelConfig
+    from model.planner.plan import Plan
+    from model.planner.shapes import Shapes, encode
+    from model.planner.time_model import step_time
+
+    shapes = Shapes.from_configs(ModelConfig(**REFERENCE_GPT), SimpleNamespace(
+        seq_len=REFERENCE_GPT["max_seq_len"], dtype="float32"))
+    plan = encode([Plan(tp=2, micro_batch=REFERENCE_MICRO_BATCH, grad_accum=1, sharding="none")])
+
+    def predicted(y: float) -> float:
+        t = step_time(shapes, cluster_from_dict({**fields, "tp_comm_scale": y}, "microbenchmark"),
+                      plan)
+        return float(t["step"][0] - t["optimizer"][0])
+
+    lo, hi = 0.25, 50.0
+    if predicted(hi) <= reference_tp_s:
+        return hi
+    if predicted(lo) >= reference_tp_s:
+        return lo
+    for _ in range(40):  # bisection: the prediction grows with y
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if predicted(mid) < reference_tp_s else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
 def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
     """(seconds per block, per micro-batch) of a tp=2 GPT at tiny sizes, forward + backward.
 
@@ -276,6 +329,8 @@ def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
     if nproc % 2 == 0:
         dist.barrier()
         res["host"]["tp_block_s"], res["host"]["tp_microbatch_s"] = _tp_overhead(nproc)
+        dist.barrier()
+        res["host"]["reference_gpt_tp2_s"] = _reference_gpt_tp(nproc)
     x = torch.randn(8 * 1024 * 1024)  # 32 MB
     y = torch.empty_like(x)
     dist.barrier()
@@ -377,6 +432,8 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
         fields.update(peak_tflops=rate / x / 1e12, fp32_tflops=rate / x / 1e12,
                       hbm_bandwidth_gbps=copy / x,
                       notes=f"kernel rates divided by {x:.2f} to match a real block")
+    if "reference_gpt_tp2_s" in host:
+        fields["tp_comm_scale"] = tp_comm_scale(fields, host["reference_gpt_tp2_s"])
     return fields
 
 

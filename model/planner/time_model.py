@@ -18,7 +18,10 @@ tp and a pp group stride tp*dp (usually the network). A group crossing nodes sha
 NICs with the other groups that have ranks there (``_group_bandwidth``). Per block and
 micro-batch tensor parallelism costs 2 all-reduces forward and 2 backward (2 more with full
 recompute); with sequence parallelism each becomes an all-gather + reduce-scatter of the same
-volume.
+volume. This project's trainer (``framework`` None) also all-gathers the logits per
+micro-batch and computes the loss on full vocabulary rows on every tp rank. On measured
+CPU clusters the tp communication is scaled by ``tp_comm_scale`` (a real tp block waits for
+its partner's GEMMs before each collective).
 
 Pipeline: the stage time per micro-batch times (m + (pp-1)/v) (bubble (pp-1)/m, divided
 by the virtual stages for interleaved 1F1B when m >= pp; the fill and drain cost the stages'
@@ -293,12 +296,17 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     tokens = s.seq_len * mb
     act_bytes = tokens * s.d_model * cb
     n_tp_ops = np.where(rec == REC_FULL, 6, 4)
-    tp_raw = n_tp_ops * _coll(cluster, "all_reduce", act_bytes, tp, 1)
+    tp_raw = n_tp_ops * _coll(cluster, "all_reduce", act_bytes, tp, 1) * cluster.tp_comm_scale
     tp_layer = (1 - cluster.tp_comm_overlap) * tp_raw  # the exposed part
     logits = 3 * gemm_time(cluster, s.dtype, tokens, s.vocab / tp, s.d_model)
     loss_bytes = 12.0 + (EAGER_LOSS_BYTES if s.eager_loss and getattr(cluster, "gemm_sms", 0)
                          else 0.0)
-    logits = logits + tokens * s.vocab / tp * loss_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
+    # This project's trainer (framework None) gathers the vocab-parallel logits and computes
+    # the loss on full rows on every tp rank (model.parallel.parallelize.apply_tp); the
+    # published frameworks compute a vocab-parallel loss.
+    gathered = framework is None
+    loss_vocab = np.where(gathered, s.vocab, s.vocab / tp)
+    logits = logits + tokens * loss_vocab * loss_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
     first_t = n_first * layer
     last_t = n_last * layer + logits
     single = pp == 1
@@ -308,7 +316,11 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     stage_comp = np.where(single, n_first * layer + logits + mb_host,
                           np.maximum(first_t, last_t) + mb_host / 2)
     stage_tp = np.maximum(n_first, n_last) * tp_layer + np.where(tp > 1, 2, 0) * \
-        _coll(cluster, "all_reduce", tokens * 4.0, tp, 1)  # loss/vocab-parallel reductions
+        _coll(cluster, "all_reduce", tokens * 4.0, tp, 1) \
+        * cluster.tp_comm_scale  # loss/vocab-parallel reductions
+    if gathered:  # the logits all-gather, once per micro-batch on the last stage
+        stage_tp = stage_tp + cluster.tp_comm_scale * _coll(
+            cluster, "all_gather", tokens * s.vocab * cb, tp, 1)
     # Interleaving shortens the bubble only when micro-batches fill every stage: with fewer
     # than pp of them a micro-batch still passes all pp*v chunks one after another.
     v_eff = np.where((sched == INTERLEAVED) & (ga >= pp), v, 1)
