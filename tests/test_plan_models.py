@@ -416,10 +416,11 @@ def test_the_own_trainer_gathers_the_logits_under_tp() -> None:
 
     gather = float(_coll(_cpu_cluster(), "all_gather", 4 * 128 * 8192 * 4.0, 2, 1))
     loss_half = 4 * 128 * 8192 / 2 * 12.0 / 10e9
-    assert float(own["breakdown"]["tp_comm_exposed"][0] - other["breakdown"]["tp_comm_exposed"][0]) \
-        == pytest.approx(gather)
-    assert float(own["breakdown"]["compute_logits"][0] - other["breakdown"]["compute_logits"][0]) \
-        == pytest.approx(loss_half)
+    def extra(term: str) -> float:
+        return float(own["breakdown"][term][0] - other["breakdown"][term][0])
+
+    assert extra("tp_comm_exposed") == pytest.approx(gather)
+    assert extra("compute_logits") == pytest.approx(loss_half)
 
 
 def test_calibration_recovers_two_scales_and_keeps_an_undetermined_one_near_the_ratio() -> None:

@@ -19,7 +19,6 @@ import numpy as np
 
 from data_prep.atomic import write_json_atomic
 
-
 PRIOR_WEIGHT = 0.1
 """How many plans' worth of evidence pulls each scale toward the single measured/predicted
 ratio: a tenth of a plan moves two well-determined scales by about 1 %."""
