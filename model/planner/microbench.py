@@ -174,6 +174,30 @@ def _reference_gpt(repeat: int = 5) -> float:
                                 HOST_ROUNDS)
 
 
+def _reference_shapes() -> Any:
+    """The time model's Shapes of REFERENCE_GPT (float32)."""
+    from types import SimpleNamespace
+
+    from model.config import ModelConfig
+    from model.planner.shapes import Shapes
+
+    return Shapes.from_configs(ModelConfig(**REFERENCE_GPT), SimpleNamespace(
+        seq_len=REFERENCE_GPT["max_seq_len"], dtype="float32"))
+
+
+def _solve_growing(predicted, target: float, lo: float, hi: float) -> float:
+    """The x in [lo, hi] at which the increasing function ``predicted`` reaches ``target``
+    (geometric bisection; the bound when the target lies outside)."""
+    if predicted(hi) <= target:
+        return hi
+    if predicted(lo) >= target:
+        return lo
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if predicted(mid) < target else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
 def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
     """How much slower a real block runs than the kernel rates predict.
 
@@ -182,15 +206,11 @@ def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
     measured ``reference_s`` (host costs stay as measured). X > 1 on CPUs: eager PyTorch's
     GEMMs of transformer shapes, softmax and norms reach less than the best matmul rate.
     """
-    from types import SimpleNamespace
-
-    from model.config import ModelConfig
     from model.planner.plan import Plan
-    from model.planner.shapes import Shapes, encode
+    from model.planner.shapes import encode
     from model.planner.time_model import step_time
 
-    shapes = Shapes.from_configs(ModelConfig(**REFERENCE_GPT), SimpleNamespace(
-        seq_len=REFERENCE_GPT["max_seq_len"], dtype="float32"))
+    shapes = _reference_shapes()
     plan = encode([Plan(micro_batch=REFERENCE_MICRO_BATCH, grad_accum=1, sharding="none")])
 
     def predicted(x: float) -> float:
@@ -200,15 +220,7 @@ def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
         t = step_time(shapes, cluster_from_dict(scaled, "microbenchmark"), plan)
         return float(t["compute"][0] - t["optimizer"][0])
 
-    lo, hi = 0.1, 50.0
-    if predicted(hi) <= reference_s:
-        return hi
-    if predicted(lo) >= reference_s:
-        return lo
-    for _ in range(40):  # bisection: the prediction grows with x
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if predicted(mid) < reference_s else (lo, mid)
-    return (lo * hi) ** 0.5
+    return _solve_growing(predicted, reference_s, 0.1, 50.0)
 
 
 def _reference_gpt_tp(nproc: int, repeat: int = 5) -> float:
@@ -237,15 +249,11 @@ def tp_comm_scale(fields: dict[str, Any], reference_tp_s: float) -> float:
     at tp=2 with these fields and its tensor-parallel communication multiplied by a factor Y;
     returns the Y at which it predicts the measured ``reference_tp_s`` (within [0.25, 50]).
     """
-    from types import SimpleNamespace
-
-    from model.config import ModelConfig
     from model.planner.plan import Plan
-    from model.planner.shapes import Shapes, encode
+    from model.planner.shapes import encode
     from model.planner.time_model import step_time
 
-    shapes = Shapes.from_configs(ModelConfig(**REFERENCE_GPT), SimpleNamespace(
-        seq_len=REFERENCE_GPT["max_seq_len"], dtype="float32"))
+    shapes = _reference_shapes()
     plan = encode([Plan(tp=2, micro_batch=REFERENCE_MICRO_BATCH, grad_accum=1, sharding="none")])
 
     def predicted(y: float) -> float:
@@ -253,15 +261,7 @@ def tp_comm_scale(fields: dict[str, Any], reference_tp_s: float) -> float:
                       plan)
         return float(t["step"][0] - t["optimizer"][0])
 
-    lo, hi = 0.25, 50.0
-    if predicted(hi) <= reference_tp_s:
-        return hi
-    if predicted(lo) >= reference_tp_s:
-        return lo
-    for _ in range(40):  # bisection: the prediction grows with y
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if predicted(mid) < reference_tp_s else (lo, mid)
-    return (lo * hi) ** 0.5
+    return _solve_growing(predicted, reference_tp_s, 0.25, 50.0)
 
 
 def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
