@@ -296,7 +296,12 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     tokens = s.seq_len * mb
     act_bytes = tokens * s.d_model * cb
     n_tp_ops = np.where(rec == REC_FULL, 6, 4)
-    tp_raw = n_tp_ops * _coll(cluster, "all_reduce", act_bytes, tp, 1) * cluster.tp_comm_scale
+
+    def tp_coll(kind: str, nbytes: Any) -> np.ndarray:
+        """One collective over the tp group, at the cluster's measured tp scale."""
+        return cluster.tp_comm_scale * _coll(cluster, kind, nbytes, tp, 1)
+
+    tp_raw = n_tp_ops * tp_coll("all_reduce", act_bytes)
     tp_layer = (1 - cluster.tp_comm_overlap) * tp_raw  # the exposed part
     logits = 3 * gemm_time(cluster, s.dtype, tokens, s.vocab / tp, s.d_model)
     loss_bytes = 12.0 + (EAGER_LOSS_BYTES if s.eager_loss and getattr(cluster, "gemm_sms", 0)
@@ -305,7 +310,7 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     # the loss on full rows on every tp rank (model.parallel.parallelize.apply_tp); the
     # published frameworks compute a vocab-parallel loss.
     gathered = framework is None
-    loss_vocab = np.where(gathered, s.vocab, s.vocab / tp)
+    loss_vocab = s.vocab if gathered else s.vocab / tp
     logits = logits + tokens * loss_vocab * loss_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
     first_t = n_first * layer
     last_t = n_last * layer + logits
@@ -316,11 +321,9 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     stage_comp = np.where(single, n_first * layer + logits + mb_host,
                           np.maximum(first_t, last_t) + mb_host / 2)
     stage_tp = np.maximum(n_first, n_last) * tp_layer + np.where(tp > 1, 2, 0) * \
-        _coll(cluster, "all_reduce", tokens * 4.0, tp, 1) \
-        * cluster.tp_comm_scale  # loss/vocab-parallel reductions
+        tp_coll("all_reduce", tokens * 4.0)  # loss/vocab-parallel reductions
     if gathered:  # the logits all-gather, once per micro-batch on the last stage
-        stage_tp = stage_tp + cluster.tp_comm_scale * _coll(
-            cluster, "all_gather", tokens * s.vocab * cb, tp, 1)
+        stage_tp = stage_tp + tp_coll("all_gather", tokens * s.vocab * cb)
     # Interleaving shortens the bubble only when micro-batches fill every stage: with fewer
     # than pp of them a micro-batch still passes all pp*v chunks one after another.
     v_eff = np.where((sched == INTERLEAVED) & (ga >= pp), v, 1)
