@@ -150,21 +150,30 @@ def start_parsl(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path,
 
 
 def stop_parsl(dfk: Any, interrupted: bool = False) -> None:
-    """``dfk.cleanup()`` and ``parsl.clear()``, also when Parsl's interchanges are gone.
+    """Stop Parsl (``dfk.cleanup()``, ``parsl.clear()``) within a deadline, also when its
+    interchanges are gone.
 
     A SIGTERM sent to the driver's whole process group (``timeout``, ``scancel`` of a job
-    that runs the driver, a closed terminal) kills the interchanges along with the driver,
-    and the scale-in that cleanup first sends each executor's interchange would wait for its
-    reply forever. So when the driver was ``interrupted``, each interchange gets up to
-    ``INTERCHANGE_EXIT_GRACE_S`` (one window shared by all: one signal hit them together) to
-    be seen gone; an executor whose interchange has exited is set to its bad state (cleanup
-    then skips its scale-in), and its blocks are cancelled through the provider.
+    that runs the driver, a closed terminal) kills the interchanges along with the driver.
+    Parsl's job-status poller asks each interchange for its connected blocks over a REQ
+    socket with no timeout, and ``cleanup`` joins that poller with no timeout: a poll that
+    meets a dead interchange blocks the poller, and the cleanup with it, forever. So:
+
+    1. the poller is told to stop first, before it can start another query;
+    2. when ``interrupted``, each interchange gets up to ``INTERCHANGE_EXIT_GRACE_S`` (one
+       window for all: one signal hit them together) to be seen gone; an executor whose
+       interchange has exited is set to its bad state (cleanup then skips its scale-in) and
+       its blocks are cancelled through the provider;
+    3. ``cleanup`` runs with a deadline (``CLEANUP_DEADLINE_S``); a cleanup still waiting on
+       a dead peer then is left behind (its thread is a daemon), and every executor's
+       interchange is killed and its blocks cancelled here instead.
     """
     import parsl
 
     handler = dfk.config.retry_handler
     if isinstance(handler, functools.partial) and "stopping" in handler.keywords:
         handler.keywords["stopping"].set()  # apps failed by the shutdown are not retried
+    dfk.job_status_poller._kill_event.set()  # no new query to an interchange that may be gone
     deadline = time.monotonic() + (INTERCHANGE_EXIT_GRACE_S if interrupted else 0.0)
     for executor in dfk.executors.values():
         process = getattr(executor, "interchange_proc", None)
@@ -172,20 +181,42 @@ def stop_parsl(dfk: Any, interrupted: bool = False) -> None:
             continue
         executor.set_bad_state_and_fail_all(RuntimeError(
             f"the {executor.label} executor's interchange exited ({process.returncode})"))
-        job_ids = [job for job in executor.blocks_to_job_id.values() if job]
-        if job_ids and executor.provider is not None:
-            try:
-                executor.provider.cancel(job_ids)
-            except Exception as error:  # noqa: BLE001 - cleanup goes on; say what is left
-                print(f"[pipeline] could not cancel {executor.label} blocks {job_ids}: {error}",
-                      file=sys.stderr, flush=True)
-    dfk.cleanup()
+        _cancel_blocks(executor)
+    cleanup = threading.Thread(target=dfk.cleanup, name="parsl-cleanup", daemon=True)
+    cleanup.start()
+    cleanup.join(CLEANUP_DEADLINE_S[interrupted])
+    if cleanup.is_alive():
+        print(f"[pipeline] Parsl's cleanup did not finish in {CLEANUP_DEADLINE_S[interrupted]:.0f} "
+              "s (a peer it waits on is gone): killing its interchanges and cancelling its "
+              "blocks", file=sys.stderr, flush=True)
+        for executor in dfk.executors.values():
+            process = getattr(executor, "interchange_proc", None)
+            if process is not None and process.poll() is None:
+                process.kill()
+            _cancel_blocks(executor)
     parsl.clear()
 
 
 INTERCHANGE_EXIT_GRACE_S = 3.0
 """How long an interrupted driver waits to see its interchanges exit (a loaded machine may
 take a moment to run a signalled process's exit)."""
+
+CLEANUP_DEADLINE_S = {False: 60.0, True: 3.0}
+"""How long ``dfk.cleanup`` may take: after a normal run (HTEX gives a live interchange up
+to 10 s to exit) and after an interrupt (the user waits for the prompt)."""
+
+
+def _cancel_blocks(executor: Any) -> None:
+    """Cancel an executor's blocks through its provider (local worker pools, Slurm jobs)."""
+    blocks = getattr(executor, "blocks_to_job_id", {})  # Parsl's internal thread pool has none
+    job_ids = [job for job in blocks.values() if job]
+    if not job_ids or executor.provider is None:
+        return
+    try:
+        executor.provider.cancel(job_ids)
+    except Exception as error:  # noqa: BLE001 - cleanup goes on; say what is left
+        print(f"[pipeline] could not cancel {executor.label} blocks {job_ids}: {error}",
+              file=sys.stderr, flush=True)
 
 
 def _alive_until(process: Any, deadline: float) -> bool:

@@ -22,6 +22,8 @@ import pytest
 
 from stages import tracking
 from tests.reliability.test_resume import (
+    CONFIG,
+    REPO,
     Driver,
     checkpoints,
     poll,
@@ -161,3 +163,50 @@ def test_ranks_die_with_a_killed_launcher(
     assert code == 1, f"exit {code}:\n{console[-3000:]}"
     assert "train failed:" in console, console[-3000:]
     assert train_status(runs_dir)["state"] == "failed"
+
+
+def wait_for(what: str, check, timeout: float = 60.0) -> None:
+    """Call ``check`` until it returns something truthy; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def _poller_waits_on(dfk, call: str) -> bool:
+    """Whether Parsl's job-status poller thread is inside ``call`` right now."""
+    import sys
+    import traceback
+
+    thread = dfk.job_status_poller._thread
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and any(f.name == call for f in traceback.extract_stack(frame))
+
+
+def test_shutdown_ends_when_the_poller_waits_on_a_dead_interchange(runs_dir: Path) -> None:
+    # The cause of a hang after a group SIGTERM: the poller's status query to an interchange
+    # the same signal killed blocks forever, and Parsl's cleanup joins the poller forever.
+    import threading
+
+    from stages.config import load_config
+    from workflows import sites
+
+    cfg = load_config(REPO / CONFIG, [f"tracking.runs_dir={runs_dir}"])
+    dfk = sites.start_parsl(cfg, runs_dir, runs_dir / "parsl")
+    wait_for("two worker pools", lambda: len(processes_of(runs_dir)) >= 2)
+    for executor in dfk.executors.values():
+        process = getattr(executor, "interchange_proc", None)
+        if process is not None:
+            process.kill()
+            process.wait()
+    wait_for("the poller stuck on a dead interchange",
+             lambda: _poller_waits_on(dfk, "connected_blocks"))
+
+    stopper = threading.Thread(target=sites.stop_parsl, args=(dfk, True), daemon=True)
+    started = time.monotonic()
+    stopper.start()
+    limit = sites.INTERCHANGE_EXIT_GRACE_S + sites.CLEANUP_DEADLINE_S[True] + 2.0
+    stopper.join(limit)
+    assert not stopper.is_alive(), f"stop_parsl still ran {limit} s after it was called"
+    assert time.monotonic() - started < limit
+    wait_for("the worker pools gone", lambda: not processes_of(runs_dir), timeout=10.0)
