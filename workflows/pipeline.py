@@ -218,7 +218,9 @@ def _fail_open_attempt(ctx, opened_future, error: BaseException) -> None:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM stops the driver like Ctrl-C."""
+    """SIGTERM and SIGINT stop the driver like Ctrl-C. Both are set explicitly while it runs:
+    a driver started in the background by a script inherits SIGINT ignored, and a
+    ``kill -INT`` (or a group SIGINT) must stop it all the same."""
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -298,7 +300,8 @@ def run_pipeline(
     running = [p.name for p in plans if p.action in ("run", "force")]
     dfk = sites.start_parsl(cfg, runs_dir, parsl_dir, running)
     runs: dict[str, StageRun] = {}
-    previous_handler = signal.signal(signal.SIGTERM, _interrupt)
+    previous_handlers = {sig: signal.signal(sig, _interrupt)
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
     interrupted = False
     try:
         runs = _submit(cfg, plans, ctx, log_dir)
@@ -312,7 +315,8 @@ def run_pipeline(
     finally:
         # Stops the workers; local ranks die with them (stages.launch).
         sites.stop_parsl(dfk, interrupted)
-        signal.signal(signal.SIGTERM, previous_handler)
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         try:
             _fail_running(ctx, runs, runs_dir)
         except Exception as error:  # noqa: BLE001 - must not hide the stage's own error
