@@ -245,7 +245,7 @@ KillWait=5
 # A node whose slurmd stops answering is DOWN (and its jobs NODE_FAIL) after 15 s, not the
 # default 5 minutes: the node-loss test waits for it. ReturnToService=2 above returns it to
 # service as soon as its slurmd registers again. JobRequeue stays Slurm's default (1), as on
-# most sites: the project's blocks ask for --no-requeue themselves (workflows.sites).
+# most sites: the project's blocks ask for --no-requeue themselves (workflows.executors).
 SlurmdTimeout=15
 InactiveLimit=0
 $NODE_LINES

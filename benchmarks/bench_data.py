@@ -152,7 +152,7 @@ def measure_scaling(cfg, out: Path, tracker, run_dir: Path, reps: int) -> dict[i
     from parsl.executors import HighThroughputExecutor
     from parsl.providers import LocalProvider
 
-    from workflows.sites import interchange_command
+    from workflows.executors import interchange_command
 
     n = tokenize.prepare(cfg, {}, out, tracker)
     bin_dir = Path(sys.executable).parent

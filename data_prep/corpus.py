@@ -23,7 +23,7 @@ import numpy as np
 from data_prep.atomic import write_json_atomic
 from data_prep.config import DataConfig
 from data_prep.errors import DataError
-from data_prep.sources import FEATURES, load_source
+from data_prep.sources import load_source, text_features
 
 BATCH = 2048
 CORPUS = "corpus"
@@ -151,8 +151,8 @@ def load_corpus(cfg: DataConfig, cache_dir: Path) -> tuple[datasets.Dataset, lis
             ds = load_source(cfg, cache_dir, source=spec, key=key)
         except DataError as err:
             raise DataError(str(err) if key in str(err) else f"{key}: {err}") from None
-        if ds.features != FEATURES:  # e.g. large_string from parquet: one schema to concatenate
-            ds = ds.cast(FEATURES)
+        if ds.features != text_features():  # e.g. large_string from parquet: one schema
+            ds = ds.cast(text_features())
         parts.append(ds)
         ranges.append({"label": label, "source": spec, "start": start, "stop": start + len(ds)})
         start += len(ds)

@@ -25,18 +25,25 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-
-import datasets
-from datasets.exceptions import DatasetGenerationError
+from typing import TYPE_CHECKING
 
 from data_prep.config import DataConfig
 from data_prep.errors import DataError
+
+if TYPE_CHECKING:  # datasets loads in ~1 s: only the functions that load data import it
+    import datasets
 
 TEXT_SUFFIXES = (".txt",)
 JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
-FEATURES = datasets.Features({"text": datasets.Value("string")})
+
+
+def text_features() -> datasets.Features:
+    """The one schema every loaded source has: a string column ``text``."""
+    import datasets
+
+    return datasets.Features({"text": datasets.Value("string")})
 
 
 def stdlib_files() -> list[Path]:
@@ -140,12 +147,15 @@ def _generate(files: tuple[str, ...], field: str, skip_undecodable: bool, max_by
 
 def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undecodable: bool,
                 source: str, key: str) -> datasets.Dataset:
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
     # Tuples, not lists: datasets splits list-valued gen_kwargs into separate generator calls.
     stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     try:
         return datasets.Dataset.from_generator(
             _generate,
-            features=FEATURES,
+            features=text_features(),
             cache_dir=str(cache_dir),
             gen_kwargs={
                 "files": tuple(str(p) for p in files),
@@ -170,6 +180,8 @@ def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undeco
 
 def _select_text(ds: datasets.Dataset, cfg: DataConfig, where: str) -> datasets.Dataset:
     """Keep the text field (as 'text'), drop empty/oversized rows, cap the count."""
+    import datasets
+
     if cfg.text_field not in ds.column_names:
         raise DataError(
             f"{where}: no column {cfg.text_field!r} (columns: {', '.join(ds.column_names)}); "
@@ -248,6 +260,8 @@ def load_source(cfg: DataConfig, cache_dir: str | Path, source: str | None = Non
     other ``cfg`` fields (text_field, limits) apply to it. ``cache_dir`` holds the datasets
     cache (keep it under the stage's directory or the runs directory, never the user's home).
     """
+    import datasets
+
     datasets.disable_progress_bars()  # tokenization prints its own progress lines
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -44,76 +44,16 @@ from data_prep.store import SplitReader, StoreInfo, open_store
 from model.config import vocab_fit_problem
 from model.evaluation.loss import plan_windows
 from model.evaluation.shards import DEFAULT_SHARD_BYTES
-from stages import launch, tracking
+from stages import tracking
+from stages.checks import EvaluationError, check_evaluate, ranks_problem
 from stages.config import PipelineConfig
-from stages.launch import RankSpec
-from stages.stage import ALLOCATION, RANKS, SINGLE, StageShape
+from stages.launch import SPEC_FILE, RankSpec
+from stages.registry import declaration
 
-SECTIONS = ("eval",)
-UPSTREAM = ("tokenize", "train")
-RESUMABLE = False
-WORKER = "stages.eval_worker"
-
-
-def shape(cfg: PipelineConfig) -> StageShape:
-    """Ranks when ``eval.ranks`` > 1; else one app computes everything in one process (a
-    separate rank process would only add its start-up, ~5 s of the tiny preset's run).
-    Under Slurm every part runs in the training block's allocation, on its first node
-    (a training layout with more ranks than a training node: on as many nodes as it needs)."""
-    if cfg.eval.ranks > 1:
-        layout = " (training layout)" if cfg.eval.layout == "training" else ""
-        return StageShape(RANKS, nproc=cfg.eval.ranks, nodes=eval_nodes(cfg), worker=WORKER,
-                          note=f"on {cfg.eval.ranks} ranks{layout}", placement=ALLOCATION)
-    return StageShape(SINGLE, note="in one process", placement=ALLOCATION)
 SPLIT = "validation"
-SPEC_FILE = "spec.json"
 LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
 GENERATIONS_FILE = "generations.json"  # written by rank 0 with eval.layout=training
 EXPORT_SHARD_BYTES = DEFAULT_SHARD_BYTES  # safetensors shard size of the hf/ export
-
-
-class EvaluationError(ValueError):
-    """Inputs that cannot be evaluated together; the message says what to change."""
-
-
-# -- checks -----------------------------------------------------------------------------
-def eval_nodes(cfg: PipelineConfig) -> int:
-    """Nodes of the evaluation ranks: one, except a training layout with more ranks than a
-    training node holds, which spreads like the training ranks (``parallel.ranks_per_node``)."""
-    per_node = cfg.parallel.ranks_per_node
-    if cfg.eval.layout == "training" and cfg.eval.ranks > per_node:
-        return -(-cfg.eval.ranks // per_node)
-    return 1
-
-
-def check(cfg: PipelineConfig) -> None:
-    """Pre-flight (before any stage runs): with ``eval.layout=training``, ``eval.ranks`` fits
-    the training allocation and, where the config fixes them, ``parallel.tp`` x ``parallel.pp``.
-    ``prepare`` checks it again against the plan the checkpoint was trained with."""
-    if cfg.eval.layout != "training":
-        return
-    ranks, par = cfg.eval.ranks, cfg.parallel
-    if ranks > par.nproc:
-        raise EvaluationError(
-            f"eval.ranks={ranks} with eval.layout=training: the evaluation ranks take the "
-            f"training layout inside the training allocation of parallel.nproc={par.nproc} "
-            f"ranks: set eval.ranks <= {par.nproc} (eval.ranks={par.nproc} always fits)")
-    if par.tp and par.pp and ranks % (par.tp * par.pp):
-        raise EvaluationError(_ranks_problem(ranks, par.tp, par.pp, par.nproc,
-                                             "parallel.tp x parallel.pp"))
-    if ranks > par.ranks_per_node and ranks % par.ranks_per_node:
-        raise EvaluationError(
-            f"eval.ranks={ranks} with eval.layout=training spans nodes of "
-            f"{par.ranks_per_node} ranks (parallel.nproc / parallel.nodes): make it a "
-            f"multiple of {par.ranks_per_node} or at most {par.ranks_per_node}")
-
-
-def _ranks_problem(ranks: int, tp: int, pp: int, nproc: int, where: str) -> str:
-    size = tp * pp
-    return (f"eval.layout=training: the model is split over tp={tp} x pp={pp} = {size} ranks "
-            f"({where}), so the evaluation ranks come in groups of {size}; eval.ranks={ranks} "
-            f"is not a multiple of {size}: set eval.ranks={size} (or a multiple of it up to "
-            f"parallel.nproc={nproc})")
 
 
 def training_layout(cfg: PipelineConfig, train_outputs: dict[str, Any]) -> dict[str, int] | None:
@@ -134,7 +74,7 @@ def training_layout(cfg: PipelineConfig, train_outputs: dict[str, Any]) -> dict[
     tp, pp, ranks = int(plan["tp"]), int(plan["pp"]), cfg.eval.ranks
     if ranks % (tp * pp):
         where = f"the plan checkpoint {train_outputs.get('checkpoint')} was trained with"
-        raise EvaluationError(_ranks_problem(ranks, tp, pp, cfg.parallel.nproc, where))
+        raise EvaluationError(ranks_problem(ranks, tp, pp, cfg.parallel.nproc, where))
     if tp * pp == 1:
         return None
     return {"tp": tp, "pp": pp, "dp": ranks // (tp * pp)}
@@ -152,7 +92,7 @@ def training_tokenizer_hash(train_outputs: dict[str, Any]) -> tuple[str | None, 
     if "tokenizer_hash" in train_outputs and not train_outputs.get("store"):
         return None, "trained on synthetic tokens"
     raise EvaluationError(
-        "the train outputs carry no tokenizer_hash (they come from an older version): "
+        "the train outputs carry no tokenizer_hash, so the store it was trained on is unknown: "
         "rerun the train stage (python -m workflows.pipeline --from train)"
     )
 
@@ -288,13 +228,12 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     except ValueError as err:
         raise EvaluationError(str(err)) from None
     hf_class = hf_class_name(cfg.model.family)  # refuse an unexportable family before work
-    check(cfg)
+    check_evaluate(cfg)
     layout = training_layout(cfg, train_out)
     for name in (LOSS_FILE, GENERATIONS_FILE):
         (out_dir / name).unlink(missing_ok=True)
-    spec = RankSpec(
-        worker=WORKER, nproc=cfg.eval.ranks, nodes=eval_nodes(cfg),
-        out_dir=str(out_dir.resolve()),
+    spec = RankSpec.for_shape(
+        declaration("evaluate").shape(cfg), out_dir=str(out_dir.resolve()),
         config=cfg.to_dict(), store=str(store.path),
         extra={
             "checkpoint": str(train_out["checkpoint"]),
@@ -309,15 +248,84 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     return str(spec.write(out_dir / SPEC_FILE))
 
 
-def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any) -> dict[str, Any]:
-    """Read the ranks' loss.json; write generations, lm-eval, export, plots and the report;
-    log it all to MLflow; return the stage outputs."""
+def _loss_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The MLflow metrics of the ranks' held-out loss (per source when there are several)."""
+    metrics = {"val_loss": result["val_loss"], "perplexity": result["perplexity"],
+               "eval_tokens": result["tokens"],
+               "eval_tokens_per_s": result["tokens"] / result["eval_seconds"],
+               "eval_ranks": result["ranks"]}
+    if len(result["per_source"]) > 1:
+        for name, src in result["per_source"].items():
+            metrics[f"val_loss.{name}"] = src["val_loss"]
+            metrics[f"perplexity.{name}"] = src["perplexity"]
+    return metrics
+
+
+def _generations(cfg: PipelineConfig, extra: dict[str, Any], eos_id: int,
+                 out_dir: Path) -> tuple[list[dict[str, str]], Any, Any]:
+    """(generations, model, tokenizer): read from the ranks with the training layout (no
+    process here loads the model; model and tokenizer are None), else generated here."""
     from tokenizers import Tokenizer
 
-    from model.evaluation.export_hf import export_checkpoint
-    from model.evaluation.generate import format_generations, generate_text
+    from model.evaluation.generate import generate_text
     from model.training.checkpoint import load_for_inference
+
+    if extra.get("layout"):
+        ranked = _read_json(out_dir / GENERATIONS_FILE, "the evaluation ranks did not finish")
+        return ([{k: item[k] for k in ("prompt", "greedy", "sampled")}
+                 for item in ranked["generations"]], None, None)
+    model = load_for_inference(extra["checkpoint"], cfg.model)
+    tokenizer = Tokenizer.from_file(extra["tokenizer"])
+    generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
+                                cfg.eval.temperature, cfg.train.seed, eos_id)
+    return generations, model, tokenizer
+
+
+def _plots(tracker: Any, result: dict[str, Any], plots_dir: Path) -> str | None:
+    """Loss, learning rate and tokens/s of the train run, and perplexity, as PNGs; the train
+    run's id."""
     from model.training.plots import plot_perplexity, plot_training
+
+    plots_dir.mkdir(exist_ok=True)
+    train_run_id, histories = _train_histories(tracker)
+    plot_training(histories, plots_dir)
+    plot_perplexity(histories.get("loss", []), result["perplexity"],
+                    {n: s["perplexity"] for n, s in result["per_source"].items()},
+                    plots_dir / "perplexity.png")
+    return train_run_id
+
+
+def _report(spec: RankSpec, store: StoreInfo, result: dict[str, Any],
+            generations: list[dict[str, str]], lm_eval_results: dict[str, dict[str, float]],
+            hf_dir: Path, train_run_id: str | None) -> dict[str, Any]:
+    """report.json's contents."""
+    extra = spec.extra
+    loss_keys = ("val_loss", "perplexity", "tokens", "windows", "seq_len", "per_source")
+    return {
+        "checkpoint": extra["checkpoint"],
+        "store": store.path,
+        "split": extra["split"],
+        **{k: result[k] for k in loss_keys},
+        "eval_ranks": result["ranks"],
+        "eval_layout": extra.get("layout") or "replicas",
+        "windows_per_rank": result["windows_per_rank"],
+        "eval_device": result.get("device", "cpu"),
+        "tokenizer_check": extra["tokenizer_check"],
+        "eval_seconds": result["eval_seconds"],
+        "generations": generations,
+        "lm_eval": lm_eval_results,
+        "hf_export": hf_dir.name,  # relative: the stage directory moves when published
+        "hf_class": extra["hf_class"],
+        "train_run_id": train_run_id,
+        "host": socket.gethostname(),  # where finalize ran (a compute node under Slurm)
+    }
+
+
+def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any) -> dict[str, Any]:
+    """Read the ranks' loss.json; export, generate, run lm-eval, plot and write the report;
+    log it all to MLflow; return the stage outputs."""
+    from model.evaluation.export_hf import export_checkpoint
+    from model.evaluation.generate import format_generations
 
     out_dir = Path(out_dir)
     if not (out_dir / SPEC_FILE).is_file():
@@ -327,69 +335,27 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
     extra = spec.extra
     result = _read_json(out_dir / LOSS_FILE, "the evaluation ranks did not finish")
     store = open_store(spec.store)
-    reader = SplitReader(store, extra["split"])
-    eval_s, ranks = result["eval_seconds"], result["ranks"]
     print(f"[evaluate] val_loss {result['val_loss']:.4f} perplexity {result['perplexity']:.2f} "
-          f"over {result['tokens']:,} tokens on {ranks} rank(s) in {eval_s:.1f}s", flush=True)
-    metrics = {"val_loss": result["val_loss"], "perplexity": result["perplexity"],
-               "eval_tokens": result["tokens"], "eval_tokens_per_s": result["tokens"] / eval_s,
-               "eval_ranks": ranks}
-    if len(result["per_source"]) > 1:
-        for name, src in result["per_source"].items():
-            metrics[f"val_loss.{name}"] = src["val_loss"]
-            metrics[f"perplexity.{name}"] = src["perplexity"]
+          f"over {result['tokens']:,} tokens on {result['ranks']} rank(s) in "
+          f"{result['eval_seconds']:.1f}s", flush=True)
+    metrics = _loss_metrics(result)
 
     # Streamed from the checkpoint, one tensor at a time: the export never holds the model.
     hf_dir = export_checkpoint(extra["checkpoint"], cfg.model, out_dir / "hf",
                                tokenizer_file=extra["tokenizer"],
                                eos_token=cfg.tokenizer.eos_token, shard_bytes=EXPORT_SHARD_BYTES)
-
-    layout = extra.get("layout")
-    if layout:  # computed by the ranks: no process here loads the model
-        ranked = _read_json(out_dir / GENERATIONS_FILE, "the evaluation ranks did not finish")
-        generations = [{k: item[k] for k in ("prompt", "greedy", "sampled")}
-                       for item in ranked["generations"]]
-    else:
-        model = load_for_inference(extra["checkpoint"], cfg.model)
-        tokenizer = Tokenizer.from_file(extra["tokenizer"])
-        generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
-                                    cfg.eval.temperature, cfg.train.seed, store.eos_id)
+    generations, model, tokenizer = _generations(cfg, extra, store.eos_id, out_dir)
     gen_path = _write_text(out_dir / "generations.txt",
                            format_generations(generations, cfg.eval.temperature))
-
     lm_eval_results = {}
-    if cfg.eval.tasks and not layout:  # EvalConfig refuses tasks with the training layout
+    if cfg.eval.tasks and model is not None:  # EvalConfig refuses tasks with the training layout
+        reader = SplitReader(store, extra["split"])
         lm_eval_results = _lm_eval(cfg, model, tokenizer, store.eos_id, reader, out_dir)
         for task, values in lm_eval_results.items():
             metrics.update({f"{task}.{k}": v for k, v in values.items()})
-
     plots_dir = out_dir / "plots"
-    plots_dir.mkdir(exist_ok=True)
-    train_run_id, histories = _train_histories(tracker)
-    plot_training(histories, plots_dir)
-    plot_perplexity(histories.get("loss", []), result["perplexity"],
-                    {n: s["perplexity"] for n, s in result["per_source"].items()},
-                    plots_dir / "perplexity.png")
-
-    loss_keys = ("val_loss", "perplexity", "tokens", "windows", "seq_len", "per_source")
-    report = {
-        "checkpoint": extra["checkpoint"],
-        "store": store.path,
-        "split": extra["split"],
-        **{k: result[k] for k in loss_keys},
-        "eval_ranks": ranks,
-        "eval_layout": layout or "replicas",
-        "windows_per_rank": result["windows_per_rank"],
-        "eval_device": result.get("device", "cpu"),
-        "tokenizer_check": extra["tokenizer_check"],
-        "eval_seconds": eval_s,
-        "generations": generations,
-        "lm_eval": lm_eval_results,
-        "hf_export": hf_dir.name,  # relative: the stage directory moves when published
-        "hf_class": extra["hf_class"],
-        "train_run_id": train_run_id,
-        "host": socket.gethostname(),  # where finalize ran (a compute node under Slurm)
-    }
+    train_run_id = _plots(tracker, result, plots_dir)
+    report = _report(spec, store, result, generations, lm_eval_results, hf_dir, train_run_id)
     report_path = _write_text(out_dir / "report.json", json.dumps(report, indent=2))
     md_path = _write_text(out_dir / "report.md", report_markdown(report))
 
@@ -401,7 +367,8 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
     tracker.log_artifact(hf_dir, "hf")
     outputs = {"report": str(report_path), "val_loss": result["val_loss"],
                "perplexity": result["perplexity"], "tokens": result["tokens"],
-               "eval_ranks": ranks, "hf_export": str(hf_dir), "generations": str(gen_path)}
+               "eval_ranks": result["ranks"], "hf_export": str(hf_dir),
+               "generations": str(gen_path)}
     if cfg.eval.log_model:
         outputs["model_uri"] = tracking.log_hf_model(
             tracker.uri, tracker.run_id, hf_dir, max_new_tokens=cfg.eval.generate_tokens,
@@ -410,14 +377,11 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
 
 
 def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
-    """prepare + the held-out loss (in this process for eval.ranks == 1, else ranks started
-    by ``stages.launch.run_local``) + finalize; see the module docstring."""
+    """The single-app shape (``eval.ranks`` = 1): prepare, the held-out loss in this
+    process, finalize. With more ranks the stage runs as ranks: prepare, the ranks,
+    finalize (see the module docstring)."""
     from stages import eval_worker
 
     spec_path = prepare(cfg, inputs, out_dir, tracker)
-    spec = RankSpec.read(spec_path)
-    if spec.nproc == 1:
-        eval_worker.run_single(spec)
-    else:
-        launch.run_local(spec_path, Path(out_dir) / "eval-ranks.log", what="evaluation")
+    eval_worker.run_single(RankSpec.read(spec_path))
     return finalize(cfg, out_dir, [], tracker)

@@ -6,7 +6,7 @@ refinement) writes a ``RankSpec`` as JSON, then ``nproc`` processes each run
 
 - on this machine with ``torchrun --standalone`` (``local_command`` / ``run_local``);
 - under Slurm, the workflow puts the same worker line after ``$PARSL_MPI_PREFIX`` (an
-  ``srun`` line composed by Parsl's MPIExecutor; see ``workflows.sites.ranks_command``).
+  ``srun`` line composed by Parsl's MPIExecutor; see ``workflows.ranks.ranks_command``).
 
 Every rank calls ``die_with_parent`` first, so no rank outlives its launcher and writes into
 a stage directory after the stage was declared failed. A rank that rejects its input
@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.atomic import write_json_atomic
+from stages.shape import StageShape
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SPEC_FILE = "spec.json"
+"""What a ranks stage's ``prepare`` writes in its work directory: the ranks' ``RankSpec``."""
 RANK_ERROR_FILE = "rank-error.json"
 USER_ERROR_EXIT = 3  # a rank refused its input: retrying cannot help
 
@@ -72,6 +75,11 @@ class RankSpec:
     @property
     def ranks_per_node(self) -> int:
         return self.nproc // self.nodes
+
+    @classmethod
+    def for_shape(cls, shape: StageShape, **fields: Any) -> RankSpec:
+        """The spec of a ranks stage's shape: its worker, rank and node counts."""
+        return cls(worker=shape.worker, nproc=shape.nproc, nodes=shape.nodes, **fields)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -29,18 +29,8 @@ from model.planner.plan import Plan, PlanError
 from model.planner.search import SearchResult, explain, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
 from stages import launch
-from stages.launch import RankSpec
-from stages.stage import SINGLE, StageShape
-
-SECTIONS = ("model", "parallel", "train")
-UPSTREAM = ("tokenize",)  # checks that the store's vocabulary fits the model
-RESUMABLE = False
-
-
-def shape(cfg: Any) -> StageShape:
-    """One app (the search is cheap; measured refinement launches its own ranks)."""
-    return StageShape(SINGLE)
-
+from stages.launch import SPEC_FILE, RankSpec
+from stages.registry import TRAIN_WORKER  # measures with stages.train_worker (in the key)
 
 MEASURE_STEPS = 4
 
@@ -153,16 +143,14 @@ def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE
     ``stages.launch``; safe to run several at once (torchrun --standalone picks a free port,
     each in its own out_dir).
     """
-    from stages.train import WORKER  # the training worker, on synthetic tokens
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = cfg.to_dict()
     raw["parallel"].update(nproc=plan.world_size, nodes=1)
-    spec = RankSpec(worker=WORKER, nproc=plan.world_size, nodes=1,
+    spec = RankSpec(worker=TRAIN_WORKER, nproc=plan.world_size, nodes=1,
                     out_dir=str(out_dir.resolve()), config=raw, plan=plan.to_dict(), steps=steps,
                     peak_tflops=peak_tflops)
-    spec_path = spec.write(out_dir / "spec.json")
+    spec_path = spec.write(out_dir / SPEC_FILE)
     t0 = time.perf_counter()
     result: dict[str, Any] = {"plan": plan.to_dict(), "ok": False}
     log = out_dir / "worker.log"
@@ -380,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["SECTIONS", "choose", "main", "measure_plan", "predict_plan", "run"]
+__all__ = ["choose", "main", "measure_plan", "predict_plan", "run"]
 
 if __name__ == "__main__":
     sys.exit(main())

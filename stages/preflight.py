@@ -1,39 +1,36 @@
 """Pre-flight: the cheap input checks of every stage a run will compute, before any work.
 
-A stage module may define ``check(cfg) -> None`` (see ``stages.registry``). ``preflight``
-calls it for each stage this invocation will run or force, by the driver's own rule
+Each stage's declaration may name a check (``stages.checks``). ``preflight`` calls it for
+each stage this invocation will run or force, by the driver's own rule
 (``stages.selection.plan_stages``): a reused stage is not checked (its inputs may be gone).
 Nothing is written and no worker is started, so a bad input costs a second, not a Parsl
 start-up and a corpus load.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
 from stages.config import PipelineConfig
-from stages.registry import stage_module
+from stages.registry import StageDeclaration, declaration
 from stages.selection import plan_stages
 
 
 def stages_to_compute(cfg: PipelineConfig, only: str | None = None, start: str | None = None,
-                      force: bool = False) -> list[tuple[str, ModuleType]]:
-    """The stages the driver will run or force (not reuse or skip), in order, with their
-    modules (``stages.selection.plan_stages`` decides)."""
-    return [(p.name, stage_module(p.name)) for p in plan_stages(cfg, only, start, force)
+                      force: bool = False) -> list[StageDeclaration]:
+    """The stages the driver will run or force (not reuse or skip), in order
+    (``stages.selection.plan_stages`` decides)."""
+    return [declaration(p.name) for p in plan_stages(cfg, only, start, force)
             if p.action in ("run", "force")]
 
 
 def preflight(cfg: PipelineConfig, only: str | None = None, start: str | None = None,
               force: bool = False) -> list[str]:
-    """Run ``check(cfg)`` of every stage that will be computed; return their names.
+    """Run the check of every stage that will be computed; return their names.
 
     A failing check raises its ``ValueError`` (``ConfigError``, ``DataError``, ...), whose
     message names the setting and the fix.
     """
     names = []
-    for name, module in stages_to_compute(cfg, only, start, force):
-        check = getattr(module, "check", None)
-        if check is not None:
-            check(cfg)
-        names.append(name)
+    for stage in stages_to_compute(cfg, only, start, force):
+        if stage.check is not None:
+            stage.check(cfg)
+        names.append(stage.name)
     return names

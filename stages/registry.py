@@ -1,31 +1,129 @@
-"""The pipeline's stages and their order; each stage module declares the rest.
+"""The pipeline's stages, declared: what each reads, what it needs, how it runs.
 
-A stage module ``stages/<name>.py`` declares ``SECTIONS`` (the config sections its key
-hashes), ``UPSTREAM`` (the stages whose outputs it consumes), ``RESUMABLE`` (whether a
-failed attempt's work directory is kept to continue from) and ``shape(cfg)`` (see
-``stages.stage.StageShape``). The workflow reads these and knows no stage by name.
+One ``StageDeclaration`` per stage, in pipeline order. The workflow, the key mechanism and
+the pre-flight checks read these and know no stage by name. A declaration is light: it
+imports only the configuration and the shape arithmetic; the module that does the stage's
+work (``module``, under one of the protocols of ``stages.shape``) is imported only where the
+work runs (``StageDeclaration.work``).
 
-A stage module may also define ``check(cfg) -> None``: a cheap pre-flight of its inputs
-(paths exist, files parse, settings fit together) that reads no more than the start of a
-file and writes nothing. It raises a ``ValueError`` subclass (``ConfigError``,
-``DataError``, ...) whose message names the setting and the fix. ``stages.preflight`` runs
-it for every stage a run will compute, before any work; the stage's own checks stay.
+Adding a stage: write its work module (``run``; or ``prepare``/``part``/``finalize``; or
+``prepare``/``finalize`` around a rank worker), then declare it here.
 """
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
-STAGE_ORDER: tuple[str, ...] = ("tokenize", "plan", "train", "evaluate")
+from stages import checks
+from stages.config import PipelineConfig
+from stages.shape import ALLOCATION, COMPUTE, FAN_OUT, RANKS, SINGLE, StageShape, ceil_div
 
 
-def stage_module(name: str) -> ModuleType:
-    """Import ``stages.<name>`` (lazily: training pulls in torch)."""
-    if name not in STAGE_ORDER:
-        raise ValueError(f"unknown stage {name!r}; choose one of {list(STAGE_ORDER)}")
-    return importlib.import_module(f"stages.{name}")
+@dataclass(frozen=True)
+class StageDeclaration:
+    """One stage of the pipeline.
+
+    - ``sections``: the config sections its key hashes (and its MLflow run records);
+    - ``upstream``: the stages whose outputs (and keys) it consumes;
+    - ``resumable``: a failed attempt's work directory is kept to continue from;
+    - ``shape``: how it runs for a config (``stages.shape.StageShape``);
+    - ``module``: the work module; ``worker``: the rank worker module of a ranks stage (both
+      named so the key's code hash follows them);
+    - ``check``: a cheap pre-flight of its inputs, run before any work (``stages.checks``);
+    - ``ranks_log``, ``activity``: where a local run of its ranks logs and what it is called.
+    """
+
+    name: str
+    sections: tuple[str, ...]
+    upstream: tuple[str, ...]
+    shape: Callable[[PipelineConfig], StageShape]
+    module: str
+    resumable: bool = False
+    worker: str = ""
+    check: Callable[[PipelineConfig], None] | None = None
+    ranks_log: str = "ranks.log"
+    activity: str = ""
+
+    def work(self) -> ModuleType:
+        """Import the work module (lazily: training pulls in torch)."""
+        return importlib.import_module(self.module)
+
+
+TRAIN_WORKER = "stages.train_worker"
+EVAL_WORKER = "stages.eval_worker"
+
+
+def _tokenize_shape(cfg: PipelineConfig) -> StageShape:
+    """Fan-out: one part per input shard, on compute nodes under Slurm (``site.tokenize_nodes``
+    nodes, ``site.max_workers`` shards at a time on each)."""
+    return StageShape(FAN_OUT, parts=cfg.data.num_shards, note=f"x{cfg.data.num_shards} shards",
+                      placement=COMPUTE)
+
+
+def _plan_shape(cfg: PipelineConfig) -> StageShape:
+    """One app (the search is cheap; measured refinement launches its own ranks)."""
+    return StageShape(SINGLE)
+
+
+def _train_shape(cfg: PipelineConfig) -> StageShape:
+    """Ranks: ``parallel.nproc`` processes of the train worker on ``parallel.nodes`` nodes."""
+    return StageShape(RANKS, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes,
+                      worker=TRAIN_WORKER, note=f"on {cfg.parallel.nproc} ranks")
+
+
+def eval_nodes(cfg: PipelineConfig) -> int:
+    """Nodes of the evaluation ranks: one, except a training layout with more ranks than a
+    training node holds, which spreads like the training ranks (``parallel.ranks_per_node``)."""
+    per_node = cfg.parallel.ranks_per_node
+    if cfg.eval.layout == "training" and cfg.eval.ranks > per_node:
+        return ceil_div(cfg.eval.ranks, per_node)
+    return 1
+
+
+def _evaluate_shape(cfg: PipelineConfig) -> StageShape:
+    """Ranks when ``eval.ranks`` > 1; else one app computes everything in one process (a
+    separate rank process would only add its start-up, ~5 s of the tiny preset's run).
+    Under Slurm every part runs in the training block's allocation, on its first node
+    (a training layout with more ranks than a training node: on as many nodes as it needs)."""
+    if cfg.eval.ranks > 1:
+        layout = " (training layout)" if cfg.eval.layout == "training" else ""
+        return StageShape(RANKS, nproc=cfg.eval.ranks, nodes=eval_nodes(cfg), worker=EVAL_WORKER,
+                          note=f"on {cfg.eval.ranks} ranks{layout}", placement=ALLOCATION)
+    return StageShape(SINGLE, note="in one process", placement=ALLOCATION)
+
+
+STAGES: tuple[StageDeclaration, ...] = (
+    StageDeclaration("tokenize", sections=("data", "tokenizer"), upstream=(),
+                     shape=_tokenize_shape, module="stages.tokenize",
+                     resumable=True,  # finished shards are kept and not encoded again
+                     check=checks.check_tokenize),
+    StageDeclaration("plan", sections=("model", "parallel", "train"),
+                     upstream=("tokenize",),  # checks that the store's vocabulary fits the model
+                     shape=_plan_shape, module="stages.plan"),
+    StageDeclaration("train", sections=("model", "train"), upstream=("tokenize", "plan"),
+                     shape=_train_shape, module="stages.train", worker=TRAIN_WORKER,
+                     resumable=True,  # a failed attempt's checkpoints are kept and resumed from
+                     ranks_log="train.log", activity="training"),
+    StageDeclaration("evaluate", sections=("eval",), upstream=("tokenize", "train"),
+                     shape=_evaluate_shape, module="stages.evaluate", worker=EVAL_WORKER,
+                     check=checks.check_evaluate, ranks_log="eval-ranks.log",
+                     activity="evaluation"),
+)
+
+STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES)
+_BY_NAME = {s.name: s for s in STAGES}
+
+
+def declaration(name: str) -> StageDeclaration:
+    """The declaration of stage ``name``."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown stage {name!r}; choose one of {list(STAGE_ORDER)}") from None
 
 
 def upstream(name: str) -> tuple[str, ...]:
     """The stages whose outputs (and keys) stage ``name`` consumes."""
-    return tuple(stage_module(name).UPSTREAM)
+    return declaration(name).upstream

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stages import stage
+from stages import keys, outputs
 from stages.config import ConfigError, PipelineConfig
-from stages.registry import STAGE_ORDER, stage_module, upstream
+from stages.outputs import StageResult
+from stages.registry import STAGE_ORDER, declaration
 
 
 @dataclass
@@ -21,31 +22,30 @@ class StagePlan:
     name: str
     key: str
     action: str  # "run", "force", "reuse", "skip" (after the stage given to --only)
-    existing: stage.StageResult | None
+    existing: StageResult | None
     reason: str = ""  # for "run": why an older output of this stage is not reused
 
 
 def stage_ingredients(
     cfg: PipelineConfig, code: dict[str, str] | str
 ) -> dict[str, dict[str, Any]]:
-    """Every stage's key ingredients (``stage.key_ingredients``), from the config and the
-    code hashes alone (no work done)."""
-    ctx_code = stage.PipelineContext("", "", "", "", code)
-    keys: dict[str, str] = {}
+    """Every stage's key ingredients (``stages.keys.key_ingredients``), from the config and
+    the code hashes alone (no work done)."""
+    made: dict[str, str] = {}
     found: dict[str, dict[str, Any]] = {}
     for name in STAGE_ORDER:
-        inputs = {u: keys[u] for u in upstream(name)}
-        found[name] = stage.key_ingredients(
-            name, cfg, stage_module(name).SECTIONS, inputs, ctx_code.code_for(name)
-        )
-        keys[name] = stage.key_of(found[name])
+        stage = declaration(name)
+        inputs = {u: made[u] for u in stage.upstream}
+        found[name] = keys.key_ingredients(name, cfg, stage.sections, inputs,
+                                           keys.code_for(code, name))
+        made[name] = keys.key_of(found[name])
     return found
 
 
 def stage_keys(cfg: PipelineConfig, code: dict[str, str] | str | None = None) -> dict[str, str]:
-    """Every stage's key (``code``: ``stage.code_hashes()`` when not given)."""
-    code = stage.code_hashes() if code is None else code
-    return {n: stage.key_of(i) for n, i in stage_ingredients(cfg, code).items()}
+    """Every stage's key (``code``: ``stages.keys.code_hashes()`` when not given)."""
+    code = keys.code_hashes() if code is None else code
+    return {n: keys.key_of(i) for n, i in stage_ingredients(cfg, code).items()}
 
 
 def plan_stages(
@@ -57,10 +57,10 @@ def plan_stages(
     ``--only STAGE`` recomputes that stage, reuses the stages before it (they must exist)
     and skips the stages after it; ``--from STAGE`` recomputes it and every later stage.
 
-    ``code`` is the per-stage code hash the keys use (``stage.code_hashes()`` when not
+    ``code`` is the per-stage code hash the keys use (``stages.keys.code_hashes()`` when not
     given; the driver computes it once and passes the same to its PipelineContext)."""
-    ingredients = stage_ingredients(cfg, stage.code_hashes() if code is None else code)
-    keys = {n: stage.key_of(i) for n, i in ingredients.items()}
+    ingredients = stage_ingredients(cfg, keys.code_hashes() if code is None else code)
+    stage_keys = {n: keys.key_of(i) for n, i in ingredients.items()}
     runs_dir = cfg.runs_dir
     if only:
         selected = {only}
@@ -70,16 +70,16 @@ def plan_stages(
         selected = set(STAGE_ORDER)
     plans = []
     for name in STAGE_ORDER:
-        existing = stage.find_succeeded(runs_dir, name, keys[name])
+        existing = outputs.find_succeeded(runs_dir, name, stage_keys[name])
         if only and STAGE_ORDER.index(name) > STAGE_ORDER.index(only):
-            plans.append(StagePlan(name, keys[name], "skip", existing))
+            plans.append(StagePlan(name, stage_keys[name], "skip", existing))
             continue
         if name not in selected:
             if existing is None:
                 flag = f"--only {only}" if only else f"--from {start}"
                 raise ConfigError(
                     f"{flag} needs the '{name}' stage's output for the current config "
-                    f"(key {keys[name]}), and there is none: "
+                    f"(key {stage_keys[name]}), and there is none: "
                     f"run the pipeline without {flag.split()[0]} first"
                 )
             action = "reuse"
@@ -87,6 +87,6 @@ def plan_stages(
             action = "force"
         else:
             action = "reuse" if existing is not None else "run"
-        reason = stage.rerun_reason(runs_dir, ingredients[name]) if action == "run" else ""
-        plans.append(StagePlan(name, keys[name], action, existing, reason))
+        reason = keys.rerun_reason(runs_dir, ingredients[name]) if action == "run" else ""
+        plans.append(StagePlan(name, stage_keys[name], action, existing, reason))
     return plans

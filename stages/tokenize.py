@@ -2,9 +2,9 @@
 
 ``prepare`` saves the corpus and trains (or loads) the tokenizer; ``part`` encodes one input
 shard (a contiguous range of documents) into its own store parts (safe to run in parallel
-processes); ``finalize`` checks every part and writes the manifest last, atomically. ``run``
-does the three serially. The store format and how it is written live in ``data_prep``
-(``data_prep.build``); this module wires the configuration, progress lines and tracking.
+processes); ``finalize`` checks every part and writes the manifest last, atomically. The
+store format and how it is written live in ``data_prep`` (``data_prep.build``); this module
+wires the configuration, progress lines and tracking.
 
 Resumable: a failed attempt's directory is kept and the next attempt runs in it. ``prepare``
 keeps the saved corpus and tokenizer of an earlier attempt with the same configuration, and
@@ -24,47 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from data_prep import build, checks
+from data_prep import build
 from data_prep.build import PREPARED, STORE, TOKENIZER
 from data_prep.corpus import open_corpus, prepare_corpus, saved_corpus, training_sample
-from data_prep.errors import DataError
 from data_prep.progress import Progress
 from data_prep.store import MANIFEST
 from data_prep.tokenizer import load_tokenizer, shared_tokenizer, train_tokenizer
-from model.config import vocab_fit_problem
 from stages.config import PipelineConfig
-from stages.stage import COMPUTE, FAN_OUT, StageShape
 
-__all__ = ["PREPARED", "RESUMABLE", "SECTIONS", "STORE", "TOKENIZER", "UPSTREAM", "check",
-           "finalize", "part", "prepare", "run", "shape"]
-
-SECTIONS = ("data", "tokenizer")
-UPSTREAM: tuple[str, ...] = ()
-RESUMABLE = True  # finished shards are kept and not encoded again
-
-
-def shape(cfg: PipelineConfig) -> StageShape:
-    """Fan-out: one part per input shard, on compute nodes under Slurm (``site.tokenize_nodes``
-    nodes, ``site.max_workers`` shards at a time on each)."""
-    return StageShape(FAN_OUT, parts=cfg.data.num_shards, note=f"x{cfg.data.num_shards} shards",
-                      placement=COMPUTE)
-
-
-def check(cfg: PipelineConfig) -> None:
-    """Pre-flight, before any work: the sources and the tokenizer can be used.
-
-    Reads only the start of each input file (``data_prep.checks``): every local source exists
-    and holds non-empty UTF-8 text, JSON and parquet records have ``data.text_field``;
-    ``tokenizer.path`` (when set) loads, knows the eos token and its ids fit
-    ``data.token_dtype`` and ``model.vocab_size``. Raises ``DataError`` naming the key and
-    the fix; ``prepare`` and ``part`` still check the whole input as they read it.
-    """
-    checks.check_sources(cfg.data)
-    vocab = checks.check_tokenizer(cfg.tokenizer, cfg.data)
-    problem = vocab_fit_problem(vocab, cfg.model.vocab_size)
-    if problem:
-        where = f"tokenizer.path {cfg.tokenizer.path!r}: " if cfg.tokenizer.path else ""
-        raise DataError(f"{where}{problem}")
+__all__ = ["PREPARED", "STORE", "TOKENIZER", "finalize", "part", "prepare"]
 
 
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> int:
@@ -180,10 +148,3 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
         "tokenizer_hash": done.info.tokenizer_hash,
         "source_fingerprint": manifest["source_fingerprint"],
     }
-
-
-def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> dict[str, Any]:
-    """prepare + every shard + finalize, in this process."""
-    num_shards = prepare(cfg, inputs, out_dir, tracker)
-    results = [part(cfg, out_dir, i) for i in range(num_shards)]
-    return finalize(cfg, out_dir, results, tracker)

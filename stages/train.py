@@ -1,9 +1,8 @@
-"""The train stage: validate, write the rank spec, launch the ranks, collect the summary.
+"""The train stage's work, a ranks stage: validate and write the rank spec, then collect.
 
-``run`` = ``prepare`` (all checks before any rank starts; writes the ranks' spec.json) +
-``stages.launch.run_local`` (torchrun of ``stages.train_worker``, output streamed) +
-``finalize`` (reads summary.json). Under Slurm the workflow launches the same worker with
-srun from the spec that ``prepare`` wrote.
+``prepare`` makes every check before any rank starts and writes the ranks' spec.json; the
+ranks (``stages.train_worker``) are launched from it by torchrun locally or srun under
+Slurm; ``finalize`` reads their summary.json.
 """
 from __future__ import annotations
 
@@ -14,25 +13,13 @@ from typing import Any
 from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
-from stages import launch
 from stages.config import PipelineConfig
-from stages.launch import RANK_ERROR_FILE, RankSpec
-from stages.stage import RANKS, StageShape
+from stages.launch import RANK_ERROR_FILE, SPEC_FILE, RankSpec
+from stages.registry import declaration
 
-SECTIONS = ("model", "train")
-UPSTREAM = ("tokenize", "plan")
-RESUMABLE = True  # a failed attempt's checkpoints are kept and resumed from
-WORKER = "stages.train_worker"
-SPEC_FILE = "spec.json"
 SUMMARY_FILE = "summary.json"
 LOSS_CURVE_FILE = "loss_curve.png"
 INIT_DIR = "init"  # train.init_from imported from Hugging Face
-
-
-def shape(cfg: PipelineConfig) -> StageShape:
-    """Ranks: ``parallel.nproc`` processes of stages.train_worker on ``parallel.nodes`` nodes."""
-    return StageShape(RANKS, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes, worker=WORKER,
-                      note=f"on {cfg.parallel.nproc} ranks")
 
 
 def _store_vocab(tok: dict[str, Any]) -> int | None:
@@ -97,9 +84,9 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     config = cfg.to_dict()
     if cfg.train.init_from:  # ranks load one of our checkpoints (an HF one imported here)
         config["train"]["init_from"] = str(initial_checkpoint(cfg, out_dir).resolve())
-    spec = RankSpec(worker=WORKER, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes,
-                    out_dir=str(out_dir.resolve()), config=config, plan=plan.to_dict(),
-                    store=tok.get("store"), tracking=tracking, peak_tflops=peak_tflops(cfg, plan))
+    spec = RankSpec.for_shape(declaration("train").shape(cfg), out_dir=str(out_dir.resolve()),
+                              config=config, plan=plan.to_dict(), store=tok.get("store"),
+                              tracking=tracking, peak_tflops=peak_tflops(cfg, plan))
     return str(spec.write(out_dir / SPEC_FILE))
 
 
@@ -132,12 +119,3 @@ def _tokenizer_hash(store: str | None) -> str | None:
     from data_prep.store import open_store
 
     return open_store(store).tokenizer_hash
-
-
-def run(
-    cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker: Any
-) -> dict[str, Any]:
-    """prepare + every rank on this machine (torchrun) + finalize."""
-    spec_path = prepare(cfg, inputs, out_dir, tracker)
-    launch.run_local(spec_path, Path(out_dir) / "train.log", what="training")
-    return finalize(cfg, out_dir, [], tracker)

@@ -8,20 +8,23 @@ import torch
 from data_prep.errors import DataError
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader
-from stages import tokenize
+from stages.inline import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
+
+TOKENIZE = declaration("tokenize")
 
 SEQ = 16
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+def store(tmp_path_factory: pytest.TempPathFactory, seed_store) -> str:
     tmp = tmp_path_factory.mktemp("loader")
     make_corpus(tmp / "corpus", n_docs=60, seed=11)
     cfg = make_cfg(tmp, tmp / "corpus", "data.validation_fraction=0.1")
     out = tmp / "out"
     out.mkdir()
-    return tokenize.run(cfg, {}, out, make_tracker(tmp / "ml")[0])["store"]
+    return run_work(TOKENIZE, cfg, {}, out, make_tracker(tmp / "ml", seed_store)[0])["store"]
 
 
 def run_steps(loader: TokenWindowLoader, steps: int) -> list[torch.Tensor]:

@@ -17,6 +17,10 @@ from model.evaluation.generate import generate_tokens
 from model.evaluation.loss import EmptySplitError, plan_windows
 from model.training.checkpoint import load_for_inference
 from stages import evaluate, tracking
+from stages.inline import run_work
+from stages.registry import declaration
+
+EVALUATE = declaration("evaluate")
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture
 # The first test also builds the session's pipeline (several minutes on 2 busy cores).
@@ -159,7 +163,7 @@ def test_tokenizer_mismatch_is_refused_before_any_work(micro_pipeline, tmp_path)
     out.mkdir()
     with pytest.raises(evaluate.EvaluationError, match=r"trained with tokenizer .*train outputs.* "
                        r"built with tokenizer .*evaluate with the store used for training"):
-        evaluate.run(cfg, {"tokenize": other, "train": train}, out, tracker)
+        run_work(EVALUATE, cfg, {"tokenize": other, "train": train}, out, tracker)
     assert list(out.iterdir()) == []
 
 
@@ -189,7 +193,8 @@ def test_empty_validation_split_is_a_clear_error(micro_pipeline, tmp_path):
     out.mkdir()
     with pytest.raises(evaluate.EvaluationError, match=r"validation split of token store .* has 0 "
                        r"tokens.*raise data.validation_fraction"):
-        evaluate.run(cfg, {"tokenize": {**tok, "store": str(empty)}, "train": train}, out, tracker)
+        run_work(EVALUATE, cfg, {"tokenize": {**tok, "store": str(empty)}, "train": train}, out,
+                 tracker)
     assert list(out.iterdir()) == []
 
 

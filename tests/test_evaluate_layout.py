@@ -9,8 +9,12 @@ import pytest
 from model.evaluation.generate import generate_tokens
 from model.training.checkpoint import load_for_inference
 from stages import evaluate, tracking
+from stages.checks import check_evaluate
 from stages.config import ConfigError
 from stages.eval_worker import GENERATIONS_FILE, LOSS_FILE
+from stages.registry import declaration
+
+EVALUATE = declaration("evaluate")
 
 pytest_plugins = ["tests.evalkit"]  # micro_config, open_pipeline, run_stages
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -22,11 +26,12 @@ TRAINED = ("parallel.nproc=4", "parallel.tp=2", "parallel.pp=2", "train.steps=2"
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, seed_microbench):
+def trained(tmp_path_factory, seed_microbench, seed_store):
     from tests.evalkit import micro_config, open_pipeline, run_stages
 
     runs_dir = tmp_path_factory.mktemp("eval-layout")
     seed_microbench(runs_dir)
+    seed_store(runs_dir)
     cfg = micro_config(runs_dir, *TRAINED)
     ctx = open_pipeline(cfg)
     results = run_stages(cfg, ctx, ("tokenize", "plan", "train"))
@@ -45,7 +50,7 @@ def test_training_layout_gives_the_one_process_loss_and_generations(trained, mon
     one = run_stages(cfg, ctx, ("evaluate",), done=results)["evaluate"]
     layout_cfg = micro_config(Path(ctx.runs_dir), *TRAINED, "eval.layout=training",
                               "eval.ranks=4")
-    shape = evaluate.shape(layout_cfg)
+    shape = EVALUATE.shape(layout_cfg)
     assert (shape.kind, shape.nproc, shape.nodes) == ("ranks", 4, 1)
 
     def no_whole_model(*args, **kwargs):
@@ -99,13 +104,13 @@ def test_layouts_that_cannot_work_are_refused_before_any_rank(trained, tmp_path)
     # Pre-flight, from the config alone: fixed tp x pp, and the training allocation.
     with pytest.raises(evaluate.EvaluationError, match=r"tp=2 x pp=2 = 4 ranks \(parallel\.tp x "
                        r"parallel\.pp\).*eval\.ranks=2 is not a multiple of 4: set eval\.ranks=4"):
-        evaluate.check(micro_config(runs, *TRAINED, "eval.layout=training", "eval.ranks=2"))
+        check_evaluate(micro_config(runs, *TRAINED, "eval.layout=training", "eval.ranks=2"))
     with pytest.raises(evaluate.EvaluationError, match=r"eval\.ranks=8 .*parallel\.nproc=4"):
-        evaluate.check(micro_config(runs, *TRAINED, "eval.layout=training", "eval.ranks=8"))
-    evaluate.check(micro_config(runs, *TRAINED, "eval.ranks=2"))  # replicas: any count
+        check_evaluate(micro_config(runs, *TRAINED, "eval.layout=training", "eval.ranks=8"))
+    check_evaluate(micro_config(runs, *TRAINED, "eval.ranks=2"))  # replicas: any count
     # prepare, against the plan the checkpoint was trained with (tp/pp not fixed here).
     free = micro_config(runs, "parallel.nproc=4", "eval.layout=training", "eval.ranks=2")
-    evaluate.check(free)
+    check_evaluate(free)
     inputs = {"tokenize": results["tokenize"].outputs, "train": results["train"].outputs}
     with pytest.raises(evaluate.EvaluationError, match=r"tp=2 x pp=2 = 4 ranks \(the plan "
                        r"checkpoint .* was trained with\).*set eval\.ranks=4"):

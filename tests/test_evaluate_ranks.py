@@ -7,7 +7,11 @@ import pytest
 
 from stages import evaluate, tracking
 from stages.eval_worker import LOSS_FILE
+from stages.inline import run_work
 from stages.launch import RankSpec
+from stages.registry import declaration
+
+EVALUATE = declaration("evaluate")
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture
 # The first test also builds the session's pipeline (several minutes on 2 busy cores).
@@ -78,7 +82,7 @@ def test_tokenizer_mismatch_fails_in_prepare_before_any_rank(micro_pipeline, tmp
     out = tmp_path / "eval"
     out.mkdir()
     with pytest.raises(evaluate.EvaluationError, match=pattern):
-        evaluate.run(cfg2, inputs, out, tracker)
+        run_work(EVALUATE, cfg2, inputs, out, tracker)
     assert list(out.iterdir()) == [] and list(prepared_dir.iterdir()) == []
 
 

@@ -96,3 +96,46 @@ def test_the_planner_plans_without_torch() -> None:
                          timeout=120, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+HEAVY = ("torch", "datasets", "mlflow")
+"""What the driver's cheapest commands must not import (seconds each on this box)."""
+
+
+def _heavy_imports_of(argv: list[str], tmp_path: Path) -> tuple[int, str, list[str]]:
+    """Run ``workflows.pipeline.main(argv)`` in a fresh interpreter; its exit code, its
+    stderr and the heavy packages it imported."""
+    code = (
+        "import sys\n"
+        "from workflows.pipeline import main\n"
+        f"code = main({argv!r})\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+        "sys.exit(code)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=False)
+    return out.returncode, out.stderr, eval(out.stdout.strip().splitlines()[-1])  # noqa: S307
+
+
+def test_dry_run_imports_neither_torch_nor_datasets_nor_mlflow(tmp_path: Path) -> None:
+    for site in ("local", "slurm", "frontier"):
+        argv = ["--config", "configs/micro.yaml", "--runs-dir", str(tmp_path), "--dry-run",
+                "--site", site, "--set", "site.account=abc123"]
+        code, err, heavy = _heavy_imports_of(argv, tmp_path)
+        assert code == 0, err[-3000:]
+        assert heavy == [], f"--dry-run --site {site} imported {heavy}"
+
+
+def test_preflight_errors_import_neither_torch_nor_datasets_nor_mlflow(tmp_path: Path) -> None:
+    refused = {
+        "a missing corpus": ["data.source=" + str(tmp_path / "missing.txt")],
+        "an evaluation layout that does not fit": ["eval.layout=training", "eval.ranks=3"],
+        "frontier without an account": ["site.name=frontier"],
+    }
+    for what, overrides in refused.items():
+        argv = ["--config", "configs/micro.yaml", "--runs-dir", str(tmp_path / "runs"),
+                "--set", *overrides]
+        code, err, heavy = _heavy_imports_of(argv, tmp_path)
+        assert code == 2, f"{what}: exit {code}\n{err[-3000:]}"
+        assert heavy == [], f"{what}: the refusal imported {heavy}\n{err[-1000:]}"
+        assert not (tmp_path / "runs" / "mlflow.db").exists(), f"{what}: a store was created"

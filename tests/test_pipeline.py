@@ -1,118 +1,39 @@
 """End to end: the micro preset through real Parsl (HTEX), real ranks and MLflow on SQLite.
 
-One runs dir is taken through a user's session by the module fixture ``history``: a first
-run, the same command again, ``--only evaluate``, then ``--dry-run`` with a changed
-evaluation config. Each step's state (its MLflow parent run, every status.json, stdout) is
-recorded when the step ends, so the tests read records and do not depend on each other's
-order. Every run evaluates on 2 ranks (eval.ranks=2), so the evaluate stage's ranks app is
-exercised through Parsl as well as the training ranks.
+One runs dir is taken through a user's session by the session fixture
+``micro_cli_history`` (``tests/micro_cli.py``): a first run, the same command again,
+``--only evaluate``, then ``--dry-run`` with a changed evaluation config. Each step's state
+(its MLflow parent run, every status.json, stdout) is recorded when the step ends, so the
+tests read records and do not depend on each other's order. Every run evaluates on 2 ranks
+(eval.ranks=2), so the evaluate stage's ranks app is exercised through Parsl as well as the
+training ranks. ``test_mlflow_ui.py`` reads the same session's store.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from stages import stage, tracking
+from stages import keys, tracking
 from stages.config import ConfigError, load_config
 from stages.registry import STAGE_ORDER
+from tests.conftest import Console
+from tests.micro_cli import History, children
 from workflows.pipeline import plan_stages
 
-REPO = Path(__file__).resolve().parent.parent
-EVAL_RANKS = ("--set", "eval.ranks=2")
 MICRO_STEPS = 6  # train.steps of configs/micro.yaml
 
 
-def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``python -m workflows.pipeline --config micro`` on ``runs_dir``; it must succeed."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-           "--runs-dir", str(runs_dir), *EVAL_RANKS, *args]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, (f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
-                                  f"\n{proc.stderr[-4000:]}")
-    return proc
+@pytest.fixture
+def history(micro_cli_history: History) -> History:
+    """The session's recorded user session with the CLI (read only)."""
+    return micro_cli_history
 
 
-def parent_ids(runs_dir: Path) -> set[str]:
-    """The ids of every pipeline (parent) run in the runs dir's store."""
-    runs = tracking.search_runs(tracking.default_tracking_uri(runs_dir), "micro")
-    return {r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags}
-
-
-def children(runs_dir: Path, parent_id: str) -> dict:
-    """Stage name -> the stage run nested under ``parent_id``."""
-    uri = tracking.default_tracking_uri(runs_dir)
-    runs = tracking.search_runs(uri, "micro", f"tags.mlflow.parentRunId = '{parent_id}'")
-    return {r.data.tags["stage"]: r for r in runs}
-
-
-def published(runs_dir: Path) -> dict[str, tuple[str, dict, int]]:
-    """Stage name -> (key, status.json, its mtime) of every published stage directory."""
-    found = {}
-    for path in (runs_dir / "stages").glob("*/*/status.json"):
-        if not path.parent.name.endswith(".partial"):
-            found[path.parent.parent.name] = (path.parent.name, json.loads(path.read_text()),
-                                              path.stat().st_mtime_ns)
-    return found
-
-
-@dataclass
-class Step:
-    """One CLI invocation and the state it left."""
-
-    proc: subprocess.CompletedProcess
-    new_parents: set[str]  # pipeline runs this invocation opened
-    stages: dict[str, tuple[str, dict, int]]  # published(runs_dir) right after it
-
-    @property
-    def parent(self) -> str:
-        (parent,) = self.new_parents
-        return parent
-
-
-@dataclass
-class History:
-    runs_dir: Path
-    first: Step
-    report: dict  # the first run's evaluation report.json
-    rerun: Step
-    only_evaluate: Step
-    dry_run: Step
-
-
-@pytest.fixture(scope="module")
-def history(tmp_path_factory, seed_microbench: Callable[[Path], Path]) -> History:
-    """A fresh runs dir through first run -> same run -> --only evaluate -> --dry-run."""
-    runs_dir = tmp_path_factory.mktemp("pipeline") / "runs"
-    runs_dir.mkdir()
-    seed_microbench(runs_dir)
-
-    def step(*args: str) -> Step:
-        before = parent_ids(runs_dir) if (runs_dir / "mlflow.db").exists() else set()
-        proc = run_cli(runs_dir, *args)
-        return Step(proc, parent_ids(runs_dir) - before, published(runs_dir))
-
-    first = step()
-    key = first.stages["evaluate"][0]
-    outputs = json.loads((stage.stage_dir(runs_dir, "evaluate", key) / stage.OUTPUTS_FILE)
-                         .read_text())
-    report = json.loads(Path(outputs["report"]).read_text())
-    rerun = step()
-    only_evaluate = step("--only", "evaluate")
-    dry_run = step("--dry-run", "--set", "eval.max_tokens=1024")
-    return History(runs_dir, first, report, rerun, only_evaluate, dry_run)
-
-
+@pytest.mark.slow
 def test_first_run_logs_one_parent_and_four_finished_stage_runs(history: History) -> None:
     runs_dir, first = history.runs_dir, history.first
     uri = tracking.default_tracking_uri(runs_dir)
@@ -148,6 +69,7 @@ def test_first_run_logs_one_parent_and_four_finished_stage_runs(history: History
     assert f"sqlite:///{runs_dir.resolve()}/mlflow.db" in out and "mlflow ui" in out
 
 
+@pytest.mark.slow
 def test_second_run_reuses_every_stage(history: History) -> None:
     runs_dir, first, rerun = history.runs_dir, history.first, history.rerun
     assert rerun.proc.stdout.count(" reused ") == len(STAGE_ORDER), rerun.proc.stdout
@@ -163,6 +85,7 @@ def test_second_run_reuses_every_stage(history: History) -> None:
         made["evaluate"].data.metrics["val_loss"])
 
 
+@pytest.mark.slow
 def test_only_evaluate_recomputes_only_evaluate(history: History) -> None:
     runs_dir, before, after = history.runs_dir, history.rerun, history.only_evaluate
     assert after.stages["evaluate"][0] == before.stages["evaluate"][0]  # same key, same dir
@@ -178,6 +101,7 @@ def test_only_evaluate_recomputes_only_evaluate(history: History) -> None:
                                                                          rel=1e-6)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_keys_and_runs_nothing(history: History) -> None:
     dry, before = history.dry_run, history.only_evaluate
     assert dry.new_parents == set() and dry.stages == before.stages
@@ -193,9 +117,10 @@ def test_dry_run_prints_keys_and_runs_nothing(history: History) -> None:
     assert re.search(r"evaluate\b[^;\n]*--nproc-per-node 2", dry.proc.stdout), dry.proc.stdout
 
 
+@pytest.mark.slow
 def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_path) -> None:
     cfg = load_config("micro", [f"tracking.runs_dir={history.runs_dir}", "eval.ranks=2"])
-    code = stage.code_hashes()
+    code = keys.code_hashes()
 
     def actions(only=None, start=None, force=False) -> list[str]:
         return [p.action for p in plan_stages(cfg, only, start, force, code)]
@@ -215,12 +140,9 @@ def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_p
         plan_stages(empty, None, "train", False, code)
 
 
-def test_config_error_stops_before_any_work(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "workflows.pipeline", "--runs-dir", str(tmp_path),
-         "--set", "train.stepz=3"],
-        check=False, cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
+def test_config_error_stops_before_any_work(tmp_path: Path,
+                                            pipeline_main: Callable[..., Console]) -> None:
+    proc = pipeline_main("--runs-dir", str(tmp_path), "--set", "train.stepz=3")
     assert proc.returncode == 2
     assert "unknown key 'train.stepz'" in proc.stderr
     assert not any(tmp_path.iterdir())

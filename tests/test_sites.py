@@ -1,4 +1,6 @@
-"""Parsl site configurations: construction for local/slurm/frontier and a golden Frontier script.
+"""The site side of the workflow (workflows.executors, .ranks, .frontier, .dry_run):
+Parsl configurations for local/slurm/frontier, rank launches, site checks, dry runs and
+golden Frontier scripts.
 
 The golden files pin what a Frontier run submits (batch script and rank launch). After an
 intended change, regenerate them and review the diff:
@@ -18,12 +20,26 @@ from parsl.executors.errors import InvalidResourceSpecification
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
-from stages import evaluate, plan, tokenize, train
 from stages.config import ConfigError, load_config
-from stages.launch import USER_ERROR_EXIT, RankSpec
-from stages.stage import RANKS, StageShape
-from workflows import sites
+from stages.launch import REPO_ROOT, USER_ERROR_EXIT, RankSpec
+from stages.registry import declaration
+from stages.shape import RANKS, StageShape
+from workflows.dry_run import batch_script, dry_run_text, srun_line
+from workflows.executors import (
+    BIN_DIR,
+    app_resource_spec,
+    compute_provider,
+    executor_label,
+    interchange_command,
+    make_parsl_config,
+    slurm_provider,
+    worker_init,
+)
+from workflows.frontier import SiteError, check_site
+from workflows.ranks import ranks_command, ranks_resource_spec
 
+TOKENIZE, PLAN, TRAIN, EVALUATE = (declaration(name)
+                                   for name in ("tokenize", "plan", "train", "evaluate"))
 GOLDEN = Path(__file__).parent / "golden"
 FRONTIER_OVERRIDES = [
     "site.name=frontier",
@@ -39,12 +55,12 @@ RUN_DIR = Path("/lustre/orion/abc123/scratch/runs/tiny")
 
 def _normalise(text: str) -> str:
     """Replace machine-specific paths so the golden text is the same on every checkout."""
-    return text.replace(str(sites.REPO_ROOT), "<repo>").replace(str(sites.BIN_DIR), "<bin>")
+    return text.replace(str(REPO_ROOT), "<repo>").replace(str(BIN_DIR), "<bin>")
 
 
-def _srun(cfg, stage=train) -> str:
-    """The srun line of a stage module's ranks under ``cfg``."""
-    return sites.srun_line(cfg, RUN_DIR, stage.__name__.rsplit(".", 1)[-1], stage.shape(cfg))
+def _srun(cfg, stage=TRAIN) -> str:
+    """The srun line of a stage's ranks under ``cfg``."""
+    return srun_line(cfg, RUN_DIR, stage.name, stage.shape(cfg))
 
 
 def _launch(command: str) -> str:
@@ -52,7 +68,7 @@ def _launch(command: str) -> str:
     return next(line for line in command.splitlines() if "-m stages." in line)
 
 
-def _spec(nproc: int, nodes: int = 1, worker: str = train.WORKER) -> RankSpec:
+def _spec(nproc: int, nodes: int = 1, worker: str = TRAIN.worker) -> RankSpec:
     return RankSpec(worker=worker, nproc=nproc, nodes=nodes, out_dir="/runs/st", config={})
 
 
@@ -69,7 +85,7 @@ def _check_golden(name: str, text: str) -> None:
 
 def test_frontier_batch_script_golden():
     cfg = load_config(None, FRONTIER_OVERRIDES)
-    script = _normalise(sites.batch_script(cfg, RUN_DIR))
+    script = _normalise(batch_script(cfg, RUN_DIR))
     _check_golden("frontier_batch.txt", script)
     # The parts that matter on Frontier, stated explicitly as well.
     assert "#SBATCH --nodes=2\n" in script
@@ -97,7 +113,7 @@ def test_frontier_srun_line_golden():
 
 def test_dry_run_shows_the_blocks_and_each_ranks_stage():
     cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=4", "site.tokenize_nodes=3"])
-    text = sites.dry_run_text(cfg, RUN_DIR)
+    text = dry_run_text(cfg, RUN_DIR)
     assert "#SBATCH --nodes=2" in text and "#SBATCH --account=ABC123" in text
     assert "#SBATCH --job-name=parsl.train.block-0\n" in text
     assert "#SBATCH --job-name=parsl.compute.block-0\n" in text
@@ -116,7 +132,7 @@ def test_dry_run_shows_the_blocks_and_each_ranks_stage():
     assert where["plan"] == "one app: login node ('cpu' executor)"
     assert where["train"].startswith("prepare, finalize: login node")
     assert where["evaluate"].startswith("prepare, finalize: allocation ('train' executor")
-    local = sites.dry_run_text(load_config(None), RUN_DIR)
+    local = dry_run_text(load_config(None), RUN_DIR)
     assert "train runs torchrun --nproc-per-node 2" in local and "\n" not in local
     assert "evaluate" not in local  # one evaluation rank runs inside its Python app
 
@@ -129,7 +145,7 @@ def test_frontier_settings_come_from_config():
         "site.rccl_plugin_path=/opt/aws-ofi-rccl/lib",
         "site.qos=debug",
     ])
-    script = sites.batch_script(cfg, RUN_DIR)
+    script = batch_script(cfg, RUN_DIR)
     assert "module load rocm/6.3.1\n" in script
     assert "#SBATCH --qos=debug\n" in script
     launch = _srun(cfg)
@@ -141,11 +157,11 @@ def test_frontier_settings_come_from_config():
 
 def test_frontier_rejects_missing_account_and_overfull_nodes():
     cfg = load_config(None, [o for o in FRONTIER_OVERRIDES if "account" not in o])
-    with pytest.raises(sites.SiteError, match="site.account"):
-        sites.make_parsl_config(cfg, RUN_DIR)
+    with pytest.raises(SiteError, match="site.account"):
+        make_parsl_config(cfg, RUN_DIR)
     cfg = load_config(None, FRONTIER_OVERRIDES + ["parallel.nodes=1"])
-    with pytest.raises(sites.SiteError, match="16 ranks per node"):
-        sites.dry_run_text(cfg, RUN_DIR)
+    with pytest.raises(SiteError, match="16 ranks per node"):
+        dry_run_text(cfg, RUN_DIR)
 
 
 def test_bad_site_values_are_config_errors():
@@ -159,7 +175,7 @@ def test_bad_site_values_are_config_errors():
 
 def test_local_config(tmp_path):
     cfg = load_config(None, ["site.max_workers=3", "site.retries=2"])
-    config = sites.make_parsl_config(cfg, tmp_path)
+    config = make_parsl_config(cfg, tmp_path)
     assert config.run_dir == str(tmp_path / "parsl")
     assert config.retries == 2
     by_label = {e.label: e for e in config.executors}
@@ -168,21 +184,21 @@ def test_local_config(tmp_path):
         assert type(executor) is HighThroughputExecutor
         assert isinstance(executor.provider, LocalProvider)
         assert executor.address == "127.0.0.1"
-        assert f"export PATH={sites.BIN_DIR}:" in executor.provider.worker_init
+        assert f"export PATH={BIN_DIR}:" in executor.provider.worker_init
     assert by_label["cpu"].max_workers_per_node == 3
     assert by_label["train"].max_workers_per_node == 1
-    assert sites.ranks_resource_spec(cfg, train.shape(cfg)) is None
+    assert ranks_resource_spec(cfg, TRAIN.shape(cfg)) is None
 
 
 def test_local_ranks_command():
     cfg = load_config(None, ["parallel.nproc=4"])
-    command = sites.ranks_command(cfg, _spec(4), "/runs/train/spec.json")
+    command = ranks_command(cfg, _spec(4), "/runs/train/spec.json")
     assert command.splitlines()[-1] == (
         f"exec {sys.executable} -m stages.launch --spec /runs/train/spec.json"
     )
     assert "export OMP_NUM_THREADS=1" in command
-    with pytest.raises(sites.SiteError, match="parallel.nodes=1"):
-        sites.ranks_command(cfg, _spec(4, nodes=2), "/x/spec.json")
+    with pytest.raises(SiteError, match="parallel.nodes=1"):
+        ranks_command(cfg, _spec(4, nodes=2), "/x/spec.json")
 
 
 def test_slurm_config(tmp_path):
@@ -191,7 +207,7 @@ def test_slurm_config(tmp_path):
         "site.scheduler_options='#SBATCH --constraint=cpu'", "site.retries=1",
         "parallel.nproc=4", "parallel.nodes=2", "site.address=10.1.2.3",
     ])
-    config = sites.make_parsl_config(cfg, tmp_path)
+    config = make_parsl_config(cfg, tmp_path)
     by_label = {e.label: e for e in config.executors}
     assert set(by_label) == {"cpu", "compute", "train"}
     assert type(by_label["cpu"]) is HighThroughputExecutor
@@ -207,16 +223,16 @@ def test_slurm_config(tmp_path):
     for line in ("#SBATCH --account=proj1", "#SBATCH --partition=debug",
                  "#SBATCH --constraint=cpu"):
         assert line in provider.scheduler_options
-    assert sites.ranks_resource_spec(cfg, train.shape(cfg)) == {
+    assert ranks_resource_spec(cfg, TRAIN.shape(cfg)) == {
         "num_nodes": 2, "ranks_per_node": 2, "num_ranks": 4,
         "launcher_options": "--cpus-per-task=1",
     }
-    command = sites.ranks_command(cfg, _spec(4, nodes=2), "/r/spec.json")
+    command = ranks_command(cfg, _spec(4, nodes=2), "/r/spec.json")
     assert _launch(command) == (
         f"$PARSL_MPI_PREFIX {sys.executable} -m stages.train_worker --spec /r/spec.json"
     )
-    with pytest.raises(sites.SiteError, match="3 ranks do not divide over 2 nodes"):
-        sites.ranks_resource_spec(cfg, StageShape(RANKS, nproc=3, nodes=2, worker=train.WORKER))
+    with pytest.raises(SiteError, match="3 ranks do not divide over 2 nodes"):
+        ranks_resource_spec(cfg, StageShape(RANKS, nproc=3, nodes=2, worker=TRAIN.worker))
 
 
 def test_the_allocation_is_sized_for_the_stages_that_run(tmp_path):
@@ -225,7 +241,7 @@ def test_the_allocation_is_sized_for_the_stages_that_run(tmp_path):
                              "eval.ranks=3"])
 
     def block(running):
-        config = sites.make_parsl_config(cfg, tmp_path, running=running)
+        config = make_parsl_config(cfg, tmp_path, running=running)
         provider = next(e for e in config.executors if e.label == "train").provider
         return provider.nodes_per_block, provider.cores_per_node
 
@@ -233,7 +249,7 @@ def test_the_allocation_is_sized_for_the_stages_that_run(tmp_path):
     assert block(["plan", "train"]) == (4, 2)
     assert block(["evaluate"]) == (1, 3)
     single = load_config(None, ["site.name=slurm", "parallel.nproc=8", "parallel.nodes=4"])
-    provider = sites.slurm_provider(single, ["evaluate"])  # one process, in the allocation
+    provider = slurm_provider(single, ["evaluate"])  # one process, in the allocation
     assert (provider.nodes_per_block, provider.cores_per_node) == (1, 1)
 
 
@@ -242,7 +258,7 @@ def test_slurm_ranks_command_turns_a_rank_refusal_into_the_user_error_exit(tmp_p
     cfg = load_config(None, ["site.name=slurm"])
     spec = RankSpec(worker="stages.train_worker", nproc=1, nodes=1, out_dir=str(tmp_path),
                     config={})
-    command = sites.ranks_command(cfg, spec, tmp_path / "spec.json")
+    command = ranks_command(cfg, spec, tmp_path / "spec.json")
     scripts = {"refuse": f"echo {{}} > {tmp_path}/rank-error.json; exit 1", "fail": "exit 7",
                "succeed": "exit 0"}
     codes = []
@@ -263,13 +279,13 @@ def test_local_executors_run_without_venv_on_path(tmp_path):
         "from pathlib import Path\n"
         "from parsl import bash_app, python_app\n"
         "from stages.config import load_config\n"
-        "from workflows import sites\n"
+        "from workflows import executors\n"
         "@python_app(executors=['cpu'])\n"
         "def square(x):\n    return x * x\n"
         "@bash_app(executors=['train'])\n"
         "def where(stdout=None):\n    return 'echo train-worker-ok'\n"
         "cfg = load_config(None)\n"
-        "parsl.load(sites.make_parsl_config(cfg, Path(sys.argv[1])))\n"
+        "parsl.load(executors.make_parsl_config(cfg, Path(sys.argv[1])))\n"
         "try:\n"
         "    assert [f.result() for f in [square(i) for i in range(4)]] == [0, 1, 4, 9]\n"
         "    assert where(stdout=sys.argv[1] + '/where.out').result() == 0\n"
@@ -278,7 +294,7 @@ def test_local_executors_run_without_venv_on_path(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
-    env["PYTHONPATH"] = str(sites.REPO_ROOT)
+    env["PYTHONPATH"] = str(REPO_ROOT)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -288,24 +304,24 @@ def test_local_executors_run_without_venv_on_path(tmp_path):
 def test_eval_ranks_use_the_same_launch_lines():
     """The evaluation ranks start like the training ranks, all on one node (eval.ranks)."""
     one = load_config(None)
-    assert one.eval.ranks == 1 and evaluate.shape(one).kind != RANKS
-    frontier_one = sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES), RUN_DIR)
+    assert one.eval.ranks == 1 and EVALUATE.shape(one).kind != RANKS
+    frontier_one = dry_run_text(load_config(None, FRONTIER_OVERRIDES), RUN_DIR)
     assert "eval_worker" not in frontier_one
     cfg = load_config(None, ["eval.ranks=3"])
-    shape = evaluate.shape(cfg)
-    assert (shape.kind, shape.nproc, shape.nodes, shape.worker) == (RANKS, 3, 1, evaluate.WORKER)
-    assert sites.ranks_resource_spec(cfg, shape) is None  # local: no MPIExecutor
-    assert "evaluate runs torchrun --nproc-per-node 3" in sites.dry_run_text(cfg, RUN_DIR)
+    shape = EVALUATE.shape(cfg)
+    assert (shape.kind, shape.nproc, shape.nodes, shape.worker) == (RANKS, 3, 1, EVALUATE.worker)
+    assert ranks_resource_spec(cfg, shape) is None  # local: no MPIExecutor
+    assert "evaluate runs torchrun --nproc-per-node 3" in dry_run_text(cfg, RUN_DIR)
 
     slurm = load_config(None, ["site.name=slurm", "parallel.nproc=4", "parallel.nodes=2",
                                "eval.ranks=3"])
-    assert sites.ranks_resource_spec(slurm, evaluate.shape(slurm)) == {
+    assert ranks_resource_spec(slurm, EVALUATE.shape(slurm)) == {
         "num_nodes": 1, "ranks_per_node": 3, "num_ranks": 3,
         "launcher_options": "--cpus-per-task=1",
     }
     # A non-exclusive job asks for enough CPUs per node for either set of ranks.
-    assert sites.slurm_provider(slurm).cores_per_node == 3
-    command = sites.ranks_command(slurm, _spec(3, worker=evaluate.WORKER), "/r/spec.json")
+    assert slurm_provider(slurm).cores_per_node == 3
+    command = ranks_command(slurm, _spec(3, worker=EVALUATE.worker), "/r/spec.json")
     assert _launch(command) == (
         f"$PARSL_MPI_PREFIX {sys.executable} -m stages.eval_worker --spec /r/spec.json"
     )
@@ -313,7 +329,7 @@ def test_eval_ranks_use_the_same_launch_lines():
 
 def test_frontier_eval_srun_line_golden():
     cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=8"])
-    text = _normalise(_srun(cfg, evaluate))
+    text = _normalise(_srun(cfg, EVALUATE))
     _check_golden("frontier_eval_srun.txt", text)
     launch = _launch(text)
     assert launch.startswith("srun --ntasks 8 --ntasks-per-node 8 --nodelist <node0> --nodes 1 ")
@@ -323,8 +339,8 @@ def test_frontier_eval_srun_line_golden():
     train_text = _normalise(_srun(cfg))
     assert [ln for ln in text.splitlines() if ln.startswith("export")] == [
         ln for ln in train_text.splitlines() if ln.startswith("export")]
-    with pytest.raises(sites.SiteError, match="evaluate runs 9 ranks on 1 node.*8 GCDs"):
-        sites.dry_run_text(load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=9"]), RUN_DIR)
+    with pytest.raises(SiteError, match="evaluate runs 9 ranks on 1 node.*8 GCDs"):
+        dry_run_text(load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=9"]), RUN_DIR)
     with pytest.raises(ConfigError, match="eval.ranks must be >= 1"):
         load_config(None, ["eval.ranks=0"])
 
@@ -332,11 +348,11 @@ def test_frontier_eval_srun_line_golden():
 def test_compute_block_is_a_slurm_job_of_tokenize_nodes_with_a_pool_per_node(tmp_path):
     cfg = load_config(None, ["site.name=slurm", "site.address=10.1.2.3", "site.max_workers=3",
                              "site.tokenize_nodes=4", "site.heartbeat_threshold=40"])
-    by_label = {e.label: e for e in sites.make_parsl_config(cfg, tmp_path).executors}
+    by_label = {e.label: e for e in make_parsl_config(cfg, tmp_path).executors}
     compute = by_label["compute"]
     assert type(compute) is HighThroughputExecutor
     assert compute.address == "10.1.2.3" and compute.encrypted
-    assert compute.interchange_launch_cmd == sites.interchange_command()
+    assert compute.interchange_launch_cmd == interchange_command()
     assert compute.max_workers_per_node == 3 and compute.heartbeat_threshold == 40
     provider = compute.provider
     assert isinstance(provider, SlurmProvider) and isinstance(provider.launcher, SrunLauncher)
@@ -344,13 +360,13 @@ def test_compute_block_is_a_slurm_job_of_tokenize_nodes_with_a_pool_per_node(tmp
     assert (provider.init_blocks, provider.min_blocks, provider.max_blocks) == (0, 0, 1)
     # Non-exclusive: one CPU per worker, and srun hands them all to the node's pool.
     assert not provider.exclusive and provider.cores_per_node == 3
-    assert provider.worker_init.strip() == sites.worker_init(cfg)
-    script = sites.batch_script(cfg, tmp_path, "compute")
+    assert provider.worker_init.strip() == worker_init(cfg)
+    script = batch_script(cfg, tmp_path, "compute")
     assert "#SBATCH --nodes=4\n" in script and "#SBATCH --cpus-per-task=3" in script
     assert "srun --ntasks 4 -l --ntasks-per-node=1 --cpus-per-task=3 bash" in script
     assert "--max_workers_per_node=3 " in script and "--enable_mpi_mode" not in script
     frontier = load_config(None, FRONTIER_OVERRIDES)
-    provider = sites.compute_provider(frontier)
+    provider = compute_provider(frontier)
     assert provider.exclusive and provider.cores_per_node is None
     assert provider.account == "ABC123" and provider.walltime == "02:00:00"
 
@@ -358,36 +374,36 @@ def test_compute_block_is_a_slurm_job_of_tokenize_nodes_with_a_pool_per_node(tmp
 def test_each_stage_runs_where_its_placement_says():
     """Locally every Python app is on "cpu"; under Slurm tokenize fans out on the compute
     block, evaluation runs in the allocation, plan and train's own apps on the login node."""
-    modules = {"tokenize": tokenize, "plan": plan, "train": train, "evaluate": evaluate}
-    expected = {"local": dict.fromkeys(modules, "cpu"),
+    stages = {"tokenize": TOKENIZE, "plan": PLAN, "train": TRAIN, "evaluate": EVALUATE}
+    expected = {"local": dict.fromkeys(stages, "cpu"),
                 "slurm": {"tokenize": "compute", "plan": "cpu", "train": "cpu",
                           "evaluate": "train"}}
     expected["frontier"] = expected["slurm"]
     for site, labels in expected.items():
         for ranks in (1, 2):
             cfg = load_config(None, [f"site.name={site}", f"eval.ranks={ranks}"])
-            got = {name: sites.executor_label(cfg, module.shape(cfg).placement)
-                   for name, module in modules.items()}
+            got = {name: executor_label(cfg, stage.shape(cfg).placement)
+                   for name, stage in stages.items()}
             assert got == labels, (site, ranks)
-    with pytest.raises(sites.SiteError, match="unknown stage placement 'gpu'"):
-        sites.executor_label(load_config(None), "gpu")
+    with pytest.raises(SiteError, match="unknown stage placement 'gpu'"):
+        executor_label(load_config(None), "gpu")
     with pytest.raises(ValueError, match="unknown stage placement"):
         StageShape("single", placement="anywhere")
 
 
 def test_python_apps_in_the_allocation_carry_the_resource_spec_the_mpi_executor_needs(tmp_path):
     cfg = load_config(None, ["site.name=slurm", "site.address=10.1.2.3"])
-    by_label = {e.label: e for e in sites.make_parsl_config(cfg, tmp_path).executors}
+    by_label = {e.label: e for e in make_parsl_config(cfg, tmp_path).executors}
     mpi = by_label["train"]
     with pytest.raises(InvalidResourceSpecification):
         mpi.validate_resource_spec({})  # a Python app without one would be refused
-    spec = sites.app_resource_spec(cfg, "train")
+    spec = app_resource_spec(cfg, "train")
     mpi.validate_resource_spec(dict(spec))
     assert spec["num_nodes"] == 1  # one node of the block: the app runs on its first node
     for label in ("cpu", "compute"):
-        assert sites.app_resource_spec(cfg, label) == {}
+        assert app_resource_spec(cfg, label) == {}
         by_label[label].validate_resource_spec({})
-    assert sites.app_resource_spec(load_config(None), "train") == {}
+    assert app_resource_spec(load_config(None), "train") == {}
 
 
 def test_tokenize_nodes_and_workers_are_checked():
@@ -395,14 +411,14 @@ def test_tokenize_nodes_and_workers_are_checked():
         load_config(None, ["site.tokenize_nodes=0"])
     with pytest.raises(ConfigError, match="site.tokenize_nodes"):
         load_config(None, ["site.tokenize_nodes=two"])
-    with pytest.raises(sites.SiteError, match="site.max_workers=64.*56"):
-        sites.check_site(load_config(None, FRONTIER_OVERRIDES + ["site.max_workers=64"]))
+    with pytest.raises(SiteError, match="site.max_workers=64.*56"):
+        check_site(load_config(None, FRONTIER_OVERRIDES + ["site.max_workers=64"]))
     assert load_config(None, ["site.tokenize_nodes=8"]).site.tokenize_nodes == 8
 
 
 def test_frontier_compute_batch_script_golden():
     cfg = load_config(None, FRONTIER_OVERRIDES + ["site.tokenize_nodes=4", "site.max_workers=48"])
-    script = _normalise(sites.batch_script(cfg, RUN_DIR, "compute"))
+    script = _normalise(batch_script(cfg, RUN_DIR, "compute"))
     _check_golden("frontier_compute_batch.txt", script)
     assert "#SBATCH --job-name=parsl.compute.block-0\n" in script
     assert "#SBATCH --nodes=4\n" in script and "#SBATCH --exclusive\n" in script
@@ -417,7 +433,7 @@ def test_frontier_two_node_dry_run_golden():
     blocks' scripts, the training and evaluation ranks' srun lines."""
     cfg = load_config(None, FRONTIER_OVERRIDES + ["site.tokenize_nodes=4", "eval.ranks=8"])
     assert cfg.parallel.nodes == 2
-    text = _normalise(sites.dry_run_text(cfg, RUN_DIR))
+    text = _normalise(dry_run_text(cfg, RUN_DIR))
     _check_golden("frontier_dry_run.txt", text)
     assert text.count("#!/bin/bash") == 2 and "#SBATCH --nodes=2\n" in text
     assert "--nodelist <node0>,<node1> --nodes 2" in text

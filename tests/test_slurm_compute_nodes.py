@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from data_prep.store import SPLITS, SplitReader, open_store
-from stages import tokenize
 from stages.config import load_config
+from stages.inline import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_tracker
 from tests.test_slurm_launch import slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import multinode  # noqa: F401 - fixture
@@ -34,6 +35,8 @@ from tests.test_slurm_pipeline import (
     wait_cli,
     wait_for_slurm_to_finish,
 )
+
+TOKENIZE = declaration("tokenize")
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -65,7 +68,7 @@ def split_tokens(store_path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.timeout(1200)
 def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_the_allocation(
-        multinode, tmp_path, seed_microbench):  # noqa: F811
+        multinode, tmp_path, seed_microbench, seed_store):  # noqa: F811
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()
     seed_microbench(runs_dir)
@@ -101,8 +104,8 @@ def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_the_allocation(
 
     # The same configuration tokenized in this process gives the same tokens.
     cfg = load_config("micro", DATA)
-    tracker, _, _ = make_tracker(tmp_path / "local-mlflow")
-    local = tokenize.run(cfg, {}, tmp_path / "local", tracker)
+    tracker, _, _ = make_tracker(tmp_path / "local-mlflow", seed_store)
+    local = run_work(TOKENIZE, cfg, {}, tmp_path / "local", tracker)
     assert open_store(local["store"]).tokenizer_hash == open_store(
         tok_dir / "store.zarr").tokenizer_hash
     here, there = split_tokens(Path(local["store"])), split_tokens(tok_dir / "store.zarr")

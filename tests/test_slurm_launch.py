@@ -65,12 +65,13 @@ def test_mpi_executor_runs_ranks_through_srun(slurm_env, tmp_path):
     from parsl import bash_app
 
     from stages.config import load_config
-    from workflows import sites
+    from workflows.executors import make_parsl_config
+    from workflows.ranks import ranks_resource_spec
 
     cfg = load_config(None, ["site.name=slurm", "site.walltime=00:05:00", "parallel.nproc=2"])
-    from stages import train
+    from stages.registry import declaration
 
-    spec = sites.ranks_resource_spec(cfg, train.shape(cfg))
+    spec = ranks_resource_spec(cfg, declaration("train").shape(cfg))
     assert spec == {"num_nodes": 1, "ranks_per_node": 2, "num_ranks": 2,
                     "launcher_options": "--cpus-per-task=1"}
 
@@ -83,7 +84,7 @@ def test_mpi_executor_runs_ranks_through_srun(slurm_env, tmp_path):
         )
 
     out, err = tmp_path / "ranks.out", tmp_path / "ranks.err"
-    parsl.load(sites.make_parsl_config(cfg, tmp_path))
+    parsl.load(make_parsl_config(cfg, tmp_path))
     try:
         future = show_ranks(parsl_resource_specification=spec, stdout=str(out), stderr=str(err))
         assert future.result(timeout=240) == 0, err.read_text() if err.exists() else ""
@@ -131,7 +132,7 @@ def test_gloo_allreduce_under_srun(slurm_env, tmp_path):
     and all-reduce."""
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE_SCRIPT)
-    from workflows.sites import REPO_ROOT
+    from stages.launch import REPO_ROOT
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

@@ -5,15 +5,21 @@ from pathlib import Path
 
 import pytest
 
-from stages import stage, tracking
+from stages import keys, outputs, tracking
+from stages.attempt import PipelineContext
 from stages.config import load_config
+from stages.inline import run_stage
+from tests.stagekit import declare
 
 
-def _context(tmp_path: Path) -> stage.PipelineContext:
+def _context(tmp_path: Path) -> PipelineContext:
     uri = tracking.default_tracking_uri(tmp_path)
     experiment = tracking.ensure_experiment(uri, "test", tmp_path)
     parent = tracking.start_run(uri, experiment, "pipeline-test")
-    return stage.PipelineContext(str(tmp_path), uri, experiment, parent, "1.0")
+    return PipelineContext(str(tmp_path), uri, experiment, parent, "1.0")
+
+
+COUNTING = declare("counting")
 
 
 def _counting_stage(calls: list, fail: bool = False) -> types.ModuleType:
@@ -34,21 +40,21 @@ def _counting_stage(calls: list, fail: bool = False) -> types.ModuleType:
 
 def test_key_depends_on_sections_inputs_and_version():
     cfg = load_config()
-    base = stage.stage_key("train", cfg, ("train",), {"plan": "a"}, "1")
-    assert stage.stage_key("train", cfg, ("train",), {"plan": "a"}, "1") == base
-    assert stage.stage_key("train", cfg, ("train",), {"plan": "b"}, "1") != base
-    assert stage.stage_key("train", cfg, ("train",), {"plan": "a"}, "2") != base
+    base = keys.stage_key("train", cfg, ("train",), {"plan": "a"}, "1")
+    assert keys.stage_key("train", cfg, ("train",), {"plan": "a"}, "1") == base
+    assert keys.stage_key("train", cfg, ("train",), {"plan": "b"}, "1") != base
+    assert keys.stage_key("train", cfg, ("train",), {"plan": "a"}, "2") != base
     changed = load_config(None, ["train.steps=7"])
-    assert stage.stage_key("train", changed, ("train",), {"plan": "a"}, "1") != base
+    assert keys.stage_key("train", changed, ("train",), {"plan": "a"}, "1") != base
     # A section the stage does not read does not change its key.
     other = load_config(None, ["eval.max_tokens=7"])
-    assert stage.stage_key("train", other, ("train",), {"plan": "a"}, "1") == base
+    assert keys.stage_key("train", other, ("train",), {"plan": "a"}, "1") == base
 
 
 def test_run_publishes_then_reuses_then_forces(tmp_path):
     ctx, cfg, calls = _context(tmp_path), load_config(), []
     module = _counting_stage(calls)
-    first = stage.run_stage(ctx, module, cfg, {})
+    first = run_stage(ctx, COUNTING, cfg, {}, work=module)
     assert not first.reused and len(calls) == 1
     out = Path(first.out_dir)
     assert json.loads((out / "status.json").read_text())["state"] == "succeeded"
@@ -57,7 +63,7 @@ def test_run_publishes_then_reuses_then_forces(tmp_path):
     assert Path(first.outputs["result"]).read_text() == str(cfg.train.steps)
     assert not out.with_name(out.name + ".partial").exists()
 
-    second = stage.run_stage(ctx, module, cfg, {})
+    second = run_stage(ctx, COUNTING, cfg, {}, work=module)
     assert second.reused and len(calls) == 1
     reused_run = tracking.get_run(ctx.tracking_uri, second.run_id)
     assert reused_run.data.tags["reused"] == "true"
@@ -65,7 +71,7 @@ def test_run_publishes_then_reuses_then_forces(tmp_path):
     assert reused_run.data.metrics["value"] == cfg.train.steps
     assert reused_run.info.status == "FINISHED"
 
-    third = stage.run_stage(ctx, module, cfg, {}, force=True)
+    third = run_stage(ctx, COUNTING, cfg, {}, work=module, force=True)
     assert not third.reused and len(calls) == 2
     assert third.out_dir == first.out_dir and third.run_id != first.run_id
     assert json.loads((out / "status.json").read_text())["run_id"] == third.run_id
@@ -74,22 +80,22 @@ def test_run_publishes_then_reuses_then_forces(tmp_path):
 def test_failure_leaves_nothing_that_looks_done(tmp_path):
     ctx, cfg, calls = _context(tmp_path), load_config(), []
     with pytest.raises(RuntimeError, match="boom"):
-        stage.run_stage(ctx, _counting_stage(calls, fail=True), cfg, {})
-    key = stage.stage_key("counting", cfg, ("train",), {}, "1.0")
-    final = stage.stage_dir(tmp_path, "counting", key)
+        run_stage(ctx, COUNTING, cfg, {}, work=_counting_stage(calls, fail=True))
+    key = keys.stage_key("counting", cfg, ("train",), {}, "1.0")
+    final = outputs.stage_dir(tmp_path, "counting", key)
     assert not final.exists()
-    status = stage.read_status(final.with_name(key + ".partial"))
+    status = outputs.read_status(final.with_name(key + ".partial"))
     assert status["state"] == "failed" and "boom" in status["error"]
-    assert stage.find_succeeded(tmp_path, "counting", key) is None
+    assert outputs.find_succeeded(tmp_path, "counting", key) is None
     assert tracking.get_run(ctx.tracking_uri, status["run_id"]).info.status == "FAILED"
     # The next attempt starts clean and succeeds.
-    result = stage.run_stage(ctx, _counting_stage(calls), cfg, {})
+    result = run_stage(ctx, COUNTING, cfg, {}, work=_counting_stage(calls))
     assert not result.reused and Path(result.out_dir) == final
 
 
 def test_child_runs_are_nested_and_carry_config(tmp_path):
     ctx, cfg = _context(tmp_path), load_config()
-    result = stage.run_stage(ctx, _counting_stage([]), cfg, {})
+    result = run_stage(ctx, COUNTING, cfg, {}, work=_counting_stage([]))
     run = tracking.get_run(ctx.tracking_uri, result.run_id)
     assert run.data.tags["mlflow.parentRunId"] == ctx.parent_run_id
     assert run.info.run_name == f"counting-{result.key[:8]}"

@@ -11,8 +11,12 @@ from model.parallel.dims import LayoutError, ParallelDims
 from model.planner.plan import Plan
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages import train
+from stages.inline import run_work
 from stages.launch import RankSpec
+from stages.registry import declaration
 from tests.train_helpers import tiny_config
+
+TOKENIZE = declaration("tokenize")
 
 
 def plan_file(tmp: Path, **fields) -> dict[str, dict]:
@@ -69,14 +73,14 @@ def test_checkpoint_of_another_model_shape(tmp_path) -> None:
         train.prepare(cfg, plan_file(tmp_path, micro_batch=8), tmp_path, None)
 
 
-def test_store_vocabulary_larger_than_the_model(tmp_path) -> None:
-    from stages import tokenize
+def test_store_vocabulary_larger_than_the_model(tmp_path, seed_store) -> None:
     from tests.test_data_common import make_cfg, make_corpus, make_tracker
 
     make_corpus(tmp_path / "corpus", n_docs=20, seed=1)
     data_cfg = make_cfg(tmp_path, tmp_path / "corpus")  # a 320-token vocabulary
     (tmp_path / "tok").mkdir()
-    tok = tokenize.run(data_cfg, {}, tmp_path / "tok", make_tracker(tmp_path / "ml")[0])
+    tracker = make_tracker(tmp_path / "ml", seed_store)[0]
+    tok = run_work(TOKENIZE, data_cfg, {}, tmp_path / "tok", tracker)
     cfg = tiny_config("parallel.nproc=1", "model.vocab_size=300", "tokenizer.vocab_size=300")
     inputs = {"tokenize": tok, **plan_file(tmp_path, micro_batch=8)}
     with pytest.raises(TrainSetupError, match=r"vocabulary \(320\) exceeds model.vocab_size=300"):

@@ -1,7 +1,7 @@
 """Parsl apps: thin wrappers that run stage functions on executors, by the stage's shape.
 
 Single-app stages, and the prepare / part / finalize steps of multi-part stages, run as
-Python apps on the executor of the stage's placement (``workflows.sites.executor_label``:
+Python apps on the executor of the stage's placement (``workflows.executors.executor_label``:
 "cpu" locally; "cpu", "compute" or "train" under Slurm); the ranks of a ranks stage run as
 one bash app on the "train" executor (``stages.launch`` locally, ``$PARSL_MPI_PREFIX``
 under Slurm). Parsl fixes an app's executors when the app is made, so each Python app is
@@ -20,7 +20,7 @@ from typing import Any
 from parsl import bash_app, python_app
 from parsl.app.python import PythonApp
 
-from workflows.sites import EXECUTOR_LABELS
+from workflows.executors import EXECUTOR_LABELS
 
 
 @contextlib.contextmanager
@@ -37,90 +37,83 @@ def _logged(log_path: str) -> Iterator[None]:
 
 def stage_app(ctx, name: str, cfg, force: bool, log_path: str,
               parsl_resource_specification=None, **upstream):
-    """Run a whole single-app stage under the stage mechanism."""
-    from stages import stage
-    from stages.registry import stage_module
+    """Run a whole single-app stage (``stages.inline.run_stage``)."""
+    from stages.inline import run_stage
+    from stages.registry import declaration
 
     with _logged(log_path):
-        return stage.run_stage(ctx, stage_module(name), cfg, upstream, force)
+        return run_stage(ctx, declaration(name), cfg, upstream, force)
 
 
 def begin_app(ctx, name: str, cfg, force: bool, log_path: str,
               parsl_resource_specification=None, **upstream):
-    """Open a multi-part stage (fan-out or ranks) and run its ``prepare`` step.
+    """Open a multi-part stage (fan-out or ranks) and run its ``prepare`` step; the
+    ``stages.attempt.Attempt`` (``reused`` set when the output is reused, else
+    ``prepared`` holds what ``prepare`` returned)."""
+    from stages import attempt as attempts
+    from stages.registry import declaration
 
-    Returns the stage's StageResult when it is reused, else (attempt, prepared).
-    """
-    from stages import stage
-    from stages.registry import stage_module
-
-    module = stage_module(name)
+    stage = declaration(name)
     with _logged(log_path):
-        attempt = stage.begin(
-            ctx, name, module.SECTIONS, cfg, upstream, force, getattr(module, "RESUMABLE", False)
-        )
-        if isinstance(attempt, stage.StageResult):
+        attempt = attempts.begin(ctx, stage, cfg, upstream, force)
+        if attempt.reused is not None:
             return attempt
         tracker = attempt.tracker(ctx)
         try:
-            prepared = module.prepare(cfg, attempt.inputs, Path(attempt.work_dir), tracker)
+            attempt.prepared = stage.work().prepare(cfg, attempt.inputs, Path(attempt.work_dir),
+                                                    tracker)
             tracker.flush()
         except BaseException as error:
-            stage.fail(ctx, attempt, error)
+            attempts.fail(ctx, attempt, error)
             raise
-        return attempt, prepared
+        return attempt
 
 
-def part_app(name: str, cfg, opened, index: int, log_path: str,
+def part_app(name: str, cfg, attempt, index: int, log_path: str,
              parsl_resource_specification=None) -> dict[str, Any] | None:
     """One part of a fan-out stage (e.g. one input shard of tokenize); no-op when reused."""
-    from stages import stage
-    from stages.registry import stage_module
+    from stages.registry import declaration
 
-    if isinstance(opened, stage.StageResult):
+    if attempt.reused is not None:
         return None
-    attempt, _ = opened
     with _logged(log_path):
-        return stage_module(name).part(cfg, Path(attempt.work_dir), index)
+        return declaration(name).work().part(cfg, Path(attempt.work_dir), index)
 
 
-def finish_app(ctx, name: str, cfg, opened, log_path: str, *parts, after=None,
+def finish_app(ctx, name: str, cfg, attempt, log_path: str, *parts, after=None,
                parsl_resource_specification=None):
-    """Run a multi-part stage's ``finalize`` and publish it (pass-through when reused).
+    """Run a multi-part stage's ``finalize`` and publish it (the reused result when reused).
 
     ``parts`` are a fan-out stage's part results; ``after`` is the ranks app's future, only
     waited for.
     """
-    from stages import stage
-    from stages.registry import stage_module
+    from stages import attempt as attempts
+    from stages.registry import declaration
 
-    if isinstance(opened, stage.StageResult):
-        return opened
-    attempt, _ = opened
-    module = stage_module(name)
+    if attempt.reused is not None:
+        return attempt.reused
     with _logged(log_path):
         try:
             tracker = attempt.tracker(ctx)
-            outputs = module.finalize(cfg, Path(attempt.work_dir), list(parts), tracker)
+            outputs = declaration(name).work().finalize(cfg, Path(attempt.work_dir), list(parts),
+                                                        tracker)
             tracker.flush()
         except BaseException as error:
-            stage.fail(ctx, attempt, error)
+            attempts.fail(ctx, attempt, error)
             raise
-        return stage.finish(ctx, attempt, outputs)
+        return attempts.finish(ctx, attempt, outputs)
 
 
 @bash_app(executors=["train"])
-def ranks_app(cfg, opened, stdout=None, stderr=None, parsl_resource_specification=None):
+def ranks_app(cfg, attempt, stdout=None, stderr=None, parsl_resource_specification=None):
     """The shell command that starts every rank from the spec the stage's ``prepare`` wrote
     (``true`` when the stage is reused)."""
-    from stages import stage
     from stages.launch import RankSpec
-    from workflows import sites
+    from workflows.ranks import ranks_command
 
-    if isinstance(opened, stage.StageResult):
+    if attempt.reused is not None:
         return "true"
-    _, spec_path = opened
-    return sites.ranks_command(cfg, RankSpec.read(spec_path), spec_path)
+    return ranks_command(cfg, RankSpec.read(attempt.prepared), attempt.prepared)
 
 
 @dataclass(frozen=True)

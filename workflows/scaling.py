@@ -7,8 +7,8 @@ configuration's sequences per device (the global batch grows with the devices), 
 scaling keeps its global batch (``model.planner.scaling.point_batch``). The plan stage
 chooses each point's layout; ``--fix tp=1`` (any plan field the parallel section has)
 fixes a layout family. Stage outputs are reused by key exactly as in the pipeline
-(``workflows.pipeline.plan_stages``, ``_submit``, ``_wait``): the token store is made once,
-and running the same study again recomputes nothing.
+(``stages.selection.plan_stages``, ``workflows.session.PipelineSession``): the token store
+is made once, and running the same study again recomputes nothing.
 
 On a Slurm site a point spans ``devices / ranks per node`` nodes (``--ranks-per-node``, by
 default the configuration's ``parallel.nproc / parallel.nodes``), and each point runs in a
@@ -34,8 +34,6 @@ import csv
 import io
 import json
 import math
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,10 +43,12 @@ from typing import Any
 from data_prep.atomic import write_text_atomic
 from model.planner import scaling
 from model.planner.plan import PlanError
-from stages import locks, stage, tracking
+from stages import keys, tracking
 from stages.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
+from stages.outputs import StageResult
 from stages.registry import STAGE_ORDER
-from workflows.pipeline import PipelineFailed
+from stages.selection import plan_stages
+from workflows.session import PipelineFailed, PipelineSession, check_runs_dir
 
 STUDY_STAGES = STAGE_ORDER[: STAGE_ORDER.index("train") + 1]
 """The stages each measured point runs (evaluation is no part of a throughput study)."""
@@ -154,7 +154,7 @@ def _check_formable(cfg: PipelineConfig) -> None:
 def study_points(config: str | None, overrides: list[str], mode: str,
                  devices: list[int], ranks_per_node: int | None = None) -> list[Point]:
     """Every point's validated configuration (a bad one stops the study before any work)."""
-    from workflows import sites
+    from workflows.frontier import check_site
 
     base = load_config(config, overrides)
     per_node = study_ranks_per_node(base, ranks_per_node)
@@ -167,7 +167,7 @@ def study_points(config: str | None, overrides: list[str], mode: str,
         nodes = point_nodes(base, n, per_node)
         cfg = load_config(config, [*overrides, f"parallel.nproc={n}", f"parallel.nodes={nodes}",
                                    f"train.global_batch={batch}"])
-        sites.check_site(cfg)  # e.g. more ranks per node than a Frontier node has GCDs
+        check_site(cfg)  # e.g. more ranks per node than a Frontier node has GCDs
         _check_formable(cfg)
         points.append(Point(n, nodes, batch, cfg))
     return points
@@ -238,7 +238,7 @@ def finish_table(points: list[Point]) -> None:
 
 # --- measured study ------------------------------------------------------------------------
 
-def _point_row(point: Point, mode: str, results: dict[str, stage.StageResult]) -> dict[str, Any]:
+def _point_row(point: Point, mode: str, results: dict[str, StageResult]) -> dict[str, Any]:
     """A measured point's row: the train stage's figures, the plan and its predictions."""
     from model.planner.plan import Plan
 
@@ -262,7 +262,7 @@ def _point_row(point: Point, mode: str, results: dict[str, stage.StageResult]) -
     return row
 
 
-def train_hosts(result: stage.StageResult) -> list[str]:
+def train_hosts(result: StageResult) -> list[str]:
     """The distinct hostnames a train stage's ranks ran on, in rank order (its summary.json;
     for a reused stage, the run that made it)."""
     path = Path(result.out_dir) / "summary.json"
@@ -277,80 +277,50 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
     """Run every point's stages with Parsl (one point at a time, each in a block sized to
     it), track the study in MLflow and write its table and plots; return the output
     directory."""
-    from workflows import pipeline, sites
-
     first = points[0].cfg
     runs_dir = first.runs_dir
     uri = tracking.default_tracking_uri(runs_dir, first.tracking.uri)
     tracking.check_store(uri)
-    pipeline.check_runs_dir(runs_dir)
-    code = stage.code_hashes()
-    experiment_id = tracking.ensure_experiment(uri, first.tracking.experiment or first.name,
-                                               runs_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    check_runs_dir(runs_dir)
+    code = keys.code_hashes()
     devices = ",".join(str(p.devices) for p in points)
-    parent_id = tracking.start_run(uri, experiment_id, f"scaling-{mode}-{stamp}",
-                                   tags={"scaling": mode, "devices": devices,
-                                         "site": first.site.name})
-    parent = tracking.Tracker(uri, parent_id)
-    parent.log_dict(first.to_dict(), "config.yaml")
-    driver = locks.Owner()
-    heartbeat = locks.Heartbeat(runs_dir, driver, locks.STALE_AFTER_S / 10).start()
-    parsl_dir = runs_dir / "parsl" / f"{stamp}-{os.getpid()}"
-    log_root = runs_dir / "logs" / f"{stamp}-{parent_id[:8]}"
-    previous_handler = signal.signal(signal.SIGTERM, pipeline._interrupt)
+    tags = {"scaling": mode, "devices": devices, "site": first.site.name}
     status, point_ids = "FAILED", {}
-    ctx, runs, dfk, block = None, {}, None, None
-    interrupted = False
+    session = PipelineSession(first, f"scaling-{mode}", tags, label="scaling")
     try:
-        for point in points:
-            if dfk is None or block_shape(point.cfg) != block:
-                if dfk is not None:  # the previous point's block goes back to Slurm first
-                    sites.stop_parsl(dfk)
-                    dfk = None
-                dfk = sites.start_parsl(point.cfg, runs_dir, parsl_dir)
-                block = block_shape(point.cfg)
-            plans = [p for p in pipeline.plan_stages(point.cfg, None, None, False, code)
-                     if p.name in STUDY_STAGES]
-            actions = ", ".join(f"{p.name} {p.action}" for p in plans)
-            where = (f" on {point.nodes} node(s) x {point.cfg.parallel.ranks_per_node} ranks"
-                     if block else "")
-            print(f"[scaling] {point.devices} devices{where}, global batch "
-                  f"{point.global_batch}: {actions}", flush=True)
-            point_ids[point.devices] = tracking.start_run(
-                uri, experiment_id, f"{first.name}-{mode}-{point.devices}", parent_run_id=parent_id,
-                tags={"scaling_point": "true", "devices": str(point.devices), "mode": mode})
-            ctx = stage.PipelineContext(str(runs_dir), uri, experiment_id,
-                                        point_ids[point.devices], code, driver=driver)
-            log_dir = log_root / f"devices-{point.devices}"
-            log_dir.mkdir(parents=True, exist_ok=True)
-            runs = pipeline._submit(point.cfg, plans, ctx, log_dir)
-            results = pipeline._wait(runs, ctx, log_dir, runs_dir)
-            point.row = _point_row(point, mode, results)
-            runs = {}
-        finish_table(points)
-        out_dir = out_dir or runs_dir / "scaling" / f"{first.name}-{mode}-{stamp}"
-        files = write_report([p.row for p in points], out_dir, f"{first.name}, {mode} scaling")
-        for point in points:
-            log_point(tracking.Tracker(uri, point_ids[point.devices]), point.row)
-        for path in files:
-            parent.log_artifact(path)
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\n[scaling] interrupted: stopping workers and ranks", file=sys.stderr, flush=True)
-        raise
+        with session:
+            session.parent.log_dict(first.to_dict(), "config.yaml")
+            block = None
+            for point in points:
+                if session.dfk is None or block_shape(point.cfg) != block:
+                    session.start_parsl(point.cfg)
+                    block = block_shape(point.cfg)
+                plans = [p for p in plan_stages(point.cfg, None, None, False, code)
+                         if p.name in STUDY_STAGES]
+                actions = ", ".join(f"{p.name} {p.action}" for p in plans)
+                where = (f" on {point.nodes} node(s) x {point.cfg.parallel.ranks_per_node} ranks"
+                         if block else "")
+                print(f"[scaling] {point.devices} devices{where}, global batch "
+                      f"{point.global_batch}: {actions}", flush=True)
+                point_ids[point.devices] = tracking.start_run(
+                    uri, session.experiment_id, f"{first.name}-{mode}-{point.devices}",
+                    parent_run_id=session.parent_id,
+                    tags={"scaling_point": "true", "devices": str(point.devices), "mode": mode})
+                ctx = session.context(code, parent_run_id=point_ids[point.devices])
+                log_dir = session.log_root / f"devices-{point.devices}"
+                results = session.run_stages(point.cfg, plans, ctx, log_dir)
+                point.row = _point_row(point, mode, results)
+            finish_table(points)
+            out_dir = out_dir or runs_dir / "scaling" / f"{first.name}-{mode}-{session.stamp}"
+            files = write_report([p.row for p in points], out_dir, f"{first.name}, {mode} scaling")
+            for point in points:
+                log_point(tracking.Tracker(uri, point_ids[point.devices]), point.row)
+            for path in files:
+                session.parent.log_artifact(path)
+            status = "FINISHED"
     finally:
-        if dfk is not None:
-            sites.stop_parsl(dfk, interrupted)
-        signal.signal(signal.SIGTERM, previous_handler)
-        if ctx is not None and runs:
-            pipeline._fail_running(ctx, runs, runs_dir)
-        heartbeat.stop()
-        locks.release_all(runs_dir, driver)  # locks of stages that never finished
         for run_id in point_ids.values():
             tracking.end_run(uri, run_id, status)
-        tracking.end_run(uri, parent_id, status)
     print(table_text([p.row for p in points]), flush=True)
     print(f"\nresults: {out_dir}\nMLflow:  {tracking.ui_command(uri, runs_dir)}", flush=True)
     return out_dir

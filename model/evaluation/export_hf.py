@@ -30,7 +30,6 @@ from model.evaluation.shards import DEFAULT_SHARD_BYTES, TensorSpec, write_shard
 
 # family -> transformers class name written into config.json "architectures".
 HF_CLASSES = {"llama": "LlamaForCausalLM", "neox": "GPTNeoXForCausalLM"}
-WEIGHTS_FILE = "model.safetensors"  # a single-shard export
 
 
 class ExportError(ValueError):

@@ -20,9 +20,6 @@ from data_prep.atomic import write_text_atomic
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SHARDINGS = ("zero3", "zero2", "ddp", "none")
 RECOMPUTES = ("none", "selective", "full")
-PREDICTION_KEYS = (
-    "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "memory_gb_per_device"
-)
 
 
 class PlanError(ValueError):

@@ -173,7 +173,7 @@ def _group_bandwidth(cluster: Any, link: Any, stride: int) -> float:
     the group's whole buffer, spread over the node's NICs: the group's bus bandwidth is the
     node's network bandwidth / s, capped by the in-node link the rest of the ring runs on.
     With stride >= ranks_per_node (one rank per node, e.g. dp groups under tp = 8) every rank
-    has 1/ranks_per_node of the node's NICs, as before.
+    has 1/ranks_per_node of the node's NICs.
     """
     if link.name != "network" or stride >= cluster.ranks_per_node:
         return cluster.rank_bandwidth(link)
@@ -263,13 +263,6 @@ def layer_parts(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.
             "attention_bwd_extra": bwd_extra}
 
 
-def layer_compute(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray) \
-        -> tuple[np.ndarray, np.ndarray]:
-    """(forward seconds of one block per micro-batch on one tp rank, attention-core part)."""
-    p = layer_parts(s, cluster, mb, tp, sp)
-    return p["gemm"] + p["attention"] + p["elementwise"], p["attention"]
-
-
 def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
               calibration: dict[str, float] | None = None,
               framework: str | None = None) -> dict[str, np.ndarray]:
@@ -332,7 +325,7 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     # once, forward and backward: it costs the stages' mean time, not pp - 1 times the slowest
     # one (the steady state runs at the slowest stage: 1F1B takes about
     # (m - 1) t_max + pp t_mean). The last stage's logits, say, lengthen the steady state but
-    # enter the fill and drain once. Equal stages give (m + pp - 1) t as before.
+    # enter the fill and drain once. Equal stages give the textbook (m + pp - 1) t.
     mean_comp = (s.n_layers * layer + logits + mb_host) / pp
 
     partitioned = (framework or "") in PIPELINE_PARTITIONED

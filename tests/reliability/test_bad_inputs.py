@@ -1,15 +1,18 @@
-"""Every bad input stops the pipeline with one clear message, through the real command line.
+"""Every bad input stops the pipeline with one clear message, through the command line.
 
-Each case runs ``python -m workflows.pipeline --config configs/micro.yaml ...`` in a
-subprocess with a runs dir of its own and asserts the exit code, substrings that name the
-problem and the fix, that no traceback reached the console, and that no stage the run
-failed left a published output that says ``succeeded`` (a ``.partial`` directory is fine).
+Each case runs the driver's command line (``--config configs/micro.yaml ...``) with a runs
+dir of its own and asserts the exit code, substrings that name the problem and the fix,
+that no traceback reached the console, and that no stage the run failed left a published
+output that says ``succeeded`` (a ``.partial`` directory is fine).
 
 The fast cases stop before any work: config loading, the stages' pre-flight checks
 (``stages.preflight``), the runs dir and site checks; they also assert that no Parsl run
-directory was made. The slow ones go through a stage: a bad line past the first record of
-a JSON-lines file (only the tokenize stage reads that far) and the parallel settings the
-plan stage judges. They share one tokenized runs dir, copied per case.
+directory was made. They run in this process, through ``workflows.pipeline.main(argv)``
+(the ``pipeline_main`` fixture); a config error and an input error also run as real
+``python -m workflows.pipeline`` processes, the console a user sees. The slow ones go
+through a stage, as real processes: a bad line past the first record of a JSON-lines file
+(only the tokenize stage reads that far) and the parallel settings the plan stage judges.
+They share one tokenized runs dir, copied per case.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from data_prep.config import TokenizerConfig
 from data_prep.sources import stdlib_files
 from data_prep.tokenizer import save_tokenizer, train_tokenizer
 from stages.registry import STAGE_ORDER
-from tests.conftest import MICROBENCH_NPROC
+from tests.conftest import MICROBENCH_NPROC, Console
 
 REPO = Path(__file__).resolve().parents[2]
 # Every cluster file the project ships, as the error lists them.
@@ -194,21 +198,26 @@ def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run_cli(case: Case, data: Path, tmp: Path, timeout: int) -> tuple[subprocess.CompletedProcess,
-                                                                     Path | None]:
-    """Run the case's command line; return the process and its runs dir (None: not set)."""
+def command_line(case: Case, data: Path, tmp: Path) -> tuple[list[str], Path | None]:
+    """The case's arguments to the driver and its runs dir (None: the case sets none)."""
     def fill(text: str) -> str:
         return text.replace(DATA, str(data)).replace(TMP, str(tmp))
 
-    cmd = [sys.executable, "-m", "workflows.pipeline"]
-    if case.config:
-        cmd += ["--config", case.config]
-    cmd += [fill(a) for a in case.args]
+    argv = ["--config", case.config] if case.config else []
+    argv += [fill(a) for a in case.args]
     runs = None
     if case.runs:
         runs = Path(fill(case.runs))
-        cmd += ["--runs-dir", str(runs)]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True,
+        argv += ["--runs-dir", str(runs)]
+    return argv, runs
+
+
+def run_cli(case: Case, data: Path, tmp: Path, timeout: int) -> tuple[subprocess.CompletedProcess,
+                                                                     Path | None]:
+    """Run the case's command line as a process; return it and its runs dir (None: not set)."""
+    argv, runs = command_line(case, data, tmp)
+    proc = subprocess.run([sys.executable, "-m", "workflows.pipeline", *argv], cwd=REPO,
+                          env=dict(os.environ), capture_output=True, text=True,
                           timeout=timeout, check=False)
     return proc, runs
 
@@ -224,7 +233,7 @@ def published(runs: Path) -> dict[str, list[str]]:
     return found
 
 
-def assert_refused(proc: subprocess.CompletedProcess, case: Case, runs: Path | None,
+def assert_refused(proc: subprocess.CompletedProcess | Console, case: Case, runs: Path | None,
                    failed_stage: str = "tokenize") -> str:
     """The common assertions; ``failed_stage`` and every stage after it published nothing."""
     console = proc.stdout + proc.stderr
@@ -239,15 +248,34 @@ def assert_refused(proc: subprocess.CompletedProcess, case: Case, runs: Path | N
     return console
 
 
-@pytest.mark.parametrize("case", FAST_CASES, ids=[c.name for c in FAST_CASES])
-def test_refused_before_any_work(case: Case, bad_data: Path, tmp_path: Path) -> None:
-    proc, runs = run_cli(case, bad_data, tmp_path, FAST_TIMEOUT)
+def assert_refused_before_any_work(proc: subprocess.CompletedProcess | Console, case: Case,
+                                   runs: Path | None) -> None:
+    """``assert_refused``; the message is the last line if one, and nothing was started."""
     assert_refused(proc, case, runs)
     if case.one_line:
         assert case.expect[0] in proc.stderr.strip().splitlines()[-1], proc.stderr
     if runs is not None:
         assert not (runs / "parsl").exists(), "a Parsl run started for a refused input"
         assert not (runs / "stages").exists(), sorted(runs.rglob("*"))
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=[c.name for c in FAST_CASES])
+def test_refused_before_any_work(case: Case, bad_data: Path, tmp_path: Path,
+                                 pipeline_main: Callable[..., Console]) -> None:
+    argv, runs = command_line(case, bad_data, tmp_path)
+    assert_refused_before_any_work(pipeline_main(*argv), case, runs)
+
+
+REAL_CONSOLE_CASES = [c for c in FAST_CASES if c.name in ("unknown-key", "missing-path")]
+assert len(REAL_CONSOLE_CASES) == 2, "a real-console case was renamed"
+
+
+@pytest.mark.parametrize("case", REAL_CONSOLE_CASES, ids=[c.name for c in REAL_CONSOLE_CASES])
+def test_refused_on_the_real_console(case: Case, bad_data: Path, tmp_path: Path) -> None:
+    """A config error and an input error as the user meets them: ``python -m
+    workflows.pipeline`` in a process of its own, its exit status and console."""
+    proc, runs = run_cli(case, bad_data, tmp_path, FAST_TIMEOUT)
+    assert_refused_before_any_work(proc, case, runs)
 
 
 def _status_of_attempt(console: str) -> dict:
@@ -259,9 +287,10 @@ def _status_of_attempt(console: str) -> dict:
 
 
 @pytest.mark.slow
-def test_bad_line_past_the_first_record_fails_in_the_stage(bad_data: Path, tmp_path: Path
-                                                           ) -> None:
+def test_bad_line_past_the_first_record_fails_in_the_stage(bad_data: Path, tmp_path: Path,
+                                                           seed_store) -> None:
     """Pre-flight reads only the first record: the stage finds line 41 and says so."""
+    seed_store(tmp_path / "runs")
     case = Case("bad-json-line-41", sets(f"data.source={DATA}/bad_third.jsonl"),
                 ("pipeline failed:", "tokenize failed: DataError",
                  "bad_third.jsonl:41: malformed JSON line", "fix the line"), code=1)
@@ -272,7 +301,7 @@ def test_bad_line_past_the_first_record_fails_in_the_stage(bad_data: Path, tmp_p
 
 
 @pytest.fixture(scope="module")
-def tokenized(tmp_path_factory: pytest.TempPathFactory, bad_data: Path
+def tokenized(tmp_path_factory: pytest.TempPathFactory, bad_data: Path, seed_store
               ) -> tuple[Path, subprocess.CompletedProcess, Case]:
     """A runs dir whose tokenize stage succeeded and whose plan stage failed (an unknown
     cluster, found before the plan stage measures this machine); the plan cases copy it,
@@ -281,6 +310,7 @@ def tokenized(tmp_path_factory: pytest.TempPathFactory, bad_data: Path
     case = Case("unknown-cluster", sets("parallel.cluster=nosuch"),
                 ("plan failed: ClusterError: cluster 'nosuch' not found",
                  f"give a YAML path or one of {CLUSTER_NAMES}"), code=1)
+    seed_store(tmp / "runs")
     proc, _ = run_cli(case, bad_data, tmp, SLOW_TIMEOUT)
     return tmp / "runs", proc, case
 
@@ -335,7 +365,7 @@ def test_preflight_checks_exactly_the_stages_the_driver_computes(tokenized) -> N
 
     runs, _, _ = tokenized
     cfg = load_config(MICRO, ["parallel.cluster=nosuch", f"tracking.runs_dir={runs}"])
-    assert [name for name, _ in stages_to_compute(cfg)] == ["plan", "train", "evaluate"]
-    assert [name for name, _ in stages_to_compute(cfg, start="plan")] == [
+    assert [stage.name for stage in stages_to_compute(cfg)] == ["plan", "train", "evaluate"]
+    assert [stage.name for stage in stages_to_compute(cfg, start="plan")] == [
         "plan", "train", "evaluate"]
-    assert [name for name, _ in stages_to_compute(cfg, only="tokenize")] == ["tokenize"]
+    assert [stage.name for stage in stages_to_compute(cfg, only="tokenize")] == ["tokenize"]

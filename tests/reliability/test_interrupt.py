@@ -189,10 +189,10 @@ def test_shutdown_ends_when_the_poller_waits_on_a_dead_interchange(runs_dir: Pat
     import threading
 
     from stages.config import load_config
-    from workflows import sites
+    from workflows import executors
 
     cfg = load_config(REPO / CONFIG, [f"tracking.runs_dir={runs_dir}"])
-    dfk = sites.start_parsl(cfg, runs_dir, runs_dir / "parsl")
+    dfk = executors.start_parsl(cfg, runs_dir, runs_dir / "parsl")
     wait_for("two worker pools", lambda: len(processes_of(runs_dir)) >= 2)
     for executor in dfk.executors.values():
         process = getattr(executor, "interchange_proc", None)
@@ -202,10 +202,10 @@ def test_shutdown_ends_when_the_poller_waits_on_a_dead_interchange(runs_dir: Pat
     wait_for("the poller stuck on a dead interchange",
              lambda: _poller_waits_on(dfk, "connected_blocks"))
 
-    stopper = threading.Thread(target=sites.stop_parsl, args=(dfk, True), daemon=True)
+    stopper = threading.Thread(target=executors.stop_parsl, args=(dfk, True), daemon=True)
     started = time.monotonic()
     stopper.start()
-    limit = sites.INTERCHANGE_EXIT_GRACE_S + sites.CLEANUP_DEADLINE_S[True] + 2.0
+    limit = executors.INTERCHANGE_EXIT_GRACE_S + executors.CLEANUP_DEADLINE_S[True] + 2.0
     stopper.join(limit)
     assert not stopper.is_alive(), f"stop_parsl still ran {limit} s after it was called"
     assert time.monotonic() - started < limit

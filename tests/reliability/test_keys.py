@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from stages import stage, tracking
+from stages import attempt, outputs, tracking
 from stages.config import load_config
-from stages.registry import STAGE_ORDER, stage_module
+from stages.keys import ANY_STAGE, CODE_PACKAGES, code_hashes
+from stages.registry import STAGE_ORDER, declaration
 from stages.selection import plan_stages, stage_keys
 from workflows.pipeline import describe
 
@@ -20,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def source_copy(tmp_path: Path) -> Path:
     """A copy of the sources a key hashes, plus files it must ignore."""
     root = tmp_path / "src"
-    for package in stage.CODE_PACKAGES:
+    for package in CODE_PACKAGES:
         shutil.copytree(REPO / package, root / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "configs", root / "configs")
@@ -35,43 +36,43 @@ def _append(path: Path, text: str) -> None:
 
 
 def test_code_hash_follows_the_sources_a_stage_uses(source_copy: Path):
-    base = stage.code_hashes(source_copy)
-    assert set(base) == {*STAGE_ORDER, stage.ANY_STAGE}
-    assert base == stage.code_hashes(REPO)  # the copy hashes like the checkout
+    base = code_hashes(source_copy)
+    assert set(base) == {*STAGE_ORDER, ANY_STAGE}
+    assert base == code_hashes(REPO)  # the copy hashes like the checkout
 
     # README, tests and docs are no stage's code.
     _append(source_copy / "README.md", "\nmore words\n")
     _append(source_copy / "tests" / "test_x.py", "# note\n")
     (source_copy / "docs").mkdir()
     (source_copy / "docs" / "notes.md").write_text("notes")
-    assert stage.code_hashes(source_copy) == base
+    assert code_hashes(source_copy) == base
 
     # The tokenizer code is tokenize's, not evaluate's.
     _append(source_copy / "data_prep" / "tokenizer.py", "\n# changed\n")
-    after = stage.code_hashes(source_copy)
-    assert after["tokenize"] != base["tokenize"] and after[stage.ANY_STAGE] != base[stage.ANY_STAGE]
+    after = code_hashes(source_copy)
+    assert after["tokenize"] != base["tokenize"] and after[ANY_STAGE] != base[ANY_STAGE]
     assert after["evaluate"] == base["evaluate"]
 
     # A cluster description is code for the stages that read cluster files (plan).
     _append(source_copy / "configs" / "clusters" / "local.yaml", "\n# retuned\n")
-    clusters = stage.code_hashes(source_copy)
+    clusters = code_hashes(source_copy)
     assert clusters["plan"] != after["plan"] and clusters["tokenize"] == after["tokenize"]
 
     # Code shared by every stage (the stage mechanism) changes every key.
-    _append(source_copy / "stages" / "stage.py", "\n# changed\n")
-    shared = stage.code_hashes(source_copy)
+    _append(source_copy / "stages" / "attempt.py", "\n# changed\n")
+    shared = code_hashes(source_copy)
     assert all(shared[n] != clusters[n] for n in STAGE_ORDER)
 
 
 def test_code_hash_is_cheap():
     started = time.process_time()  # CPU time: other work on the machine does not count
-    stage.code_hashes()
+    code_hashes()
     assert time.process_time() - started < 0.1
 
 
 def test_changed_code_changes_the_stage_key_and_every_key_after_it():
     cfg = load_config("micro")
-    code = stage.code_hashes()
+    code = code_hashes()
     keys = stage_keys(cfg, code)
     assert keys == stage_keys(cfg)  # computed from the checkout when not given
     changed = stage_keys(cfg, {**code, "plan": "0" * 16})
@@ -84,20 +85,21 @@ def _publish(runs_dir: Path, name: str, cfg, code: dict[str, str] | str, inputs=
     uri = tracking.default_tracking_uri(runs_dir)
     experiment = tracking.ensure_experiment(uri, "keys", runs_dir)
     parent = tracking.start_run(uri, experiment, "pipeline-keys")
-    ctx = stage.PipelineContext(str(runs_dir), uri, experiment, parent, code)
-    attempt = stage.begin(ctx, name, stage_module(name).SECTIONS, cfg, inputs or {})
-    assert isinstance(attempt, stage.StageAttempt)
-    return stage.finish(ctx, attempt, {}).key
+    ctx = attempt.PipelineContext(str(runs_dir), uri, experiment, parent, code)
+    opened = attempt.begin(ctx, declaration(name), cfg, inputs or {})
+    assert opened.reused is None
+    return attempt.finish(ctx, opened, {}).key
 
 
-def test_dry_run_says_why_a_stage_reruns(tmp_path: Path):
+def test_dry_run_says_why_a_stage_reruns(tmp_path: Path, seed_store):
     runs_dir = tmp_path / "runs"
+    seed_store(runs_dir)
     cfg = load_config("micro", [f"tracking.runs_dir={runs_dir}"])
-    code = stage.code_hashes()
+    code = code_hashes()
     old_key = _publish(runs_dir, "tokenize", cfg, {**code, "tokenize": "old-code"})
-    status = stage.read_status(stage.stage_dir(runs_dir, "tokenize", old_key))
+    status = outputs.read_status(outputs.stage_dir(runs_dir, "tokenize", old_key))
     assert status["ingredients"]["code"] == "old-code"
-    assert set(status["ingredients"]["sections"]) == set(stage_module("tokenize").SECTIONS)
+    assert set(status["ingredients"]["sections"]) == set(declaration("tokenize").sections)
 
     plans = plan_stages(cfg, None, None, False, code)
     assert plans[0].action == "run"
@@ -116,7 +118,7 @@ def test_dry_run_says_why_a_stage_reruns(tmp_path: Path):
     # Downstream: a plan made from another tokenize output names its input.
     _publish(runs_dir, "tokenize", cfg, code)
     old_plan = _publish(runs_dir, "plan", cfg, code,
-                        {"tokenize": stage.find_succeeded(runs_dir, "tokenize", old_key)})
+                        {"tokenize": outputs.find_succeeded(runs_dir, "tokenize", old_key)})
     plans = plan_stages(cfg, None, None, False, code)
     assert [p.action for p in plans[:2]] == ["reuse", "run"]
     assert plans[1].reason == f"input tokenize changed since key {old_plan}"

@@ -1,6 +1,6 @@
 """One attempt per stage key: pipelines on one runs dir wait for each other and reuse.
 
-Real processes (multiprocessing), a real SQLite MLflow store, stage.begin/finish as the
+Real processes (multiprocessing), a real SQLite MLflow store, stages.attempt's begin/finish as the
 pipeline's apps call them."""
 from __future__ import annotations
 
@@ -15,17 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from stages import locks, stage, tracking
+from stages import keys, locks, outputs, tracking
+from stages.attempt import PipelineContext
 from stages.config import load_config
+from stages.inline import run_stage
+from tests.stagekit import declare
 
 SLEEP_S = 2.0
 
 
-def _ctx(runs_dir: Path, stale_s: float = locks.STALE_AFTER_S) -> stage.PipelineContext:
+def _ctx(runs_dir: Path, stale_s: float = locks.STALE_AFTER_S) -> PipelineContext:
     uri = tracking.default_tracking_uri(runs_dir)
     experiment = tracking.ensure_experiment(uri, "locks", runs_dir)
     parent = tracking.start_run(uri, experiment, f"pipeline-{os.getpid()}")
-    return stage.PipelineContext(str(runs_dir), uri, experiment, parent, "code-1",
+    return PipelineContext(str(runs_dir), uri, experiment, parent, "code-1",
                                  lock_stale_s=stale_s)
 
 
@@ -50,8 +53,9 @@ def _pipeline(runs_dir: str, out: str) -> None:
     runs, log = Path(runs_dir), Path(runs_dir) / "computed.log"
     with open(out + ".stdout", "w") as stdout, contextlib.redirect_stdout(stdout):
         ctx, cfg = _ctx(runs), load_config()
-        first = stage.run_stage(ctx, _slow_stage("first", log), cfg, {})
-        second = stage.run_stage(ctx, _slow_stage("second", log), cfg, {"first": first})
+        first = run_stage(ctx, declare("first"), cfg, {}, work=_slow_stage("first", log))
+        second = run_stage(ctx, declare("second"), cfg, {"first": first},
+                           work=_slow_stage("second", log))
     Path(out).write_text(json.dumps({
         "pid": os.getpid(),
         "reused": [first.reused, second.reused],
@@ -60,8 +64,9 @@ def _pipeline(runs_dir: str, out: str) -> None:
     }))
 
 
-def test_two_pipelines_compute_each_key_once(tmp_path: Path):
+def test_two_pipelines_compute_each_key_once(tmp_path: Path, seed_store):
     runs = tmp_path / "runs"
+    seed_store(runs)
     _ctx(runs)  # the store exists; its creation is tested in test_tracking_start
     mp = multiprocessing.get_context("fork")
     outs = [str(tmp_path / f"p{i}.json") for i in range(2)]
@@ -98,14 +103,15 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_a_lock_of_a_dead_driver_is_broken(tmp_path: Path, capsys):
+def test_a_lock_of_a_dead_driver_is_broken(tmp_path: Path, capsys, seed_store):
     runs = tmp_path / "runs"
+    seed_store(runs)
     ctx, cfg, log = _ctx(runs), load_config(), tmp_path / "computed.log"
-    key = stage.stage_key("first", cfg, ("train",), {}, ctx.code_for("first"))
-    lock = stage.lock_path(runs, "first", key)
+    key = keys.stage_key("first", cfg, ("train",), {}, ctx.code_for("first"))
+    lock = outputs.lock_path(runs, "first", key)
     _lock_file(lock, socket.gethostname(), _dead_pid())
     started = time.monotonic()
-    result = stage.run_stage(ctx, _slow_stage("first", log), cfg, {})
+    result = run_stage(ctx, declare("first"), cfg, {}, work=_slow_stage("first", log))
     assert not result.reused and time.monotonic() - started < SLEEP_S + 10
     assert "breaking stale lock" in capsys.readouterr().out
     assert not lock.exists()
@@ -149,8 +155,9 @@ def test_driver_heartbeat_keeps_its_stage_locks_fresh(tmp_path: Path):
     assert locks.release_all(tmp_path, owner) == 1 and theirs.exists()
 
 
-def test_a_failed_stage_releases_its_lock(tmp_path: Path):
+def test_a_failed_stage_releases_its_lock(tmp_path: Path, seed_store):
     runs = tmp_path / "runs"
+    seed_store(runs)
     ctx, cfg = _ctx(runs), load_config()
     module = types.ModuleType("stages.broken")
     module.SECTIONS = ("train",)
@@ -160,5 +167,5 @@ def test_a_failed_stage_releases_its_lock(tmp_path: Path):
 
     module.run = run
     with pytest.raises(RuntimeError, match="boom"):
-        stage.run_stage(ctx, module, cfg, {})
+        run_stage(ctx, declare("broken"), cfg, {}, work=module)
     assert not list(runs.glob("stages/*/*.lock"))

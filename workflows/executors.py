@@ -1,4 +1,5 @@
-"""Parsl site configurations built from the pipeline config's ``site`` section.
+"""The Parsl configuration built from the pipeline config's ``site`` section: its
+executors, where each stage's apps run, and starting and stopping Parsl.
 
 The executors:
 
@@ -18,10 +19,10 @@ The executors:
   ranks, finalize with generations, export, lm-eval and plots) run their Python apps here
   too, on the block's first node, one app at a time (``max_workers_per_block=1``; each
   stage's apps depend on each other, so they never wait for a worker they hold). Both
-  stages' ranks are launched by one command builder (``ranks_command``), so they start the
-  same way on every site.
+  stages' ranks are launched by one command builder (``workflows.ranks.ranks_command``),
+  so they start the same way on every site.
 
-A stage says where its Python apps run by its shape's ``placement`` (stages.stage:
+A stage says where its Python apps run by its shape's ``placement`` (stages.shape:
 login, compute, allocation); ``executor_label`` is the one place that maps a placement to
 an executor for a site. Only the driver, the plan stage, train's prepare / finalize and
 MLflow's SQLite writes of those stay on the login node.
@@ -40,59 +41,27 @@ import threading
 import time
 from collections.abc import Collection
 from pathlib import Path
-from string import Template
 from typing import Any
 
 from parsl.config import Config
 from parsl.executors import HighThroughputExecutor, MPIExecutor
-from parsl.executors.high_throughput.mpi_prefix_composer import compose_srun_launch_cmd
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
-from parsl.providers.slurm.template import template_string as SLURM_TEMPLATE
-from parsl.utils import wtime_to_minutes
 
-from stages.config import ConfigError, PipelineConfig
-from stages.launch import RANK_ERROR_FILE, USER_ERROR_EXIT, RankSpec
-from stages.registry import STAGE_ORDER, stage_module
-from stages.stage import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS, RANKS, StageShape
+from stages.config import PipelineConfig
+from stages.shape import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS, RANKS, StageShape
 from workflows.failures import retry_cost
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-"""Project root: put on PYTHONPATH of the training ranks so ``-m stages.train_worker`` resolves."""
+from workflows.frontier import FRONTIER_MODULES, SLURM_SITES, SiteError, check_site, stage_shapes
+from workflows.ranks import project_pythonpath
 
 BIN_DIR = Path(sys.executable).parent
 """The interpreter's bin/: holds Parsl's interchange.py and process_worker_pool.py, torchrun."""
-
-FRONTIER_MODULES = ("PrgEnv-gnu", "rocm/6.2.4", "craype-accel-amd-gfx90a", "miniforge3/23.11.0-0")
-"""Modules loaded on Frontier compute nodes unless site.modules says otherwise."""
-
-FRONTIER_GCDS_PER_NODE = 8
-"""One training rank per MI250X GCD."""
-
-FRONTIER_CORES_PER_NODE = 56
-"""Usable cores of a Frontier node (64, 8 of them reserved for the system)."""
 
 SLURM_PLACEMENT_EXECUTORS = {LOGIN: "cpu", COMPUTE: "compute", ALLOCATION: "train"}
 """Under slurm/frontier: a stage's placement -> the executor its Python apps run on."""
 
 EXECUTOR_LABELS = ("cpu", "compute", "train")
 """Every executor label a site may have ("compute" only under slurm/frontier)."""
-
-SITE_SRUN_OPTIONS = {
-    # 7 cores per rank (56 usable per node), one GCD each, bound to the nearest NIC/cores.
-    "frontier": "-c7 --gpus-per-task=1 --gpu-bind=closest",
-    # Explicit: srun inside a job otherwise inherits the job's --cpus-per-task.
-    "slurm": "--cpus-per-task=1",
-}
-
-
-class SiteError(ConfigError):
-    """A site setting that cannot be used; the message names the key to change."""
-
-
-# --------------------------------------------------------------------------------------------
-# Parsl configuration
-# --------------------------------------------------------------------------------------------
 
 
 def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None = None,
@@ -112,11 +81,11 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
     """
     site = cfg.site.name
     if site == "local":
-        executors = [_cpu_executor(cfg), _local_train_executor()]
-    elif site in ("slurm", "frontier"):
-        _check_slurm_site(cfg)
-        executors = [_cpu_executor(cfg), _compute_executor(cfg),
-                     _slurm_train_executor(cfg, running)]
+        executors = [cpu_executor(cfg), local_train_executor()]
+    elif site in SLURM_SITES:
+        check_site(cfg)
+        executors = [cpu_executor(cfg), compute_executor(cfg),
+                     slurm_train_executor(cfg, running)]
     else:  # SiteConfig already restricts the names; kept for a clear message.
         raise SiteError(f"site.name={site!r} is not one of local, slurm, frontier")
     return Config(
@@ -230,7 +199,7 @@ def _alive_until(process: Any, deadline: float) -> bool:
 
 def _python_path_init() -> str:
     """Shell line making the project importable by workers (apps are pickled by reference)."""
-    return f"export PYTHONPATH={shlex.quote(str(REPO_ROOT))}${{PYTHONPATH:+:$PYTHONPATH}}"
+    return f"export PYTHONPATH={project_pythonpath(quote=True)}"
 
 
 def _path_init() -> str:
@@ -247,66 +216,38 @@ def interchange_command() -> str:
     return str(script) if script.exists() else "interchange.py"
 
 
-def _cpu_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
-    """Light stages: workers on the submitting machine, reached over loopback."""
+def _local_htex(label: str, workers: int) -> HighThroughputExecutor:
+    """An HTEX of ``workers`` workers on this machine, reached over loopback, its one block
+    started at once."""
     return HighThroughputExecutor(
-        label="cpu",
+        label=label,
         address="127.0.0.1",
-        max_workers_per_node=cfg.site.max_workers,
+        max_workers_per_node=workers,
         cores_per_worker=1e-6,  # the worker count is max_workers, whatever the core count
         interchange_launch_cmd=interchange_command(),
         provider=LocalProvider(init_blocks=1, min_blocks=0, max_blocks=1, worker_init=_path_init()),
     )
 
 
-def _local_train_executor() -> HighThroughputExecutor:
+def cpu_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
+    """Light stages: ``site.max_workers`` workers on the submitting machine."""
+    return _local_htex("cpu", cfg.site.max_workers)
+
+
+def local_train_executor() -> HighThroughputExecutor:
     """One worker whose bash app runs torchrun, so light stages never queue behind training."""
-    return HighThroughputExecutor(
-        label="train",
-        address="127.0.0.1",
-        max_workers_per_node=1,
-        cores_per_worker=1e-6,
-        interchange_launch_cmd=interchange_command(),
-        provider=LocalProvider(init_blocks=1, min_blocks=0, max_blocks=1, worker_init=_path_init()),
-    )
+    return _local_htex("train", 1)
 
 
-def check_site(cfg: PipelineConfig) -> None:
-    """The site settings' checks, before any work (the driver calls it first)."""
-    if cfg.site.name in ("slurm", "frontier"):
-        _check_slurm_site(cfg)
-
-
-def _check_slurm_site(cfg: PipelineConfig) -> None:
-    site = cfg.site
-    if site.name == "frontier":
-        if not site.account:
-            raise SiteError(
-                "site.account is required on Frontier: add --set site.account=<project id>"
-            )
-        if cfg.parallel.ranks_per_node > FRONTIER_GCDS_PER_NODE:
-            raise SiteError(
-                f"parallel.nproc={cfg.parallel.nproc} over parallel.nodes={cfg.parallel.nodes} "
-                f"gives {cfg.parallel.ranks_per_node} ranks per node; Frontier has "
-                f"{FRONTIER_GCDS_PER_NODE} GCDs per node: raise parallel.nodes"
-            )
-        if site.max_workers > FRONTIER_CORES_PER_NODE:
-            raise SiteError(
-                f"site.max_workers={site.max_workers}: each tokenize worker on a Frontier node "
-                f"gets a core and a node has {FRONTIER_CORES_PER_NODE}: set site.max_workers <= "
-                f"{FRONTIER_CORES_PER_NODE}"
-            )
-        for name, shape in _ranks_stages(cfg):
-            per_node = shape.ranks_per_node
-            if per_node > FRONTIER_GCDS_PER_NODE:
-                raise SiteError(
-                    f"{name} runs {shape.nproc} ranks on {shape.nodes} node(s), {per_node} per "
-                    f"node, and a Frontier node has {FRONTIER_GCDS_PER_NODE} GCDs: lower the "
-                    f"stage's ranks (e.g. eval.ranks) or spread them over more nodes"
-                )
+def _heartbeat(cfg: PipelineConfig) -> dict[str, int]:
+    """The heartbeat settings of an executor whose workers run on compute nodes: lost after
+    ``site.heartbeat_threshold`` seconds, a heartbeat every quarter of that."""
+    threshold = cfg.site.heartbeat_threshold
+    return {"heartbeat_threshold": threshold, "heartbeat_period": max(1, threshold // 4)}
 
 
 def _exclusive(cfg: PipelineConfig) -> bool:
+    """Whether the blocks take whole nodes: ``site.exclusive``, by default only on Frontier."""
     if cfg.site.exclusive is not None:
         return cfg.site.exclusive
     return cfg.site.name == "frontier"
@@ -346,9 +287,8 @@ def _allocation_stages(cfg: PipelineConfig,
                        running: Collection[str] | None) -> list[StageShape]:
     """Shapes of the stages in ``running`` (None: all) that use the "train" block: ranks
     stages and stages placed in the allocation."""
-    shapes = [stage_module(name).shape(cfg) for name in STAGE_ORDER
-              if running is None or name in running]
-    return [shape for shape in shapes if shape.kind == RANKS or shape.placement == ALLOCATION]
+    return [shape for _, shape in stage_shapes(cfg, running)
+            if shape.kind == RANKS or shape.placement == ALLOCATION]
 
 
 def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) -> SlurmProvider:
@@ -395,9 +335,10 @@ def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
     )
 
 
-def _slurm_train_executor(cfg: PipelineConfig,
-                          running: Collection[str] | None = None) -> MPIExecutor:
-    threshold = cfg.site.heartbeat_threshold
+def slurm_train_executor(cfg: PipelineConfig,
+                         running: Collection[str] | None = None) -> MPIExecutor:
+    """The ranks' executor on a Slurm site: one worker in a block of ``slurm_provider``
+    whose apps start the ranks with ``$PARSL_MPI_PREFIX`` (srun)."""
     return MPIExecutor(
         label="train",
         mpi_launcher="srun",
@@ -405,8 +346,7 @@ def _slurm_train_executor(cfg: PipelineConfig,
         provider=slurm_provider(cfg, running),
         address=cfg.site.address,
         interchange_launch_cmd=interchange_command(),
-        heartbeat_threshold=threshold,
-        heartbeat_period=max(1, threshold // 4),
+        **_heartbeat(cfg),
         # CurveZMQ between the login node's interchange and the compute nodes' worker pool
         # (MPIExecutor defaults to plain text); the keys sit in the run's Parsl directory,
         # which the nodes read over the shared filesystem.
@@ -429,9 +369,8 @@ def compute_provider(cfg: PipelineConfig) -> SlurmProvider:
                            None if _exclusive(cfg) else cores, launcher)
 
 
-def _compute_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
+def compute_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
     """Python apps on compute nodes: ``site.max_workers`` workers on each node of the block."""
-    threshold = cfg.site.heartbeat_threshold
     return HighThroughputExecutor(
         label="compute",
         address=cfg.site.address,
@@ -439,8 +378,7 @@ def _compute_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
         cores_per_worker=1e-6,  # the worker count is max_workers, whatever the core count
         interchange_launch_cmd=interchange_command(),
         provider=compute_provider(cfg),
-        heartbeat_threshold=threshold,
-        heartbeat_period=max(1, threshold // 4),
+        **_heartbeat(cfg),
         # The workers on the compute nodes reach the login node's interchange over the
         # network: CurveZMQ, keys in the run's Parsl directory (shared filesystem).
         encrypted=True,
@@ -489,262 +427,3 @@ def worker_init(cfg: PipelineConfig) -> str:
         lines.append(site.worker_init.strip())
     return "\n".join(lines)
 
-
-# --------------------------------------------------------------------------------------------
-# The training launch
-# --------------------------------------------------------------------------------------------
-
-
-def ranks_layout(shape: StageShape) -> tuple[int, int]:
-    """(nodes, ranks_per_node) of a ranks stage; the ranks must divide over the nodes."""
-    if shape.nproc % shape.nodes:
-        raise SiteError(
-            f"{shape.nproc} ranks do not divide over {shape.nodes} nodes: make parallel.nproc "
-            "a multiple of parallel.nodes"
-        )
-    return shape.nodes, shape.nproc // shape.nodes
-
-
-def _srun_options(cfg: PipelineConfig) -> str:
-    if cfg.site.srun_options is not None:
-        return cfg.site.srun_options
-    return SITE_SRUN_OPTIONS.get(cfg.site.name, "")
-
-
-def ranks_resource_spec(cfg: PipelineConfig, shape: StageShape) -> dict | None:
-    """The MPIExecutor resource specification of a stage's ranks app (None for local)."""
-    if cfg.site.name == "local":
-        return None
-    nodes, per_node = ranks_layout(shape)
-    spec: dict[str, Any] = {"num_nodes": nodes, "ranks_per_node": per_node,
-                            "num_ranks": nodes * per_node}
-    options = _srun_options(cfg)
-    if options:
-        spec["launcher_options"] = options
-    return spec
-
-
-def rank_env(cfg: PipelineConfig) -> dict[str, str]:
-    """Environment exported before the ranks start (values may use shell expansions).
-
-    The rendezvous address and port are not set here: every rank derives them from the
-    Slurm job (model/parallel/dist_env.py: first node of the job, port from the job id).
-    """
-    env: dict[str, str] = {"PYTHONPATH": f"{REPO_ROOT}${{PYTHONPATH:+:$PYTHONPATH}}"}
-    if cfg.site.name == "frontier":
-        env.update({
-            "OMP_NUM_THREADS": "7",
-            # RCCL over Slingshot through the libfabric (aws-ofi-rccl) plugin.
-            "LD_LIBRARY_PATH": (
-                f"{cfg.site.rccl_plugin_path}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
-            ),
-            "NCCL_SOCKET_IFNAME": "hsn0",
-            "NCCL_NET_GDR_LEVEL": "3",
-            "NCCL_CROSS_NIC": "1",
-            "FI_CXI_ATS": "0",
-            "FI_MR_CACHE_MONITOR": "userfaultfd",
-            "FI_CXI_DEFAULT_CQ_SIZE": "131072",
-            "FI_CXI_DISABLE_HOST_REGISTER": "1",
-            # MIOpen's kernel database on node-local /tmp: Lustre locking stalls many ranks.
-            "MIOPEN_USER_DB_PATH": "/tmp/$USER-miopen-$SLURM_JOB_ID",
-            "MIOPEN_CUSTOM_CACHE_DIR": "/tmp/$USER-miopen-$SLURM_JOB_ID",
-        })
-    else:
-        env["OMP_NUM_THREADS"] = "1"
-    for item in cfg.site.env:
-        key, value = item.split("=", 1)
-        env[key.strip()] = value
-    return env
-
-
-def _worker_python(cfg: PipelineConfig) -> str:
-    # With a conda env the compute nodes use that env's python; else this interpreter.
-    return "python" if cfg.site.name != "local" and cfg.site.conda_env else sys.executable
-
-
-def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) -> str:
-    """The shell command that starts every rank of a rank spec (the ranks app's command).
-
-    local: ``python -m stages.launch`` (torchrun on this machine, dying with its Parsl
-    worker); slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line Parsl composes from
-    ``ranks_resource_spec``) runs one worker per rank. Either way the command exits
-    ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it.
-    """
-    exports = [f"export {key}={value}" for key, value in rank_env(cfg).items()]
-    path = shlex.quote(str(spec_path))
-    python = shlex.quote(_worker_python(cfg))
-    if cfg.site.name == "local":
-        if spec.nodes != 1:
-            raise SiteError(
-                f"site.name=local runs on one node but the stage asks for {spec.nodes}: "
-                "set parallel.nodes=1 or use site.name=slurm"
-            )
-        return "\n".join([*exports, f"exec {python} -m stages.launch --spec {path}"])
-    worker = f"{python} -m {spec.worker} --spec {path}"
-    if cfg.site.name == "frontier":
-        # Each node creates its own MIOpen cache directory before the rank starts.
-        worker = "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {worker}')
-    error_file = shlex.quote(str(Path(spec.out_dir) / RANK_ERROR_FILE))
-    return "\n".join([
-        *exports,
-        f"rm -f {error_file}",
-        f"$PARSL_MPI_PREFIX {worker}",
-        "code=$?",
-        f'if [ "$code" -ne 0 ] && [ -f {error_file} ]; then exit {USER_ERROR_EXIT}; fi',
-        'exit "$code"',
-    ])
-
-
-# --------------------------------------------------------------------------------------------
-# Dry run
-# --------------------------------------------------------------------------------------------
-
-
-class _Placeholders(dict):
-    """format_map mapping that renders values known only at run time as <name>."""
-
-    def __missing__(self, key: str) -> str:
-        return f"<{key}>"
-
-
-def _worker_pool_command(executor: HighThroughputExecutor) -> str:
-    """The executor's worker-pool launch line with run-time values (ports...) as <name>."""
-    known = _Placeholders(
-        debug="",
-        max_workers_per_node=f"--max_workers_per_node={executor.max_workers_per_node}",
-        prefetch_capacity=executor.prefetch_capacity,
-        address_probe_timeout_string="",
-        cores_per_worker=executor.cores_per_worker,
-        mem_per_worker=executor.mem_per_worker,
-        poll_period=executor.poll_period,
-        heartbeat_period=executor.heartbeat_period,
-        heartbeat_threshold=executor.heartbeat_threshold,
-        drain_period=executor.drain_period,
-        cpu_affinity=executor.cpu_affinity,
-        enable_mpi_mode="--enable_mpi_mode" if executor.enable_mpi_mode else "",
-        mpi_launcher=executor.mpi_launcher,
-        accelerators="",
-    )
-    line = executor.launch_cmd.format_map(known).replace("{block_id}", "0")
-    return " ".join(line.split())
-
-
-def batch_script(cfg: PipelineConfig, run_dir: Path, label: str = "train") -> str:
-    """The sbatch script Parsl's SlurmProvider writes for a block (not submitted): the
-    "train" block (the ranks' allocation) or the "compute" block.
-
-    Rendered from the provider's own template, #SBATCH options, worker_init and launcher,
-    exactly as ``SlurmProvider.submit`` fills them, with the job name's timestamp left out.
-    """
-    executor = _slurm_train_executor(cfg) if label == "train" else _compute_executor(cfg)
-    provider = executor.provider
-    assert isinstance(provider, SlurmProvider)
-    # One worker pool per node: the train block's on its first node (ranks come from srun
-    # inside it), the compute block's on every node (srun starts one per node).
-    tasks_per_node = 1
-    scheduler_options = provider.scheduler_options
-    init = provider.worker_init
-    if provider.cores_per_node is not None:
-        cpus = provider.cores_per_node // tasks_per_node
-        scheduler_options += f"#SBATCH --cpus-per-task={cpus}"
-        init += f"export PARSL_CORES={cpus}\n"
-    job_name = f"parsl.{label}.block-0"
-    script_dir = Path(run_dir) / "parsl" / "<NNN>" / "submit_scripts"
-    script_path = script_dir / job_name
-    command = provider.launcher(
-        _worker_pool_command(executor), tasks_per_node, provider.nodes_per_block, str(script_dir)
-    )
-    return Template(SLURM_TEMPLATE).substitute(
-        jobname=job_name,
-        job_stdout_path=f"{script_path}.stdout",
-        job_stderr_path=f"{script_path}.stderr",
-        nodes=provider.nodes_per_block,
-        walltime=wtime_to_minutes(provider.walltime),
-        tasks_per_node=tasks_per_node,
-        scheduler_options=scheduler_options,
-        worker_init=init,
-        user_script=command,
-    )
-
-
-def _ranks_stages(cfg: PipelineConfig) -> list[tuple[str, StageShape]]:
-    """(name, shape) of every stage that runs as ranks under this config."""
-    shapes = [(name, stage_module(name).shape(cfg)) for name in STAGE_ORDER]
-    return [(name, shape) for name, shape in shapes if shape.kind == RANKS]
-
-
-def _placeholder_spec(cfg: PipelineConfig, run_dir: Path, name: str, shape: StageShape) -> RankSpec:
-    return RankSpec(worker=shape.worker, nproc=shape.nproc, nodes=shape.nodes,
-                    out_dir=f"{run_dir}/{name}", config={})
-
-
-def srun_line(cfg: PipelineConfig, run_dir: Path, name: str, shape: StageShape) -> str:
-    """The rank launch Parsl composes for a stage's ranks app (node names known at run time)."""
-    resources = ranks_resource_spec(cfg, shape)
-    assert resources is not None
-    hosts = [f"<node{i}>" for i in range(resources["num_nodes"])]
-    _, prefix = compose_srun_launch_cmd({k: str(v) for k, v in resources.items()}, hosts)
-    spec = _placeholder_spec(cfg, run_dir, name, shape)
-    command = ranks_command(cfg, spec, f"{run_dir}/{name}/spec.json")
-    return command.replace("$PARSL_MPI_PREFIX", " ".join(prefix.split()))
-
-
-def _where(cfg: PipelineConfig, label: str) -> str:
-    """Words for where an executor's apps run (dry run)."""
-    if label == "compute":
-        return (f"compute block ('compute' executor, {cfg.site.tokenize_nodes} node(s) x "
-                f"{cfg.site.max_workers} workers)")
-    if label == "train":
-        return "allocation ('train' executor, first node of the ranks' block)"
-    return "login node ('cpu' executor)"
-
-
-def placement_lines(cfg: PipelineConfig) -> list[str]:
-    """Where each stage's apps run under ``cfg``'s site, one line per stage."""
-    lines = []
-    for name in STAGE_ORDER:
-        shape = stage_module(name).shape(cfg)
-        where = _where(cfg, executor_label(cfg, shape.placement))
-        if shape.kind == RANKS:
-            nodes, per_node = ranks_layout(shape)
-            line = (f"prepare, finalize: {where}; ranks: {nodes} node(s) x {per_node}, "
-                    "allocation ('train' executor)")
-        elif shape.parts:
-            line = f"prepare, {shape.parts} parts, finalize: {where}"
-        else:
-            line = f"one app: {where}"
-        lines.append(f"#   {name:<9} {line}")
-    return lines
-
-
-def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
-    """Where each stage would run: locally the launch line; on slurm/frontier where each
-    stage's apps run, the batch script of each block (the allocation and the compute block)
-    and each ranks app's srun line."""
-    stages = _ranks_stages(cfg)
-    if cfg.site.name == "local":
-        launches = "; ".join(
-            f"{name} runs torchrun --nproc-per-node {shape.nproc} on this machine"
-            for name, shape in stages
-        )
-        return (
-            f"site local: light stages on {cfg.site.max_workers} local Parsl workers; "
-            f"{launches}; outputs in {run_dir}"
-        )
-    _check_slurm_site(cfg)
-    site = cfg.site
-    parts = [
-        "# --- where each stage's apps run ---",
-        *placement_lines(cfg),
-        f"# --- batch script for the allocation, the ranks block (sbatch, {cfg.parallel.nodes} "
-        f"node(s)) ---\n{batch_script(cfg, run_dir, 'train')}",
-        f"# --- batch script for the compute block (sbatch, {site.tokenize_nodes} node(s) x "
-        f"{site.max_workers} workers) ---\n{batch_script(cfg, run_dir, 'compute')}",
-    ]
-    for name, shape in stages:
-        nodes, per_node = ranks_layout(shape)
-        parts.append(
-            f"# --- {name} app: {nodes} node(s) x {per_node} ranks: environment and launch "
-            f"(run by the Parsl worker) ---\n{srun_line(cfg, run_dir, name, shape)}"
-        )
-    return "\n".join(parts) + "\n"

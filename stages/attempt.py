@@ -1,0 +1,240 @@
+"""One stage's turn in a pipeline invocation: reuse its output, or attempt it and publish.
+
+``begin`` looks for a succeeded output with the stage's key (``stages.keys``) and returns an
+``Attempt`` either way: ``attempt.reused`` holds the reused result, else the attempt owns
+the key's lock and its ``.partial`` work directory (``stages.outputs``) and has an MLflow
+child run. ``finish`` publishes the outputs, ``fail`` records the error; both release the
+lock, in whichever process they run. The split lets the work between them run anywhere:
+Parsl fan-out apps, training ranks launched by torchrun or srun (``workflows.apps``), or
+this process (``stages.inline``).
+
+One attempt per key at a time: ``begin`` takes the lock ``<key>.lock`` (``stages.locks``) in
+the name of the pipeline driver (``PipelineContext.driver``), waiting while another live
+driver holds it, and looks for a succeeded output again once it has it (so a pipeline that
+waited reuses what the other one made). The driver keeps its locks fresh with
+``stages.locks.Heartbeat``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages import keys, locks, outputs, tracking
+from stages.config import PipelineConfig
+from stages.outputs import StageResult
+from stages.registry import StageDeclaration
+
+
+@dataclass
+class PipelineContext:
+    """What every stage needs to know about the pipeline invocation (picklable).
+
+    ``code`` is the per-stage code hash (``stages.keys.code_hashes``, computed once by the
+    driver), or one string used for every stage. ``driver`` owns the stage locks this
+    pipeline takes, whichever process takes them; ``lock_stale_s`` is how old a lock's
+    heartbeat may get before another pipeline takes it as abandoned.
+    """
+
+    runs_dir: str
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str
+    code: dict[str, str] | str = field(default_factory=keys.code_hashes)
+    driver: locks.Owner = field(default_factory=locks.Owner)
+    lock_stale_s: float = locks.STALE_AFTER_S
+
+    def code_for(self, name: str) -> str:
+        """The code hash that goes into stage ``name``'s key."""
+        return keys.code_for(self.code, name)
+
+
+@dataclass
+class Attempt:
+    """A stage's turn: a reused output (``reused``) or work in ``work_dir`` logged to MLflow
+    run ``run_id``. ``prepared`` is what the work module's ``prepare`` returned (the part
+    count of a fan-out, the rank spec path of a ranks stage)."""
+
+    name: str
+    key: str
+    run_id: str
+    final_dir: str
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ingredients: dict[str, Any] = field(default_factory=dict)
+    reused: StageResult | None = None
+    prepared: Any = None
+
+    @property
+    def work_dir(self) -> str:
+        """Where the attempt writes until it is published (``<key>.partial``)."""
+        return str(Path(self.final_dir).with_name(f"{self.key}{outputs.PARTIAL_SUFFIX}"))
+
+    def tracker(self, ctx: PipelineContext) -> tracking.Tracker:
+        return tracking.Tracker(ctx.tracking_uri, self.run_id)
+
+
+def _child_run(ctx: PipelineContext, name: str, key: str, tags: dict[str, str]) -> str:
+    return tracking.start_run(
+        ctx.tracking_uri,
+        ctx.experiment_id,
+        run_name=f"{name}-{key[:8]}",
+        parent_run_id=ctx.parent_run_id,
+        tags={"stage": name, "stage_key": key, **tags},
+    )
+
+
+def _log_stage_params(
+    tracker: tracking.Tracker,
+    cfg: PipelineConfig,
+    sections: tuple[str, ...],
+    inputs: dict[str, StageResult],
+) -> None:
+    tracker.log_params({section: dataclasses.asdict(getattr(cfg, section)) for section in sections})
+    tracker.set_tags({f"input.{name}.run_id": res.producer_run_id for name, res in inputs.items()})
+    tracker.set_tags({f"input.{name}.key": res.key for name, res in inputs.items()})
+    tracker.log_dict(cfg.to_dict(), "config.yaml")
+
+
+def reuse(
+    ctx: PipelineContext, found: StageResult, cfg: PipelineConfig, sections: tuple[str, ...],
+    inputs: dict[str, StageResult],
+) -> StageResult:
+    """Record a reused stage: a child run tagged ``reused`` that points at its producer."""
+    run_id = _child_run(
+        ctx,
+        found.name,
+        found.key,
+        {"reused": "true", "producer_run_id": found.producer_run_id, "out_dir": found.out_dir},
+    )
+    tracker = tracking.Tracker(ctx.tracking_uri, run_id)
+    _log_stage_params(tracker, cfg, sections, inputs)
+    # Copy the producer's latest metric values so the reused run reads the same in the UI.
+    producer = tracking.get_run(ctx.tracking_uri, found.producer_run_id)
+    tracker.log_metrics(dict(producer.data.metrics))
+    tracker.flush()
+    tracking.end_run(ctx.tracking_uri, run_id)
+    return dataclasses.replace(found, run_id=run_id)
+
+
+def _reused(ctx: PipelineContext, found: StageResult, cfg: PipelineConfig,
+            stage: StageDeclaration, inputs: dict[str, StageResult]) -> Attempt:
+    result = reuse(ctx, found, cfg, stage.sections, inputs)
+    return Attempt(stage.name, found.key, result.run_id, found.out_dir, reused=result)
+
+
+def _take_lock(ctx: PipelineContext, name: str, key: str) -> None:
+    """Take (name, key)'s lock for the driver, saying whom it waits for while it waits."""
+
+    def waiting(holder: dict[str, Any]) -> None:
+        print(f"waiting for {name} {key} held by {holder.get('host')}:{holder.get('pid')}",
+              flush=True)
+
+    locks.acquire(outputs.lock_path(ctx.runs_dir, name, key), ctx.driver, ctx.lock_stale_s,
+                  on_wait=waiting)
+
+
+def begin(
+    ctx: PipelineContext,
+    stage: StageDeclaration,
+    cfg: PipelineConfig,
+    inputs: dict[str, StageResult],
+    force: bool = False,
+) -> Attempt:
+    """Reuse a succeeded output with the stage's key, or open an attempt to compute it.
+
+    Resumable stages (``stage.resumable``: tokenize, train) keep an earlier attempt's
+    ``.partial`` directory so they can continue from it; the others start from an empty one.
+    """
+    name = stage.name
+    ingredients = keys.key_ingredients(
+        name, cfg, stage.sections, {n: r.key for n, r in inputs.items()}, ctx.code_for(name)
+    )
+    key = keys.key_of(ingredients)
+    if not force:
+        found = outputs.find_succeeded(ctx.runs_dir, name, key)
+        if found is not None:
+            return _reused(ctx, found, cfg, stage, inputs)
+    final_dir = outputs.stage_dir(ctx.runs_dir, name, key)
+    lock = outputs.lock_path(ctx.runs_dir, name, key)
+    _take_lock(ctx, name, key)
+    try:
+        if not force:  # another pipeline may have made it while this one waited
+            found = outputs.find_succeeded(ctx.runs_dir, name, key)
+            if found is not None:
+                locks.release(lock, ctx.driver)
+                return _reused(ctx, found, cfg, stage, inputs)
+        work_dir = outputs.work_dir(ctx.runs_dir, name, key)
+        if work_dir.exists() and not stage.resumable:
+            shutil.rmtree(work_dir)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir)})
+        outputs.write_status(work_dir, outputs.status_record(
+            "running", run_id, key=key, ingredients=ingredients))
+        attempt = Attempt(name, key, run_id, str(final_dir),
+                          inputs={n: r.outputs for n, r in inputs.items()},
+                          ingredients=ingredients)
+        _log_stage_params(attempt.tracker(ctx), cfg, stage.sections, inputs)
+    except BaseException:
+        locks.release(lock, ctx.driver)
+        raise
+    return attempt
+
+
+def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> StageResult:
+    """Publish a stage's outputs atomically and close its MLflow run as FINISHED."""
+    work, final = Path(attempt.work_dir), Path(attempt.final_dir)
+    outs = outputs.relocate(outs, str(work), str(final))
+    outputs.write_outputs(work, outs)
+    outputs.write_status(work, outputs.status_record(
+        "succeeded", attempt.run_id, key=attempt.key, ingredients=attempt.ingredients))
+    attempt.tracker(ctx).log_artifact(work / outputs.OUTPUTS_FILE)
+    outputs.publish(work, final, attempt.key)
+    locks.release(outputs.lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
+    tracking.end_run(ctx.tracking_uri, attempt.run_id, "FINISHED")
+    return StageResult(
+        name=attempt.name,
+        key=attempt.key,
+        out_dir=str(final),
+        outputs=outs,
+        run_id=attempt.run_id,
+        producer_run_id=attempt.run_id,
+        reused=False,
+    )
+
+
+def fail(ctx: PipelineContext, attempt: Attempt, error: BaseException) -> None:
+    """Record the error in status.json and close the MLflow run as FAILED."""
+    work = Path(attempt.work_dir)
+    if work.exists():
+        detail = "".join(traceback.format_exception(error))
+        status = outputs.status_record("failed", attempt.run_id, key=attempt.key, error=detail,
+                                       ingredients=attempt.ingredients)
+        try:
+            outputs.write_status(work, status)
+        except OSError:
+            outputs.overwrite_status(work / outputs.STATUS_FILE, status, error)
+    try:
+        locks.release(outputs.lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
+    except OSError as lock_error:
+        print(f"[stage] could not release the lock of {attempt.name} {attempt.key}: {lock_error}",
+              file=sys.stderr, flush=True)
+    try:
+        tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags({"error": str(error)[:4000]})
+        tracking.end_run(ctx.tracking_uri, attempt.run_id, "FAILED")
+    except Exception as tracking_error:  # noqa: BLE001 - tracking must not hide the original error
+        print(f"[stage] could not mark MLflow run {attempt.run_id} FAILED: {tracking_error}",
+              file=sys.stderr, flush=True)
+
+
+def running_attempt(ctx: PipelineContext, name: str, key: str) -> Attempt | None:
+    """The attempt at (name, key) whose status.json still says ``running``, if any (the
+    driver fails it when it is interrupted)."""
+    final = outputs.stage_dir(ctx.runs_dir, name, key)
+    status = outputs.read_status(outputs.work_dir(ctx.runs_dir, name, key))
+    if not status or status.get("state") != "running":
+        return None
+    return Attempt(name, key, status["run_id"], str(final))

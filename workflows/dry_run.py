@@ -1,0 +1,165 @@
+"""What ``--dry-run`` prints about the site: where each stage's apps would run, and for a
+Slurm site the batch script of each block and each ranks app's srun line, all rendered by
+the code that runs them, nothing submitted.
+
+The batch scripts are filled from Parsl's own Slurm template (``SlurmProvider.submit``'s,
+a private module of Parsl) and the srun lines by Parsl's MPIExecutor prefix composer, so
+what the dry run shows is what a run submits; values known only at run time (ports, node
+names, the run's Parsl directory number) are shown as ``<name>``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from string import Template
+
+from parsl.executors import HighThroughputExecutor
+from parsl.executors.high_throughput.mpi_prefix_composer import compose_srun_launch_cmd
+from parsl.providers import SlurmProvider
+from parsl.providers.slurm.template import template_string as SLURM_TEMPLATE
+from parsl.utils import wtime_to_minutes
+
+from stages.config import PipelineConfig
+from stages.launch import RankSpec
+from stages.shape import RANKS, StageShape
+from workflows.executors import compute_executor, executor_label, slurm_train_executor
+from workflows.frontier import check_site, ranks_stages, stage_shapes
+from workflows.ranks import ranks_command, ranks_layout, ranks_resource_spec
+
+
+class _Placeholders(dict):
+    """format_map mapping that renders values known only at run time as <name>."""
+
+    def __missing__(self, key: str) -> str:
+        return f"<{key}>"
+
+
+def _worker_pool_command(executor: HighThroughputExecutor) -> str:
+    """The executor's worker-pool launch line with run-time values (ports...) as <name>."""
+    known = _Placeholders(
+        debug="",
+        max_workers_per_node=f"--max_workers_per_node={executor.max_workers_per_node}",
+        prefetch_capacity=executor.prefetch_capacity,
+        address_probe_timeout_string="",
+        cores_per_worker=executor.cores_per_worker,
+        mem_per_worker=executor.mem_per_worker,
+        poll_period=executor.poll_period,
+        heartbeat_period=executor.heartbeat_period,
+        heartbeat_threshold=executor.heartbeat_threshold,
+        drain_period=executor.drain_period,
+        cpu_affinity=executor.cpu_affinity,
+        enable_mpi_mode="--enable_mpi_mode" if executor.enable_mpi_mode else "",
+        mpi_launcher=executor.mpi_launcher,
+        accelerators="",
+    )
+    line = executor.launch_cmd.format_map(known).replace("{block_id}", "0")
+    return " ".join(line.split())
+
+
+def batch_script(cfg: PipelineConfig, run_dir: Path, label: str = "train") -> str:
+    """The sbatch script Parsl's SlurmProvider writes for a block (not submitted): the
+    "train" block (the ranks' allocation) or the "compute" block.
+
+    Rendered from the provider's own template, #SBATCH options, worker_init and launcher,
+    exactly as ``SlurmProvider.submit`` fills them, with the job name's timestamp left out.
+    """
+    executor = slurm_train_executor(cfg) if label == "train" else compute_executor(cfg)
+    provider = executor.provider
+    assert isinstance(provider, SlurmProvider)
+    # One worker pool per node: the train block's on its first node (ranks come from srun
+    # inside it), the compute block's on every node (srun starts one per node).
+    tasks_per_node = 1
+    scheduler_options = provider.scheduler_options
+    init = provider.worker_init
+    if provider.cores_per_node is not None:
+        cpus = provider.cores_per_node // tasks_per_node
+        scheduler_options += f"#SBATCH --cpus-per-task={cpus}"
+        init += f"export PARSL_CORES={cpus}\n"
+    job_name = f"parsl.{label}.block-0"
+    script_dir = Path(run_dir) / "parsl" / "<NNN>" / "submit_scripts"
+    script_path = script_dir / job_name
+    command = provider.launcher(
+        _worker_pool_command(executor), tasks_per_node, provider.nodes_per_block, str(script_dir)
+    )
+    return Template(SLURM_TEMPLATE).substitute(
+        jobname=job_name,
+        job_stdout_path=f"{script_path}.stdout",
+        job_stderr_path=f"{script_path}.stderr",
+        nodes=provider.nodes_per_block,
+        walltime=wtime_to_minutes(provider.walltime),
+        tasks_per_node=tasks_per_node,
+        scheduler_options=scheduler_options,
+        worker_init=init,
+        user_script=command,
+    )
+
+
+def srun_line(cfg: PipelineConfig, run_dir: Path, name: str, shape: StageShape) -> str:
+    """The rank launch Parsl composes for a stage's ranks app (node names known at run time)."""
+    resources = ranks_resource_spec(cfg, shape)
+    assert resources is not None
+    hosts = [f"<node{i}>" for i in range(resources["num_nodes"])]
+    _, prefix = compose_srun_launch_cmd({k: str(v) for k, v in resources.items()}, hosts)
+    # The command reads only the spec's worker, node count and output directory.
+    spec = RankSpec.for_shape(shape, out_dir=f"{run_dir}/{name}", config={})
+    command = ranks_command(cfg, spec, f"{run_dir}/{name}/spec.json")
+    return command.replace("$PARSL_MPI_PREFIX", " ".join(prefix.split()))
+
+
+def _where(cfg: PipelineConfig, label: str) -> str:
+    """Words for where an executor's apps run (dry run)."""
+    if label == "compute":
+        return (f"compute block ('compute' executor, {cfg.site.tokenize_nodes} node(s) x "
+                f"{cfg.site.max_workers} workers)")
+    if label == "train":
+        return "allocation ('train' executor, first node of the ranks' block)"
+    return "login node ('cpu' executor)"
+
+
+def placement_lines(cfg: PipelineConfig) -> list[str]:
+    """Where each stage's apps run under ``cfg``'s site, one line per stage."""
+    lines = []
+    for name, shape in stage_shapes(cfg):
+        where = _where(cfg, executor_label(cfg, shape.placement))
+        if shape.kind == RANKS:
+            nodes, per_node = ranks_layout(shape)
+            line = (f"prepare, finalize: {where}; ranks: {nodes} node(s) x {per_node}, "
+                    "allocation ('train' executor)")
+        elif shape.parts:
+            line = f"prepare, {shape.parts} parts, finalize: {where}"
+        else:
+            line = f"one app: {where}"
+        lines.append(f"#   {name:<9} {line}")
+    return lines
+
+
+def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
+    """Where each stage would run: locally the launch line; on slurm/frontier where each
+    stage's apps run, the batch script of each block (the allocation and the compute block)
+    and each ranks app's srun line."""
+    stages = ranks_stages(cfg)
+    if cfg.site.name == "local":
+        launches = "; ".join(
+            f"{name} runs torchrun --nproc-per-node {shape.nproc} on this machine"
+            for name, shape in stages
+        )
+        return (
+            f"site local: light stages on {cfg.site.max_workers} local Parsl workers; "
+            f"{launches}; outputs in {run_dir}"
+        )
+    check_site(cfg)
+    site = cfg.site
+    parts = [
+        "# --- where each stage's apps run ---",
+        *placement_lines(cfg),
+        f"# --- batch script for the allocation, the ranks block (sbatch, {cfg.parallel.nodes} "
+        f"node(s)) ---\n{batch_script(cfg, run_dir, 'train')}",
+        f"# --- batch script for the compute block (sbatch, {site.tokenize_nodes} node(s) x "
+        f"{site.max_workers} workers) ---\n{batch_script(cfg, run_dir, 'compute')}",
+    ]
+    for name, shape in stages:
+        nodes, per_node = ranks_layout(shape)
+        parts.append(
+            f"# --- {name} app: {nodes} node(s) x {per_node} ranks: environment and launch "
+            f"(run by the Parsl worker) ---\n{srun_line(cfg, run_dir, name, shape)}"
+        )
+    return "\n".join(parts) + "\n"

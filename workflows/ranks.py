@@ -1,0 +1,144 @@
+"""How the ranks of a ranks stage start on each site: their layout over the nodes, their
+environment, and the one command that starts them.
+
+Both ranks stages (training, and evaluation when eval.ranks > 1) start through
+``ranks_command``, so they start the same way on every site: locally ``python -m
+stages.launch`` (torchrun on this machine); on slurm/frontier ``$PARSL_MPI_PREFIX``, the
+``srun`` line Parsl's MPIExecutor composes from ``ranks_resource_spec`` (nodes, ranks per
+node, ``SITE_SRUN_OPTIONS``), one worker per rank. ``rank_env`` is what every rank gets
+exported first: the project on PYTHONPATH, its OpenMP threads (``rank_cores``) and, on
+Frontier, RCCL over Slingshot and MIOpen's cache on node-local /tmp.
+
+Nothing here imports Parsl.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from stages.config import PipelineConfig
+from stages.launch import RANK_ERROR_FILE, REPO_ROOT, USER_ERROR_EXIT, RankSpec
+from stages.shape import StageShape
+from workflows.frontier import FRONTIER_CORES_PER_RANK, SiteError
+
+
+def rank_cores(site: str) -> int:
+    """CPU cores, and OpenMP threads, of one rank on ``site``: 7 on Frontier (56 usable cores
+    over 8 GCDs), one elsewhere."""
+    return FRONTIER_CORES_PER_RANK if site == "frontier" else 1
+
+
+SITE_SRUN_OPTIONS = {
+    # 7 cores per rank (56 usable per node), one GCD each, bound to the nearest NIC/cores.
+    "frontier": f"-c{rank_cores('frontier')} --gpus-per-task=1 --gpu-bind=closest",
+    # Explicit: srun inside a job otherwise inherits the job's --cpus-per-task.
+    "slurm": f"--cpus-per-task={rank_cores('slurm')}",
+}
+"""srun options of every rank launch on a Slurm site unless site.srun_options says otherwise."""
+
+
+def project_pythonpath(quote: bool = False) -> str:
+    """A PYTHONPATH value with the project root first, then any value already set (a shell
+    word: it expands ``$PYTHONPATH``); ``quote``: the root shell-quoted."""
+    root = shlex.quote(str(REPO_ROOT)) if quote else str(REPO_ROOT)
+    return f"{root}${{PYTHONPATH:+:$PYTHONPATH}}"
+
+
+def ranks_layout(shape: StageShape) -> tuple[int, int]:
+    """(nodes, ranks_per_node) of a ranks stage; the ranks must divide over the nodes."""
+    if shape.nproc % shape.nodes:
+        raise SiteError(
+            f"{shape.nproc} ranks do not divide over {shape.nodes} nodes: make parallel.nproc "
+            "a multiple of parallel.nodes"
+        )
+    return shape.nodes, shape.nproc // shape.nodes
+
+
+def _srun_options(cfg: PipelineConfig) -> str:
+    if cfg.site.srun_options is not None:
+        return cfg.site.srun_options
+    return SITE_SRUN_OPTIONS.get(cfg.site.name, "")
+
+
+def ranks_resource_spec(cfg: PipelineConfig, shape: StageShape) -> dict | None:
+    """The MPIExecutor resource specification of a stage's ranks app (None for local)."""
+    if cfg.site.name == "local":
+        return None
+    nodes, per_node = ranks_layout(shape)
+    spec: dict[str, Any] = {"num_nodes": nodes, "ranks_per_node": per_node,
+                            "num_ranks": nodes * per_node}
+    options = _srun_options(cfg)
+    if options:
+        spec["launcher_options"] = options
+    return spec
+
+
+def rank_env(cfg: PipelineConfig) -> dict[str, str]:
+    """Environment exported before the ranks start (values may use shell expansions).
+
+    The rendezvous address and port are not set here: every rank derives them from the
+    Slurm job (model/parallel/dist_env.py: first node of the job, port from the job id).
+    """
+    env: dict[str, str] = {"PYTHONPATH": project_pythonpath(),
+                           "OMP_NUM_THREADS": str(rank_cores(cfg.site.name))}
+    if cfg.site.name == "frontier":
+        env.update({
+            # RCCL over Slingshot through the libfabric (aws-ofi-rccl) plugin.
+            "LD_LIBRARY_PATH": (
+                f"{cfg.site.rccl_plugin_path}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
+            ),
+            "NCCL_SOCKET_IFNAME": "hsn0",
+            "NCCL_NET_GDR_LEVEL": "3",
+            "NCCL_CROSS_NIC": "1",
+            "FI_CXI_ATS": "0",
+            "FI_MR_CACHE_MONITOR": "userfaultfd",
+            "FI_CXI_DEFAULT_CQ_SIZE": "131072",
+            "FI_CXI_DISABLE_HOST_REGISTER": "1",
+            # MIOpen's kernel database on node-local /tmp: Lustre locking stalls many ranks.
+            "MIOPEN_USER_DB_PATH": "/tmp/$USER-miopen-$SLURM_JOB_ID",
+            "MIOPEN_CUSTOM_CACHE_DIR": "/tmp/$USER-miopen-$SLURM_JOB_ID",
+        })
+    for item in cfg.site.env:
+        key, value = item.split("=", 1)
+        env[key.strip()] = value
+    return env
+
+
+def _worker_python(cfg: PipelineConfig) -> str:
+    # With a conda env the compute nodes use that env's python; else this interpreter.
+    return "python" if cfg.site.name != "local" and cfg.site.conda_env else sys.executable
+
+
+def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) -> str:
+    """The shell command that starts every rank of a rank spec (the ranks app's command).
+
+    local: ``python -m stages.launch`` (torchrun on this machine, dying with its Parsl
+    worker); slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line Parsl composes from
+    ``ranks_resource_spec``) runs one worker per rank. Either way the command exits
+    ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it.
+    """
+    exports = [f"export {key}={value}" for key, value in rank_env(cfg).items()]
+    path = shlex.quote(str(spec_path))
+    python = shlex.quote(_worker_python(cfg))
+    if cfg.site.name == "local":
+        if spec.nodes != 1:
+            raise SiteError(
+                f"site.name=local runs on one node but the stage asks for {spec.nodes}: "
+                "set parallel.nodes=1 or use site.name=slurm"
+            )
+        return "\n".join([*exports, f"exec {python} -m stages.launch --spec {path}"])
+    worker = f"{python} -m {spec.worker} --spec {path}"
+    if cfg.site.name == "frontier":
+        # Each node creates its own MIOpen cache directory before the rank starts.
+        worker = "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {worker}')
+    error_file = shlex.quote(str(Path(spec.out_dir) / RANK_ERROR_FILE))
+    return "\n".join([
+        *exports,
+        f"rm -f {error_file}",
+        f"$PARSL_MPI_PREFIX {worker}",
+        "code=$?",
+        f'if [ "$code" -ne 0 ] && [ -f {error_file} ]; then exit {USER_ERROR_EXIT}; fi',
+        'exit "$code"',
+    ])

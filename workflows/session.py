@@ -1,0 +1,342 @@
+"""One driver's session: the lifecycle around the stages it runs, and running them on Parsl.
+
+``PipelineSession`` is a context manager that both the pipeline (``workflows.pipeline``)
+and the scaling studies (``workflows.scaling``) drive their stages through:
+
+- on entry: the MLflow parent run, the heartbeat that keeps this driver's stage locks
+  fresh, SIGTERM and SIGINT turned into ``KeyboardInterrupt``, a Parsl run dir and a log
+  dir of its own;
+- ``start_parsl(cfg)``: load the site's Parsl configuration (a study restarts it when the
+  next point needs another block);
+- ``run_stages(cfg, plans, ctx, log_dir)``: submit every stage's apps by its declared
+  shape, tail their logs, wait, and report each failed stage's own error
+  (``PipelineFailed``);
+- on exit, whatever happened: stop Parsl (within deadlines, also after a group signal),
+  give the signal handlers back, mark this invocation's still-running stages failed,
+  stop the heartbeat, release the locks of stages that never finished, close the parent
+  run (FINISHED, or FAILED on any exception).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages import attempt as attempts
+from stages import locks, outputs, tracking
+from stages.config import ConfigError, PipelineConfig
+from stages.outputs import StageResult
+from stages.registry import declaration
+from stages.selection import StagePlan
+from stages.shape import FAN_OUT, SINGLE
+from workflows import failures as failures_mod
+
+
+def check_runs_dir(runs_dir: Path) -> None:
+    """Refuse a runs dir that cannot work, before any work: one line naming --runs-dir."""
+    if any(ch.isspace() for ch in str(runs_dir.resolve())):
+        raise ConfigError(
+            f"--runs-dir {str(runs_dir)!r} contains white space, which Parsl's worker command "
+            "lines cannot carry: choose a path without spaces"
+        )
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        probe = runs_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"--runs-dir {runs_dir} is not writable ({error.strerror or error}): choose a "
+            "directory you can write"
+        ) from None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM and SIGINT stop the driver like Ctrl-C. Both are set explicitly while it runs:
+    a driver started in the background by a script inherits SIGINT ignored, and a
+    ``kill -INT`` (or a group SIGINT) must stop it all the same."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@dataclass
+class StageRun:
+    """One stage's apps in this invocation: what the driver waits for and reports.
+
+    ``result`` is always a future of the stage's ``StageResult`` (already done for a stage
+    reused at planning time); ``attempt`` is the future of a multi-part stage's begin app."""
+
+    name: str
+    key: str
+    log: str
+    result: concurrent.futures.Future
+    ranks_log: str | None = None
+    attempt: concurrent.futures.Future | None = None
+    futures: list[concurrent.futures.Future] = field(default_factory=list)  # apps, in order
+
+
+@dataclass
+class StageFailure:
+    """What the user is told about one failed stage."""
+
+    name: str
+    message: str
+    user_error: bool
+    status: Path
+    logs: list[str]
+
+    def render(self) -> str:
+        logs = ", ".join(self.logs)
+        return (f"{self.name} failed: {self.message}\n    status: {self.status}\n"
+                f"    log:    {logs}")
+
+
+class PipelineFailed(RuntimeError):
+    """One or more stages failed; ``failures`` says which and why."""
+
+    def __init__(self, failures: list[StageFailure]) -> None:
+        self.failures = failures
+        super().__init__("\n".join(f.render() for f in failures))
+
+
+def _done(value: Any) -> concurrent.futures.Future:
+    """A future that already holds ``value`` (Parsl apps wait on any Future)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def submit_stages(cfg: PipelineConfig, plans: list[StagePlan], ctx: attempts.PipelineContext,
+                  log_dir: Path, runs: dict[str, StageRun]) -> None:
+    """Submit every stage's apps by its declared shape into ``runs`` (name -> StageRun, filled
+    as each stage is submitted, so an interrupt mid-way knows what runs).
+
+    A stage's Python apps go to the executor of its shape's placement for this site
+    (``executors.executor_label``); the ranks of a ranks stage always go to "train".
+    """
+    from workflows import apps, executors, ranks
+
+    for p in plans:
+        if p.action == "skip":
+            continue
+        stage = declaration(p.name)
+        inputs = {u: runs[u].result for u in stage.upstream}
+        log = str(log_dir / f"{p.name}.log")
+        if p.action == "reuse" and p.existing is not None:
+            # Inputs of reused stages are published results already: record it right here.
+            ready = {u: future.result() for u, future in inputs.items()}
+            result = attempts.reuse(ctx, p.existing, cfg, stage.sections, ready)
+            runs[p.name] = StageRun(p.name, p.key, log, _done(result))
+            continue
+        force = p.action == "force"
+        shape = stage.shape(cfg)
+        label = executors.executor_label(cfg, shape.placement)
+        on = apps.apps_on(label)
+        spec = executors.app_resource_spec(cfg, label)
+        if shape.kind == SINGLE:
+            result = on.single(ctx, p.name, cfg, force, log,
+                               parsl_resource_specification=spec, **inputs)
+            runs[p.name] = StageRun(p.name, p.key, log, result, futures=[result])
+            continue
+        begun = on.begin(ctx, p.name, cfg, force, log, parsl_resource_specification=spec,
+                         **inputs)
+        ranks_log = None
+        if shape.kind == FAN_OUT:
+            parts = [
+                on.part(p.name, cfg, begun, i, str(log_dir / f"{p.name}-part{i}.log"),
+                        parsl_resource_specification=spec)
+                for i in range(shape.parts)
+            ]
+            result = on.finish(ctx, p.name, cfg, begun, log, *parts,
+                               parsl_resource_specification=spec)
+        else:
+            # RANKS: prepare (checks, rank spec) -> every rank on the "train" executor -> finalize
+            ranks_log = str(log_dir / f"{p.name}-ranks.log")
+            parts = [apps.ranks_app(
+                cfg, begun, stdout=ranks_log, stderr=ranks_log,
+                parsl_resource_specification=ranks.ranks_resource_spec(cfg, shape) or {},
+            )]
+            result = on.finish(ctx, p.name, cfg, begun, log, after=parts[0],
+                               parsl_resource_specification=spec)
+        runs[p.name] = StageRun(p.name, p.key, log, result, ranks_log, begun,
+                                [begun, *parts, result])
+
+
+def _tail_logs(log_dir: Path, offsets: dict[Path, int]) -> None:
+    """Print new lines of the apps' log files, prefixed with the log's name."""
+    for path in sorted(log_dir.glob("*.log")):
+        with open(path, "rb") as handle:
+            handle.seek(offsets.get(path, 0))
+            data = handle.read()
+        complete = data.rfind(b"\n") + 1
+        if not complete:
+            continue
+        offsets[path] = offsets.get(path, 0) + complete
+        for line in data[:complete].decode(errors="replace").splitlines():
+            print(f"[{path.stem}] {line}", flush=True)
+
+
+def wait_for_stages(runs: dict[str, StageRun], ctx: attempts.PipelineContext, log_dir: Path,
+                    runs_dir: Path) -> dict[str, StageResult]:
+    """Wait for every stage, tailing logs; report each failed stage's own error."""
+    offsets: dict[Path, int] = {}
+    pending = {name: run.result for name, run in runs.items() if run.futures}
+    started = time.time()
+    while pending:
+        _tail_logs(log_dir, offsets)
+        for name in [n for n, f in pending.items() if f.done()]:
+            outcome = "failed" if pending.pop(name).exception() else "done"
+            print(f"[pipeline] {name} {outcome} at +{time.time() - started:.1f}s", flush=True)
+        time.sleep(0.5)
+    _tail_logs(log_dir, offsets)
+    done: dict[str, StageResult] = {}
+    failures: list[StageFailure] = []
+    for name, run in runs.items():
+        if run.result.exception() is None:
+            done[name] = run.result.result()
+            continue
+        error = failures_mod.own_failure(run.futures)
+        if error is None:  # only upstream stages failed: this one never ran
+            continue
+        _fail_open_attempt(ctx, run.attempt, error)
+        failures.append(_describe_failure(run, error, runs_dir))
+    if failures:
+        raise PipelineFailed(failures)
+    return done
+
+
+def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> StageFailure:
+    """The stage's own message (a rank's, for ranks that refused their input) and its paths."""
+    from parsl.app.errors import BashExitFailure
+
+    work_dir = outputs.work_dir(runs_dir, run.name, run.key)
+    message = f"{type(error).__name__}: {error}"
+    if isinstance(error, BashExitFailure):
+        from stages.launch import read_rank_error
+
+        rank_message = read_rank_error(work_dir)
+        message = rank_message or f"the ranks exited with code {error.exitcode}"
+    if isinstance(error, OSError) and error.errno in failures_mod.STORAGE_ERRNOS:
+        message += (
+            f" (while writing under {work_dir.parent}: free space or pass another --runs-dir)"
+        )
+    logs = [run.log] + ([run.ranks_log] if run.ranks_log else [])
+    return StageFailure(run.name, message, failures_mod.is_user_error(error),
+                        work_dir / outputs.STATUS_FILE, logs)
+
+
+def _fail_open_attempt(ctx: attempts.PipelineContext, begun: concurrent.futures.Future | None,
+                       error: BaseException) -> None:
+    """A multi-part stage whose ranks or parts failed: record it as failed."""
+    if begun is None or not begun.done() or begun.exception() is not None:
+        return
+    attempt = begun.result()
+    if attempt.reused is not None:
+        return
+    status = outputs.read_status(attempt.work_dir)
+    if status and status["state"] == "running":
+        attempts.fail(ctx, attempt, error)
+
+
+def fail_running(ctx: attempts.PipelineContext, runs: dict[str, StageRun]) -> None:
+    """Mark this invocation's stages that are still ``running`` as failed (interrupted)."""
+    for run in runs.values():
+        if not run.futures:
+            continue
+        attempt = attempts.running_attempt(ctx, run.name, run.key)
+        if attempt is not None:
+            attempts.fail(ctx, attempt, KeyboardInterrupt("the pipeline was interrupted"))
+
+
+class PipelineSession:
+    """The lifecycle of one driver around its stages (see the module docstring).
+
+    ``cfg`` gives the runs dir, the tracking store and the experiment; ``run_name`` and
+    ``tags`` name the MLflow parent run; ``label`` prefixes the driver's own lines.
+    """
+
+    def __init__(self, cfg: PipelineConfig, run_name: str, tags: dict[str, str],
+                 label: str = "pipeline") -> None:
+        self.cfg = cfg
+        self.runs_dir = cfg.runs_dir
+        self.uri = tracking.default_tracking_uri(self.runs_dir, cfg.tracking.uri)
+        self.run_name, self.tags, self.label = run_name, tags, label
+        self.stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.driver = locks.Owner()
+        self.started = time.time()
+        self.dfk: Any = None
+        self._watched: list[tuple[attempts.PipelineContext, dict[str, StageRun]]] = []
+
+    def __enter__(self) -> PipelineSession:
+        # A log handler that cannot write (a full disk) must not print a traceback per record.
+        logging.raiseExceptions = False
+        self.experiment_id = tracking.ensure_experiment(
+            self.uri, self.cfg.tracking.experiment or self.cfg.name, self.runs_dir)
+        self.parent_id = tracking.start_run(self.uri, self.experiment_id,
+                                            f"{self.run_name}-{self.stamp}", tags=self.tags)
+        self.parent = tracking.Tracker(self.uri, self.parent_id)
+        self.parsl_dir = self.runs_dir / "parsl" / f"{self.stamp}-{os.getpid()}"
+        self.log_root = self.runs_dir / "logs" / f"{self.stamp}-{self.parent_id[:8]}"
+        self.log_root.mkdir(parents=True, exist_ok=True)
+        self.heartbeat = locks.Heartbeat(self.runs_dir, self.driver,
+                                         locks.STALE_AFTER_S / 10).start()
+        self._handlers = {sig: signal.signal(sig, _interrupt)
+                          for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def context(self, code: dict[str, str] | str,
+                parent_run_id: str | None = None) -> attempts.PipelineContext:
+        """The context stages run with: this driver's locks, stage runs nested under
+        ``parent_run_id`` (default: the session's parent run)."""
+        return attempts.PipelineContext(str(self.runs_dir), self.uri, self.experiment_id,
+                                        parent_run_id or self.parent_id, code,
+                                        driver=self.driver)
+
+    def start_parsl(self, cfg: PipelineConfig, running: list[str] | None = None) -> None:
+        """Load ``cfg``'s site (stopping a Parsl this session started before)."""
+        from workflows import executors
+
+        if self.dfk is not None:  # a previous block goes back to the scheduler first
+            dfk, self.dfk = self.dfk, None
+            executors.stop_parsl(dfk)
+        self.dfk = executors.start_parsl(cfg, self.runs_dir, self.parsl_dir, running)
+
+    def run_stages(self, cfg: PipelineConfig, plans: list[StagePlan],
+                   ctx: attempts.PipelineContext, log_dir: Path) -> dict[str, StageResult]:
+        """Submit the stages, wait for them; their results (``PipelineFailed`` if any failed)."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        runs: dict[str, StageRun] = {}
+        self._watched.append((ctx, runs))
+        submit_stages(cfg, plans, ctx, log_dir, runs)
+        results = wait_for_stages(runs, ctx, log_dir, self.runs_dir)
+        self._watched.remove((ctx, runs))
+        return results
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
+        from workflows import executors
+
+        interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+        if interrupted:
+            print(f"\n[{self.label}] interrupted: stopping workers and ranks, marking running "
+                  "stages failed", file=sys.stderr, flush=True)
+        try:
+            if self.dfk is not None:
+                executors.stop_parsl(self.dfk, interrupted)
+        finally:
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, handler)
+            for ctx, runs in self._watched:
+                try:
+                    fail_running(ctx, runs)
+                except Exception as error:  # noqa: BLE001 - must not hide the stage's own error
+                    print(f"[{self.label}] could not mark running stages failed: {error}",
+                          file=sys.stderr)
+            self.heartbeat.stop()
+            locks.release_all(self.runs_dir, self.driver)  # locks of stages that never finished
+            self.parent.set_tags({"wall_seconds": f"{time.time() - self.started:.1f}"})
+            tracking.end_run(self.uri, self.parent_id, "FINISHED" if exc_type is None else "FAILED")
