@@ -71,7 +71,7 @@ class Attempt:
     @property
     def work_dir(self) -> str:
         """Where the attempt writes until it is published (``<key>.partial``)."""
-        return str(Path(self.final_dir).with_name(f"{self.key}{outputs.PARTIAL_SUFFIX}"))
+        return str(outputs.partial_dir(self.final_dir))
 
     def tracker(self, ctx: PipelineContext) -> tracking.Tracker:
         return tracking.Tracker(ctx.tracking_uri, self.run_id)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.atomic import write_json_atomic
+from model.parallel.threads import rank_threads_env
 from stages.shape import StageShape
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +107,7 @@ def rank_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(rank_threads_env())
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 

@@ -44,9 +44,15 @@ def stage_dir(runs_dir: str | Path, name: str, key: str) -> Path:
     return Path(runs_dir) / "stages" / name / key
 
 
+def partial_dir(final: str | Path) -> Path:
+    """Where the attempt that publishes ``final`` writes until then: ``<key>.partial``."""
+    final = Path(final)
+    return final.with_name(f"{final.name}{PARTIAL_SUFFIX}")
+
+
 def work_dir(runs_dir: str | Path, name: str, key: str) -> Path:
-    """Where an attempt at (name, key) writes until it is published: ``<key>.partial``."""
-    return stage_dir(runs_dir, name, key).with_name(f"{key}{PARTIAL_SUFFIX}")
+    """Where an attempt at (name, key) writes until it is published."""
+    return partial_dir(stage_dir(runs_dir, name, key))
 
 
 def read_status(directory: str | Path) -> dict[str, Any] | None:

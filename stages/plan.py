@@ -25,9 +25,10 @@ from model.config import ModelConfig, TrainConfig, vocab_fit_problem
 from model.planner.calibration import load_calibration, update_calibration
 from model.planner.cluster import Cluster
 from model.planner.microbench import load_measured_cluster
-from model.planner.plan import Plan, PlanError
+from model.planner.plan import CONFIG_FIELDS, FIELD_TYPES, LAYOUT_FIELDS, Plan, PlanError
 from model.planner.search import SearchResult, explain, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
+from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
 from stages import launch
 from stages.launch import SPEC_FILE, RankSpec
 from stages.registry import TRAIN_WORKER  # measures with stages.train_worker (in the key)
@@ -93,7 +94,7 @@ def load_model_file(path: str | Path) -> tuple[ModelConfig, TrainConfig | None, 
 
 def fixed_fields(parallel: Any) -> dict[str, Any]:
     """The plan fields a ParallelConfig fixes (None means the planner chooses)."""
-    names = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "sharding", "recompute")
+    names = [n for n in CONFIG_FIELDS if n != "sequence_parallel"]
     fixed = {n: getattr(parallel, n) for n in names if getattr(parallel, n, None) is not None}
     # sequence_parallel true allows the planner to use it (with tp > 1), false rules it out
     if not getattr(parallel, "sequence_parallel", False):
@@ -162,13 +163,13 @@ def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE
         result["error"] = f"timed out after {timeout_s:.0f} s" if timed_out else str(error)[-1500:]
         return result
     result["seconds"] = time.perf_counter() - t0
-    summary = out_dir / "summary.json"
+    summary = out_dir / SUMMARY_FILE
     if not summary.exists():
         result["error"] = f"{summary} is missing after the ranks exited"
         return result
     data = json.loads(summary.read_text())
     # a measurement needs no weights: drop the checkpoint the worker wrote at the end
-    shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)
     result.update(ok=True, step_time_s=data["step_time_s"], tokens_per_s=data["tokens_per_s"],
                   peak_memory_gb=data.get("peak_memory_gb"))
     return result
@@ -256,9 +257,7 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
 
 # --- command line ------------------------------------------------------------------------
 
-FIX_TYPES = {"tp": int, "pp": int, "dp": int, "micro_batch": int, "grad_accum": int,
-             "virtual_stages": int, "schedule": str, "sharding": str, "recompute": str,
-             "sequence_parallel": bool}
+FIX_TYPES = FIELD_TYPES
 
 
 def parse_fix(items: list[str]) -> dict[str, Any]:
@@ -345,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        keys = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
-                "sharding", "recompute", "sequence_parallel")
-        out = {k: getattr(plan, k) for k in keys}
+        out = {k: getattr(plan, k) for k in LAYOUT_FIELDS}
         out.update({k: plan.predictions[k] for k in ("step_time_s", "tokens_per_s",
                                                      "tflops_per_device", "mfu",
                                                      "memory_gb_per_device")})

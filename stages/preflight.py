@@ -2,7 +2,7 @@
 
 Each stage's declaration may name a check (``stages.checks``). ``preflight`` calls it for
 each stage this invocation will run or force, by the driver's own rule
-(``stages.selection.plan_stages``): a reused stage is not checked (its inputs may be gone).
+(``stages.selection.decide_stages``): a reused stage is not checked (its inputs may be gone).
 Nothing is written and no worker is started, so a bad input costs a second, not a Parsl
 start-up and a corpus load.
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from stages.config import PipelineConfig
 from stages.registry import StageDeclaration, declaration
-from stages.selection import plan_stages
+from stages.selection import decide_stages
 
 
 def stages_to_compute(cfg: PipelineConfig, only: str | None = None, start: str | None = None,
                       force: bool = False) -> list[StageDeclaration]:
     """The stages the driver will run or force (not reuse or skip), in order
-    (``stages.selection.plan_stages`` decides)."""
-    return [declaration(p.name) for p in plan_stages(cfg, only, start, force)
+    (``stages.selection.decide_stages`` decides)."""
+    return [declaration(p.name) for p in decide_stages(cfg, only, start, force)
             if p.action in ("run", "force")]
 
 

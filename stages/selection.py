@@ -16,7 +16,7 @@ from stages.registry import STAGE_ORDER, declaration
 
 
 @dataclass
-class StagePlan:
+class StageDecision:
     """What the driver will do with one stage."""
 
     name: str
@@ -48,10 +48,10 @@ def stage_keys(cfg: PipelineConfig, code: dict[str, str] | str | None = None) ->
     return {n: keys.key_of(i) for n, i in stage_ingredients(cfg, code).items()}
 
 
-def plan_stages(
+def decide_stages(
     cfg: PipelineConfig, only: str | None, start: str | None, force: bool,
     code: dict[str, str] | str | None = None,
-) -> list[StagePlan]:
+) -> list[StageDecision]:
     """Decide run / force / reuse / skip per stage; refuse selections whose upstream is missing.
 
     ``--only STAGE`` recomputes that stage, reuses the stages before it (they must exist)
@@ -72,7 +72,7 @@ def plan_stages(
     for name in STAGE_ORDER:
         existing = outputs.find_succeeded(runs_dir, name, stage_keys[name])
         if only and STAGE_ORDER.index(name) > STAGE_ORDER.index(only):
-            plans.append(StagePlan(name, stage_keys[name], "skip", existing))
+            plans.append(StageDecision(name, stage_keys[name], "skip", existing))
             continue
         if name not in selected:
             if existing is None:
@@ -88,5 +88,5 @@ def plan_stages(
         else:
             action = "reuse" if existing is not None else "run"
         reason = keys.rerun_reason(runs_dir, ingredients[name]) if action == "run" else ""
-        plans.append(StagePlan(name, stage_keys[name], action, existing, reason))
+        plans.append(StageDecision(name, stage_keys[name], action, existing, reason))
     return plans

@@ -12,12 +12,12 @@ from typing import Any
 
 from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan
+from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.config import PipelineConfig
 from stages.launch import RANK_ERROR_FILE, SPEC_FILE, RankSpec
 from stages.registry import declaration
 
-SUMMARY_FILE = "summary.json"
 LOSS_CURVE_FILE = "loss_curve.png"
 INIT_DIR = "init"  # train.init_from imported from Hugging Face
 
@@ -74,7 +74,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     plan = load_plan(cfg, inputs)
     tok = (inputs or {}).get("tokenize") or {}
     validate_training(cfg.model, cfg.train, plan, cfg.parallel.nproc,
-                      store_vocab=_store_vocab(tok), checkpoint_root=out_dir / "checkpoints")
+                      store_vocab=_store_vocab(tok), checkpoint_root=out_dir / CHECKPOINTS_DIR)
     for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE):
         (out_dir / leftover).unlink(missing_ok=True)
     tracking = None

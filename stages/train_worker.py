@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
+from model.parallel.threads import CPU_RANK_THREADS, THREADS_VAR
+
+os.environ.setdefault(THREADS_VAR, str(CPU_RANK_THREADS))  # before torch starts its threads
 
 import torch.distributed as dist
 

@@ -22,7 +22,7 @@ from stages.config import ConfigError, load_config
 from stages.registry import STAGE_ORDER
 from tests.conftest import Console
 from tests.micro_cli import History, children
-from workflows.pipeline import plan_stages
+from workflows.pipeline import decide_stages
 
 MICRO_STEPS = 6  # train.steps of configs/micro.yaml
 
@@ -123,21 +123,21 @@ def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_p
     code = keys.code_hashes()
 
     def actions(only=None, start=None, force=False) -> list[str]:
-        return [p.action for p in plan_stages(cfg, only, start, force, code)]
+        return [p.action for p in decide_stages(cfg, only, start, force, code)]
 
     assert actions() == ["reuse"] * 4
     assert actions(force=True) == ["force"] * 4
     assert actions(only="evaluate") == ["reuse", "reuse", "reuse", "force"]
     assert actions(start="train") == ["reuse", "reuse", "force", "force"]
-    assert [p.key for p in plan_stages(cfg, None, None, False, code)] == [
+    assert [p.key for p in decide_stages(cfg, None, None, False, code)] == [
         history.only_evaluate.stages[n][0] for n in STAGE_ORDER]
     # An empty runs dir: everything runs, and a selection that needs upstream output is refused.
     empty = load_config("micro", [f"tracking.runs_dir={tmp_path}", "eval.ranks=2"])
-    assert [p.action for p in plan_stages(empty, None, None, False, code)] == ["run"] * 4
+    assert [p.action for p in decide_stages(empty, None, None, False, code)] == ["run"] * 4
     with pytest.raises(ConfigError, match="--only evaluate needs the 'tokenize' stage's output"):
-        plan_stages(empty, "evaluate", None, False, code)
+        decide_stages(empty, "evaluate", None, False, code)
     with pytest.raises(ConfigError, match="--from train needs the 'tokenize' stage's output"):
-        plan_stages(empty, None, "train", False, code)
+        decide_stages(empty, None, "train", False, code)
 
 
 def test_config_error_stops_before_any_work(tmp_path: Path,

@@ -19,11 +19,11 @@ from stages import keys, tracking
 from stages.config import ConfigError, PipelineConfig, load_config
 from stages.outputs import StageResult
 from stages.registry import STAGE_ORDER, declaration, upstream
-from stages.selection import StagePlan, plan_stages
+from stages.selection import StageDecision, decide_stages
 from workflows.session import PipelineFailed, PipelineSession, check_runs_dir
 
 
-def describe(plans: list[StagePlan], cfg: PipelineConfig) -> str:
+def describe(plans: list[StageDecision], cfg: PipelineConfig) -> str:
     """The DAG with keys and actions, as printed by --dry-run."""
     lines = [f"pipeline '{cfg.name}' on site '{cfg.site.name}', runs in {cfg.runs_dir}", "DAG:"]
     for p in plans:
@@ -47,7 +47,7 @@ def run_pipeline(
     uri = tracking.default_tracking_uri(runs_dir, cfg.tracking.uri)
     tracking.check_store(uri)  # first: an unusable store is one line, before any work
     code = keys.code_hashes()
-    plans = plan_stages(cfg, only, start, force, code)
+    plans = decide_stages(cfg, only, start, force, code)
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from workflows.dry_run import dry_run_text
 
-            print(describe(plan_stages(cfg, args.only, args.start, args.force), cfg))
+            print(describe(decide_stages(cfg, args.only, args.start, args.force), cfg))
             print(dry_run_text(cfg, cfg.runs_dir))
             return 0
         from stages.preflight import preflight

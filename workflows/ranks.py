@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from model.parallel.threads import rank_threads_env
 from stages.config import PipelineConfig
 from stages.launch import RANK_ERROR_FILE, REPO_ROOT, USER_ERROR_EXIT, RankSpec
 from stages.shape import StageShape
@@ -82,7 +83,7 @@ def rank_env(cfg: PipelineConfig) -> dict[str, str]:
     Slurm job (model/parallel/dist_env.py: first node of the job, port from the job id).
     """
     env: dict[str, str] = {"PYTHONPATH": project_pythonpath(),
-                           "OMP_NUM_THREADS": str(rank_cores(cfg.site.name))}
+                           **rank_threads_env(rank_cores(cfg.site.name))}
     if cfg.site.name == "frontier":
         env.update({
             # RCCL over Slingshot through the libfabric (aws-ofi-rccl) plugin.

@@ -7,7 +7,7 @@ configuration's sequences per device (the global batch grows with the devices), 
 scaling keeps its global batch (``model.planner.scaling.point_batch``). The plan stage
 chooses each point's layout; ``--fix tp=1`` (any plan field the parallel section has)
 fixes a layout family. Stage outputs are reused by key exactly as in the pipeline
-(``stages.selection.plan_stages``, ``workflows.session.PipelineSession``): the token store
+(``stages.selection.decide_stages``, ``workflows.session.PipelineSession``): the token store
 is made once, and running the same study again recomputes nothing.
 
 On a Slurm site a point spans ``devices / ranks per node`` nodes (``--ranks-per-node``, by
@@ -42,12 +42,13 @@ from typing import Any
 
 from data_prep.atomic import write_text_atomic
 from model.planner import scaling
-from model.planner.plan import PlanError
+from model.planner.plan import CONFIG_FIELDS, LAYOUT_FIELDS, PlanError
+from model.training.files import SUMMARY_FILE
 from stages import keys, tracking
 from stages.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
 from stages.outputs import StageResult
 from stages.registry import STAGE_ORDER
-from stages.selection import plan_stages
+from stages.selection import decide_stages
 from workflows.session import PipelineFailed, PipelineSession, check_runs_dir
 
 STUDY_STAGES = STAGE_ORDER[: STAGE_ORDER.index("train") + 1]
@@ -55,11 +56,9 @@ STUDY_STAGES = STAGE_ORDER[: STAGE_ORDER.index("train") + 1]
 PRESETS = ("frontier-22b", "frontier-175b", "frontier-1t")
 """What ``--predict`` prices when no --config is given."""
 MEASURED_DEVICES = "1,2,4"
-PARALLEL_FIXES = ("tp", "pp", "dp", "micro_batch", "schedule", "virtual_stages", "sharding",
-                  "recompute", "sequence_parallel")
+PARALLEL_FIXES = CONFIG_FIELDS
 """Plan fields a measured study can fix (the parallel section's)."""
-PLAN_FIELDS = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
-               "sharding", "recompute", "sequence_parallel")
+PLAN_FIELDS = LAYOUT_FIELDS
 COLUMNS = ("model", "mode", "devices", "nodes", "ranks_per_node", "hosts", "global_batch",
            *PLAN_FIELDS,
            "step_time_s", "tokens_per_s", "mfu", "efficiency",
@@ -265,7 +264,7 @@ def _point_row(point: Point, mode: str, results: dict[str, StageResult]) -> dict
 def train_hosts(result: StageResult) -> list[str]:
     """The distinct hostnames a train stage's ranks ran on, in rank order (its summary.json;
     for a reused stage, the run that made it)."""
-    path = Path(result.out_dir) / "summary.json"
+    path = Path(result.out_dir) / SUMMARY_FILE
     try:
         hosts = json.loads(path.read_text()).get("hosts") or []
     except (OSError, ValueError):
@@ -295,7 +294,7 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
                 if session.dfk is None or block_shape(point.cfg) != block:
                     session.start_parsl(point.cfg)
                     block = block_shape(point.cfg)
-                plans = [p for p in plan_stages(point.cfg, None, None, False, code)
+                plans = [p for p in decide_stages(point.cfg, None, None, False, code)
                          if p.name in STUDY_STAGES]
                 actions = ", ".join(f"{p.name} {p.action}" for p in plans)
                 where = (f" on {point.nodes} node(s) x {point.cfg.parallel.ranks_per_node} ranks"

@@ -33,7 +33,7 @@ from stages import locks, outputs, tracking
 from stages.config import ConfigError, PipelineConfig
 from stages.outputs import StageResult
 from stages.registry import declaration
-from stages.selection import StagePlan
+from stages.selection import StageDecision
 from stages.shape import FAN_OUT, SINGLE
 from workflows import failures as failures_mod
 
@@ -111,7 +111,7 @@ def _done(value: Any) -> concurrent.futures.Future:
     return future
 
 
-def submit_stages(cfg: PipelineConfig, plans: list[StagePlan], ctx: attempts.PipelineContext,
+def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts.PipelineContext,
                   log_dir: Path, runs: dict[str, StageRun]) -> None:
     """Submit every stage's apps by its declared shape into ``runs`` (name -> StageRun, filled
     as each stage is submitted, so an interrupt mid-way knows what runs).
@@ -306,7 +306,7 @@ class PipelineSession:
             executors.stop_parsl(dfk)
         self.dfk = executors.start_parsl(cfg, self.runs_dir, self.parsl_dir, running)
 
-    def run_stages(self, cfg: PipelineConfig, plans: list[StagePlan],
+    def run_stages(self, cfg: PipelineConfig, plans: list[StageDecision],
                    ctx: attempts.PipelineContext, log_dir: Path) -> dict[str, StageResult]:
         """Submit the stages, wait for them; their results (``PipelineFailed`` if any failed)."""
         log_dir.mkdir(parents=True, exist_ok=True)

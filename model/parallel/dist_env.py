@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from model.parallel.threads import default_rank_threads
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -88,14 +90,14 @@ def init_distributed(env: DistEnv) -> torch.device:
 
     Returns this rank's device.
     """
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threads = default_rank_threads()
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"  # RCCL on ROCm builds
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        torch.set_num_threads(threads)
         backend = "gloo"
     if not dist.is_initialized() and env.world_size == 1:
         # One process: an in-memory store, so no port is needed (or can collide).

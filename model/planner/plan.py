@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.atomic import write_text_atomic
+from model.config import ParallelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SHARDINGS = ("zero3", "zero2", "ddp", "none")
@@ -117,7 +118,7 @@ class Plan:
     # --- validation ----------------------------------------------------------------------
     def validate_fields(self) -> None:
         """Check each field on its own (types and allowed values)."""
-        for name in ("tp", "pp", "dp", "micro_batch", "grad_accum", "virtual_stages"):
+        for name in INTEGER_FIELDS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"plan.{name} must be an integer >= 1, got {value!r}")
@@ -292,3 +293,14 @@ def stage_layers(n_layers: int, n_chunks: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return out
+
+
+LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Plan) if f.name != "predictions")
+"""Every field of a layout, in Plan order: the one list the search, the CLI and the reports use."""
+FIELD_TYPES: dict[str, type] = {f.name: {"int": int, "str": str, "bool": bool}[f.type]
+                                for f in fields(Plan) if f.name in LAYOUT_FIELDS}
+"""Each layout field's type (``--fix NAME=VALUE`` parses by it)."""
+INTEGER_FIELDS: tuple[str, ...] = tuple(n for n, t in FIELD_TYPES.items() if t is int)
+CONFIG_FIELDS: tuple[str, ...] = tuple(n for n in LAYOUT_FIELDS
+                                       if n in {f.name for f in fields(ParallelConfig)})
+"""The layout fields a config's ``parallel`` section can fix (grad_accum follows the batch)."""

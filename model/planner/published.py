@@ -36,7 +36,7 @@ import numpy as np
 import yaml
 
 from model.planner.cluster import Cluster, load_cluster
-from model.planner.plan import Plan, PlanError
+from model.planner.plan import LAYOUT_FIELDS, Plan, PlanError
 from model.planner.shapes import Shapes, encode
 from model.planner.time_model import step_time
 
@@ -46,8 +46,8 @@ FILE_FIELDS = ("source", "role", "cluster", "framework", "dtype", "flash_attenti
                "flops_formula", "rows")
 ROW_FIELDS = ("name", "n_layers", "d_model", "n_heads", "seq_len", "vocab", "family",
               "global_batch", "devices", "measured")
-PLAN_FIELDS = ("tp", "pp", "micro_batch", "schedule", "virtual_stages", "recompute", "sharding",
-               "sequence_parallel")
+PLAN_FIELDS = tuple(f for f in LAYOUT_FIELDS if f not in ("dp", "grad_accum"))
+"""A published row's layout columns (dp and grad_accum follow from devices and batch)."""
 MEASURES = ("tflops_per_device", "mfu", "pct_of_peak", "tokens_per_s_per_device")
 FORMULAS = ("megatron_hardware", "megatron_model", "megatron_model_v16", "none")
 BOUNDS = (0.3, 1.5)

@@ -16,6 +16,7 @@ import numpy as np
 
 from model.planner.memory_model import GB, memory_breakdown
 from model.planner.plan import (
+    LAYOUT_FIELDS,
     RECOMPUTES,
     SCHEDULES,
     SHARDINGS,
@@ -43,8 +44,7 @@ from model.planner.shapes import (
 )
 from model.planner.time_model import predictions
 
-FIXABLE = ("tp", "pp", "dp", "micro_batch", "grad_accum", "schedule", "virtual_stages",
-           "sharding", "recompute", "sequence_parallel")
+FIXABLE = LAYOUT_FIELDS
 
 
 @dataclass

@@ -58,6 +58,7 @@ calibrate two scales (``calibration = {"compute_scale", "comm_scale"}``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -263,6 +264,154 @@ def layer_parts(s: Shapes, cluster: Any, mb: np.ndarray, tp: np.ndarray, sp: np.
             "attention_bwd_extra": bwd_extra}
 
 
+@dataclass
+class _Blocks:
+    """Per micro-batch and tp rank: one transformer block's time and the stages' layers."""
+
+    parts: dict[str, np.ndarray]  # layer_parts: gemm, attention, elementwise, bwd extra
+    recompute: np.ndarray  # seconds recomputed in backward
+    host: np.ndarray  # the fixed host cost of a block
+    block: np.ndarray  # forward + backward + recompute + host
+    n_first: np.ndarray  # layers on the first pipeline stage
+    n_last: np.ndarray  # layers on the last pipeline stage
+
+    @property
+    def n_widest(self) -> np.ndarray:
+        """Layers of the stage holding the most."""
+        return np.maximum(self.n_first, self.n_last)
+
+
+def _block_time(s: Shapes, cluster: Any, plans: dict[str, np.ndarray]) -> _Blocks:
+    """Forward (1x), backward (2x) and recompute of one block, plus its fixed host cost."""
+    tp, mb, rec, sp = plans["tp"], plans["mb"], plans["rec"], plans["sp"]
+    n_first, n_last = stage_layer_counts(s, plans["pp"], plans["v"])
+    parts = layer_parts(s, cluster, mb, tp, sp)
+    forward = parts["gemm"] + parts["attention"] + parts["elementwise"]
+    recompute = np.where(rec == REC_FULL, forward, np.where(rec == REC_SEL, parts["attention"],
+                                                            0.0))
+    host = (cluster.layer_overhead_us + np.where(tp > 1, cluster.tp_layer_overhead_us, 0.0)) * 1e-6
+    host = host * np.where(rec == REC_FULL, 4 / 3, 1.0)
+    block = 3 * forward + parts["attention_bwd_extra"] + recompute + host
+    return _Blocks(parts, recompute, host, block, n_first, n_last)
+
+
+def _tp_collective(cluster: Any, kind: str, nbytes: Any, tp: np.ndarray) -> np.ndarray:
+    """One collective over the tp group, at the cluster's measured tp scale."""
+    return cluster.tp_comm_scale * _coll(cluster, kind, nbytes, tp, 1)
+
+
+def _logits_time(s: Shapes, cluster: Any, tokens: np.ndarray, tp: np.ndarray,
+                 gathered: bool) -> np.ndarray:
+    """The output projection (forward and backward) and the loss of one micro-batch.
+
+    This project's trainer (framework None: ``gathered``) gathers the vocab-parallel logits
+    and computes the loss on full rows on every tp rank (model.parallel.parallelize.apply_tp);
+    the published frameworks compute a vocab-parallel loss."""
+    projection = 3 * gemm_time(cluster, s.dtype, tokens, s.vocab / tp, s.d_model)
+    loss_bytes = 12.0 + (EAGER_LOSS_BYTES if s.eager_loss and getattr(cluster, "gemm_sms", 0)
+                         else 0.0)
+    loss_vocab = s.vocab if gathered else s.vocab / tp
+    return projection + tokens * loss_vocab * loss_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
+
+
+def _p2p_time(cluster: Any, plans: dict[str, np.ndarray], act_bytes: np.ndarray,
+              framework: str | None) -> np.ndarray:
+    """Pipeline sends and receives of one step (activations forward, gradients back)."""
+    tp, pp, dp, ga, v, sp = (plans[k] for k in ("tp", "pp", "dp", "ga", "v", "sp"))
+    partitioned = (framework or "") in PIPELINE_PARTITIONED
+    p2p_bytes = act_bytes * np.where((sp == 1) | partitioned, 1.0 / tp, 1.0)
+    per_microbatch = PIPELINE_P2P_PER_MICROBATCH.get(framework or "", 2)
+    one = _p2p(cluster, p2p_bytes, tp * dp)
+    if partitioned:  # the receiving stage all-gathers the tp slices (activation, gradient)
+        one = one + 0.5 * _coll(cluster, "all_gather", act_bytes, tp, 1)
+    return np.where(pp == 1, 0.0, per_microbatch * (ga * v + pp - 1) * one)
+
+
+def _dp_comm(s: Shapes, cluster: Any, plans: dict[str, np.ndarray], blocks: _Blocks,
+             stage_compute: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(exposed, raw) seconds of data-parallel communication per step, and the stage's
+    parameters per rank.
+
+    Without pipelining FSDP2 re-gathers parameters every micro-batch (zero2: once, in
+    forward; zero3: forward and backward) and zero3 reduce-scatters every micro-batch;
+    torch pipelining keeps them unsharded between micro-batches and syncs once. What overlaps
+    hides behind the backward (reductions) or forward (gathers) window, up to
+    ``comm_overlap``."""
+    tp, dp, ga, shard = plans["tp"], plans["dp"], plans["ga"], plans["shard"]
+    single = plans["pp"] == 1
+    layer_params = s.layer_matrix_params / tp + s.layer_norm_params
+    params = blocks.n_widest * layer_params + s.embedding_params / tp
+    grad_bytes = params * s.act_bytes
+    units = blocks.n_widest + 1  # FSDP: one collective per block + the rest
+    all_reduce = _coll(cluster, "all_reduce", grad_bytes, dp, tp)
+    reduce_scatter = _coll(cluster, "reduce_scatter", grad_bytes, dp, tp, units)
+    all_gather = _coll(cluster, "all_gather", grad_bytes, dp, tp, units)
+    overlap = cluster.comm_overlap
+    backward_window, forward_window = 2 * stage_compute / 3, stage_compute / 3
+
+    def hidden(t: np.ndarray, window: np.ndarray) -> np.ndarray:
+        return np.maximum(t - overlap * window, (1 - overlap) * t)
+
+    zero2_gathers = np.where(single, ga, 1)
+    zero3_syncs = np.where(single, ga, 1)
+    zero3_gathers = np.where(single, 2 * ga, ga + 1)
+    exposed = np.where(
+        shard == DDP, hidden(all_reduce, backward_window),
+        np.where(shard == ZERO2, hidden(reduce_scatter, backward_window)
+                 + zero2_gathers * hidden(all_gather, forward_window),
+                 np.where(shard == ZERO3, zero3_syncs * hidden(reduce_scatter, backward_window)
+                          + zero3_gathers * hidden(all_gather, forward_window), 0.0)))
+    fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
+    exposed = exposed + np.where(fsdp, ga * units * cluster.fsdp_unit_overhead_us * 1e-6, 0.0)
+    exposed = np.where((dp == 1) | (shard == NOSHARD), 0.0, exposed)
+    raw = np.where(shard == DDP, all_reduce, np.where(
+        shard == ZERO2, reduce_scatter + zero2_gathers * all_gather,
+        np.where(shard == ZERO3, zero3_syncs * reduce_scatter + zero3_gathers * all_gather, 0.0)))
+    raw = np.where((dp == 1) | (shard == NOSHARD), 0.0, raw)
+    return exposed, raw, params
+
+
+def _optimizer_time(s: Shapes, cluster: Any, plans: dict[str, np.ndarray], blocks: _Blocks,
+                    params: np.ndarray) -> np.ndarray:
+    """AdamW over this rank's parameters (36 bytes moved per parameter) plus a fixed cost per
+    tensor."""
+    shard = plans["shard"]
+    optimized = np.where((shard == ZERO3) | (shard == ZERO2), params / plans["dp"], params)
+    tensors = blocks.n_widest * (9 if s.llama else 16) + 3
+    return optimized * 36.0 / (cluster.hbm_bandwidth_gbps * 1e9) \
+        + tensors * cluster.optimizer_overhead_us * 1e-6
+
+
+def _shared_cores_compute(cluster: Any, plans: dict[str, np.ndarray], slots: np.ndarray,
+                          stage_compute: np.ndarray, mean_stage: np.ndarray) -> np.ndarray:
+    """Compute seconds of a step before the optimizer, on ranks that may share cores.
+
+    The figures were measured with every rank busy, but a rank idle in the pipeline bubble
+    lends its core, so the step takes the larger of the busy work (all ranks' micro-batches
+    spread over the cores) and the critical path at the speed of a rank that has a core to
+    itself (``alone_speedup`` faster, measured; else ranks/cores). The busy work is the mean
+    stage's: a rank idle behind a slower stage lends its core too. With fewer micro-batches
+    than stages only min(ga, pp) of the pp stages hold one at a time; when those ranks fit
+    the cores, none waits for a core and the critical path alone sets the time. With a core
+    per rank (GPUs) it is the critical path."""
+    pp, ga = plans["pp"], plans["ga"]
+    ranks = np.minimum(plans["tp"] * pp * plans["dp"], cluster.ranks_per_node)
+    cores = cluster.cores_per_node
+    share = np.maximum(1.0, ranks / cores) if cores else np.ones_like(slots, dtype=float)
+    speedup = np.where(share > 1, cluster.alone_speedup or share, 1.0)
+    crowded = ranks * np.minimum(ga, pp) / pp > cores
+    busy = ga * np.where(share > 1, mean_stage, stage_compute)
+    busy = np.where((share > 1) & ~crowded, 0.0, busy)
+    return np.maximum(busy, _critical_path(plans, slots, stage_compute, mean_stage) / speedup)
+
+
+def _critical_path(plans: dict[str, np.ndarray], slots: np.ndarray, stage_compute: np.ndarray,
+                   mean_stage: np.ndarray) -> np.ndarray:
+    """The slowest stage's micro-batches plus the fill and drain of the pipeline."""
+    ga = plans["ga"]
+    return ga * stage_compute + (slots - ga) * np.minimum(mean_stage, stage_compute)
+
+
 def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
               calibration: dict[str, float] | None = None,
               framework: str | None = None) -> dict[str, np.ndarray]:
@@ -273,156 +422,83 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     add up to ``step`` (see :func:`breakdown_terms`). ``framework`` picks the cluster's
     per-framework efficiency factor (compute time is divided by it).
     """
-    tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
-    sched, v, shard, rec, sp = c["sched"], c["v"], c["shard"], c["rec"], c["sp"]
-    cb = s.act_bytes
-    n_first, n_last = stage_layer_counts(s, pp, v)
-    lp = layer_parts(s, cluster, mb, tp, sp)
-    fwd = lp["gemm"] + lp["attention"] + lp["elementwise"]
-    core = lp["attention"]
-    recompute = np.where(rec == REC_FULL, fwd, np.where(rec == REC_SEL, core, 0.0))
-    # forward + backward (2x) + recompute, plus the fixed host cost of a block
-    host = (cluster.layer_overhead_us + np.where(tp > 1, cluster.tp_layer_overhead_us, 0.0)) * 1e-6
-    host = host * np.where(rec == REC_FULL, 4 / 3, 1.0)
-    layer = 3 * fwd + lp["attention_bwd_extra"] + recompute + host
-
-    tokens = s.seq_len * mb
-    act_bytes = tokens * s.d_model * cb
-    n_tp_ops = np.where(rec == REC_FULL, 6, 4)
-
-    def tp_coll(kind: str, nbytes: Any) -> np.ndarray:
-        """One collective over the tp group, at the cluster's measured tp scale."""
-        return cluster.tp_comm_scale * _coll(cluster, kind, nbytes, tp, 1)
-
-    tp_raw = n_tp_ops * tp_coll("all_reduce", act_bytes)
-    tp_layer = (1 - cluster.tp_comm_overlap) * tp_raw  # the exposed part
-    logits = 3 * gemm_time(cluster, s.dtype, tokens, s.vocab / tp, s.d_model)
-    loss_bytes = 12.0 + (EAGER_LOSS_BYTES if s.eager_loss and getattr(cluster, "gemm_sms", 0)
-                         else 0.0)
-    # This project's trainer (framework None) gathers the vocab-parallel logits and computes
-    # the loss on full rows on every tp rank (model.parallel.parallelize.apply_tp); the
-    # published frameworks compute a vocab-parallel loss.
-    gathered = framework is None
-    loss_vocab = s.vocab if gathered else s.vocab / tp
-    logits = logits + tokens * loss_vocab * loss_bytes / (cluster.hbm_bandwidth_gbps * 1e9)
-    first_t = n_first * layer
-    last_t = n_last * layer + logits
+    plans = c
+    tp, pp, mb, ga = plans["tp"], plans["pp"], plans["mb"], plans["ga"]
     single = pp == 1
-    # the per-micro-batch host cost (embedding, head, loss) splits between first and last stage
-    mb_host = (cluster.microbatch_overhead_us
-               + np.where(tp > 1, cluster.tp_microbatch_overhead_us, 0.0)) * 1e-6
-    stage_comp = np.where(single, n_first * layer + logits + mb_host,
-                          np.maximum(first_t, last_t) + mb_host / 2)
-    stage_tp = np.maximum(n_first, n_last) * tp_layer + np.where(tp > 1, 2, 0) * \
-        tp_coll("all_reduce", tokens * 4.0)  # loss/vocab-parallel reductions
+    blocks = _block_time(s, cluster, plans)
+    tokens = s.seq_len * mb
+    act_bytes = tokens * s.d_model * s.act_bytes
+
+    # tensor parallelism: 4 all-reduces per block (6 with full recompute), partly overlapped
+    tp_ops = np.where(plans["rec"] == REC_FULL, 6, 4)
+    tp_block_raw = tp_ops * _tp_collective(cluster, "all_reduce", act_bytes, tp)
+    tp_block = (1 - cluster.tp_comm_overlap) * tp_block_raw  # the exposed part
+    gathered = framework is None
+    logits = _logits_time(s, cluster, tokens, tp, gathered)
+
+    # one micro-batch through the slowest stage; the per-micro-batch host cost (embedding,
+    # head, loss) splits between the first and the last stage
+    first_stage = blocks.n_first * blocks.block
+    last_stage = blocks.n_last * blocks.block + logits
+    microbatch_host = (cluster.microbatch_overhead_us
+                       + np.where(tp > 1, cluster.tp_microbatch_overhead_us, 0.0)) * 1e-6
+    stage_compute = np.where(single, blocks.n_first * blocks.block + logits + microbatch_host,
+                             np.maximum(first_stage, last_stage) + microbatch_host / 2)
+    stage_tp = blocks.n_widest * tp_block + np.where(tp > 1, 2, 0) * \
+        _tp_collective(cluster, "all_reduce", tokens * 4.0, tp)  # loss/vocab-parallel reductions
     if gathered:  # the logits all-gather, once per micro-batch on the last stage
-        stage_tp = stage_tp + tp_coll("all_gather", tokens * s.vocab * cb)
+        stage_tp = stage_tp + _tp_collective(cluster, "all_gather", tokens * s.vocab * s.act_bytes,
+                                             tp)
     # Interleaving shortens the bubble only when micro-batches fill every stage: with fewer
     # than pp of them a micro-batch still passes all pp*v chunks one after another.
-    v_eff = np.where((sched == INTERLEAVED) & (ga >= pp), v, 1)
-    slots = ga + np.where(single, 0.0, (pp - 1) / v_eff)
+    chunks = np.where((plans["sched"] == INTERLEAVED) & (ga >= pp), plans["v"], 1)
+    slots = ga + np.where(single, 0.0, (pp - 1) / chunks)
     # The fill and drain of the pipeline (the bubble) is one micro-batch passing every stage
     # once, forward and backward: it costs the stages' mean time, not pp - 1 times the slowest
     # one (the steady state runs at the slowest stage: 1F1B takes about
     # (m - 1) t_max + pp t_mean). The last stage's logits, say, lengthen the steady state but
     # enter the fill and drain once. Equal stages give the textbook (m + pp - 1) t.
-    mean_comp = (s.n_layers * layer + logits + mb_host) / pp
+    mean_stage = np.where(single, stage_compute,
+                          (s.n_layers * blocks.block + logits + microbatch_host) / pp)
 
-    partitioned = (framework or "") in PIPELINE_PARTITIONED
-    p2p_bytes = act_bytes * np.where((sp == 1) | partitioned, 1.0 / tp, 1.0)
-    n_p2p = PIPELINE_P2P_PER_MICROBATCH.get(framework or "", 2)
-    p2p_one = _p2p(cluster, p2p_bytes, tp * dp)
-    if partitioned:  # the receiving stage all-gathers the tp slices (activation, gradient)
-        p2p_one = p2p_one + 0.5 * _coll(cluster, "all_gather", act_bytes, tp, 1)
-    p2p = np.where(single, 0.0, n_p2p * (ga * v + pp - 1) * p2p_one)
-
-    # data parallelism over the stage's parameters
-    layer_p = s.layer_matrix_params / tp + s.layer_norm_params
-    params = np.maximum(n_first, n_last) * layer_p + s.embedding_params / tp
-    grad_bytes = params * cb
-    units = np.maximum(n_first, n_last) + 1  # FSDP: one collective per block + the rest
-    ar = _coll(cluster, "all_reduce", grad_bytes, dp, tp)
-    rs = _coll(cluster, "reduce_scatter", grad_bytes, dp, tp, units)
-    ag = _coll(cluster, "all_gather", grad_bytes, dp, tp, units)
-    ov = cluster.comm_overlap
-    bwd_window = 2 * stage_comp / 3
-    fwd_window = stage_comp / 3
-
-    def hidden(t: np.ndarray, window: np.ndarray) -> np.ndarray:
-        return np.maximum(t - ov * window, (1 - ov) * t)
-
-    # Without pipelining FSDP2 re-gathers parameters every micro-batch (zero2: once, in
-    # forward; zero3: forward and backward) and zero3 reduce-scatters every micro-batch;
-    # torch pipelining keeps them unsharded between micro-batches and syncs once.
-    z2_ags = np.where(single, ga, 1)
-    z3_syncs = np.where(single, ga, 1)
-    z3_ags = np.where(single, 2 * ga, ga + 1)
-    dp_exposed = np.where(
-        shard == DDP, hidden(ar, bwd_window),
-        np.where(shard == ZERO2, hidden(rs, bwd_window) + z2_ags * hidden(ag, fwd_window),
-                 np.where(shard == ZERO3, z3_syncs * hidden(rs, bwd_window)
-                          + z3_ags * hidden(ag, fwd_window), 0.0)))
-    fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
-    dp_exposed = dp_exposed + np.where(fsdp, ga * units * cluster.fsdp_unit_overhead_us * 1e-6, 0.0)
-    dp_exposed = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_exposed)
-    dp_raw = np.where(shard == DDP, ar, np.where(
-        shard == ZERO2, rs + z2_ags * ag,
-        np.where(shard == ZERO3, z3_syncs * rs + z3_ags * ag, 0.0)))
-    dp_raw = np.where((dp == 1) | (shard == NOSHARD), 0.0, dp_raw)
-
-    opt_params = np.where((shard == ZERO3) | (shard == ZERO2), params / dp, params)
-    tensors = np.maximum(n_first, n_last) * (9 if s.llama else 16) + 3
-    optimizer = opt_params * 36.0 / (cluster.hbm_bandwidth_gbps * 1e9) \
-        + tensors * cluster.optimizer_overhead_us * 1e-6
-
-    # Ranks sharing too few cores (CPU runs): the figures were measured with every rank busy,
-    # but a rank idle in the pipeline bubble lends its core, so the step takes the larger of
-    # the busy work (all ranks' micro-batches spread over the cores) and the critical path
-    # at the speed of a rank that has a core to itself (``alone_speedup`` faster, measured;
-    # else ranks/cores). The busy work is the mean stage's: a rank idle behind a slower stage
-    # lends its core too. With fewer micro-batches than stages only min(ga, pp) of the pp
-    # stages hold one at a time; when those ranks fit the cores, none waits for a core and the
-    # critical path alone sets the time.
-    world = tp * pp * dp
-    ranks = np.minimum(world, cluster.ranks_per_node)
-    cores = cluster.cores_per_node
-    share = np.maximum(1.0, ranks / cores) if cores else np.ones_like(slots, dtype=float)
-    speedup = np.where(share > 1, cluster.alone_speedup or share, 1.0)
-    crowded = ranks * np.minimum(ga, pp) / pp > cores
-    mean_stage = np.where(single, stage_comp, mean_comp)
-    busy = ga * np.where(share > 1, mean_stage, stage_comp)
-    busy = np.where((share > 1) & ~crowded, 0.0, busy)
-    critical = ga * stage_comp + (slots - ga) * np.minimum(mean_stage, stage_comp)
-    compute = np.maximum(busy, critical / speedup) + optimizer
+    p2p = _p2p_time(cluster, plans, act_bytes, framework)
+    dp_exposed, dp_raw, params = _dp_comm(s, cluster, plans, blocks, stage_compute)
+    optimizer = _optimizer_time(s, cluster, plans, blocks, params)
+    critical = _critical_path(plans, slots, stage_compute, mean_stage)
+    compute = _shared_cores_compute(cluster, plans, slots, stage_compute, mean_stage) + optimizer
     comm = slots * stage_tp + p2p + dp_exposed
-    cal = calibration or {}
-    fw = cluster.framework_factor(framework)
-    compute_scale = cal.get("compute_scale", 1.0) / fw
-    comm_scale = cal.get("comm_scale", 1.0)
+    scales = calibration or {}
+    compute_scale = scales.get("compute_scale", 1.0) / cluster.framework_factor(framework)
+    comm_scale = scales.get("comm_scale", 1.0)
     step = compute_scale * compute + comm_scale * comm
 
     # The breakdown: per-micro-batch work of the critical stage by kind, times the
     # micro-batches; the bubble and the core-sharing adjustment (CPUs) close the compute sum.
-    crit_last = single | (last_t >= first_t)
-    n_crit = np.where(crit_last, n_last, n_first)
-    with_logits = np.where(crit_last, logits, 0.0)
-    mb_h = np.where(single, mb_host, mb_host / 2)
-    per_mb = {"gemm": n_crit * 3 * lp["gemm"], "attention": n_crit * (3 * lp["attention"]
-              + lp["attention_bwd_extra"]), "elementwise": n_crit * 3 * lp["elementwise"],
-              "recompute": n_crit * recompute, "logits": with_logits,
-              "host_overhead": n_crit * host + mb_h}
-    terms = {f"compute_{k}": compute_scale * ga * v_ for k, v_ in per_mb.items()}
-    terms["bubble"] = compute_scale * (slots - ga) * np.minimum(mean_stage, stage_comp)
+    critical_is_last = single | (last_stage >= first_stage)
+    n_critical = np.where(critical_is_last, blocks.n_last, blocks.n_first)
+    parts = blocks.parts
+    per_microbatch = {
+        "gemm": n_critical * 3 * parts["gemm"],
+        "attention": n_critical * (3 * parts["attention"] + parts["attention_bwd_extra"]),
+        "elementwise": n_critical * 3 * parts["elementwise"],
+        "recompute": n_critical * blocks.recompute,
+        "logits": np.where(critical_is_last, logits, 0.0),
+        "host_overhead": n_critical * blocks.host
+        + np.where(single, microbatch_host, microbatch_host / 2),
+    }
+    terms = {f"compute_{kind}": compute_scale * ga * seconds
+             for kind, seconds in per_microbatch.items()}
+    terms["bubble"] = compute_scale * (slots - ga) * np.minimum(mean_stage, stage_compute)
     terms["core_sharing"] = compute_scale * (compute - optimizer - critical)
     terms["optimizer"] = compute_scale * optimizer
     terms["tp_comm_exposed"] = comm_scale * slots * stage_tp
     terms["pp_p2p"] = comm_scale * p2p
     terms["dp_comm_exposed"] = comm_scale * dp_exposed
-    overlapped = {"tp_comm_overlapped": comm_scale * slots * np.maximum(n_first, n_last)
-                  * (tp_raw - tp_layer),
+    overlapped = {"tp_comm_overlapped": comm_scale * slots * blocks.n_widest
+                  * (tp_block_raw - tp_block),
                   "dp_comm_overlapped": comm_scale * np.maximum(dp_raw - dp_exposed, 0.0)}
     return {"step": step, "breakdown": terms, "overlapped": overlapped, "compute": compute,
-            "comm": comm, "stage": stage_comp + stage_tp,
+            "comm": comm, "stage": stage_compute + stage_tp,
             "bubble_frac": np.where(single, 0.0, (slots - ga) / ga), "tp_comm": slots * stage_tp,
             "p2p": p2p, "dp_exposed": dp_exposed, "optimizer": optimizer}
 

@@ -31,6 +31,7 @@ from model.parallel.parallelize import allreduce_gradients, apply_ddp, paralleli
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.planner.plan import Plan
 from model.training import checkpoint as ckpt
+from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
 from model.training.metrics import median_step_time, peak_memory_gb, plot_losses
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
@@ -189,7 +190,7 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints
     @property
     def ckpt_root(self) -> Path:
-        return self.out_dir / "checkpoints"
+        return self.out_dir / CHECKPOINTS_DIR
 
     def save(self) -> Path:
         """Checkpoint the current state (collective)."""
@@ -300,5 +301,5 @@ class Trainer:
                 self.tracker.log_artifact(png)
         if self.tracker is not None:
             self.tracker.flush()  # waits for queued metrics and the artifact
-        write_json_atomic(self.out_dir / "summary.json", summary)
+        write_json_atomic(self.out_dir / SUMMARY_FILE, summary)
         return summary

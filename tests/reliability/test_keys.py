@@ -11,7 +11,7 @@ from stages import attempt, outputs, tracking
 from stages.config import load_config
 from stages.keys import ANY_STAGE, CODE_PACKAGES, code_hashes
 from stages.registry import STAGE_ORDER, declaration
-from stages.selection import plan_stages, stage_keys
+from stages.selection import decide_stages, stage_keys
 from workflows.pipeline import describe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_dry_run_says_why_a_stage_reruns(tmp_path: Path, seed_store):
     assert status["ingredients"]["code"] == "old-code"
     assert set(status["ingredients"]["sections"]) == set(declaration("tokenize").sections)
 
-    plans = plan_stages(cfg, None, None, False, code)
+    plans = decide_stages(cfg, None, None, False, code)
     assert plans[0].action == "run"
     assert plans[0].reason == f"code changed since key {old_key}"
     assert all(p.reason == "" for p in plans[1:])  # no older output of those stages
@@ -110,15 +110,15 @@ def test_dry_run_says_why_a_stage_reruns(tmp_path: Path, seed_store):
 
     # Same code, another data section: the section is named.
     cfg2 = load_config("micro", [f"tracking.runs_dir={runs_dir}", "data.max_documents=20"])
-    assert plan_stages(cfg2, None, None, False, {**code, "tokenize": "old-code"})[0].reason == (
+    assert decide_stages(cfg2, None, None, False, {**code, "tokenize": "old-code"})[0].reason == (
         f"config section data changed since key {old_key}")
-    both = plan_stages(cfg2, None, None, False, code)[0].reason
+    both = decide_stages(cfg2, None, None, False, code)[0].reason
     assert both == f"code changed, config section data changed since key {old_key}"
 
     # Downstream: a plan made from another tokenize output names its input.
     _publish(runs_dir, "tokenize", cfg, code)
     old_plan = _publish(runs_dir, "plan", cfg, code,
                         {"tokenize": outputs.find_succeeded(runs_dir, "tokenize", old_key)})
-    plans = plan_stages(cfg, None, None, False, code)
+    plans = decide_stages(cfg, None, None, False, code)
     assert [p.action for p in plans[:2]] == ["reuse", "run"]
     assert plans[1].reason == f"input tokenize changed since key {old_plan}"
