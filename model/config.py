@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Family = Literal["llama", "neox"]
+RopeScaling = Literal["none", "linear", "llama3"]
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 Sharding = Literal["zero3", "zero2", "ddp", "none"]
 Recompute = Literal["none", "selective", "full"]
@@ -52,15 +53,41 @@ class ModelConfig:
     """Epsilon of LayerNorm/RMSNorm."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    rope_scaling: RopeScaling = "none"
+    """Rotary frequency scaling for a longer context: 'none'; 'linear' (every inverse
+    frequency divided by rope_factor); 'llama3' (Llama 3.1's: wavelengths longer than
+    rope_original_max_seq_len / rope_low_freq_factor divided by rope_factor, shorter than
+    rope_original_max_seq_len / rope_high_freq_factor kept, smoothly mixed in between)."""
+    rope_factor: float = 1.0
+    """Factor of 'linear' and 'llama3' rope scaling (Llama 3.1: 8)."""
+    rope_low_freq_factor: float = 1.0
+    """'llama3' rope scaling: low_freq_factor (Llama 3.1: 1)."""
+    rope_high_freq_factor: float = 4.0
+    """'llama3' rope scaling: high_freq_factor (Llama 3.1: 4)."""
+    rope_original_max_seq_len: int = 8192
+    """'llama3' rope scaling: the context length before the extension, HF's
+    original_max_position_embeddings (Llama 3.1: 8192)."""
+    tie_embeddings: bool = False
+    """The output projection is the input embedding (one vocab x d_model weight; Llama 3.2
+    1B/3B, small Qwen models). Not supported with pipeline parallelism (parallel.pp > 1)."""
+    qkv_bias: bool = False
+    """llama only: biases on the q/k/v projections, none on the output projection (Qwen2)."""
+    qk_norm: bool = False
+    """llama only: RMSNorm over each head's head_dim of q and of k, before rotary (Qwen3)."""
+    attention_head_dim: int | None = None
+    """Per-head width of q/k/v; None means d_model // n_heads. Set where heads x head_dim is
+    not d_model (Qwen3-0.6B: 16 heads of 128 over d_model 1024)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
             value = getattr(self, name)
             _require(value > 0, f"model.{name} must be > 0, got {value}")
         _require(
-            self.d_model % self.n_heads == 0,
+            self.attention_head_dim is not None or self.d_model % self.n_heads == 0,
             f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}",
         )
+        _require(self.attention_head_dim is None or self.attention_head_dim > 0,
+                 f"model.attention_head_dim must be > 0, got {self.attention_head_dim}")
         if self.n_kv_heads is not None:
             _require(
                 self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
@@ -75,7 +102,7 @@ class ModelConfig:
             not (self.parallel_residual and self.family == "llama"),
             "model.parallel_residual is only supported for family 'neox'",
         )
-        _require((self.d_model // self.n_heads) % 2 == 0, "model head dim must be even for rotary")
+        _require(self.head_dim % 2 == 0, "model head dim must be even for rotary")
         _require(0.0 < self.rotary_fraction <= 1.0,
                  f"model.rotary_fraction must be in (0, 1], got {self.rotary_fraction}")
         _require(self.rotary_fraction == 1.0 or self.family == "neox",
@@ -84,10 +111,28 @@ class ModelConfig:
                  f"model.rotary_fraction={self.rotary_fraction} rotates int({self.head_dim} * "
                  f"{self.rotary_fraction}) = {self.rotary_dim} dims of each head: that must be a "
                  "positive even number")
+        self._check_rope_scaling()
+        for name in ("qkv_bias", "qk_norm"):
+            _require(not getattr(self, name) or self.family == "llama",
+                     f"model.{name} is only supported for family 'llama' (neox has all biases)")
+
+    def _check_rope_scaling(self) -> None:
+        if self.rope_scaling == "none":
+            _require(self.rope_factor == 1.0, f"model.rope_factor={self.rope_factor} needs "
+                     "model.rope_scaling 'linear' or 'llama3' (it is 'none')")
+            return
+        _require(self.rope_factor > 0, f"model.rope_factor must be > 0, got {self.rope_factor}")
+        if self.rope_scaling == "llama3":
+            _require(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                     "model.rope_low_freq_factor must be > 0 and < model.rope_high_freq_factor, "
+                     f"got {self.rope_low_freq_factor} and {self.rope_high_freq_factor}")
+            _require(self.rope_original_max_seq_len > 0, "model.rope_original_max_seq_len must "
+                     f"be > 0, got {self.rope_original_max_seq_len}")
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """Per-head width of q/k/v: attention_head_dim, or d_model // n_heads."""
+        return self.attention_head_dim or self.d_model // self.n_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -156,6 +201,12 @@ class ParallelConfig:
     """Shard norms/dropout activations along the sequence over the tp group."""
     refine_top_k: int = 0
     """If > 0, measure the planner's top-k plans for a few steps and keep the fastest."""
+    rehearse: bool = False
+    """If true, the plan stage rehearses the chosen plan: its first and last pipeline stage's
+    ranks run two training steps on fake tensors in a fake process group of the plan's world
+    size (``model.training.rehearse``), and the rehearsed peak memory, FLOPs and collective
+    bytes are recorded beside the memory model's figures (``rehearsal.json``). Off by
+    default: at Frontier sizes a rehearsal takes minutes."""
 
     def __post_init__(self) -> None:
         _require(self.nproc > 0, f"parallel.nproc must be > 0, got {self.nproc}")

@@ -5,6 +5,13 @@
 - ``neox``: LayerNorm, GELU MLP (w1 up, w2 down), rotary, biases, optional parallel
   residual (attention and MLP read the same input and are summed).
 
+What today's open models add, each a ModelConfig field whose default leaves the model as it
+was: ``rope_scaling`` ('linear', or Llama 3.1's 'llama3' frequency-dependent scaling of the
+inverse frequencies), ``tie_embeddings`` (the head *is* the embedding: one Parameter),
+``qkv_bias`` (Qwen2: q/k/v biases, none on wo), ``qk_norm`` (Qwen3: RMSNorm over head_dim
+of each q and k head, before rotary) and ``attention_head_dim`` (heads x head_dim need not
+be d_model).
+
 Parameter names follow the Meta/torchtitan LLaMA layout (``tok_embeddings``,
 ``layers.<i>.attention.{wq,wk,wv,wo}``, ``layers.<i>.feed_forward.{w1,w2,w3}``,
 ``layers.<i>.attention_norm``, ``layers.<i>.ffn_norm``, ``norm``, ``output``) so an HF
@@ -42,17 +49,48 @@ from model.config import ModelConfig
 # --------------------------------------------------------------------------------------
 # Rotary position embedding
 # --------------------------------------------------------------------------------------
-def rotary_tables(head_dim: int, max_seq_len: int,
-                  theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float,
+                  inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_seq_len, head_dim] in the HF rotate_half layout (float32).
 
     ``head_dim`` is the number of dims rotated: the model passes ``cfg.rotary_dim``.
+    ``inv_freq`` [head_dim / 2] replaces the plain ``theta ** (-2i / head_dim)`` (scaled rope).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     pos = torch.arange(max_seq_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)  # [S, hd/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [S, hd]
     return emb.cos(), emb.sin()
+
+
+def rotary_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The inverse frequencies [rotary_dim / 2] (float32) of ``cfg``, scaled as
+    ``cfg.rope_scaling`` says, with HF's ``modeling_rope_utils`` arithmetic op for op."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    # Llama 3.1: long wavelengths (low frequencies) slowed by `factor`, short ones kept, a
+    # smooth mix in between (wavelength between old_len / high and old_len / low).
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_seq_len
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's cos/sin tables [max_seq_len, rotary_dim]: ``rotary_tables`` with
+    ``cfg``'s (possibly scaled) inverse frequencies. Plain rope gives rotary_tables' bits."""
+    inv_freq = None if cfg.rope_scaling == "none" else rotary_inv_freq(cfg)
+    return rotary_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, inv_freq)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -86,18 +124,26 @@ class Attention(nn.Module):
     """Causal multi-head (or grouped-query) self-attention with rotary embeddings.
 
     Under tensor parallelism wq/wk/wv are column-sharded and wo row-sharded, so this module
-    sees only its local heads; every reshape therefore uses -1 for the head count.
+    sees only its local heads; every reshape therefore uses -1 for the head count. With
+    ``qk_norm`` each q and k head is RMS-normalised over its head_dim (one weight shared by
+    all heads) before rotary, as Qwen3 does.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         bias = cfg.family == "neox"
+        qkv_bias = bias or cfg.qkv_bias
         self.head_dim = cfg.head_dim
         self.n_rep = cfg.n_heads // cfg.kv_heads  # query heads per key/value head
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
+        self.q_norm: nn.RMSNorm | None = None
+        self.k_norm: nn.RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.recompute_core = False  # selective recompute: redo rotary + SDPA in backward
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -111,8 +157,11 @@ class Attention(nn.Module):
         """x [B, T, D], cos/sin [max_seq_len, rotary_dim] -> [B, T, D]."""
         bsz, seqlen, _ = x.shape  # full T even under sequence parallelism (input gathered)
         cos, sin = cos[:seqlen], sin[:seqlen]  # [T, rotary_dim]
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, hd]
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # [B, T, H, hd]
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # [B, T, KV, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over hd, per head
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd], [B, KV, T, hd]
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)  # [B, KV, T, hd]
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, cos, sin, use_reentrant=False)
@@ -182,6 +231,10 @@ class GPT(nn.Module):
     ``forward(tokens [B, T]) -> logits [B, T, V]`` on a full model. On a pipeline stage
     without embeddings the input is the hidden state [B, T, D]; on a stage without the
     head the output is the hidden state [B, T, D].
+
+    With ``tie_embeddings`` ``output.weight`` is the very Parameter ``tok_embeddings.weight``
+    (``named_parameters`` lists it once, as ``tok_embeddings.weight``; ``state_dict`` holds
+    it under both names, so checkpoints keep the full model's keys).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -191,7 +244,9 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        cos, sin = rotary_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg)
         # Non-persistent: recomputed by init_weights, never part of checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -216,6 +271,22 @@ class GPT(nn.Module):
             h = self.output(h)  # [B, T, V]
         return h
 
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the Parameter ``tok_embeddings.weight`` again when
+        ``cfg.tie_embeddings`` (a no-op while they are one; a pipeline stage holding only
+        one of the two has nothing to tie)."""
+        if not self.cfg.tie_embeddings or self.tok_embeddings is None or self.output is None:
+            return
+        if self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> GPT:
+        """``Module.to_empty``, keeping tied embeddings one Parameter (materialising a meta
+        Parameter makes a new one per module that holds it)."""
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()
+        return self
+
     # ----------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -224,9 +295,10 @@ class GPT(nn.Module):
         Normal(0, init_std) for linears and embeddings; the residual projections (wo, w2)
         scaled by 1/sqrt(2*n_layers) (GPT-2); zeros for biases, ones for norm weights.
         Each tensor is drawn over its full shape from a CPU generator seeded by
-        (seed, name), then the local shard of a DTensor parameter is kept.
+        (seed, name), then the local shard of a DTensor parameter is kept. A tied head is
+        not drawn: it is ``tok_embeddings.weight``.
         """
-        cos, sin = rotary_tables(self.cfg.rotary_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, param in self.named_parameters():

@@ -213,7 +213,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     without a validation split or with too few tokens, and a model family that cannot be
     exported. Returns the path of the ranks' ``stages.launch.RankSpec``.
     """
-    from model.evaluation.export_hf import hf_class_name
+    from model.evaluation.export_hf import hf_architecture
 
     out_dir = Path(out_dir)
     tok_out, train_out = inputs["tokenize"], inputs["train"]
@@ -227,7 +227,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
                      f"{SPLIT} split of token store {store.path}")
     except ValueError as err:
         raise EvaluationError(str(err)) from None
-    hf_class = hf_class_name(cfg.model.family)  # refuse an unexportable family before work
+    hf_class = hf_architecture(cfg.model)  # refuse an unexportable model before work
     check_evaluate(cfg)
     layout = training_layout(cfg, train_out)
     for name in (LOSS_FILE, GENERATIONS_FILE):

@@ -4,7 +4,7 @@ recompute) from the memory and time models, optionally refined by measuring the 
 Command line::
 
     python -m stages.plan --model CONFIG.yaml --cluster frontier --devices 3072 \\
-        --global-batch 3072 [--seq-len 2048] [--json]
+        --global-batch 3072 [--seq-len 2048] [--json] [--rehearse]
 
 CONFIG.yaml is a full pipeline preset or a bare mapping of model shapes (ModelConfig names
 or common aliases such as num_layers / hidden_size / num_attention_heads).
@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from model.config import ModelConfig, TrainConfig, vocab_fit_problem
+from model.flops import flops_per_token
 from model.planner.calibration import load_calibration, update_calibration
 from model.planner.cluster import Cluster
 from model.planner.microbench import load_measured_cluster
@@ -206,6 +207,80 @@ def refine(cfg: Any, plans: list[Plan], out_dir: Path, cluster: Cluster,
     return best, records
 
 
+# --- rehearsal ---------------------------------------------------------------------------
+
+def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
+                      cluster: Cluster, world: int,
+                      calibration: dict[str, float] | None = None,
+                      ranks: list[int] | None = None) -> list[dict[str, Any]]:
+    """Rehearse ``plan``'s first and last pipeline stage (``model.training.rehearse``; or the
+    given ``ranks``) and set each rank's rehearsed figures beside the memory model's.
+
+    Per rank (``stage`` first, middle or last; the model prices a middle stage as the
+    first): ``peak_memory_gb`` (the model's, with the cluster's margins, as the search
+    uses it), ``modeled_tensor_memory_gb`` (the model's states + activations, no margins),
+    ``rehearsed_peak_memory_gb`` (tensor bytes at the rehearsed peak), the same with the
+    cluster's margins and whether that fits the device, the rehearsed memory by category,
+    FLOPs and collective bytes per step, and the model-FLOP count per device for scale.
+    Raises RehearsalError (a RuntimeError) for a plan that cannot be rehearsed.
+    """
+    from model.training.rehearse import busiest_ranks, rehearse  # torch: only when asked
+
+    mem = explain(Shapes.from_configs(model_cfg, train_cfg), cluster, plan, world,
+                  train_cfg.global_batch, calibration)["memory_gb"]
+    model_flops = (flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.global_batch
+                   * train_cfg.seq_len / world)
+    margin = 1 + cluster.fragmentation
+    records = []
+    for rank in ranks if ranks is not None else busiest_ranks(plan):
+        pp_rank = rank // (plan.dp * plan.tp)
+        stage = "first" if pp_rank == 0 else "last" if pp_rank == plan.pp - 1 else "middle"
+        modeled = "last" if stage == "last" else "first"  # the model bounds others by the first
+        result = rehearse(model_cfg, train_cfg, plan, rank)
+        tensors = mem[f"states_{modeled}"] + mem[f"act_{modeled}"]
+        with_margins = result.peak_memory_gb * margin + cluster.reserved_gb
+        records.append({
+            "rank": rank, "stage": stage, "coords": result.coords,
+            "peak_memory_gb": mem[modeled],
+            "modeled_tensor_memory_gb": tensors,
+            "rehearsed_peak_memory_gb": result.peak_memory_gb,
+            "rehearsed_over_modeled": result.peak_memory_gb / tensors if tensors else None,
+            "rehearsed_peak_memory_gb_with_margins": with_margins,
+            "rehearsed_fits_device": with_margins <= cluster.memory_gb,
+            "rehearsed_memory_gb_by_category": {
+                k: v / 1e9 for k, v in result.peak_memory_by_category.items()},
+            "rehearsed_flops_per_step": result.flops_per_step[-1],
+            "model_flops_per_device_per_step": model_flops,
+            "rehearsed_collective_bytes_per_step": result.collective_bytes_per_step[-1],
+            "rehearsed_collective_bytes_by_dim": result.collective_bytes_by_dim,
+            "rehearsal_seconds": result.seconds, "rehearsal_notes": result.notes,
+        })
+    return records
+
+
+def rehearsal_text(plan: Plan, records: list[dict[str, Any]], device_gb: float) -> str:
+    """The rehearsed ranks beside the memory model, as printable lines."""
+    lines = [f"rehearsal of {plan.describe()} (fake tensors; one step measured after one "
+             "warm-up step):",
+             f"  {'rank':>6} {'stage':<6} {'modeled GB':>11} {'(tensors)':>10} "
+             f"{'rehearsed GB':>13} {'ratio':>6} {'+margins':>9} {'device':>7}  FLOPs/step"]
+    for r in records:
+        ratio = r["rehearsed_over_modeled"]
+        lines.append(
+            f"  {r['rank']:>6} {r['stage']:<6} {r['peak_memory_gb']:>11.4g} "
+            f"{r['modeled_tensor_memory_gb']:>10.4g} {r['rehearsed_peak_memory_gb']:>13.4g} "
+            f"{ratio if ratio is not None else float('nan'):>6.2f} "
+            f"{r['rehearsed_peak_memory_gb_with_margins']:>9.4g} {device_gb:>7g}  "
+            f"{r['rehearsed_flops_per_step']:.3g}"
+            + ("" if r["rehearsed_fits_device"] else "  (does not fit)"))
+        cats = sorted(r["rehearsed_memory_gb_by_category"].items(), key=lambda kv: -kv[1])
+        lines.append("         at the peak (GB): " + ", ".join(f"{k} {v:.4g}" for k, v in cats))
+        comm = r["rehearsed_collective_bytes_per_step"]
+        lines.append("         collectives per step (GB): "
+                     + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in sorted(comm.items())))
+    return "\n".join(lines)
+
+
 # --- the stage ---------------------------------------------------------------------------
 
 def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[str, Any]:
@@ -242,6 +317,8 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
         tracker.log_artifact(out_dir / "calibration.json")
         for art in plan_report.measured_report(records, out_dir):
             tracker.log_artifact(art)
+    if cfg.parallel.rehearse:
+        rehearse_in_stage(cfg, plan, cluster, cal, out_dir, tracker)
     plan_path = plan.to_json(out_dir / "plan.json")
     tracker.log_params({f"plan.{k}": v for k, v in plan.to_dict().items() if k != "predictions"}
                        | {"plan.cluster": cluster.name, "plan.world_size": world})
@@ -252,7 +329,34 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
            "predictions": plan.predictions, "cluster": cluster.name}
     if records:
         out["measured"] = str((out_dir / "measured.json").resolve())
+    if cfg.parallel.rehearse:
+        out["rehearsal"] = str((out_dir / "rehearsal.json").resolve())
     return out
+
+
+def rehearse_in_stage(cfg: Any, plan: Plan, cluster: Cluster,
+                      calibration: dict[str, float] | None, out_dir: Path,
+                      tracker: Any) -> Path:
+    """The stage's rehearsal (parallel.rehearse): print it, write ``rehearsal.json`` (the
+    records of ``rehearsal_records``, or ``{"error": ...}`` for a plan that cannot be
+    rehearsed: the plan itself stands) and log it to the stage's run."""
+    from model.training.rehearse import RehearsalError
+
+    path = out_dir / "rehearsal.json"
+    try:
+        records = rehearsal_records(cfg.model, cfg.train, plan, cluster, cfg.parallel.nproc,
+                                    calibration)
+    except RehearsalError as exc:
+        print(f"[plan] not rehearsed: {exc}", flush=True)
+        path.write_text(json.dumps({"error": str(exc)}, indent=2))
+        tracker.log_artifact(path)
+        return path
+    print(rehearsal_text(plan, records, cluster.memory_gb), flush=True)
+    path.write_text(json.dumps(records, indent=2))
+    tracker.log_artifact(path)
+    tracker.log_metrics({f"rehearsed_peak_memory_gb_rank{r['rank']}":
+                         r["rehearsed_peak_memory_gb"] for r in records})
+    return path
 
 
 # --- command line ------------------------------------------------------------------------
@@ -325,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--explain", action="store_true",
                     help="print the step-time and memory breakdown of the chosen plan")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="rehearse the chosen plan's first and last stage ranks on fake tensors "
+                         "(two training steps each; minutes at Frontier sizes) and report "
+                         "their peak memory, FLOPs and collective bytes beside the model's")
     args = ap.parse_args(argv)
     try:
         model_cfg, train_cfg, full = load_model_file(args.model)
@@ -343,6 +451,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    rehearsed: list[dict[str, Any]] = []
+    if args.rehearse:
+        from model.training.rehearse import RehearsalError
+
+        try:
+            rehearsed = rehearsal_records(model_cfg, train, plan, cluster, args.devices, cal)
+        except RehearsalError as exc:
+            print(f"error: cannot rehearse: {exc}", file=sys.stderr)
+            return 2
     if args.json:
         out = {k: getattr(plan, k) for k in LAYOUT_FIELDS}
         out.update({k: plan.predictions[k] for k in ("step_time_s", "tokens_per_s",
@@ -351,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         out["search_seconds"] = result.seconds if result else 0.0
         out["breakdown"] = {**ex["step"], **ex["overlapped"]}
         out["memory_breakdown"] = {**ex["memory_gb"], **ex["parameters"]}
+        if args.rehearse:
+            out["rehearsal"] = rehearsed
         print(json.dumps(out))
         return 0
     if result is not None:
@@ -362,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
               f"device, MFU {pr['mfu']:.1%}, {pr['memory_gb_per_device']:.2f} GB per device")
     if args.explain:
         print(explain_text(plan, ex))
+    if args.rehearse:
+        print(rehearsal_text(plan, rehearsed, cluster.memory_gb))
     return 0
 
 

@@ -76,3 +76,22 @@ def test_trainer_starts_from_imported_weights(hf_dir, tmp_path):
     assert abs(summary["losses"][0] - expected.item()) < 1e-4
     log = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert log["steps_done"] == 1
+
+
+def test_new_family_fields_come_from_init_from(tmp_path):
+    """A Llama 3.2-style HF directory (tied, llama3 rope scaling) as train.init_from: those
+    fields come from it, a conflicting setting is refused naming both values, and the train
+    stage imports it into a checkpoint of that shape."""
+    from stages.train import initial_checkpoint
+    from tests.test_hf_families import hf_model as family_model
+
+    hf_dir = tmp_path / "llama32"
+    family_model("llama32").save_pretrained(str(hf_dir))
+    cfg = load(tmp_path, f"train.init_from={hf_dir}")
+    assert (cfg.model.tie_embeddings, cfg.model.rope_scaling, cfg.model.rope_factor,
+            cfg.model.rope_original_max_seq_len) == (True, "llama3", 32.0, 16)
+    with pytest.raises(ConfigError, match=r"model.tie_embeddings=False but train.init_from has "
+                                          r"tie_embeddings=True"):
+        load(tmp_path, f"train.init_from={hf_dir}", "model.tie_embeddings=false")
+    ckpt = initial_checkpoint(cfg, tmp_path / "train")
+    assert json.loads((ckpt / "model.json").read_text())["tie_embeddings"] is True

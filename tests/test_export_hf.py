@@ -186,28 +186,38 @@ print(json.dumps({"growth": peak - baseline}))
 """
 
 
-def test_export_peak_memory_is_bounded_by_shard_not_model(tmp_path):
-    """Export a 179 MiB checkpoint in 16 MiB shards in a fresh process: the peak RSS growth
-    stays under shard + largest tensor + 64 MiB (a gathering export needs > the model)."""
-    import subprocess
-    import sys
-
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory) -> dict:
+    """A 179 MiB checkpoint (12 layers, d_model 512, vocabulary 8192; largest tensor 16 MiB)
+    and a tiny one to warm up with; their paths and the model's and largest tensor's bytes."""
     from model.evaluation.dcp_io import write_model_checkpoint
 
-    pytest.importorskip("psutil")
+    root = tmp_path_factory.mktemp("big")
     big = ModelConfig(family="llama", n_layers=12, d_model=512, n_heads=8, vocab_size=8192,
                       max_seq_len=64)
     with torch.device("meta"):
         specs = {k: (tuple(v.shape), v.dtype) for k, v in GPT(big).state_dict().items()}
     gen = torch.Generator().manual_seed(0)
-    write_model_checkpoint(tmp_path / "big", big, specs,
+    write_model_checkpoint(root / "big", big, specs,
                            lambda name: 0.02 * torch.randn(specs[name][0], generator=gen))
-    write_checkpoint_of(tiny_model(0, family="llama"), tmp_path / "warm")
+    write_checkpoint_of(tiny_model(0, family="llama"), root / "warm")
     sizes = [torch.Size(shape).numel() * 4 for shape, _ in specs.values()]
-    model_bytes, largest, shard = sum(sizes), max(sizes), 16 * 2**20
+    return {"big": root / "big", "warm": root / "warm", "model_bytes": sum(sizes),
+            "largest": max(sizes)}
+
+
+def test_export_peak_memory_is_bounded_by_shard_not_model(big_checkpoint, tmp_path):
+    """Export a 179 MiB checkpoint in 16 MiB shards in a fresh process: the peak RSS growth
+    stays under shard + largest tensor + 64 MiB (a gathering export needs > the model)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("psutil")
+    model_bytes, largest, shard = (big_checkpoint["model_bytes"], big_checkpoint["largest"],
+                                   16 * 2**20)
     assert model_bytes > 10 * shard
     proc = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(tmp_path / "big"), str(tmp_path / "warm"),
+        [sys.executable, "-c", MEASURE, str(big_checkpoint["big"]), str(big_checkpoint["warm"]),
          str(tmp_path / "hf"), str(shard)],
         capture_output=True, text=True, timeout=300, check=False,
         cwd=Path(__file__).resolve().parent.parent)
@@ -216,4 +226,43 @@ def test_export_peak_memory_is_bounded_by_shard_not_model(tmp_path):
     bound = shard + largest + 64 * 2**20
     assert growth < bound, f"peak RSS grew {growth / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
     assert growth < model_bytes / 2
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 10
+
+
+# ``python -m model.export_hf ...`` run as is (runpy), then this process's own peak RSS.
+CLI_PEAK = """
+import runpy, sys
+sys.argv = ["model.export_hf", *sys.argv[1:]]
+try:
+    runpy.run_module("model.export_hf", run_name="__main__")
+except SystemExit as done:
+    assert not done.code, done.code
+status = open("/proc/self/status").read().split("VmHWM:")[1]
+print(int(status.split()[0]) * 1024)
+"""
+
+
+def test_export_command_peak_memory_is_bounded_by_shard_not_model(big_checkpoint, tmp_path):
+    """``python -m model.export_hf`` on the 179 MiB checkpoint in 16 MiB shards peaks less
+    than shard + largest tensor + 64 MiB above the same command on a tiny checkpoint (each a
+    fresh process: imports, tokenizer-free config writing and all)."""
+    import subprocess
+    import sys
+
+    shard = 16 * 2**20
+
+    def peak(ckpt: Path, out: Path) -> int:
+        proc = subprocess.run(
+            [sys.executable, "-c", CLI_PEAK, str(ckpt), str(out), "--shard-bytes", str(shard)],
+            capture_output=True, text=True, timeout=300, check=False,
+            cwd=Path(__file__).resolve().parent.parent)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "exported " in proc.stdout
+        return int(proc.stdout.strip().splitlines()[-1])
+
+    small = peak(big_checkpoint["warm"], tmp_path / "warm")
+    growth = peak(big_checkpoint["big"], tmp_path / "hf") - small
+    bound = shard + big_checkpoint["largest"] + 64 * 2**20
+    print(f"export command: peak RSS {growth / 2**20:.0f} MiB above the tiny export's")
+    assert growth < bound, f"peak RSS grew {growth / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) >= 10

@@ -103,7 +103,7 @@ def test_import_sharded_bin_with_legacy_buffers_via_command_line(tmp_path):
 
 @pytest.mark.parametrize("change, fragment", [
     ({"rotary_pct": 0.1}, r"rotates int\(16 \* 0.1\) = 1 dims .* positive even number"),
-    ({"tie_word_embeddings": True}, "tie_word_embeddings=true is not supported"),
+    ({"attention_bias": False}, "attention_bias=false is not supported"),
     ({"hidden_act": "gelu_new"}, "hidden_act 'gelu_new' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(change, fragment):
@@ -112,14 +112,15 @@ def test_unsupported_configs_are_refused_by_name(change, fragment):
         model_config_from_hf(config)
 
 
-def test_unknown_family_scaled_rope_and_offline_hub_are_refused(tmp_path):
+def test_unknown_family_unknown_rope_scaling_and_offline_hub_are_refused(tmp_path):
     with pytest.raises(ImportHFError, match="model_type 'gpt2' is not supported"):
         model_config_from_hf(transformers.GPT2Config().to_dict())
     partial = {**transformers.LlamaConfig(**LLAMA).to_dict(), "partial_rotary_factor": 0.5}
     with pytest.raises(ImportHFError, match=r"rotary fraction 0.5\) is not supported for LLaMA"):
         model_config_from_hf(partial)
-    scaled = transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "linear", "factor": 2.0})
-    with pytest.raises(ImportHFError, match="rope scaling 'linear' is not supported"):
+    # linear and llama3 scaling import (tests/test_hf_families.py); the others do not.
+    scaled = transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ImportHFError, match="rope_scaling type 'dynamic' is not supported"):
         model_config_from_hf(scaled.to_dict())
     with pytest.raises(ImportHFError, match="hub is off.*pass its directory"):
         import_hf("hf:EleutherAI/pythia-160m", tmp_path / "o")

@@ -208,3 +208,18 @@ def test_when_more_devices_cannot_help_the_error_says_so() -> None:
     msg = str(err.value)
     assert "more devices do not help" in msg.lower() and "Use more devices" not in msg
     assert "tp can be at most 1" in msg and "pp at most model.n_layers=1" in msg
+
+
+def test_tied_embeddings_are_planned_without_pipeline_stages():
+    # The trainer keeps a tied embedding and head as one weight only without pipeline stages.
+    model_cfg = ModelConfig(n_layers=8, d_model=512, n_heads=8, vocab_size=8192,
+                            tie_embeddings=True)
+    train_cfg = TrainConfig(global_batch=64, seq_len=512)
+    shapes = Shapes.from_configs(model_cfg, train_cfg)
+    result = search(shapes, load_cluster("frontier"), 16, 64)
+    assert result.best is not None and result.best.pp == 1
+    assert all(p.pp == 1 for p in result.plans)
+    with pytest.raises(PlanError, match="tied embeddings need pp=1"):
+        Plan(tp=1, pp=2, dp=8, micro_batch=4, grad_accum=2).check(model_cfg, train_cfg, 16)
+    with pytest.raises(PlanError, match="tied embeddings need pp=1"):
+        search(shapes, load_cluster("frontier"), 16, 64, fixed={"pp": 2})

@@ -1,4 +1,10 @@
-"""Export a GPT to Hugging Face format: LlamaForCausalLM (llama) or GPTNeoXForCausalLM (neox).
+"""Export a GPT to Hugging Face format: LlamaForCausalLM, Qwen2ForCausalLM or
+Qwen3ForCausalLM (llama; the class follows model.qkv_bias / model.qk_norm), or
+GPTNeoXForCausalLM (neox).
+
+``python -m model.export_hf CHECKPOINT OUT [--tokenizer tokenizer.json] [--eos-token T]
+[--dtype bfloat16] [--shard-bytes N]`` exports one of our checkpoints (any training layout,
+or one imported with ``python -m model.import_hf``), streamed one tensor at a time.
 
 The export directory holds the weights (``model.safetensors``, or when they exceed the shard
 size ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``),
@@ -8,7 +14,9 @@ size ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``)
 with no code from this project.
 
 Our parameter names follow the Meta/torchtitan layout and our rotary embedding uses HF's
-rotate_half convention, so the LLaMA export is a pure rename. GPT-NeoX fuses q/k/v into one
+rotate_half convention, so the LLaMA/Qwen export is a pure rename (q/k/v biases and q/k norms
+included); tied embeddings are written once, as ``model.embed_tokens.weight`` with
+``tie_word_embeddings: true`` and no ``lm_head.weight``. GPT-NeoX fuses q/k/v into one
 ``query_key_value`` projection whose output is laid out per head as ``[q_h, k_h, v_h]``
 (HF views it as [B, T, H, 3*hd] and chunks the last dim), so we interleave per head.
 
@@ -18,8 +26,11 @@ directory is published atomically: written to ``<out>.partial`` then renamed.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,15 +65,55 @@ def hf_class_name(family: str) -> str:
     return name
 
 
-def hf_config(cfg: ModelConfig, eos_id: int | None = None):
-    """The transformers config (LlamaConfig or GPTNeoXConfig) equivalent to ``cfg``.
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The transformers class that computes ``cfg``'s model (ExportError if none does).
 
-    Rotary base and fraction use the legacy keyword names, which transformers 4.45+ and 5.x
+    llama: ``LlamaForCausalLM``; with ``qkv_bias`` ``Qwen2ForCausalLM`` (biases on q/k/v
+    only); with ``qk_norm`` ``Qwen3ForCausalLM``. neox: ``GPTNeoXForCausalLM``.
+    """
+    hf_class_name(cfg.family)
+    if cfg.family != "llama" or not (cfg.qkv_bias or cfg.qk_norm):
+        return HF_CLASSES[cfg.family]
+    if cfg.qkv_bias and cfg.qk_norm:
+        raise ExportError("model.qkv_bias=true with model.qk_norm=true has no Hugging Face "
+                          "class: Qwen2 has q/k/v biases but no q/k norm, and Qwen3's "
+                          "attention_bias also puts a bias on o_proj")
+    name = "Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM"
+    _require_class(name, f"model.{'qk_norm' if cfg.qk_norm else 'qkv_bias'}=true")
+    return name
+
+
+def _require_class(name: str, what: str) -> None:
+    import transformers
+
+    if not hasattr(transformers, name):
+        raise ExportError(f"the installed transformers {transformers.__version__} has no class "
+                          f"{name} for {what}: upgrade transformers")
+
+
+def hf_rope_scaling(cfg: ModelConfig) -> dict[str, float | int | str] | None:
+    """HF's ``rope_scaling`` mapping for ``cfg.rope_scaling`` (None for plain rotary)."""
+    if cfg.rope_scaling == "none":
+        return None
+    if cfg.rope_scaling == "linear":
+        return {"rope_type": "linear", "factor": cfg.rope_factor}
+    return {"rope_type": "llama3", "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_seq_len}
+
+
+def hf_config(cfg: ModelConfig, eos_id: int | None = None):
+    """The transformers config (Llama/Qwen2/Qwen3/GPTNeoX) equivalent to ``cfg``.
+
+    Rotary base, fraction and scaling use the legacy keyword names (``rope_theta`` /
+    ``rotary_emb_base``, ``rotary_pct``, ``rope_scaling``), which transformers 4.45+ and 5.x
     both accept (5.x folds them into ``rope_parameters``).
     """
     import transformers
 
-    hf_class_name(cfg.family)
+    arch = hf_architecture(cfg)
+    scaling = hf_rope_scaling(cfg)
     common = {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -70,22 +121,22 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
         "num_attention_heads": cfg.n_heads,
         "intermediate_size": cfg.ffn_dim,
         "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": eos_id,  # documents are separated by eos; there is no separate bos
         "eos_token_id": eos_id,
         "initializer_range": cfg.init_std,
+        **({"rope_scaling": scaling} if scaling else {}),
     }
     if cfg.family == "llama":
-        config = transformers.LlamaConfig(
-            **common,
-            num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim,
-            hidden_act="silu",
-            rms_norm_eps=cfg.norm_eps,
-            rope_theta=cfg.rope_theta,
-            attention_bias=False,
-            mlp_bias=False,
-        )
+        llama = {**common, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+                 "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta}
+        if arch == "LlamaForCausalLM":
+            config = transformers.LlamaConfig(**llama, attention_bias=False, mlp_bias=False)
+        elif arch == "Qwen2ForCausalLM":  # q/k/v biases are built in
+            config = transformers.Qwen2Config(**llama, use_sliding_window=False)
+        else:  # Qwen3: q/k norms are built in
+            config = transformers.Qwen3Config(**llama, attention_bias=False,
+                                              use_sliding_window=False)
     else:
         config = transformers.GPTNeoXConfig(
             **common,
@@ -98,7 +149,7 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None):
             attention_dropout=0.0,
             hidden_dropout=0.0,
         )
-    config.architectures = [HF_CLASSES[cfg.family]]
+    config.architectures = [arch]
     return config
 
 
@@ -114,6 +165,8 @@ def _llama_names(i: str) -> dict[str, str]:
         "feed_forward.w2": f"{p}.mlp.down_proj",
         "attention_norm": f"{p}.input_layernorm",
         "ffn_norm": f"{p}.post_attention_layernorm",
+        "attention.q_norm": f"{p}.self_attn.q_norm",  # Qwen3 (model.qk_norm)
+        "attention.k_norm": f"{p}.self_attn.k_norm",
     }
 
 
@@ -151,16 +204,18 @@ def hf_layout(cfg: ModelConfig, names: set[str] | None = None) -> list[tuple[str
     One source is a rename; three (GPT-NeoX ``query_key_value``) are fused per head by
     ``combine``. ``names`` (default: a full GPT's) must be exactly our state dict's keys:
     ExportError on a missing or unexpected key, so a partial (pipeline-stage) or foreign
-    state dict is never exported silently.
+    state dict is never exported silently. With tied embeddings ``output.weight`` (the
+    embedding under its second name) may be present or not and is not written.
     """
-    hf_class_name(cfg.family)
+    hf_architecture(cfg)
     expected = _expected_keys(cfg)
     names = expected if names is None else set(names)
-    missing = sorted(expected - names)
+    tied = {"output.weight"} if cfg.tie_embeddings else set()
+    missing = sorted(expected - names - tied)
     if missing:
         raise ExportError(f"state dict lacks {missing[:5]}: export needs a full GPT (all stages)")
     layout: list[tuple[str, tuple[str, ...]]] = []
-    used: set[str] = set()
+    used: set[str] = set(tied)
 
     def add(theirs: str, *ours: str) -> None:
         if all(o in names for o in ours):
@@ -182,7 +237,8 @@ def hf_layout(cfg: ModelConfig, names: set[str] | None = None) -> list[tuple[str
                 add(f"{theirs}.{leaf}", f"{prefix}{ours}.{leaf}")
     for ours in ("norm", "output"):
         for leaf in ("weight", "bias"):
-            add(f"{top[ours]}.{leaf}", f"{ours}.{leaf}")
+            if f"{ours}.{leaf}" not in tied:
+                add(f"{top[ours]}.{leaf}", f"{ours}.{leaf}")
     unexpected = sorted(names - used)
     if unexpected:
         raise ExportError(
@@ -195,11 +251,15 @@ def hf_layout(cfg: ModelConfig, names: set[str] | None = None) -> list[tuple[str
 QKV = ("wq", "wk", "wv")
 
 
-def combine(parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
-    """Our source tensors of one HF tensor -> that HF tensor (contiguous, on CPU)."""
+def combine(parts: list[torch.Tensor], cfg: ModelConfig,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Our source tensors of one HF tensor -> that HF tensor (contiguous, on CPU, in
+    ``dtype`` when given)."""
     if len(parts) == 1:
-        return parts[0].detach().to("cpu").contiguous()
-    return _fuse_qkv(*(t.detach().to("cpu") for t in parts), cfg.n_heads).contiguous()
+        out = parts[0].detach().to("cpu")
+    else:
+        out = _fuse_qkv(*(t.detach().to("cpu") for t in parts), cfg.n_heads)
+    return (out if dtype is None else out.to(dtype)).contiguous()
 
 
 def hf_shape(shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -271,17 +331,19 @@ def export_state_dict(
     tokenizer_file: str | Path | None = None,
     eos_token: str = "<|endoftext|>",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write an HF model directory from our (full, in-memory) state dict; returns ``out_dir``.
 
     Published atomically: an existing ``out_dir`` is replaced only once the new one is complete.
+    ``dtype`` (e.g. torch.bfloat16) converts the weights; None keeps the state dict's.
     """
     layout = dict(hf_layout(cfg, set(state)))
     specs = [TensorSpec(theirs, hf_shape([tuple(state[o].shape) for o in ours]),
-                        state[ours[0]].dtype) for theirs, ours in layout.items()]
+                        dtype or state[ours[0]].dtype) for theirs, ours in layout.items()]
 
     def fetch(spec: TensorSpec) -> torch.Tensor:
-        return combine([state[o] for o in layout[spec.name]], cfg)
+        return combine([state[o] for o in layout[spec.name]], cfg, spec.dtype)
 
     return _publish(cfg, out_dir, lambda work: write_sharded(work, specs, fetch, shard_bytes),
                     tokenizer_file, eos_token)
@@ -310,6 +372,7 @@ def export_checkpoint(
     tokenizer_file: str | Path | None = None,
     eos_token: str = "<|endoftext|>",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Export a DCP checkpoint directory (any training layout), streamed.
 
@@ -317,20 +380,60 @@ def export_checkpoint(
     (a partial, process-group-free DCP load of its one to three source tensors), converted,
     written into its safetensors shard and dropped. The peak memory is about the largest
     tensor times a small factor, whatever the model's size (docs/evaluation.md). ``cfg``
-    None: the checkpoint's own ``model.json``; otherwise it must match it.
+    None: the checkpoint's own ``model.json``; otherwise it must match it. ``dtype``
+    converts each tensor as it is written (None: the checkpoint's, float32 from training).
     """
     from model.evaluation.dcp_io import CheckpointTensors
 
     source = CheckpointTensors(ckpt_dir, cfg)
     cfg = source.cfg
-    hf_class_name(cfg.family)  # fail before writing anything
+    hf_architecture(cfg)  # fail before writing anything
     layout = dict(hf_layout(cfg, set(source.names())))
     specs = [TensorSpec(theirs, hf_shape([source.shape(o) for o in ours]),
-                        source.dtype(ours[0])) for theirs, ours in layout.items()]
+                        dtype or source.dtype(ours[0])) for theirs, ours in layout.items()]
 
     def fetch(spec: TensorSpec) -> torch.Tensor:
         parts = source.load(layout[spec.name])
-        return combine([parts[o] for o in layout[spec.name]], cfg)
+        return combine([parts[o] for o in layout[spec.name]], cfg, spec.dtype)
 
     return _publish(cfg, out_dir, lambda work: write_sharded(work, specs, fetch, shard_bytes),
                     tokenizer_file, eos_token)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m model.export_hf CHECKPOINT OUT [options]`` (see module doc).
+
+    Exit status 2, with the reason on stderr, for a checkpoint that cannot be exported.
+    """
+    parser = argparse.ArgumentParser(prog="python -m model.export_hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="one of our checkpoints (step-N, or an import)")
+    parser.add_argument("out", help="Hugging Face model directory to write (replaced if it "
+                                    "exists, once the new one is complete)")
+    parser.add_argument("--tokenizer", help="tokenizer.json to export beside the weights")
+    parser.add_argument("--eos-token", default="<|endoftext|>",
+                        help="end-of-document token of --tokenizer (Llama 3: <|end_of_text|>)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="weight dtype to write (default: the checkpoint's)")
+    parser.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES,
+                        help=f"largest safetensors file (default {DEFAULT_SHARD_BYTES})")
+    args = parser.parse_args(argv)
+    from model.training.checkpoint import CheckpointError
+
+    try:
+        out = export_checkpoint(args.checkpoint, None, args.out, tokenizer_file=args.tokenizer,
+                                eos_token=args.eos_token, shard_bytes=args.shard_bytes,
+                                dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except (ExportError, CheckpointError) as err:
+        print(f"export_hf: {err}", file=sys.stderr)
+        return 2
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    size = sum((out / f).stat().st_size for f in files)
+    arch = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"exported {args.checkpoint} -> {out} ({arch}, {len(files)} safetensors file(s), "
+          f"{size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from model.config import ModelConfig
-from model.gpt import rotary_tables
+from model.gpt import rope_tables
 from model.parallel.dims import ParallelDims
 from model.parallel.parallelize import apply_tp
 from model.parallel.pipeline import build_chunk
@@ -60,7 +60,7 @@ class LayoutModel(nn.Module):
         if tp > 1:
             apply_tp(self.stage, mesh["tp"])
         self.stage.to_empty(device=self.device)
-        cos, sin = rotary_tables(cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)  # with cfg's rope scaling, as GPT.init_weights
         self.stage.rope_cos.copy_(cos)
         self.stage.rope_sin.copy_(sin)
         state = {"model": get_model_state_dict(self.stage)}

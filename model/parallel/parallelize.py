@@ -31,6 +31,12 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -
     With ``sequence_parallel`` the residual stream between blocks is sharded along the
     sequence (dim 1) and norms run on their sequence shard; attention/MLP inputs are
     all-gathered first and their outputs reduce-scattered.
+
+    Tied embeddings stay one weight: the vocabulary-parallel embedding and head both shard
+    the [V, D] matrix by rows (Shard(0)), so the head is given the embedding's DTensor and
+    both gradients accumulate into it. q/k norms (Qwen3) see this rank's heads only: their
+    input is read as sharded over the head dim (2) so the replicated weight's gradient is
+    reduced over the tp group.
     """
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, object] = {}
@@ -46,6 +52,7 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    model.tie_weights()  # the head's new DTensor replaced by the embedding's (same layout)
     for block in model.layers.values():
         plan: dict[str, object] = {
             "attention.wq": ColwiseParallel(),
@@ -57,6 +64,9 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -
         }
         if block.feed_forward.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
+        if block.attention.q_norm is not None:  # input [B, T, local heads, hd]
+            for norm in ("attention.q_norm", "attention.k_norm"):
+                plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             plan.update(
                 {

@@ -32,8 +32,16 @@ def chunk_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 def build_chunk(cfg: ModelConfig, chunk: int, n_chunks: int) -> GPT:
     """A meta-device GPT holding only chunk ``chunk``'s layers.
 
-    The first chunk also holds the embedding and the last one the head.
+    The first chunk also holds the embedding and the last one the head. Tied embeddings
+    (``model.tie_embeddings``) are refused over several chunks: the first and last stage
+    would hold two copies of one weight, which the training step does not keep in sync.
     """
+    if cfg.tie_embeddings and n_chunks > 1:
+        raise ValueError(
+            f"model.tie_embeddings=true cannot be split into {n_chunks} pipeline chunks "
+            "(parallel.pp x parallel.virtual_stages): the input embedding and the output head "
+            "are one weight, and pipeline stages would hold two unsynchronised copies. Use "
+            "parallel.pp=1 (tensor and data parallelism keep the tie)")
     keep = {str(i) for i in stage_layers(cfg.n_layers, n_chunks)[chunk]}
     with torch.device("meta"):
         model = GPT(cfg)
@@ -57,14 +65,20 @@ def build_schedule(
     schedule: str,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    stage_io: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ):
     """PipelineStage per local chunk and the schedule that drives them.
 
     The schedule scales gradients by 1/n_microbatches, so ``loss_fn`` returns the mean
     loss of one micro-batch and the step's gradients are those of the batch mean.
+    ``stage_io`` optionally gives each local stage an example (input, output) of one
+    micro-batch (meta tensors do): the stages then know their shapes without inferring
+    them from their neighbours at the first step (``model.training.rehearse`` uses it).
     """
+    io = stage_io or [(None, None)] * len(modules)
     stages = [
-        PipelineStage(m, sid, n_chunks, device, group=group) for m, sid in zip(modules, stage_ids)
+        PipelineStage(m, sid, n_chunks, device, group=group, input_args=x, output_args=y)
+        for m, sid, (x, y) in zip(modules, stage_ids, io, strict=True)
     ]
     if schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)

@@ -46,6 +46,9 @@ class Shapes:
     """The loss is eager ``cross_entropy(logits.float(), ...)`` (fp32 cast, log-softmax and
     their backward as separate kernels): priced on GPU clusters by
     ``time_model.EAGER_LOSS_BYTES``."""
+    tied: bool = False
+    """The input embedding and the output head are one weight (``model.tie_embeddings``):
+    this trainer keeps the tie only without pipeline stages."""
 
     @classmethod
     def from_configs(cls, model_cfg: Any, train_cfg: Any, flash_attention: bool = True) -> Shapes:
@@ -58,6 +61,7 @@ class Shapes:
             kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn_dim, vocab=model_cfg.vocab_size,
             seq_len=train_cfg.seq_len, llama=model_cfg.family == "llama", dtype=train_cfg.dtype,
             flash_attention=flash_attention, eager=not getattr(train_cfg, "compile", False),
+            tied=bool(getattr(model_cfg, "tie_embeddings", False)),
             eager_loss=True,
         )
 

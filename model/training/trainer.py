@@ -13,6 +13,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -87,11 +88,16 @@ class Trainer:
         device: torch.device,
         tracker: MetricSink | None = None,
         peak_tflops: float | None = None,
+        materialize: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
+        """``materialize`` makes the context in which the parallelised meta-device chunks get
+        storage and everything built on it is made (weights, DDP, optimizer, pipeline
+        stages): a no-op for training; ``model.training.rehearse`` passes a FakeTensorMode so
+        that one rank of a large plan is built without its memory."""
         self.model_cfg, self.cfg, self.plan, self.device = model_cfg, train_cfg, plan, device
         self.out_dir, self.tracker = Path(out_dir), tracker
         self.dims = ParallelDims(plan.pp, plan.dp, plan.tp, dist.get_world_size())
-        mesh = self.dims.build_mesh(device.type)
+        self.mesh = mesh = self.dims.build_mesh(device.type)
         self.pp_rank, self.dp_rank, self.tp_rank = (
             mesh[d].get_local_rank() for d in ("pp", "dp", "tp")
         )
@@ -110,20 +116,22 @@ class Trainer:
         for chunk in self.chunks:
             parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
                               plan.sequence_parallel, self.param_dtype, train_cfg.compile)
-            chunk.to_empty(device=device)
-            chunk.init_weights(train_cfg.seed)
+            with materialize():
+                chunk.to_empty(device=device)
+                chunk.init_weights(train_cfg.seed)
         self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
-        self.runners = [apply_ddp(c, mesh["dp"]) if self.ddp else c for c in self.chunks]
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        has_dtensor = any(isinstance(p, DTensor) for p in self.params)
-        self.optimizer = build_optimizer(self.model, train_cfg, has_dtensor)
-        self.scheduler = build_scheduler(self.optimizer, train_cfg)
-
         self.has_first, self.has_last = 0 in ids, n_chunks - 1 in ids
         self.schedule = None
-        if plan.pp > 1:
-            self.schedule = build_schedule(self.runners, ids, n_chunks, device, self.pp_group,
-                                           plan.schedule, plan.grad_accum, cross_entropy)
+        with materialize():
+            self.runners = [apply_ddp(c, mesh["dp"]) if self.ddp else c for c in self.chunks]
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            has_dtensor = any(isinstance(p, DTensor) for p in self.params)
+            self.optimizer = build_optimizer(self.model, train_cfg, has_dtensor)
+            self.scheduler = build_scheduler(self.optimizer, train_cfg)
+            if plan.pp > 1:
+                self.schedule = build_schedule(self.runners, ids, n_chunks, device,
+                                               self.pp_group, plan.schedule, plan.grad_accum,
+                                               cross_entropy)
         self.is_logger = self.has_last and self.dp_rank == 0 and self.tp_rank == 0
         self.logger_rank = (plan.pp - 1) * plan.dp * plan.tp  # global rank of (last, 0, 0)
         self.batches = make_batches(self.dp_rank, plan.dp)
