@@ -27,6 +27,7 @@ from model.planner.calibration import load_calibration, update_calibration
 from model.planner.cluster import Cluster
 from model.planner.microbench import load_measured_cluster
 from model.planner.plan import CONFIG_FIELDS, FIELD_TYPES, LAYOUT_FIELDS, Plan, PlanError
+from model.planner.run_cost import plan_run_cost
 from model.planner.search import SearchResult, explain, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
 from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
@@ -405,12 +406,25 @@ def explain_text(plan: Plan, ex: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def token_count(text: str) -> float:
+    """``--tokens`` as a positive number of tokens (``20e12`` or ``20000000000000``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"the token budget must be positive, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the best plans for a model on a cluster (or one JSON object with --json).
 
     ``--fix NAME=VALUE`` fixes any plan field (a preset's ``parallel:`` fields are fixed too,
     the command line winning); with every field fixed the one plan is priced. ``--explain``
-    adds the step-time and memory breakdown of the chosen plan.
+    adds the step-time and memory breakdown of the chosen plan. ``--tokens N`` prices a run
+    of N tokens with the chosen plan (``model.planner.run_cost``); without it a preset's
+    ``train.steps`` steps are priced (a bare model file prices nothing).
     """
     ap = argparse.ArgumentParser(
         description="Choose a parallel plan from the memory and time models."
@@ -429,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--explain", action="store_true",
                     help="print the step-time and memory breakdown of the chosen plan")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--tokens", type=token_count, default=None, metavar="N",
+                    help="price a whole run of N tokens (e.g. 20e12) with the chosen plan; "
+                         "default: the preset's train.steps steps")
     ap.add_argument("--rehearse", action="store_true",
                     help="rehearse the chosen plan's first and last stage ranks on fake tensors "
                          "(two training steps each; minutes at Frontier sizes) and report "
@@ -448,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         plan, result = choose(model_cfg, train, cluster, args.devices, fixed, cal, top_k=args.top)
         ex = explain(Shapes.from_configs(model_cfg, train), cluster, plan, args.devices,
                      args.global_batch, cal) if args.explain or args.json else None
+        cost = None
+        if args.tokens is not None or train_cfg is not None:
+            cost = plan_run_cost(plan.predictions, model_cfg, args.global_batch, seq, cluster,
+                                 args.devices, tokens=args.tokens,
+                                 steps=None if args.tokens is not None else train_cfg.steps)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -470,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         out["memory_breakdown"] = {**ex["memory_gb"], **ex["parameters"]}
         if args.rehearse:
             out["rehearsal"] = rehearsed
+        out["run_cost"] = cost.to_dict() if cost is not None else None
         print(json.dumps(out))
         return 0
     if result is not None:
@@ -481,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
               f"device, MFU {pr['mfu']:.1%}, {pr['memory_gb_per_device']:.2f} GB per device")
     if args.explain:
         print(explain_text(plan, ex))
+    if cost is not None:
+        print("\n".join(cost.lines()))
     if args.rehearse:
         print(rehearsal_text(plan, rehearsed, cluster.memory_gb))
     return 0

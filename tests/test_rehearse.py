@@ -128,6 +128,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, An
     return {r: json.loads((work / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_rehearsal_matches_real_ranks(family: str, measured: dict[int, dict[str, Any]]) -> None:
     for rank in (0, 1):
@@ -150,6 +151,7 @@ def test_rehearsal_matches_real_ranks(family: str, measured: dict[int, dict[str,
         assert fake["flops_per_step"][0] > 0
 
 
+@pytest.mark.slow
 def test_tracker_categories_match_the_tensors(measured: dict[int, dict[str, Any]]) -> None:
     """On the real zero3 run: the tracker's categories are the rank's tensors, its FSDP2
     volumes the parameters' bytes, and the FLOPs the matmul + attention formula."""
