@@ -204,9 +204,9 @@ class ParallelConfig:
     rehearse: bool = False
     """If true, the plan stage rehearses the chosen plan: its first and last pipeline stage's
     ranks run two training steps on fake tensors in a fake process group of the plan's world
-    size (``model.training.rehearse``), and the rehearsed peak memory, FLOPs and collective
-    bytes are recorded beside the memory model's figures (``rehearsal.json``). Off by
-    default: at Frontier sizes a rehearsal takes minutes."""
+    size (``model/training/rehearse.py``), and the rehearsed peak memory, FLOPs and
+    collective bytes are recorded beside the memory model's figures (``rehearsal.json``).
+    Off by default: at Frontier sizes a rehearsal takes minutes."""
 
     def __post_init__(self) -> None:
         _require(self.nproc > 0, f"parallel.nproc must be > 0, got {self.nproc}")

@@ -18,13 +18,21 @@ The plan stage measures this machine (``model.planner.microbench``) and caches t
 under ``<runs dir>/cache/microbench/``. That measurement is made once per session
 (``microbench_cache``) and copied into each test's runs dir (``seed_microbench``,
 ``runs_dir``), so no test measures it again.
+
+A new MLflow SQLite store costs seconds of schema migration. One store is created and
+migrated per session (``migrated_store``); ``seed_store`` copies it to where a test's
+tracker or driver will look (``<dir>/mlflow.db``), and ``runs_dir`` comes with a copy. The
+project takes an existing, migrated store as is, so a copy behaves as a new store would.
+Stores made from nothing are still tested: ``tests/reliability/test_tracking_start.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -148,10 +156,100 @@ def seed_microbench(microbench_cache: Path) -> Callable[[Path], Path]:
     return seed
 
 
+@pytest.fixture(scope="session")
+def migrated_store(isolated_session: Path) -> Path:
+    """An MLflow SQLite store created and migrated once per session; its database file.
+
+    It holds only what MLflow puts in every new store (its ``Default`` experiment, whose
+    artifact root MLflow resolves against the current directory: the repository root, the
+    directory the tests start drivers in)."""
+    from stages import tracking
+
+    path = isolated_session / "migrated-store" / "mlflow.db"
+    path.parent.mkdir()
+    with contextlib.chdir(REPO):
+        tracking.MlflowClient(f"sqlite:///{path}").search_experiments()
+    assert path.is_file(), f"MLflow made no store at {path}"
+    return path
+
+
+@pytest.fixture(scope="session")
+def seed_store(migrated_store: Path) -> Callable[[Path], str]:
+    """A function that copies the session's migrated store to ``<directory>/mlflow.db``, the
+    default store of a runs dir (``stages.tracking.default_tracking_uri``), and returns its
+    ``sqlite:///`` URI. The directory must not have a store yet."""
+
+    def seed(directory: Path) -> str:
+        target = Path(directory) / "mlflow.db"
+        assert not target.exists(), f"{target} exists: seed a store only into a new directory"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(migrated_store, target)
+        return f"sqlite:///{target.resolve()}"
+
+    return seed
+
+
 @pytest.fixture
-def runs_dir(tmp_path: Path, seed_microbench: Callable[[Path], Path]) -> Path:
-    """A fresh runs dir for one test, the session's microbenchmark already cached in it."""
+def runs_dir(tmp_path: Path, seed_microbench: Callable[[Path], Path],
+             seed_store: Callable[[Path], str]) -> Path:
+    """A fresh runs dir for one test: the session's microbenchmark cached in it and a copy of
+    the session's migrated MLflow store as its store."""
     path = tmp_path / "runs"
     path.mkdir()
     seed_microbench(path)
+    seed_store(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def micro_cli_history(tmp_path_factory: pytest.TempPathFactory,
+                      seed_microbench: Callable[[Path], Path],
+                      seed_store: Callable[[Path], str]):
+    """A user's session with the pipeline's command line, once per test session: the micro
+    preset's first run, the same run again, ``--only evaluate`` and ``--dry-run`` on one new
+    runs dir (``tests.micro_cli.user_session``). Tests only read its records and runs dir."""
+    from tests.micro_cli import user_session
+
+    runs_dir = tmp_path_factory.mktemp("micro-cli") / "runs"
+    runs_dir.mkdir()
+    seed_microbench(runs_dir)
+    seed_store(runs_dir)
+    return user_session(runs_dir)
+
+
+@dataclass(frozen=True)
+class Console:
+    """A command's exit status and what it printed (the fields of a CompletedProcess)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def pipeline_main(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+                  ) -> Iterator[Callable[..., Console]]:
+    """A function that runs the pipeline command line in this process:
+    ``workflows.pipeline.main(argv)`` from the repository root, as ``python -m
+    workflows.pipeline ARGV`` runs it there. It returns the exit status (argparse's
+    ``SystemExit`` included) and the console. The environment is restored afterwards.
+
+    An exception main lets out fails the test, as a traceback on the real console would; a
+    few cases also run as real processes (``tests/reliability/test_bad_inputs.py``)."""
+    from workflows import pipeline
+
+    monkeypatch.chdir(REPO)
+    saved = dict(os.environ)
+
+    def run(*argv: str) -> Console:
+        capsys.readouterr()  # drop what the test printed before
+        try:
+            code = pipeline.main(list(argv))
+        except SystemExit as exit_:
+            code = 0 if exit_.code is None else exit_.code
+        printed = capsys.readouterr()
+        return Console(code, printed.out, printed.err)
+
+    yield run
+    os.environ.clear()
+    os.environ.update(saved)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from stages import tracking
@@ -43,10 +44,12 @@ def make_cfg(tmp: Path, source: str | Path, *overrides: str) -> PipelineConfig:
     return load_config(overrides=base + list(overrides))
 
 
-def make_tracker(tmp: Path, name: str = "data-tests") -> tuple[tracking.Tracker, str, str]:
-    """A Tracker on a fresh MLflow run in a SQLite store under ``tmp``: (tracker, uri, run_id)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+def make_tracker(tmp: Path, seed_store: Callable[[Path], str], name: str = "data-tests"
+                 ) -> tuple[tracking.Tracker, str, str]:
+    """A Tracker on a fresh MLflow run in a SQLite store under ``tmp``: (tracker, uri, run_id).
+
+    The store is a copy of the session's migrated one (the ``seed_store`` fixture)."""
+    uri = seed_store(tmp)
     experiment = tracking.ensure_experiment(uri, name, tmp)
     run_id = tracking.start_run(uri, experiment, "tokenize")
     return tracking.Tracker(uri, run_id), uri, run_id

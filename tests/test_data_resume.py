@@ -13,9 +13,13 @@ import zarr
 from data_prep.errors import DataError
 from data_prep.store import SplitReader
 from stages import tokenize, tracking
+from stages.inline import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 
 N_DOCS = 30
+
+TOKENIZE = declaration("tokenize")
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +28,8 @@ def _hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def tracker(tmp_path_factory: pytest.TempPathFactory) -> tracking.Tracker:
-    return make_tracker(tmp_path_factory.mktemp("mlruns"), "data-resume-tests")[0]
+def tracker(tmp_path_factory: pytest.TempPathFactory, seed_store) -> tracking.Tracker:
+    return make_tracker(tmp_path_factory.mktemp("mlruns"), seed_store, "data-resume-tests")[0]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory, tracker: tracking.Tracker) -
     make_corpus(tmp / "corpus", n_docs=N_DOCS, seed=11)
     cfg = make_cfg(tmp, tmp / "corpus")
     (tmp / "clean").mkdir()
-    return {"tmp": tmp, "cfg": cfg, "outputs": tokenize.run(cfg, {}, tmp / "clean", tracker)}
+    return {"tmp": tmp, "cfg": cfg, "outputs": run_work(TOKENIZE, cfg, {}, tmp / "clean", tracker)}
 
 
 def store_files(store: Path) -> dict[str, bytes]:
@@ -95,7 +99,7 @@ def test_half_written_part_is_redone(clean: dict, tracker, damage: str) -> None:
     tmp, cfg = clean["tmp"], clean["cfg"]
     out = tmp / f"damaged_{damage}"
     out.mkdir()
-    tokenize.run(cfg, {}, out, tracker)
+    run_work(TOKENIZE, cfg, {}, out, tracker)
     record = out / "parts" / "00001.json"
     if damage == "record_removed":  # the writer died after publishing the train part
         record.unlink()

@@ -23,11 +23,15 @@ from model.gpt import GPT
 from stages import tokenize, tracking
 from stages.config import ConfigError, load_config
 from stages.evaluate import split_sources
+from stages.inline import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 
 PROSE = ("the", "river", "morning", "quietly", "garden", "a", "letter", "she", "walked", "over",
          "hills", "and", "wrote", "slowly", "bright", "autumn", "of", "window", "light", ".")
 N_CODE, N_PROSE = 30, 14
+
+TOKENIZE = declaration("tokenize")
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +56,8 @@ def sources_cfg(tmp: Path, sources: dict[str, Path | str], *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def tracked(tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    return make_tracker(tmp_path_factory.mktemp("mlruns"), "multi-source-tests")
+def tracked(tmp_path_factory: pytest.TempPathFactory, seed_store) -> tuple:
+    return make_tracker(tmp_path_factory.mktemp("mlruns"), seed_store, "multi-source-tests")
 
 
 @pytest.fixture
@@ -71,7 +75,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, tracked: tuple) -> dict:
     cfg = sources_cfg(tmp, specs, "data.num_shards=4")
     out = tmp / "out4"
     out.mkdir()
-    outputs = tokenize.run(cfg, {}, out, tracked[0])
+    outputs = run_work(TOKENIZE, cfg, {}, out, tracked[0])
     return {"tmp": tmp, "texts": texts, "specs": specs, "cfg": cfg, "outputs": outputs,
             "uri": tracked[1], "run_id": tracked[2]}
 
@@ -143,7 +147,7 @@ def test_same_tokens_for_any_shard_count_and_shard_order(built: dict, tracker) -
     cfg = sources_cfg(tmp, built["specs"], "data.num_shards=2",
                       f"tokenizer.path={base['tokenizer']}")
     (tmp / "out2").mkdir()
-    stores[2] = tokenize.run(cfg, {}, tmp / "out2", tracker)
+    stores[2] = run_work(TOKENIZE, cfg, {}, tmp / "out2", tracker)
     # 7 shards, tokenized in reverse order (as unordered parallel workers would), then finalized.
     cfg = sources_cfg(tmp, built["specs"], "data.num_shards=7",
                       f"tokenizer.path={base['tokenizer']}")
@@ -233,7 +237,7 @@ def test_single_source_store_stays_unlabelled(tmp_path: Path, tracker) -> None:
     make_corpus(tmp_path / "c", n_docs=8, seed=4)
     cfg = make_cfg(tmp_path, tmp_path / "c", "data.num_shards=2")
     (tmp_path / "o").mkdir()
-    out = tokenize.run(cfg, {}, tmp_path / "o", tracker)
+    out = run_work(TOKENIZE, cfg, {}, tmp_path / "o", tracker)
     info = open_store(out["store"])
     assert info.sources == [] and out["sources"] == []
     assert info.manifest["source"] == str(tmp_path / "c")
@@ -298,6 +302,6 @@ def test_bad_source_names_label_and_file(case: str, tmp_path: Path, tracker) -> 
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(DataError, match=match):
-        tokenize.run(cfg, {}, out, tracker)
+        run_work(TOKENIZE, cfg, {}, out, tracker)
     with pytest.raises(StoreError):
         open_store(out / "store.zarr")

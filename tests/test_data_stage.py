@@ -16,10 +16,14 @@ from data_prep.errors import DataError, StoreError
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
 from stages import tokenize, tracking
+from stages.inline import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 from tests.test_data_tokenizer import big_vocab_tokenizer
 
 N_DOCS = 40
+
+TOKENIZE = declaration("tokenize")
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +32,9 @@ def _hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def tracked(tmp_path_factory: pytest.TempPathFactory) -> tuple:
+def tracked(tmp_path_factory: pytest.TempPathFactory, seed_store) -> tuple:
     """One MLflow run (SQLite) shared by this module's stage runs: (tracker, uri, run_id)."""
-    return make_tracker(tmp_path_factory.mktemp("mlruns"))
+    return make_tracker(tmp_path_factory.mktemp("mlruns"), seed_store)
 
 
 @pytest.fixture
@@ -46,7 +50,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, tracked: tuple) -> dict:
     tracker, uri, run_id = tracked
     out = tmp / "out3"
     out.mkdir()
-    outputs = tokenize.run(cfg, {}, out, tracker)
+    outputs = run_work(TOKENIZE, cfg, {}, out, tracker)
     return {"tmp": tmp, "texts": texts, "cfg": cfg, "outputs": outputs, "uri": uri,
             "run_id": run_id}
 
@@ -128,7 +132,7 @@ def test_progress_lines(tmp_path: Path, capsys: pytest.CaptureFixture, tracker) 
     make_corpus(tmp_path / "c", n_docs=12, seed=2)
     cfg = make_cfg(tmp_path, tmp_path / "c", "data.num_shards=1")
     (tmp_path / "o").mkdir()
-    tokenize.run(cfg, {}, tmp_path / "o", tracker)
+    run_work(TOKENIZE, cfg, {}, tmp_path / "o", tracker)
     lines = [line for line in capsys.readouterr().out.splitlines() if "tokenize shard 1/1" in line]
     assert len(lines) >= 2  # one per encode batch with progress_seconds=0, plus the last
     assert "12/12 docs (100%)" in lines[-1] and "done in" in lines[-1]
@@ -143,7 +147,7 @@ def test_same_tokens_for_any_shard_count_and_parallel_processes(built: dict, tra
         cfg = make_cfg(tmp, tmp / "corpus", f"data.num_shards={shards}")
         out = tmp / f"out{shards}"
         out.mkdir()
-        stores[shards] = tokenize.run(cfg, {}, out, tracker)
+        stores[shards] = run_work(TOKENIZE, cfg, {}, out, tracker)
     # 4 shards tokenized by 2 concurrent processes, finalized here.
     cfg = make_cfg(tmp, tmp / "corpus", "data.num_shards=4")
     out = tmp / "out4p"
@@ -170,7 +174,7 @@ def test_existing_tokenizer_path(built: dict, tmp_path: Path, tracker) -> None:
     cfg = make_cfg(tmp_path, built["tmp"] / "corpus", f"tokenizer.path={base['tokenizer']}",
                    "data.num_shards=2")
     (tmp_path / "o").mkdir()
-    out = tokenize.run(cfg, {}, tmp_path / "o", tracker)
+    out = run_work(TOKENIZE, cfg, {}, tmp_path / "o", tracker)
     assert out["tokenizer_hash"] == base["tokenizer_hash"]
     assert out["train_tokens"] == base["train_tokens"]
 
@@ -260,7 +264,7 @@ def test_bad_input_leaves_no_complete_store(case: str, tmp_path: Path, tracker) 
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(DataError, match=match):
-        tokenize.run(cfg, {}, out, tracker)
+        run_work(TOKENIZE, cfg, {}, out, tracker)
     assert not (out / "store.zarr" / "manifest.json").exists()
     with pytest.raises(StoreError):
         open_store(out / "store.zarr")
@@ -270,7 +274,7 @@ def test_more_shards_than_documents(tmp_path: Path, tracker) -> None:
     texts = make_corpus(tmp_path / "c", n_docs=3, seed=8)
     cfg = make_cfg(tmp_path, tmp_path / "c", "data.num_shards=5", "data.validation_fraction=0.4")
     (tmp_path / "o").mkdir()
-    out = tokenize.run(cfg, {}, tmp_path / "o", tracker)
+    out = run_work(TOKENIZE, cfg, {}, tmp_path / "o", tracker)
     info = open_store(out["store"])
     assert [p["documents"] for p in info.splits["train"].parts].count(0) >= 2  # empty parts
     assert (info.splits["train"].documents, info.splits["validation"].documents) == (2, 1)

@@ -1,5 +1,10 @@
 """The MLflow UI over a pipeline's store: a real `mlflow server` read by headless Chromium.
 
+The store is the one of the session's user session with the pipeline CLI
+(``micro_cli_history``, shared with test_pipeline.py): the tests look at its first run's
+pipeline and stage runs; the store also holds the runs of the same command again and of
+``--only evaluate``.
+
 Needs Debian's chromium (`apt-get install -y --no-install-recommends chromium`). Screenshots go
 to $UI_SCREENSHOT_DIR (default: the test's temporary directory; paths printed with -s).
 """
@@ -22,9 +27,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.evalkit import run_driver
+from tests.micro_cli import History
 
-# The first test also runs the pipeline (several minutes on 2 busy cores).
+# The first test may also run the session's pipelines (several minutes on 2 busy cores).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -95,11 +100,10 @@ def _chromium(url: str, work: Path, screenshot: Path | None, window: str, timeou
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, seed_microbench):
-    """The real pipeline CLI (`python -m workflows.pipeline --config micro`), run once."""
-    runs_dir = tmp_path_factory.mktemp("ui-pipeline")
-    seed_microbench(runs_dir)
-    return run_driver(runs_dir)
+def pipeline(micro_cli_history: History) -> tuple:
+    """The first run of the real pipeline CLI (`python -m workflows.pipeline --config
+    micro`): (ctx, {stage: StageRun}) as its driver recorded them."""
+    return micro_cli_history.first_records
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,7 @@ print(json.dumps({"delta_gb": (peak - before) / 1e9}))
 """
 
 
+@pytest.mark.slow  # two real training steps per shape in processes of their own: ~25 s each
 @pytest.mark.parametrize("shape", [
     {"family": "llama", "n_layers": 4, "d_model": 512, "n_heads": 8, "vocab_size": 8192,
      "max_seq_len": 256},

@@ -96,7 +96,8 @@ def test_stage_validates_a_hand_plan_with_the_same_messages(runs_dir: Path) -> N
     assert not (out_dir / "plan_table.txt").exists()  # validated, not searched
 
 
-def test_stage_rejects_a_store_with_a_larger_vocabulary(tmp_path: Path) -> None:
+def test_stage_rejects_a_store_with_a_larger_vocabulary(tmp_path: Path, seed_store) -> None:
+    seed_store(tmp_path)
     tracker, *_ = _tracker(tmp_path, "plan-vocab")
     out_dir = _out_dir(tmp_path, "plan-vocab")
     with pytest.raises(PlanError, match="raise model.vocab_size"):

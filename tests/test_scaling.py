@@ -1,11 +1,13 @@
-"""Scaling studies end to end: weak and strong on 1, 2 and 4 local gloo ranks through real
-Parsl, the train stage and MLflow on SQLite, run twice (the second time reusing every
-point); and the Frontier 175B prediction from one node to the whole machine.
+"""Scaling studies end to end: weak and strong on 1 and 2 local gloo ranks (the cores of
+the CI machine) through real Parsl, the train stage and MLflow on SQLite, run twice (the
+second time reusing every point); and the Frontier 175B prediction from one node to the
+whole machine. Studies of more ranks than one node's cores run on the Slurm cluster
+(``test_scaling_slurm.py``).
 
 The plan stage measures this machine per rank count; the session's 2-rank measurement
-(``seed_microbench``) stands in for 1 and 4 ranks too, so no test measures it again (the
-layouts the planner picks may differ from a fresh measurement; nothing here depends on
-which it picks).
+(``seed_microbench``) stands in for 1 rank too, so no test measures it again (the layouts
+the planner picks may differ from a fresh measurement; nothing here depends on which it
+picks).
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ from stages import tracking
 from workflows import scaling
 
 REPO = Path(__file__).resolve().parent.parent
-DEVICES = (1, 2, 4)
+DEVICES = (1, 2)  # ranks of the local studies: no more than the CI machine's 2 cores
 
 
 def seed_rank_counts(runs_dir: Path, seeded: Path) -> None:
-    """The seeded 2-rank measurement, also as the 1- and 4-rank ones."""
+    """The seeded 2-rank measurement, also as the one of every other rank count in DEVICES."""
     data = json.loads(seeded.read_text())
     for n in DEVICES:
         target = cache_file(n, runs_dir / "cache" / "microbench")

@@ -7,23 +7,28 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from stages import tokenize, tracking, train
+from stages import tracking
+from stages.inline import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 from tests.train_helpers import tiny_config
 
+TOKENIZE = declaration("tokenize")
+TRAIN = declaration("train")
+
 
 @pytest.mark.slow
-def test_train_stage_on_a_token_store_logs_to_mlflow(tmp_path: Path) -> None:
+def test_train_stage_on_a_token_store_logs_to_mlflow(tmp_path: Path, seed_store) -> None:
     make_corpus(tmp_path / "corpus", n_docs=40, seed=2)
     (tmp_path / "tok").mkdir()
-    tok = tokenize.run(make_cfg(tmp_path, tmp_path / "corpus"), {},
-                       tmp_path / "tok", make_tracker(tmp_path / "ml_tok")[0])
-    tracker, uri, run_id = make_tracker(tmp_path / "ml", name="train-tests")
+    tok = run_work(TOKENIZE, make_cfg(tmp_path, tmp_path / "corpus"), {},
+                   tmp_path / "tok", make_tracker(tmp_path / "ml_tok", seed_store)[0])
+    tracker, uri, run_id = make_tracker(tmp_path / "ml", seed_store, name="train-tests")
     cfg = tiny_config("parallel.nproc=2", "parallel.dp=2", "train.steps=8",
                       "train.checkpoint_every=4", "train.lr=0.003")
     out = tmp_path / "train"
     out.mkdir()
-    outputs = train.run(cfg, {"tokenize": tok}, out, tracker)
+    outputs = run_work(TRAIN, cfg, {"tokenize": tok}, out, tracker)
 
     assert outputs["steps_done"] == 8
     assert Path(outputs["checkpoint"]).name == "step-00000008"

@@ -30,10 +30,10 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_full_disk_fails_once_with_one_clear_message(small_disk, tmp_path):
+def test_full_disk_fails_once_with_one_clear_message(small_disk, tmp_path, seed_store):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = seed_store(tmp_path)
     runs = small_disk / "runs"
     proc = subprocess.run(
         [sys.executable, "-m", "workflows.pipeline", "--config", "configs/micro.yaml",

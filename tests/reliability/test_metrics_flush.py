@@ -51,14 +51,16 @@ trainer.fit()
 KEYS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "peak_memory_gb")
 
 
-def _store(tmp_path: Path) -> tuple[str, str]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def _store(tmp_path: Path, seed_store) -> tuple[str, str]:
+    """A run in a new store in ``tmp_path`` (a copy of the session's migrated store)."""
+    uri = seed_store(tmp_path)
     experiment = tracking.ensure_experiment(uri, "reliability", tmp_path)
     return uri, tracking.start_run(uri, experiment, "train")
 
 
-def test_killed_rank_has_delivered_every_metric_up_to_its_checkpoint(tmp_path) -> None:
-    uri, run_id = _store(tmp_path)
+def test_killed_rank_has_delivered_every_metric_up_to_its_checkpoint(tmp_path, seed_store
+                                                                     ) -> None:
+    uri, run_id = _store(tmp_path, seed_store)
     cfg = tiny_config("train.steps=8", "train.checkpoint_every=3")
     args = {"config": cfg.to_dict(), "plan": {"micro_batch": 8, "sharding": "none"},
             "out_dir": str(tmp_path / "train"), "uri": uri, "run_id": run_id, "kill_at": 6}
@@ -86,8 +88,8 @@ class _SlowTracker(tracking.Tracker):
         super().flush()
 
 
-def test_background_flush_waits_for_every_queued_write(tmp_path) -> None:
-    uri, run_id = _store(tmp_path)
+def test_background_flush_waits_for_every_queued_write(tmp_path, seed_store) -> None:
+    uri, run_id = _store(tmp_path, seed_store)
     sink = BackgroundSink(_SlowTracker(uri, run_id, flush_seconds=0))  # a write per step
     for step in range(1, 21):
         sink.log_metrics({"loss": 1.0 / step, "lr": 0.5}, step=step)

@@ -254,10 +254,10 @@ def test_training_outlives_a_lost_server_and_every_step_reaches_it_once(
 
 
 @pytest.mark.slow
-def test_killed_rank_keeps_its_metrics_up_to_the_checkpoint(tmp_path) -> None:
+def test_killed_rank_keeps_its_metrics_up_to_the_checkpoint(tmp_path, seed_store) -> None:
     # The rank's tracking server is never there; the run lives in a SQLite store, which the
     # import is pointed at with --tracking-uri.
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = seed_store(tmp_path)
     run_id = _new_run(store, tmp_path)
     dead = f"http://127.0.0.1:{_free_port()}"
     rank = Rank(tmp_path / "train", dead, run_id, steps=8, every=3, kill_at=6)
@@ -271,8 +271,8 @@ def test_killed_rank_keeps_its_metrics_up_to_the_checkpoint(tmp_path) -> None:
     assert _steps(store, run_id, "grad_norm") == list(range(1, 7))
 
 
-def test_an_interrupted_delivery_resumes_without_repeating(tmp_path) -> None:
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_an_interrupted_delivery_resumes_without_repeating(tmp_path, seed_store) -> None:
+    store = seed_store(tmp_path)
     run_id = _new_run(store, tmp_path)
     spool = tmp_path / SPOOL_FILE
     records = [{"run_id": run_id, "step": s, "timestamp": 1_000 + s,

@@ -17,9 +17,11 @@ def _pipeline(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def test_runs_dir_with_a_space_is_refused_before_any_work(tmp_path):
+def test_runs_dir_with_a_space_is_refused_before_any_work(tmp_path, pipeline_main):
+    """Through ``workflows.pipeline.main`` in this process (the real console's path is
+    tested in test_bad_inputs.py)."""
     runs = tmp_path / "my runs"
-    proc = _pipeline("--config", "configs/micro.yaml", "--runs-dir", str(runs))
+    proc = pipeline_main("--config", "configs/micro.yaml", "--runs-dir", str(runs))
     assert proc.returncode == 2
     assert "contains white space" in proc.stderr and "--runs-dir" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -31,7 +33,7 @@ def test_runs_dir_with_a_space_is_refused_before_any_work(tmp_path):
 def test_corpus_with_spaces_and_non_ascii_names_runs_end_to_end(tmp_path):
     corpus = tmp_path / "corpus dir é" / "Ünïcode texts"
     corpus.mkdir(parents=True)
-    source = (REPO / "stages" / "stage.py").read_text()
+    source = (REPO / "stages" / "attempt.py").read_text()
     for i in range(12):  # a dozen small documents, some with non-ASCII text
         (corpus / f"doc {i} ñ.txt").write_text(f"# façade {i}\n" + source[i * 900:(i + 1) * 900])
     runs = tmp_path / "runs-é"

@@ -195,11 +195,13 @@ def resumed_step(console: str) -> int:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory,
-              seed_microbench: Callable[[Path], Path]) -> Iterator[Callable[[], list[float]]]:
+              seed_microbench: Callable[[Path], Path],
+              seed_store: Callable[[Path], str]) -> Iterator[Callable[[], list[float]]]:
     """An uninterrupted run of the same training in a runs dir of its own, started at once
     in the background; calling the fixture's value waits for it and returns its losses."""
     runs = tmp_path_factory.mktemp("reference") / "runs"
     seed_microbench(runs)
+    seed_store(runs)
     driver = start_pipeline(runs, *TRAINING, "site.retries=0")
     losses: list[list[float]] = []
 

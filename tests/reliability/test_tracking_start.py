@@ -1,10 +1,18 @@
-"""MLflow start-up: a store created by two drivers at once, and stores that cannot be used."""
+"""MLflow start-up: a store created from nothing, by one driver and by two at once, and
+stores that cannot be used.
+
+These tests make their stores from nothing; most other tests start from a copy of one
+store migrated per session (``conftest.seed_store``), which the first test shows to be the
+store a new runs dir gets.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -15,6 +23,30 @@ import pytest
 from stages import tracking
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _schema(db: Path) -> tuple[list[str], list[str]]:
+    """The store's migration version(s) and its tables."""
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        versions = [row[0] for row in connection.execute("SELECT version_num FROM alembic_version")]
+        tables = [row[0] for row in connection.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+    return versions, tables
+
+
+def test_a_new_runs_dir_gets_a_migrated_store_as_the_tests_seed_it(tmp_path: Path,
+                                                                   migrated_store: Path):
+    runs = tmp_path / "runs"
+    uri = tracking.default_tracking_uri(runs)
+    experiment = tracking.ensure_experiment(uri, "fresh", runs)
+    assert uri == f"sqlite:///{runs.resolve() / 'mlflow.db'}"
+    made = tracking.MlflowClient(uri).get_experiment(experiment)
+    assert made.name == "fresh"
+    assert made.artifact_location == (runs.resolve() / "mlartifacts").as_uri()
+    versions, tables = _schema(runs / "mlflow.db")
+    assert len(versions) == 1 and {"experiments", "runs", "metrics"} <= set(tables)
+    assert (versions, tables) == _schema(migrated_store)
+    assert not (runs / "mlflow.db.lock").exists()
 
 
 def _create(runs_dir: str, barrier, out: str) -> None:
