@@ -32,6 +32,7 @@ from model.evaluation.export_hf import (
 from model.evaluation.import_hf import ImportHFError, import_hf, model_config_from_hf
 from model.gpt import GPT
 from model.training.checkpoint import load_for_inference
+from tests.test_import_hf import max_diff, tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -87,15 +88,6 @@ def hf_model(family: str, seed: int = 0):
             elif name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(8.0)
     return model.eval()
-
-
-def tokens(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 384, (3, 32), generator=torch.Generator().manual_seed(seed))
-
-
-def max_diff(ours, hf) -> float:
-    with torch.no_grad():
-        return (ours(tokens()) - hf(tokens()).logits).abs().max().item()
 
 
 @pytest.fixture(scope="module")
@@ -402,7 +394,7 @@ import json, sys
 import torch, torch.distributed as dist
 from model.evaluation.dcp_io import checkpoint_model_config
 from model.evaluation.layout import LayoutModel
-from tests.test_hf_families import tokens
+from tests.test_import_hf import tokens
 
 cases, out = json.loads(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo")

@@ -73,7 +73,8 @@ def build_schedule(
     loss of one micro-batch and the step's gradients are those of the batch mean.
     ``stage_io`` optionally gives each local stage an example (input, output) of one
     micro-batch (meta tensors do): the stages then know their shapes without inferring
-    them from their neighbours at the first step (``model.training.rehearse`` uses it).
+    them from their neighbours at the first step (the rehearsal in
+    ``model/training/rehearse.py`` uses it).
     """
     io = stage_io or [(None, None)] * len(modules)
     stages = [

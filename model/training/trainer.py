@@ -92,8 +92,8 @@ class Trainer:
     ) -> None:
         """``materialize`` makes the context in which the parallelised meta-device chunks get
         storage and everything built on it is made (weights, DDP, optimizer, pipeline
-        stages): a no-op for training; ``model.training.rehearse`` passes a FakeTensorMode so
-        that one rank of a large plan is built without its memory."""
+        stages): a no-op for training; the rehearsal (``model/training/rehearse.py``) passes
+        a FakeTensorMode so that one rank of a large plan is built without its memory."""
         self.model_cfg, self.cfg, self.plan, self.device = model_cfg, train_cfg, plan, device
         self.out_dir, self.tracker = Path(out_dir), tracker
         self.dims = ParallelDims(plan.pp, plan.dp, plan.tp, dist.get_world_size())
