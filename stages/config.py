@@ -7,6 +7,8 @@ and validates everything before any work starts. Unknown keys and invalid values
 from __future__ import annotations
 
 import dataclasses
+import re
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -133,8 +135,14 @@ class SiteConfig:
     """Parsl retries for a failed app; training resumes from the last checkpoint."""
     scheduler_options: str = ""
     """Extra #SBATCH lines."""
-    rccl_plugin_path: str = "/lustre/orion/world-shared/stf218/lib/aws-ofi-rccl/lib"
-    """Directory holding the aws-ofi-rccl plugin (Frontier)."""
+    rccl_plugin_path: str | None = None
+    """Directory of an aws-ofi-rccl plugin build put first on the ranks' LD_LIBRARY_PATH
+    (Frontier); None: OLCF's rccl-net-plugin module provides the plugin."""
+    node_local_env: str | None = None
+    """A packed Python environment (a conda-pack or venv-pack tarball, absolute path) that
+    every Frontier job copies with sbcast to each node's NVMe and runs from (/mnt/bb/$USER,
+    #SBATCH -C nvme); None: site.conda_env, or the submitting interpreter, read over the
+    shared filesystem."""
     modules: list[str] | None = None
     """Environment modules loaded on compute nodes; None: the site default (ROCm on Frontier)."""
     env: list[str] = field(default_factory=list)
@@ -155,9 +163,15 @@ class SiteConfig:
     their tasks (e.g. after a cancelled or preempted Slurm job)."""
 
     def __post_init__(self) -> None:
+        _check_site_text(self)
         for item in self.env:
             if "=" not in item or not item.split("=", 1)[0].strip():
                 raise ValueError(f"site.env entries must look like KEY=VALUE, got {item!r}")
+            if not _SHELL_NAME.fullmatch(item.split("=", 1)[0].strip()):
+                raise ValueError(
+                    f"site.env entry {item!r}: {item.split('=', 1)[0].strip()!r} is not a shell "
+                    "variable name (letters, digits and _, not starting with a digit): fix the key"
+                )
         if self.cores_per_node is not None and self.cores_per_node <= 0:
             raise ValueError(f"site.cores_per_node must be > 0, got {self.cores_per_node}")
         if self.heartbeat_threshold <= 0:
@@ -173,6 +187,88 @@ class SiteConfig:
         parts = self.walltime.split(":")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
             raise ValueError(f"site.walltime must be HH:MM:SS, got {self.walltime!r}")
+
+
+# What a site value may hold where it reaches a batch script or a command line: Slurm names
+# and the address are written unquoted by Parsl (#SBATCH lines, the worker's -a option).
+_SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.,+-]+")
+_ADDRESS = re.compile(r"[A-Za-z0-9.:_-]+")
+_OPTION_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")  # the words shlex.quote leaves bare
+_ONE_LINE_FIELDS = ("account", "partition", "qos", "walltime", "conda_env", "rccl_plugin_path",
+                    "node_local_env", "srun_options", "address")
+_MULTI_LINE_FIELDS = ("worker_init", "scheduler_options")
+_TARBALL = re.compile(r".+\.(tar|tgz|tar\.[A-Za-z0-9]+)")
+
+
+def control_char_problem(value: str, allow: str = "") -> str | None:
+    """Words for the first newline or control character of ``value`` not in ``allow``."""
+    for char in value:
+        code = ord(char)
+        if char in allow or not (code < 32 or 127 <= code < 160 or char in "\u2028\u2029"):
+            continue
+        if char == "\n":
+            return "a newline"
+        return "a carriage return (\\r)" if char == "\r" else f"a control character ({char!r})"
+    return None
+
+
+def _check_site_text(site: SiteConfig) -> None:
+    """Refuse site values that cannot reach a shell script intact (see the field notes)."""
+    values: list[tuple[str, str | None]] = [(f, getattr(site, f)) for f in _ONE_LINE_FIELDS]
+    values += [(f"modules[{i}]", m) for i, m in enumerate(site.modules or [])]
+    values += [(f"env[{i}]", item) for i, item in enumerate(site.env)]
+    for name, value in values:
+        problem = value and control_char_problem(value)
+        if problem:
+            raise ValueError(
+                f"site.{name}={value!r} contains {problem}: a site value is written into the "
+                "batch script or the ranks' command as one line: remove it")
+    for name in _MULTI_LINE_FIELDS:
+        problem = control_char_problem(getattr(site, name), allow="\n\t")
+        if problem:
+            raise ValueError(f"site.{name} contains {problem}: remove it (lines are separated "
+                             "by newlines only)")
+    for name in ("account", "partition", "qos"):
+        value = getattr(site, name)
+        if value and not _SLURM_NAME.fullmatch(value):
+            raise ValueError(
+                f"site.{name}={value!r}: Parsl writes it unquoted into an #SBATCH line, so it "
+                "may hold only letters, digits and _ . , + -: fix the value")
+    if site.address and not _ADDRESS.fullmatch(site.address):
+        raise ValueError(f"site.address={site.address!r} is not a host name or an IP address: "
+                         "give the login node's address the compute nodes reach")
+    for module in site.modules or []:
+        if not module.strip() or any(ch.isspace() for ch in module):
+            raise ValueError(f"site.modules entry {module!r} is not one module name: give one "
+                             "module per list entry, e.g. site.modules=[PrgEnv-gnu, rocm/6.4.1]")
+    if site.srun_options:
+        try:
+            words = shlex.split(site.srun_options)
+        except ValueError as error:
+            raise ValueError(f"site.srun_options={site.srun_options!r} does not split into "
+                             f"srun options ({error}): fix its quotes") from None
+        for word in words:
+            if not _OPTION_WORD.fullmatch(word):
+                raise ValueError(
+                    f"site.srun_options word {word!r}: Parsl hands the ranks' srun line to the "
+                    "app as an unquoted $PARSL_MPI_PREFIX, which splits at spaces, keeps quotes "
+                    "as characters and expands * ? [: use words of letters, digits and "
+                    "_ @ % + = : , . / - only")
+    for line in site.scheduler_options.splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            raise ValueError(
+                f"site.scheduler_options line {line.strip()!r} is not an #SBATCH line: sbatch "
+                "stops reading options at the first command; put shell lines in site.worker_init")
+    if site.rccl_plugin_path is not None and not site.rccl_plugin_path.startswith("/"):
+        raise ValueError(f"site.rccl_plugin_path={site.rccl_plugin_path!r} must be an absolute "
+                         "directory (the plugin's lib/), or unset to use OLCF's module")
+    if site.node_local_env is not None and not (
+            site.node_local_env.startswith("/") and _TARBALL.fullmatch(site.node_local_env)):
+        raise ValueError(
+            f"site.node_local_env={site.node_local_env!r} must be the absolute path of a packed "
+            "environment tarball (.tar, .tar.gz, .tgz), e.g. made by conda-pack -p <env> -o "
+            "/lustre/orion/<project>/proj-shared/envs/frontier-llm.tar.gz")
 
 
 @dataclass

@@ -49,6 +49,7 @@ FRONTIER_OVERRIDES = [
     "site.conda_env=/ccs/proj/abc123/envs/frontier-llm",
     "parallel.nproc=16",
     "parallel.nodes=2",
+    "tracking.runs_dir=/lustre/orion/abc123/scratch/runs/tiny",
 ]
 RUN_DIR = Path("/lustre/orion/abc123/scratch/runs/tiny")
 
@@ -93,8 +94,11 @@ def test_frontier_batch_script_golden():
     assert "#SBATCH --partition=batch\n" in script
     assert "#SBATCH --time=120\n" in script
     assert "#SBATCH --exclusive\n" in script
-    assert "module load PrgEnv-gnu rocm/" in script
+    assert "module load PrgEnv-gnu rocm/6.4.1 " in script
+    assert "\nmodule load rccl-net-plugin\n" in script  # OLCF's RCCL plugin, after rocm
+    assert script.index("rocm/6.4.1") < script.index("rccl-net-plugin")
     assert "source activate /ccs/proj/abc123/envs/frontier-llm" in script
+    assert "sbcast" not in script and "--constraint" not in script  # no node_local_env
     assert "--enable_mpi_mode" in script and "--mpi-launcher=srun" in script
 
 
@@ -107,8 +111,14 @@ def test_frontier_srun_line_golden():
     assert "-c7 --gpus-per-task=1 --gpu-bind=closest" in launch
     assert "stages.train_worker --spec" in launch
     assert "export NCCL_SOCKET_IFNAME=hsn0" in text
-    assert "/lustre/orion/world-shared/stf218/lib/aws-ofi-rccl/lib" in text
-    assert "export MIOPEN_USER_DB_PATH=/tmp/" in text
+    # The plugin comes from OLCF's module (batch script), and only it may carry RCCL.
+    assert "export NCCL_NET='AWS Libfabric'\n" in text
+    assert "LD_LIBRARY_PATH" not in text and "stf218" not in text
+    assert "FI_MR_CACHE_MONITOR" not in text  # the site default (kdreg2)
+    assert 'export MIOPEN_USER_DB_PATH="/tmp/' in text
+    # MASTER_ADDR: the first node's address by hostname -i, before the ranks start.
+    assert text.index("export MASTER_ADDR=") < text.index("srun --ntasks")
+    assert "hostname -i" in text
 
 
 def test_dry_run_shows_the_blocks_and_each_ranks_stage():
@@ -151,7 +161,8 @@ def test_frontier_settings_come_from_config():
     launch = _srun(cfg)
     assert "export NCCL_DEBUG=INFO" in launch
     assert "export OMP_NUM_THREADS=3" in launch and "OMP_NUM_THREADS=7" not in launch
-    assert "/opt/aws-ofi-rccl/lib" in launch
+    assert "export LD_LIBRARY_PATH=/opt/aws-ofi-rccl/lib${LD_LIBRARY_PATH:+:" in launch
+    assert "rccl-net-plugin" not in script  # a plugin path replaces OLCF's module
     assert "--gpu-bind" not in launch
 
 
@@ -437,3 +448,171 @@ def test_frontier_two_node_dry_run_golden():
     _check_golden("frontier_dry_run.txt", text)
     assert text.count("#!/bin/bash") == 2 and "#SBATCH --nodes=2\n" in text
     assert "--nodelist <node0>,<node1> --nodes 2" in text
+
+
+NODE_LOCAL_ENV = "/lustre/orion/abc123/proj-shared/envs/frontier-llm.tar.gz"
+NODE_LOCAL_OVERRIDES = [o for o in FRONTIER_OVERRIDES if not o.startswith("site.conda_env")] + [
+    f"site.node_local_env={NODE_LOCAL_ENV}"]
+
+
+def test_frontier_node_local_env_batch_script_golden():
+    """site.node_local_env: the job asks for NVMe, sbcasts the packed environment to every
+    node, unpacks it there and runs the worker pools and the ranks from it."""
+    cfg = load_config(None, NODE_LOCAL_OVERRIDES)
+    script = _normalise(batch_script(cfg, RUN_DIR))
+    _check_golden("frontier_batch_node_local.txt", script)
+    assert "#SBATCH --constraint=nvme\n" in script
+    assert f'sbcast --preserve --force {NODE_LOCAL_ENV} "/mnt/bb/$USER/' in script
+    assert 'srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 bash -c ' in script
+    assert 'export PATH="/mnt/bb/$USER/frontier-llm-env/bin:$PATH"\n' in script
+    assert "source activate" not in script
+    # In order: modules, the copy, the unpack, PATH; then the worker pool.
+    order = [script.index(s) for s in ("module load rccl-net-plugin", "sbcast ", "bash -c ",
+                                       "export PATH=", "process_worker_pool.py")]
+    assert order == sorted(order)
+    compute = batch_script(cfg, RUN_DIR, "compute")
+    assert "#SBATCH --constraint=nvme\n" in compute and "sbcast " in compute
+    assert " python -m stages.train_worker " in _srun(cfg)  # the env's python, on PATH
+    for text in (script, compute):
+        subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def _fake_tools(bin_dir: Path, tools: dict[str, str]) -> dict[str, str]:
+    """Shell scripts standing in for cluster tools; an environment with them first on PATH."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in tools.items():
+        path = bin_dir / name
+        path.write_text(f"#!/bin/bash\n{body}\n")
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_node_local_env_lines_copy_unpack_and_put_the_env_first(tmp_path):
+    """The rendered lines, run by bash with sbcast and srun standing in (a copy, a local
+    command), unpack a conda-pack-like tarball, run its conda-unpack and put it on PATH."""
+    import tarfile
+
+    from workflows.frontier import node_local_env_lines
+
+    env_dir = tmp_path / "packed"
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "bin" / "python").write_text("#!/bin/bash\n[ \"$1\" ] && touch \"$1.ran\"\n")
+    (env_dir / "bin" / "conda-unpack").write_text("# conda-pack's fixer\n")
+    for name in ("python", "conda-unpack"):
+        (env_dir / "bin" / name).chmod(0o755)
+    tarball = tmp_path / "my env's.tar.gz"  # a space and a quote: quoted on the way
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(env_dir, arcname=".")
+    node = tmp_path / "nvme"
+    lines = [line.replace("/mnt/bb/$USER", str(node))
+             for line in node_local_env_lines(str(tarball))]
+    env = _fake_tools(tmp_path / "tools", {
+        "sbcast": 'while [[ $1 == -* ]]; do shift; done; mkdir -p "$(dirname "$2")"; cp "$1" "$2"',
+        "srun": 'while [[ $1 == -* ]]; do shift; done; exec "$@"',
+    })
+    script = "\n".join([*lines, "command -v python"])
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{node}/frontier-llm-env/bin/python"
+    assert (node / "frontier-llm-env" / "bin" / "conda-unpack.ran").exists()
+    assert not (node / "frontier-llm-env.tar").exists()  # the copy is removed once unpacked
+    # A failed copy ends the job at once, saying what failed.
+    env = _fake_tools(tmp_path / "tools", {"sbcast": "exit 1"})
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         check=False)
+    assert out.returncode == 1 and "sbcast of site.node_local_env failed" in out.stderr
+
+
+def test_node_local_env_is_a_checked_frontier_option():
+    with pytest.raises(ConfigError, match="site.node_local_env='env.tar.gz' must be the absolute"):
+        load_config(None, ["site.node_local_env=env.tar.gz"])
+    with pytest.raises(ConfigError, match="tarball"):
+        load_config(None, ["site.node_local_env=/lustre/orion/x/envs/frontier-llm"])
+    with pytest.raises(SiteError, match="Frontier option"):
+        check_site(load_config(None, ["site.name=slurm", f"site.node_local_env={NODE_LOCAL_ENV}"]))
+    with pytest.raises(SiteError, match="site.conda_env and site.node_local_env are both set"):
+        check_site(load_config(None, [*FRONTIER_OVERRIDES,
+                                      f"site.node_local_env={NODE_LOCAL_ENV}"]))
+
+
+def test_frontier_master_addr_is_the_first_nodes_address(tmp_path):
+    """MASTER_ADDR is ``hostname -i`` of the step's first node: here when this node is it,
+    else through a one-task step on that node; never empty."""
+    from workflows.ranks import master_addr_lines
+
+    script = "\n".join([*master_addr_lines(), 'echo "$MASTER_ADDR"'])
+    tools = {
+        "scontrol": "tr , '\\n' <<< \"$3\"",  # show hostnames a,b: one per line
+        "hostname": 'case $1 in -s) echo frontier00002;; -i) echo "10.1.0.2 10.2.0.2";; esac',
+        "srun": 'echo "10.1.0.1"; echo "$*" > "$(dirname "$0")/srun.args"',
+    }
+    env = _fake_tools(tmp_path / "bin", tools)
+
+    def run(nodes: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", script], env={**env, "PARSL_MPI_NODELIST": nodes},
+                              capture_output=True, text=True, check=False)
+
+    here = run("frontier00003,frontier00002")  # Slurm's order: frontier00002 is the first
+    assert here.stdout.strip() == "10.1.0.2"  # the first of hostname -i's addresses
+    assert not (tmp_path / "bin" / "srun.args").exists()
+    there = run("frontier00001,frontier00002")
+    assert there.stdout.strip() == "10.1.0.1"
+    assert "--nodelist=frontier00001" in (tmp_path / "bin" / "srun.args").read_text()
+    _fake_tools(tmp_path / "bin", {"hostname": "case $1 in -s) echo frontier00002;; esac"})
+    none = run("frontier00002")
+    assert none.returncode == 1 and "hostname -i gave no address" in none.stderr
+
+
+@pytest.mark.parametrize(("runs_dir", "words"), [
+    ("runs", ("the runs dir 'runs'", "is relative", "--runs-dir /lustre/orion/<project>/")),
+    ("../scratch/runs", ("is relative",)),
+    ("/ccs/home/me/runs", ("is not on Frontier's Lustre filesystem (/lustre/orion)",
+                           "--runs-dir /lustre/orion/<project>/scratch/$USER/runs")),
+    ("/lustre/orion", ("is not on Frontier's Lustre",)),
+    ("/lustre/orion/abc123/../../../tmp/runs", ("'/tmp/runs'", "is not on Frontier's Lustre")),
+])
+def test_frontier_refuses_a_runs_dir_off_lustre(runs_dir, words):
+    cfg = load_config(None, FRONTIER_OVERRIDES + [f"tracking.runs_dir={runs_dir}"])
+    with pytest.raises(SiteError) as error:
+        check_site(cfg)
+    for word in words:
+        assert word in str(error.value)
+    with pytest.raises(SiteError, match="is not on Frontier's Lustre|is relative"):
+        make_parsl_config(cfg, RUN_DIR)
+    # The dry run (maybe on a laptop) shows it as a warning instead.
+    text = dry_run_text(cfg, RUN_DIR)
+    assert text.startswith("# warning: a run refuses this: site.name=frontier: the runs dir")
+
+
+def test_only_frontier_asks_for_lustre():
+    for site in ("local", "slurm"):
+        check_site(load_config(None, [f"site.name={site}", "tracking.runs_dir=runs"]))
+    check_site(load_config(None, FRONTIER_OVERRIDES))  # /lustre/orion/abc123/...
+
+
+def test_the_driver_refuses_an_off_lustre_runs_dir_before_any_work(tmp_path, monkeypatch, capsys):
+    from workflows.pipeline import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["--config", str(REPO_ROOT / "configs" / "micro.yaml"), "--site", "frontier",
+                 "--set", "site.account=abc123"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "config error: site.name=frontier: the runs dir 'runs'" in err
+    assert "--runs-dir /lustre/orion/<project>/scratch/$USER/runs" in err
+    assert list(tmp_path.iterdir()) == []  # no runs dir, no store, no Parsl directory
+    code = main(["--config", str(REPO_ROOT / "configs" / "micro.yaml"), "--site", "frontier",
+                 "--set", "site.account=abc123", "--runs-dir", str(tmp_path / "runs"),
+                 "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and "# warning: a run refuses this: site.name=frontier" in out
+
+
+def test_slurm_sites_refuse_runs_dir_characters_their_scripts_cannot_carry():
+    for bad in ("/scratch/a b", "/scratch/$(id)", "/scratch/run%j", "/scratch/x;y", "/s/'q'"):
+        cfg = load_config(None, ["site.name=slurm", f"tracking.runs_dir={bad}"])
+        with pytest.raises(SiteError, match="choose a path of letters, digits"):
+            check_site(cfg)
+    check_site(load_config(None, ["site.name=slurm", "tracking.runs_dir=/scratch/a_b-1.2+c"]))
+    check_site(load_config(None, ["tracking.runs_dir=/scratch/run%j"]))  # local: as before

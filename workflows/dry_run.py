@@ -22,7 +22,7 @@ from stages.config import PipelineConfig
 from stages.launch import RankSpec
 from stages.shape import RANKS, StageShape
 from workflows.executors import compute_executor, executor_label, slurm_train_executor
-from workflows.frontier import check_site, ranks_stages, stage_shapes
+from workflows.frontier import check_site, ranks_stages, runs_dir_problem, stage_shapes
 from workflows.ranks import ranks_command, ranks_layout, ranks_resource_spec
 
 
@@ -135,7 +135,11 @@ def placement_lines(cfg: PipelineConfig) -> list[str]:
 def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
     """Where each stage would run: locally the launch line; on slurm/frontier where each
     stage's apps run, the batch script of each block (the allocation and the compute block)
-    and each ranks app's srun line."""
+    and each ranks app's srun line.
+
+    A Frontier runs dir that a run would refuse (not on Lustre: a dry run on a laptop) is
+    shown as a warning at the top, not refused; every other site rule refuses as a run does.
+    """
     stages = ranks_stages(cfg)
     if cfg.site.name == "local":
         launches = "; ".join(
@@ -146,9 +150,11 @@ def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
             f"site local: light stages on {cfg.site.max_workers} local Parsl workers; "
             f"{launches}; outputs in {run_dir}"
         )
-    check_site(cfg)
+    check_site(cfg, runs_dir_location=False)
     site = cfg.site
-    parts = [
+    problem = runs_dir_problem(cfg)
+    parts = [f"# warning: a run refuses this: {problem}"] if problem else []
+    parts += [
         "# --- where each stage's apps run ---",
         *placement_lines(cfg),
         f"# --- batch script for the allocation, the ranks block (sbatch, {cfg.parallel.nodes} "

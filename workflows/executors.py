@@ -51,7 +51,16 @@ from parsl.providers import LocalProvider, SlurmProvider
 from stages.config import PipelineConfig
 from stages.shape import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS, RANKS, StageShape
 from workflows.failures import retry_cost
-from workflows.frontier import FRONTIER_MODULES, SLURM_SITES, SiteError, check_site, stage_shapes
+from workflows.frontier import (
+    FRONTIER_MODULES,
+    FRONTIER_RCCL_PLUGIN_MODULE,
+    NODE_LOCAL_CONSTRAINT,
+    SLURM_SITES,
+    SiteError,
+    check_site,
+    node_local_env_lines,
+    stage_shapes,
+)
 from workflows.ranks import project_pythonpath
 
 BIN_DIR = Path(sys.executable).parent
@@ -325,6 +334,9 @@ def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
         nodes_per_block=nodes,
         cores_per_node=cores,
         scheduler_options=scheduler_options(cfg),
+        # The packed environment is copied to node-local NVMe, which Frontier gives a job
+        # only under this constraint (#SBATCH -C nvme).
+        constraint=NODE_LOCAL_CONSTRAINT if site.node_local_env else None,
         worker_init=worker_init(cfg),
         exclusive=_exclusive(cfg),
         launcher=launcher,
@@ -410,15 +422,27 @@ def app_resource_spec(cfg: PipelineConfig, label: str) -> dict[str, Any]:
 
 
 def worker_init(cfg: PipelineConfig) -> str:
-    """Shell lines run in the batch job before Parsl's worker pool starts."""
+    """Shell lines run in the batch job before Parsl's worker pool starts: the modules
+    (Frontier: also OLCF's RCCL network plugin module unless site.rccl_plugin_path is set),
+    then the Python environment (site.node_local_env copied to each node's NVMe, or
+    site.conda_env activated, or this interpreter's bin/ on PATH), then site.worker_init.
+
+    Every config value is shell-quoted; site.worker_init is shell by design and kept as is.
+    """
     site = cfg.site
     lines: list[str] = []
     modules = site.modules
     if modules is None:
         modules = list(FRONTIER_MODULES) if site.name == "frontier" else []
     if modules:
-        lines.append("module load " + " ".join(modules))
-    if site.conda_env:
+        lines.append("module load " + " ".join(shlex.quote(module) for module in modules))
+    if site.name == "frontier" and not site.rccl_plugin_path:
+        # After rocm: the plugin module matches the loaded ROCm and sets its library path.
+        lines.append(f"module load {FRONTIER_RCCL_PLUGIN_MODULE}")
+    if site.node_local_env:
+        lines.extend(node_local_env_lines(site.node_local_env))
+        lines.append(_python_path_init())
+    elif site.conda_env:
         lines.append(f"source activate {shlex.quote(site.conda_env)}")
         lines.append(_python_path_init())
     else:
@@ -426,4 +450,3 @@ def worker_init(cfg: PipelineConfig) -> str:
     if site.worker_init.strip():
         lines.append(site.worker_init.strip())
     return "\n".join(lines)
-

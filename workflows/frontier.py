@@ -2,17 +2,26 @@
 
 A Frontier node has 8 MI250X GCDs, one training rank each, and 56 usable cores (64, 8 of
 them reserved for the system): 7 per rank. Its compute nodes load ``FRONTIER_MODULES``
-unless ``site.modules`` says otherwise.
+unless ``site.modules`` says otherwise, then OLCF's RCCL network plugin module
+(``FRONTIER_RCCL_PLUGIN_MODULE``) unless ``site.rccl_plugin_path`` names a build of one's
+own; with ``site.node_local_env`` each job copies the packed environment to its nodes'
+NVMe and runs from there (``node_local_env_lines``).
 
-``check_site`` holds every rule a site's settings must meet (Frontier: an account, at most
-8 ranks of any stage per node, at most one tokenize worker per core); the driver calls it
-before any run is opened, and the Parsl configuration and the dry run call it too. Every
-site rule raises ``SiteError``. Nothing here imports Parsl, so a pre-flight error costs
-only the configuration.
+``check_site`` holds every rule a site's settings must meet (Slurm sites: a runs dir whose
+characters survive Parsl's unquoted scripts; Frontier: an account, a runs dir on Lustre,
+at most 8 ranks of any stage per node, at most one tokenize worker per core, one of
+site.conda_env and site.node_local_env); the driver calls it before any run is opened, and
+the Parsl configuration and the dry run call it too. Every site rule raises ``SiteError``.
+Nothing here imports Parsl, so a pre-flight error costs only the configuration.
+
+The sources of the Frontier settings (OLCF's user guide) are listed in docs/frontier.md.
 """
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Collection
+from pathlib import PurePosixPath
 
 from stages.config import ConfigError, PipelineConfig
 from stages.registry import STAGE_ORDER, declaration
@@ -21,8 +30,34 @@ from stages.shape import RANKS, StageShape
 SLURM_SITES = ("slurm", "frontier")
 """The sites whose stages run in Slurm jobs Parsl submits (the other one: local)."""
 
-FRONTIER_MODULES = ("PrgEnv-gnu", "rocm/6.2.4", "craype-accel-amd-gfx90a", "miniforge3/23.11.0-0")
-"""Modules loaded on Frontier compute nodes unless site.modules says otherwise."""
+FRONTIER_MODULES = ("PrgEnv-gnu", "rocm/6.4.1", "craype-accel-amd-gfx90a", "miniforge3/23.11.0-0")
+"""Modules loaded on Frontier compute nodes unless site.modules says otherwise (the rocm
+module matches the torch ROCm 6.4 wheel of docs/frontier.md)."""
+
+FRONTIER_RCCL_PLUGIN_MODULE = "rccl-net-plugin"
+"""OLCF's module of the aws-ofi-rccl plugin (RCCL over Slingshot through libfabric): loaded
+after FRONTIER_MODULES unless site.rccl_plugin_path names a build of one's own."""
+
+FRONTIER_NCCL_NET = "AWS Libfabric"
+"""The network name the aws-ofi-rccl plugin registers with RCCL. NCCL_NET set to it makes a
+missing plugin fail at communicator start instead of falling back to TCP sockets."""
+
+FRONTIER_LUSTRE = PurePosixPath("/lustre/orion")
+"""Orion, Frontier's Lustre filesystem: the one the compute nodes write at scale."""
+
+NODE_LOCAL_ENV_DIR = "/mnt/bb/$USER/frontier-llm-env"
+"""Where site.node_local_env is unpacked on each node's NVMe (a shell word: $USER expands)."""
+
+NODE_LOCAL_ENV_TAR = "/mnt/bb/$USER/frontier-llm-env.tar"
+"""The tarball's copy on each node's NVMe (sbcast's destination), removed once unpacked."""
+
+NODE_LOCAL_CONSTRAINT = "nvme"
+"""The Slurm constraint that gives a Frontier job its nodes' NVMe (#SBATCH -C nvme)."""
+
+SCRIPT_SAFE_PATH = re.compile(r"[A-Za-z0-9/._+,=@:-]+")
+"""The characters a runs dir may hold on a Slurm site: Parsl writes it unquoted into the
+batch script (#SBATCH --output, where sbatch also expands %), an unquoted here-document and
+the worker's command line."""
 
 FRONTIER_GCDS_PER_NODE = 8
 """One training rank per MI250X GCD."""
@@ -50,36 +85,121 @@ def ranks_stages(cfg: PipelineConfig) -> list[tuple[str, StageShape]]:
     return [(name, shape) for name, shape in stage_shapes(cfg) if shape.kind == RANKS]
 
 
-def check_site(cfg: PipelineConfig) -> None:
-    """The site settings' checks, before any work (the driver calls it first)."""
-    if cfg.site.name in SLURM_SITES:
-        _check_slurm_site(cfg)
+def check_site(cfg: PipelineConfig, *, runs_dir_location: bool = True) -> None:
+    """The site settings' checks, before any work (the driver calls it first).
 
-
-def _check_slurm_site(cfg: PipelineConfig) -> None:
+    ``runs_dir_location``: also Frontier's rule on where the runs dir lives (on Lustre). The
+    dry run, which may run on a laptop, passes False and shows the problem as a warning
+    (``runs_dir_problem``).
+    """
     site = cfg.site
-    if site.name == "frontier":
-        if not site.account:
+    if site.node_local_env and site.name != "frontier":
+        raise SiteError(
+            f"site.node_local_env is set but site.name={site.name}: copying a packed environment "
+            "to node-local NVMe (/mnt/bb, #SBATCH -C nvme) is a Frontier option; elsewhere "
+            "unpack it in site.worker_init"
+        )
+    if site.name in SLURM_SITES:
+        _check_slurm_site(cfg, runs_dir_location)
+
+
+def runs_dir_problem(cfg: PipelineConfig) -> str | None:
+    """Why a Frontier run refuses ``cfg``'s runs dir, with the fix; None when it is usable
+    (or the site is not Frontier).
+
+    It must be absolute (a relative one lands wherever the driver starts, usually the NFS
+    home, which the compute nodes cannot write) and on Orion, /lustre/orion, where the
+    compute nodes write stage outputs, checkpoints and logs.
+    """
+    if cfg.site.name != "frontier":
+        return None
+    given = cfg.tracking.runs_dir
+    fix = ("pass --runs-dir /lustre/orion/<project>/scratch/$USER/runs (or a proj-shared "
+           "directory: /lustre/orion/<project>/proj-shared/...)")
+    if not PurePosixPath(given).is_absolute():
+        return (f"site.name=frontier: the runs dir {given!r} (--runs-dir, tracking.runs_dir) "
+                "is relative: on Frontier it would land wherever the driver starts, usually "
+                "your home directory, which compute nodes cannot write; " + fix)
+    parts = PurePosixPath(cfg.runs_dir).parts
+    lustre = FRONTIER_LUSTRE.parts
+    if parts[:len(lustre)] != lustre or len(parts) <= len(lustre):
+        return (f"site.name=frontier: the runs dir {str(cfg.runs_dir)!r} (--runs-dir, "
+                f"tracking.runs_dir) is not on Frontier's Lustre filesystem "
+                f"({FRONTIER_LUSTRE}): the compute nodes write the stage outputs, checkpoints "
+                "and logs there, and home and project (NFS) directories are read-only to "
+                "them; " + fix)
+    return None
+
+
+def runs_dir_chars_problem(cfg: PipelineConfig) -> str | None:
+    """Why a Slurm site refuses the runs dir's characters (None: they are safe)."""
+    path = str(cfg.runs_dir)
+    if cfg.site.name not in SLURM_SITES or SCRIPT_SAFE_PATH.fullmatch(path):
+        return None
+    bad = "".join(sorted({ch for ch in path if not SCRIPT_SAFE_PATH.fullmatch(ch)}))
+    return (f"the runs dir {path!r} (--runs-dir, tracking.runs_dir) holds {bad!r}: Parsl writes "
+            "it unquoted into the batch scripts and the worker's command line, where such "
+            "characters split or expand; choose a path of letters, digits and / . _ + , = @ : -")
+
+
+def node_local_env_lines(tarball: str) -> list[str]:
+    """Batch-script lines that copy the packed environment ``tarball`` to every node's NVMe
+    (sbcast), unpack it there (conda-unpack when it is a conda-pack tarball) and put its
+    bin/ first on PATH, so the worker pools and the ranks import from node-local storage
+    rather than from a shared filesystem. A failed copy or unpack ends the job at once."""
+    source = shlex.quote(tarball)
+    unpack = (f'mkdir -p "{NODE_LOCAL_ENV_DIR}" && tar -xf "{NODE_LOCAL_ENV_TAR}" -C '
+              f'"{NODE_LOCAL_ENV_DIR}" && rm -f "{NODE_LOCAL_ENV_TAR}" && '
+              f'if [ -x "{NODE_LOCAL_ENV_DIR}/bin/conda-unpack" ]; then '
+              f'"{NODE_LOCAL_ENV_DIR}/bin/python" "{NODE_LOCAL_ENV_DIR}/bin/conda-unpack"; fi')
+    return [
+        f'sbcast --preserve --force {source} "{NODE_LOCAL_ENV_TAR}" || '
+        f'{{ echo "sbcast of site.node_local_env failed:" {source} >&2; exit 1; }}',
+        f'srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 bash -c {shlex.quote(unpack)} || '
+        '{ echo "unpacking site.node_local_env on the nodes\' NVMe failed" >&2; exit 1; }',
+        f'export PATH="{NODE_LOCAL_ENV_DIR}/bin:$PATH"',
+    ]
+
+
+def _check_slurm_site(cfg: PipelineConfig, runs_dir_location: bool) -> None:
+    if cfg.site.name == "frontier":
+        _check_frontier(cfg, runs_dir_location)
+    problem = runs_dir_chars_problem(cfg)
+    if problem:
+        raise SiteError(problem)
+
+
+def _check_frontier(cfg: PipelineConfig, runs_dir_location: bool) -> None:
+    site = cfg.site
+    if not site.account:
+        raise SiteError(
+            "site.account is required on Frontier: add --set site.account=<project id>"
+        )
+    problem = runs_dir_problem(cfg) if runs_dir_location else None
+    if problem:
+        raise SiteError(problem)
+    if site.conda_env and site.node_local_env:
+        raise SiteError(
+            "site.conda_env and site.node_local_env are both set: the packed environment "
+            "replaces the conda environment on the compute nodes; unset one of them"
+        )
+    if cfg.parallel.ranks_per_node > FRONTIER_GCDS_PER_NODE:
+        raise SiteError(
+            f"parallel.nproc={cfg.parallel.nproc} over parallel.nodes={cfg.parallel.nodes} "
+            f"gives {cfg.parallel.ranks_per_node} ranks per node; Frontier has "
+            f"{FRONTIER_GCDS_PER_NODE} GCDs per node: raise parallel.nodes"
+        )
+    if site.max_workers > FRONTIER_CORES_PER_NODE:
+        raise SiteError(
+            f"site.max_workers={site.max_workers}: each tokenize worker on a Frontier node "
+            f"gets a core and a node has {FRONTIER_CORES_PER_NODE}: set site.max_workers <= "
+            f"{FRONTIER_CORES_PER_NODE}"
+        )
+    for name, shape in ranks_stages(cfg):
+        per_node = shape.ranks_per_node
+        if per_node > FRONTIER_GCDS_PER_NODE:
             raise SiteError(
-                "site.account is required on Frontier: add --set site.account=<project id>"
+                f"{name} runs {shape.nproc} ranks on {shape.nodes} node(s), {per_node} per "
+                f"node, and a Frontier node has {FRONTIER_GCDS_PER_NODE} GCDs: lower the "
+                f"stage's ranks (e.g. eval.ranks) or spread them over more nodes"
             )
-        if cfg.parallel.ranks_per_node > FRONTIER_GCDS_PER_NODE:
-            raise SiteError(
-                f"parallel.nproc={cfg.parallel.nproc} over parallel.nodes={cfg.parallel.nodes} "
-                f"gives {cfg.parallel.ranks_per_node} ranks per node; Frontier has "
-                f"{FRONTIER_GCDS_PER_NODE} GCDs per node: raise parallel.nodes"
-            )
-        if site.max_workers > FRONTIER_CORES_PER_NODE:
-            raise SiteError(
-                f"site.max_workers={site.max_workers}: each tokenize worker on a Frontier node "
-                f"gets a core and a node has {FRONTIER_CORES_PER_NODE}: set site.max_workers <= "
-                f"{FRONTIER_CORES_PER_NODE}"
-            )
-        for name, shape in ranks_stages(cfg):
-            per_node = shape.ranks_per_node
-            if per_node > FRONTIER_GCDS_PER_NODE:
-                raise SiteError(
-                    f"{name} runs {shape.nproc} ranks on {shape.nodes} node(s), {per_node} per "
-                    f"node, and a Frontier node has {FRONTIER_GCDS_PER_NODE} GCDs: lower the "
-                    f"stage's ranks (e.g. eval.ranks) or spread them over more nodes"
-                )

@@ -7,7 +7,12 @@ stages.launch`` (torchrun on this machine); on slurm/frontier ``$PARSL_MPI_PREFI
 ``srun`` line Parsl's MPIExecutor composes from ``ranks_resource_spec`` (nodes, ranks per
 node, ``SITE_SRUN_OPTIONS``), one worker per rank. ``rank_env`` is what every rank gets
 exported first: the project on PYTHONPATH, its OpenMP threads (``rank_cores``) and, on
-Frontier, RCCL over Slingshot and MIOpen's cache on node-local /tmp.
+Frontier, RCCL over Slingshot (the aws-ofi-rccl plugin, forced by NCCL_NET) and MIOpen's
+cache on node-local /tmp; on Frontier the command then sets MASTER_ADDR to the address of
+the step's first node (``master_addr_lines``).
+
+Every value from the config reaches the command shell-quoted: site.env values are literal
+(no expansion), site.srun_options is split into words and each is quoted.
 
 Nothing here imports Parsl.
 """
@@ -22,7 +27,7 @@ from model.parallel.threads import rank_threads_env
 from stages.config import PipelineConfig
 from stages.launch import RANK_ERROR_FILE, REPO_ROOT, USER_ERROR_EXIT, RankSpec
 from stages.shape import StageShape
-from workflows.frontier import FRONTIER_CORES_PER_RANK, SiteError
+from workflows.frontier import FRONTIER_CORES_PER_RANK, FRONTIER_NCCL_NET, SiteError
 
 
 def rank_cores(site: str) -> int:
@@ -58,9 +63,11 @@ def ranks_layout(shape: StageShape) -> tuple[int, int]:
 
 
 def _srun_options(cfg: PipelineConfig) -> str:
-    if cfg.site.srun_options is not None:
-        return cfg.site.srun_options
-    return SITE_SRUN_OPTIONS.get(cfg.site.name, "")
+    """The ranks' srun options, each word shell-quoted: Parsl pastes them into the srun line."""
+    options = cfg.site.srun_options
+    if options is None:
+        options = SITE_SRUN_OPTIONS.get(cfg.site.name, "")
+    return " ".join(shlex.quote(word) for word in shlex.split(options))
 
 
 def ranks_resource_spec(cfg: PipelineConfig, shape: StageShape) -> dict | None:
@@ -77,39 +84,72 @@ def ranks_resource_spec(cfg: PipelineConfig, shape: StageShape) -> dict | None:
 
 
 def rank_env(cfg: PipelineConfig) -> dict[str, str]:
-    """Environment exported before the ranks start (values may use shell expansions).
+    """Environment exported before the ranks start: variable name -> a shell word.
 
-    The rendezvous address and port are not set here: every rank derives them from the
-    Slurm job (model/parallel/dist_env.py: first node of the job, port from the job id).
+    The site's own values may expand variables ($USER, $SLURM_JOB_ID, the previous
+    LD_LIBRARY_PATH); config values are quoted, so site.env values are taken literally.
+    The rendezvous port is not set here: every rank derives it from the Slurm job
+    (model/parallel/dist_env.py); on Frontier the address comes from ``master_addr_lines``.
     """
-    env: dict[str, str] = {"PYTHONPATH": project_pythonpath(),
-                           **rank_threads_env(rank_cores(cfg.site.name))}
+    threads = rank_threads_env(rank_cores(cfg.site.name))
+    env: dict[str, str] = {"PYTHONPATH": project_pythonpath(quote=True),
+                           **{key: shlex.quote(value) for key, value in threads.items()}}
     if cfg.site.name == "frontier":
-        env.update({
-            # RCCL over Slingshot through the libfabric (aws-ofi-rccl) plugin.
-            "LD_LIBRARY_PATH": (
-                f"{cfg.site.rccl_plugin_path}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
-            ),
-            "NCCL_SOCKET_IFNAME": "hsn0",
-            "NCCL_NET_GDR_LEVEL": "3",
-            "NCCL_CROSS_NIC": "1",
-            "FI_CXI_ATS": "0",
-            "FI_MR_CACHE_MONITOR": "userfaultfd",
-            "FI_CXI_DEFAULT_CQ_SIZE": "131072",
-            "FI_CXI_DISABLE_HOST_REGISTER": "1",
-            # MIOpen's kernel database on node-local /tmp: Lustre locking stalls many ranks.
-            "MIOPEN_USER_DB_PATH": "/tmp/$USER-miopen-$SLURM_JOB_ID",
-            "MIOPEN_CUSTOM_CACHE_DIR": "/tmp/$USER-miopen-$SLURM_JOB_ID",
-        })
+        env.update(_frontier_rank_env(cfg))
     for item in cfg.site.env:
         key, value = item.split("=", 1)
-        env[key.strip()] = value
+        env[key.strip()] = shlex.quote(value)
     return env
 
 
+def _frontier_rank_env(cfg: PipelineConfig) -> dict[str, str]:
+    """RCCL over Slingshot and MIOpen on node-local storage (sources: docs/frontier.md)."""
+    env: dict[str, str] = {}
+    if cfg.site.rccl_plugin_path:
+        # A plugin build of one's own instead of OLCF's rccl-net-plugin module.
+        env["LD_LIBRARY_PATH"] = (shlex.quote(cfg.site.rccl_plugin_path)
+                                  + "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+    env.update({
+        # Only the libfabric plugin: without it RCCL fails at start, not silently on TCP.
+        "NCCL_NET": shlex.quote(FRONTIER_NCCL_NET),
+        "NCCL_SOCKET_IFNAME": "hsn0",  # bootstrap over the Slingshot interface
+        "NCCL_NET_GDR_LEVEL": "3",
+        "NCCL_CROSS_NIC": "1",
+        "FI_CXI_ATS": "0",
+        "FI_CXI_DEFAULT_CQ_SIZE": "131072",
+        "FI_CXI_DISABLE_HOST_REGISTER": "1",
+        # FI_MR_CACHE_MONITOR is left to the site default (kdreg2 since Slingshot 2.3).
+        # MIOpen's kernel database on node-local /tmp: Lustre locking stalls many ranks.
+        "MIOPEN_USER_DB_PATH": '"/tmp/$USER-miopen-$SLURM_JOB_ID"',
+        "MIOPEN_CUSTOM_CACHE_DIR": '"/tmp/$USER-miopen-$SLURM_JOB_ID"',
+    })
+    return env
+
+
+def master_addr_lines() -> list[str]:
+    """Shell lines (Frontier) exporting MASTER_ADDR as the address of the first node of the
+    ranks' step, by ``hostname -i`` on that node as OLCF's recipes do, not its hostname.
+
+    The step's nodes are the ones Parsl hands the app (PARSL_MPI_NODELIST); rank 0, which
+    holds the rendezvous store, runs on the first of them in Slurm's order. That is mostly
+    this node (the block's first, where the Parsl worker runs); otherwise a one-task step
+    asks that node.
+    """
+    return [
+        'first=$(scontrol show hostnames "$PARSL_MPI_NODELIST" | sort | head -n 1)',
+        'if [ "$first" = "$(hostname -s)" ]; then addr=$(hostname -i); else '
+        'addr=$(srun --overlap --nodes=1 --ntasks=1 --nodelist="$first" hostname -i); fi',
+        'export MASTER_ADDR="${addr%% *}"',
+        'if [ -z "$MASTER_ADDR" ]; then echo "hostname -i gave no address for the first node '
+        '($first)" >&2; exit 1; fi',
+    ]
+
+
 def _worker_python(cfg: PipelineConfig) -> str:
-    # With a conda env the compute nodes use that env's python; else this interpreter.
-    return "python" if cfg.site.name != "local" and cfg.site.conda_env else sys.executable
+    # With a conda or packed env the compute nodes use that env's python (first on PATH
+    # after the batch script's activation); else this interpreter.
+    packaged = cfg.site.conda_env or cfg.site.node_local_env
+    return "python" if cfg.site.name != "local" and packaged else sys.executable
 
 
 def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) -> str:
@@ -130,13 +170,16 @@ def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) ->
                 "set parallel.nodes=1 or use site.name=slurm"
             )
         return "\n".join([*exports, f"exec {python} -m stages.launch --spec {path}"])
-    worker = f"{python} -m {spec.worker} --spec {path}"
+    worker = f"{python} -m {shlex.quote(spec.worker)} --spec {path}"
+    address: list[str] = []
     if cfg.site.name == "frontier":
         # Each node creates its own MIOpen cache directory before the rank starts.
         worker = "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {worker}')
+        address = master_addr_lines()
     error_file = shlex.quote(str(Path(spec.out_dir) / RANK_ERROR_FILE))
     return "\n".join([
         *exports,
+        *address,
         f"rm -f {error_file}",
         f"$PARSL_MPI_PREFIX {worker}",
         "code=$?",
