@@ -255,6 +255,21 @@ class TrainConfig:
     """Compute dtype: float32, or bfloat16 mixed precision where the device supports it."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0: only at the end)."""
+    checkpoint_minutes: float | None = None
+    """Also save a checkpoint once this many minutes of training have passed since the last
+    save returned (or since training started in this attempt), whichever of this and
+    checkpoint_every comes first; None: by step count only. Rank 0's clock decides for all
+    ranks."""
+    keep_last: int = 2
+    """Keep the newest K complete checkpoints; older ones are deleted after each new save
+    (never the one this attempt resumed from, nor one kept by keep_every)."""
+    keep_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this (e.g. 5000) for good;
+    None: only keep_last decides."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save): the
+    state is copied to host memory, training continues while a separate gloo group writes
+    it, and the next save (or the end of training) waits for it first."""
     log_every: int = 1
     """Log metrics every N steps."""
     compile: bool = False
@@ -275,3 +290,10 @@ class TrainConfig:
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _require(self.grad_clip >= 0, "train.grad_clip must be >= 0")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every must be >= 0")
+        _require(self.checkpoint_minutes is None or self.checkpoint_minutes > 0,
+                 f"train.checkpoint_minutes must be > 0 minutes or null (by step count only), "
+                 f"got {self.checkpoint_minutes}")
+        _require(self.keep_last >= 1, f"train.keep_last must be >= 1 (the newest checkpoint is "
+                 f"always kept), got {self.keep_last}")
+        _require(self.keep_every is None or self.keep_every > 0,
+                 f"train.keep_every must be > 0 steps or null, got {self.keep_every}")

@@ -9,7 +9,11 @@ MLflow), so a bad input costs a second.
 """
 from __future__ import annotations
 
-from stages.config import PipelineConfig
+import math
+from typing import Any
+
+from model.config import TrainConfig
+from stages.config import ConfigError, PipelineConfig, SiteConfig
 
 
 class EvaluationError(ValueError):
@@ -35,6 +39,85 @@ def check_tokenize(cfg: PipelineConfig) -> None:
     if problem:
         where = f"tokenizer.path {cfg.tokenizer.path!r}: " if cfg.tokenizer.path else ""
         raise DataError(f"{where}{problem}")
+
+
+def walltime_seconds(walltime: str) -> int:
+    """``site.walltime`` (HH:MM:SS, hours may exceed 24) in seconds."""
+    hours, minutes, seconds = (int(part) for part in walltime.split(":"))
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def predicted_step_time(predictions: dict[str, Any] | None) -> float | None:
+    """Seconds per step a plan expects: its measured time when the plan stage refined it,
+    else the planner's prediction; None when the plan carries neither."""
+    predictions = predictions or {}
+    for key in ("measured_step_time_s", "step_time_s"):
+        value = predictions.get(key)
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    return None
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.3g} h" if seconds >= 3600 else f"{seconds / 60:.3g} min"
+
+
+def checkpoint_cadence_problem(train: TrainConfig, site: SiteConfig,
+                               step_time_s: float | None) -> str | None:
+    """Why no checkpoint can land within one Slurm job of ``site.walltime``, or None.
+
+    At ``step_time_s`` seconds per step, the first checkpoint by step count comes after
+    ``train.checkpoint_every`` steps (or all ``train.steps`` when it is 0); when that takes
+    longer than the walltime and ``train.checkpoint_minutes`` is unset or not shorter than
+    the walltime, every job ends before saving and a resumed run never advances. None when
+    the step time is unknown or the site has no walltime (``local``).
+    """
+    if step_time_s is None or step_time_s <= 0 or site.name == "local":
+        return None
+    wall = walltime_seconds(site.walltime)
+    steps = min(train.checkpoint_every or train.steps, train.steps)
+    minutes = train.checkpoint_minutes
+    if steps * step_time_s <= wall or (minutes is not None and minutes * 60 < wall):
+        return None
+    by = (f"train.checkpoint_every={train.checkpoint_every} steps" if train.checkpoint_every
+          else f"train.checkpoint_every=0 (only at the end: train.steps={train.steps} steps)")
+    clock = ("train.checkpoint_minutes is unset" if minutes is None else
+             f"train.checkpoint_minutes={minutes:g} is not shorter than the walltime")
+    head = (f"no checkpoint can land within one Slurm job: at the plan's {step_time_s:.4g} "
+            f"s/step, {by} take {_duration(steps * step_time_s)} but site.walltime="
+            f"{site.walltime} is {_duration(wall)}, and {clock}; every job would end before "
+            "its first checkpoint and a resumed run would never advance")
+    max_every = math.floor(wall / step_time_s)
+    if max_every < 1:
+        return (f"{head}. One step takes longer than the walltime: raise site.walltime or "
+                "give the training more ranks (parallel.nproc)")
+    suggest = max(round(wall / 120, 1), 0.1)  # half the walltime, in minutes
+    return (f"{head}. Set train.checkpoint_minutes={suggest:g} (a checkpoint every "
+            f"{suggest:g} min of training; keep it well below the walltime, which also pays "
+            f"for start-up and the save itself), or train.checkpoint_every <= {max_every}, "
+            "or raise site.walltime")
+
+
+def check_train(cfg: PipelineConfig) -> None:
+    """Some checkpoint can land within one Slurm job (``checkpoint_cadence_problem``).
+
+    Needs the plan's predicted step time, so it applies only when the plan stage's output
+    for this config already exists (a reused plan); otherwise the train stage makes the
+    same check before its ranks start. Raises ``ConfigError`` naming the settings and the
+    fix.
+    """
+    if cfg.site.name == "local":
+        return
+    from stages import outputs
+    from stages.selection import stage_keys
+
+    plan = outputs.find_succeeded(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
+    if plan is None:
+        return
+    step_time = predicted_step_time(plan.outputs.get("predictions"))
+    problem = checkpoint_cadence_problem(cfg.train, cfg.site, step_time)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_evaluate(cfg: PipelineConfig) -> None:

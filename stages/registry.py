@@ -105,7 +105,7 @@ STAGES: tuple[StageDeclaration, ...] = (
     StageDeclaration("train", sections=("model", "train"), upstream=("tokenize", "plan"),
                      shape=_train_shape, module="stages.train", worker=TRAIN_WORKER,
                      resumable=True,  # a failed attempt's checkpoints are kept and resumed from
-                     ranks_log="train.log", activity="training"),
+                     check=checks.check_train, ranks_log="train.log", activity="training"),
     StageDeclaration("evaluate", sections=("eval",), upstream=("tokenize", "train"),
                      shape=_evaluate_shape, module="stages.evaluate", worker=EVAL_WORKER,
                      check=checks.check_evaluate, ranks_log="eval-ranks.log",

@@ -14,6 +14,7 @@ from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan
 from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
+from stages.checks import checkpoint_cadence_problem, predicted_step_time
 from stages.config import PipelineConfig
 from stages.launch import RANK_ERROR_FILE, SPEC_FILE, RankSpec
 from stages.registry import declaration
@@ -69,12 +70,18 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
 
     Leftovers of an earlier attempt that this attempt must not adopt (a summary, a loss
     curve, a rank's error) are removed; its complete checkpoints stay and are resumed from.
+    A plan whose predicted step time lets no checkpoint land within one job of
+    ``site.walltime`` is refused here, before any rank starts.
     """
     out_dir = Path(out_dir)
     plan = load_plan(cfg, inputs)
     tok = (inputs or {}).get("tokenize") or {}
     validate_training(cfg.model, cfg.train, plan, cfg.parallel.nproc,
                       store_vocab=_store_vocab(tok), checkpoint_root=out_dir / CHECKPOINTS_DIR)
+    # Pre-flight made this check only if the plan already existed; now it always can.
+    cadence = checkpoint_cadence_problem(cfg.train, cfg.site, predicted_step_time(plan.predictions))
+    if cadence:
+        raise TrainSetupError(cadence)
     for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE):
         (out_dir / leftover).unlink(missing_ok=True)
     tracking = None

@@ -9,6 +9,12 @@ rank 0 writes the manifest last and renames the directory to ``step-N``. Because
 FQNs, a checkpoint loads into any (pp, dp, tp) layout, and into one plain process
 (``load_for_inference``).
 
+A save can also run in the background (``start_save(..., group=...)``: DCP's ``async_save``
+copies the state to host memory and a thread writes it over its own gloo group);
+``finish_save`` waits for it and publishes it the same way. ``prune_checkpoints`` applies
+the retention rules (``train.keep_last``, ``train.keep_every``) once a save is published;
+``vote`` makes the clock-driven save decision collective.
+
 Which files are trusted input:
 
 * ``.metadata`` is unpickled by torch, and DCP reads the non-tensor optimizer values
@@ -33,6 +39,9 @@ import shutil
 import sys
 import warnings
 import zlib
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +63,8 @@ from model.config import ModelConfig
 from model.gpt import GPT
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# What a crashed save or an interrupted deletion leaves: never resumed from, removed by pruning.
+_LEFTOVER_DIR = re.compile(r"^step-(\d+)\.(tmp|deleting)$")
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -266,18 +277,41 @@ def check_model_shape(ckpt_dir: str | Path, model_cfg: ModelConfig) -> None:
         )
 
 
-def save_checkpoint(
+@dataclass
+class PendingSave:
+    """A save that ``start_save`` began and ``finish_save`` publishes.
+
+    ``future`` is DCP's future of a background save (None for a synchronous one).
+    """
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Future | None = None
+
+    def written(self) -> bool:
+        """True when this rank's share is on disk (a synchronous save always is)."""
+        return self.future is None or self.future.done()
+
+
+def start_save(
     root: str | Path,
     step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any],
     model_cfg: ModelConfig,
-) -> Path:
-    """Collectively save ``model``/``optimizer`` (+ rank 0's ``extra``) as ``root/step-N``.
+    group: dist.ProcessGroup | None = None,
+    asynchronous: bool = False,
+) -> PendingSave:
+    """Collectively begin saving ``model``/``optimizer`` (+ rank 0's ``extra``) to ``step-N.tmp``.
 
-    Order: DCP shards and ``.metadata`` into ``step-N.tmp``, rank 0's ``extra.pt`` and
-    ``model.json``, then (after a barrier) the manifest, then the rename to ``step-N``.
+    Synchronous: the DCP shards and ``.metadata`` are written before it returns. With
+    ``asynchronous``, ``dcp.async_save`` copies the state to host memory and returns; a
+    thread writes it, coordinating over ``group``, which must be a gloo group of every rank
+    (not the training's group: its collectives would interleave with the training's).
+    Either way rank 0 writes ``extra.pt`` and ``model.json`` before returning. Call
+    ``finish_save`` (on every rank) to publish it.
     """
     root = Path(root)
     final = root / f"step-{step:08d}"
@@ -292,19 +326,147 @@ def save_checkpoint(
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
     }
-    dcp.save(state, checkpoint_id=str(tmp))
+    future = None
+    if asynchronous:
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+    else:
+        dcp.save(state, checkpoint_id=str(tmp))
     if _rank() == 0:
         with atomic_path(tmp / "extra.pt") as part:
             torch.save(extra, part)
         write_text_atomic(tmp / "model.json", json.dumps(dataclasses.asdict(model_cfg), indent=2))
+    return PendingSave(step, tmp, final, future)
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """Collectively wait for ``pending`` and publish it: manifest, then rename to ``step-N``.
+
+    Raises whatever the background write raised on this rank.
+    """
+    if pending.future is not None:
+        pending.future.result()
     _barrier()  # every rank's shards are on disk
-    write_manifest(tmp)
+    write_manifest(pending.tmp)
     if _rank() == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if pending.final.exists():
+            shutil.rmtree(pending.final)
+        os.replace(pending.tmp, pending.final)
     _barrier()
-    return final
+    return pending.final
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    model_cfg: ModelConfig,
+) -> Path:
+    """Collectively save ``model``/``optimizer`` (+ rank 0's ``extra``) as ``root/step-N``.
+
+    Order: DCP shards and ``.metadata`` into ``step-N.tmp``, rank 0's ``extra.pt`` and
+    ``model.json``, then (after a barrier) the manifest, then the rename to ``step-N``.
+    """
+    return finish_save(start_save(root, step, model, optimizer, extra, model_cfg))
+
+
+# ---------------------------------------------------------------- retention
+def checkpoints_to_delete(
+    complete: Iterable[int], keep_last: int, keep_every: int | None, protect: Iterable[int] = ()
+) -> list[int]:
+    """The steps of complete checkpoints that the retention rules let go, oldest first.
+
+    Kept: the newest ``keep_last``, every multiple of ``keep_every``, the newest of all and
+    the steps in ``protect``.
+    """
+    steps = sorted(set(complete))
+    keep = set(steps[-max(1, keep_last):]) | set(protect)
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return [s for s in steps if s not in keep]
+
+
+def _remove(path: Path, why: str) -> None:
+    """Rename first, so an interrupted deletion never leaves a ``step-N`` half there."""
+    doomed = path
+    if _STEP_DIR.match(path.name):
+        doomed = path.with_name(f"{path.name}.deleting")
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+    print(f"[checkpoint] deleted {path} ({why})", file=sys.stderr, flush=True)
+
+
+def prune_checkpoints(
+    root: str | Path,
+    keep_last: int,
+    keep_every: int | None = None,
+    protect: Iterable[str | Path] = (),
+) -> list[Path]:
+    """Delete the checkpoints under ``root`` that the retention rules let go; return them.
+
+    Not collective: call it on rank 0 only, after a save was published on every rank (no
+    save may be in progress). Complete checkpoints (``checkpoint_problem`` by names, sizes
+    and the small files' checksums) are kept by ``checkpoints_to_delete``; the newest
+    complete one and the ``protect`` paths (the checkpoint this attempt resumed from) are
+    never deleted. Directories that are not complete checkpoints (``step-N.tmp`` of a
+    crashed save, a ``step-N`` without a valid manifest, an interrupted deletion) never
+    count as kept ones: those older than the newest complete checkpoint are deleted, since
+    resuming would never pick them. Newer ones are left alone. Each deletion is one line on
+    stderr.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    guarded = {Path(p).resolve() for p in protect}
+    complete: dict[int, Path] = {}
+    broken: list[tuple[int, Path, str]] = []
+    for child in root.iterdir():
+        if not child.is_dir():
+            continue
+        if m := _STEP_DIR.match(child.name):
+            problem = checkpoint_problem(child, checksum_limit=0)
+            if problem is None:
+                complete[int(m.group(1))] = child
+            else:
+                broken.append((int(m.group(1)), child, f"incomplete: {problem}"))
+        elif m := _LEFTOVER_DIR.match(child.name):
+            broken.append((int(m.group(1)), child, f"left by an interrupted "
+                           f"{'save' if m.group(2) == 'tmp' else 'deletion'}"))
+    if not complete:
+        return []
+    newest = max(complete)
+    protected = [s for s, p in complete.items() if p.resolve() in guarded]
+    deleted = []
+    for step in checkpoints_to_delete(complete, keep_last, keep_every, protected):
+        _remove(complete[step], f"beyond train.keep_last={keep_last}"
+                + (f" and not a multiple of train.keep_every={keep_every}" if keep_every else ""))
+        deleted.append(complete[step])
+    for step, path, why in sorted(broken):
+        if step < newest and path.resolve() not in guarded:
+            _remove(path, why)
+            deleted.append(path)
+    return deleted
+
+
+# ---------------------------------------------------------------- collective decisions
+def vote(decider: bool, each: bool, device: torch.device | str = "cpu",
+         group: dist.ProcessGroup | None = None) -> tuple[bool, bool]:
+    """One all-reduce (MAX) that gives every rank the same two answers.
+
+    Returns (rank 0's ``decider``, whether any rank's ``each`` is true). Used each step to
+    agree whether rank 0's clock calls for a checkpoint and whether a background save is
+    still being written somewhere, so ranks never disagree about saving. Without a process
+    group it returns its arguments.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return bool(decider), bool(each)
+    first = decider if dist.get_rank(group) == 0 else False
+    flags = torch.tensor([int(first), int(each)], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    out = flags.tolist()
+    return bool(out[0]), bool(out[1])
 
 
 def load_checkpoint(

@@ -4,7 +4,9 @@
 on the meta device, applies the plan (pipeline split -> TP -> activation checkpointing ->
 FSDP2, or DDP), initialises identical weights in every layout, then runs optimizer steps
 of ``global_batch`` sequences. Metrics come from one rank (last pipeline stage, dp 0,
-tp 0). Checkpoints go to ``out_dir/checkpoints`` and training resumes from the latest
+tp 0). Checkpoints go to ``out_dir/checkpoints`` (every ``checkpoint_every`` steps or
+``checkpoint_minutes`` minutes, whichever comes first; optionally written in the background;
+older ones pruned by ``keep_last``/``keep_every``) and training resumes from the latest
 complete one.
 """
 from __future__ import annotations
@@ -141,6 +143,11 @@ class Trainer:
         self.losses: list[float] = []
         self.step = 0
         self.iteration_times: list[float] = []
+        self.resumed_from: Path | None = None  # never pruned during this attempt
+        self.pending: ckpt.PendingSave | None = None  # a background save not yet published
+        self._ckpt_group: dist.ProcessGroup | None = None  # made at the first async save
+        self.checkpoint_seconds: list[float] = []  # time each save held training up
+        self._clock = time.monotonic()  # when the last save gave training back (or the start)
 
     # ---------------------------------------------------------------- one optimizer step
     def _autocast(self):
@@ -172,7 +179,9 @@ class Trainer:
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.has_last else {}
         with self._autocast():
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's
+            # logits until the step ends (grad_accum x seq x vocab values) only to merge them
+            self.schedule.step(*args, return_outputs=False, **kwargs)
         return torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else None
 
     def train_step(self, batch: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -200,16 +209,47 @@ class Trainer:
     def ckpt_root(self) -> Path:
         return self.out_dir / CHECKPOINTS_DIR
 
-    def save(self) -> Path:
-        """Checkpoint the current state (collective)."""
+    def save(self) -> Path | None:
+        """Checkpoint the current state (collective); return the newest published checkpoint.
+
+        A background save (train.async_checkpoint) only stages the state and returns (it is
+        published by ``publish`` once written): the path returned is then the previous
+        save's, or None. A background save still in progress is waited for (and published)
+        first, so at most one is ever in flight.
+        """
+        done = self.publish()
         # Rank 0 writes extra.pt, but the loss history lives on the logging rank.
         history = [list(self.losses)]
         dist.broadcast_object_list(history, src=self.logger_rank)
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "loader": self.batches.state_dict(), "rng": torch.get_rng_state(),
                  "losses": history[0]}
-        return ckpt.save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer,
-                                    extra, self.model_cfg)
+        asynchronous = self.cfg.async_checkpoint
+        if asynchronous and self._ckpt_group is None:
+            # Its own gloo group: the writer thread's collectives must not interleave with
+            # the training's, and async_save needs a CPU backend (NCCL/RCCL is not one).
+            self._ckpt_group = dist.new_group(backend="gloo")
+        pending = ckpt.start_save(self.ckpt_root, self.step, self.model, self.optimizer,
+                                  extra, self.model_cfg, self._ckpt_group, asynchronous)
+        if asynchronous:
+            self.pending = pending
+            return done
+        return self._published(ckpt.finish_save(pending))
+
+    def publish(self) -> Path | None:
+        """Wait for the background save in flight, if any, and publish it (collective)."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        return self._published(ckpt.finish_save(pending))
+
+    def _published(self, path: Path) -> Path:
+        """After a save is complete on every rank: rank 0 applies the retention rules."""
+        if dist.get_rank() == 0:
+            keep = [p for p in (self.resumed_from, path, self.cfg.init_from) if p]
+            ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last, self.cfg.keep_every,
+                                   protect=keep)
+        return path
 
     def resume(self) -> Path | None:
         """Load the latest complete checkpoint, if any (collective); return its path."""
@@ -230,10 +270,12 @@ class Trainer:
 
         The logger rank returns the summary.
 
-        Checkpoints every train.checkpoint_every steps and, if ``save_final``, at the end.
+        Checkpoints every train.checkpoint_every steps, once train.checkpoint_minutes have
+        passed since the last save (or the start), and, if ``save_final``, at the end.
         """
         steps = steps or self.cfg.steps
         last_ckpt = self.resume()
+        self.resumed_from = last_ckpt
         if last_ckpt is not None and self.is_logger:
             print(f"[train] resumed from step {self.step} ({last_ckpt})", flush=True)
         if last_ckpt is None and self.cfg.init_from:
@@ -242,8 +284,9 @@ class Trainer:
                 print(f"[train] initialised from {self.cfg.init_from}", flush=True)
         first_step, step_times = self.step, []
         tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
-        every = self.cfg.checkpoint_every
         self.iteration_times = []  # whole iterations incl. logging (for loop-overhead checks)
+        self.checkpoint_seconds = []
+        self._clock = time.monotonic()
         while self.step < steps:
             start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -260,11 +303,36 @@ class Trainer:
             if self.is_logger and (self.step % max(1, steps // 10) == 0 or self.step == steps):
                 self._progress(loss_value, step_times, steps, tokens_per_step)
             self.iteration_times.append(time.perf_counter() - start)
-            if (every and self.step % every == 0) or (save_final and self.step == steps):
-                last_ckpt = self.save()
-                if self.is_logger and self.tracker is not None:
-                    self.tracker.flush()  # every metric up to this checkpoint is in the store
+            last_ckpt = self._checkpoint_if_due(steps, save_final) or last_ckpt
+        if self.pending is not None:  # nothing may be left writing at exit
+            started = time.perf_counter()
+            last_ckpt = self.publish()
+            self.checkpoint_seconds.append(time.perf_counter() - started)
         return self._finish(step_times, first_step, tokens_per_step, last_ckpt)
+
+    def _checkpoint_if_due(self, steps: int, save_final: bool) -> Path | None:
+        """After a step: save if the step count or rank 0's clock says so, and publish a
+        background save that every rank has finished writing. Collective, and every rank
+        reaches the same decisions: the clock and the writers' states are voted on
+        (``checkpoint.vote``, one small all-reduce, only when either is in play)."""
+        every, minutes = self.cfg.checkpoint_every, self.cfg.checkpoint_minutes
+        due = bool(every and self.step % every == 0) or (save_final and self.step == steps)
+        finished = False
+        if minutes is not None or self.pending is not None:
+            late = minutes is not None and time.monotonic() - self._clock >= minutes * 60
+            writing = self.pending is not None and not self.pending.written()
+            late, writing = ckpt.vote(late, writing, self.device)
+            due, finished = due or late, self.pending is not None and not writing
+        if not (due or finished):
+            return None
+        started = time.perf_counter()
+        saved = self.save() if due else self.publish()
+        self.checkpoint_seconds.append(time.perf_counter() - started)  # training held up
+        if due:
+            self._clock = time.monotonic()  # minutes count from when the save gave training back
+            if self.is_logger and self.tracker is not None:
+                self.tracker.flush()  # every metric up to this checkpoint is in the store
+        return saved
 
     def _throughput(self, step_time: float, tokens_per_step: int) -> dict[str, float]:
         tokens_per_s = tokens_per_step / step_time if step_time > 0 else 0.0
@@ -300,6 +368,7 @@ class Trainer:
                    "steps_done": self.step, "step_time_s": step_time,
                    **rates, "peak_memory_gb": float(peak),
                    "checkpoint": str(last_ckpt) if last_ckpt else None,
+                   "checkpoint_seconds": sum(self.checkpoint_seconds),
                    "plan": self.plan.to_dict(), "world_size": self.dims.world_size,
                    "hosts": hosts}
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """Checkpoints are verified before use: a corrupt newest one is skipped for the previous one.
 
 Real training runs (tests.train_helpers.run_worker: 1 or 2 gloo ranks, a 4-layer d_model 32
-model, 6 steps, a checkpoint every 2) write step-2/4/6; the newest kept one is then damaged
-the way a crash or a full disk damages it, and resuming must give the uninterrupted losses.
+model, 6 steps, a checkpoint every 2, all three kept) write step-2/4/6; the newest kept one
+is then damaged the way a crash or a full disk damages it, and resuming must give the
+uninterrupted losses.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from tests.train_helpers import run_worker, tiny_config
 
 SINGLE = {"micro_batch": 4, "grad_accum": 2, "sharding": "none"}
 DP2 = {"dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "zero3"}
-STEPS = ("train.steps=6", "train.checkpoint_every=2")
+STEPS = ("train.steps=6", "train.checkpoint_every=2", "train.keep_last=3")
 STEP2, STEP4 = "step-00000002", "step-00000004"
 
 
