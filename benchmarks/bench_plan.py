@@ -53,8 +53,8 @@ SMALL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "train.glob
 
 def search_speed() -> float:
     cfg = load_config(ROOT / "configs" / "frontier-1t.yaml")
-    s = Shapes.from_configs(cfg.model, cfg.train)
     cl = load_cluster("frontier")
+    s = Shapes.from_configs(cfg.model, cfg.train, cl)
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -84,7 +84,7 @@ def frontier_predictions() -> dict[str, dict]:
 def candidates(cfg, nproc: int, max_plans: int):
     """Valid plans of one setting, best predicted first (optionally thinned)."""
     cl = load_measured_cluster("local", nproc, cache_dir=cfg.runs_dir / "cache" / "microbench")
-    s = Shapes.from_configs(cfg.model, cfg.train)
+    s = Shapes.from_configs(cfg.model, cfg.train, cl)
     c, _ = enumerate_plans(s, nproc, cfg.train.global_batch,
                            {"recompute": "none", "sequence_parallel": False})
     ev = evaluate(s, cl, c, nproc, cfg.train.global_batch)

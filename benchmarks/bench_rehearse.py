@@ -1,9 +1,10 @@
 """Rehearse Frontier plans on this box: time, host memory, rehearsed vs modeled peak memory.
 
-For each preset (default: configs/frontier-175b.yaml and configs/frontier-1t.yaml at their
-``parallel.nproc`` GCDs, 3,072) the planner picks the plan as the plan stage does
-(``stages.plan.choose`` on the preset's cluster with the preset's fixed fields), and each of
-its busiest ranks (the first and the last pipeline stage) is rehearsed by
+For each preset (default: configs/frontier-22b.yaml, -175b and -1t at their
+``parallel.nproc`` GCDs) the planner picks the plan as the plan stage does
+(``stages.plan.choose`` on the preset's cluster with the preset's fixed fields), then with
+``--top K`` the next best plans that differ in memory, and each of their busiest ranks
+(the first and the last pipeline stage) is rehearsed by
 ``stages.plan.rehearsal_records`` (``model.training.rehearse``: the real trainer, one warm-up
 and one measured training step on fake tensors in a fake process group of the plan's world
 size), each in a fresh process so that its host peak RSS is its own. Recorded per rank:
@@ -15,7 +16,11 @@ Written to benchmarks/results/bench_rehearse.json; the last line printed is the 
 one JSON object.
 
     .venv/bin/python benchmarks/bench_rehearse.py [--presets frontier-175b,frontier-1t]
-        [--devices N] [--timeout 900]
+        [--devices N] [--top K] [--timeout 900]
+
+The figures: per preset and stage the chosen plan's ranks, and over every rehearsed rank the
+memory model's error against the rehearsal (``memory_error_pct_min``/``_max``, +: the
+model holds more) and whether every chosen plan fits by the rehearsal.
 """
 from __future__ import annotations
 
@@ -33,47 +38,67 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_results  # noqa: E402 (needs the repository on sys.path)
 
-PRESETS = ("frontier-175b", "frontier-1t")
+PRESETS = ("frontier-22b", "frontier-175b", "frontier-1t")
 STAGES = ("first", "last")
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory so far (GB; Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    """Peak resident memory so far of this process or of a child it waited for (GB; Linux
+    reports KiB); the rehearsal itself runs in a spawned child (``rehearse_isolated``)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) * 1024 / 1e9
 
 
-def chosen_plan(preset: str, devices: int | None) -> tuple[Any, Any, Any, Any, int]:
-    """(model config, train config, cluster, plan, devices) as the plan stage chooses them."""
+def ranked_plans(preset: str, devices: int | None, top: int) -> tuple[Any, Any, Any, list, int]:
+    """(model config, train config, cluster, plans, devices): the plan stage's choice first,
+    then the search's next best, skipping plans that hold the same memory as one already
+    listed (selective recompute with a flash kernel stores what no recompute stores), up to
+    ``top`` plans."""
+    from model.planner.memory_model import memory_breakdown
     from model.planner.microbench import load_measured_cluster
+    from model.planner.shapes import Shapes, encode
     from stages.plan import choose, fixed_fields, load_model_file
 
     model_cfg, train_cfg, full = load_model_file(ROOT / "configs" / f"{preset}.yaml")
     world = devices or full.parallel.nproc
     cluster = load_measured_cluster(full.parallel.cluster, world)
-    plan, _ = choose(model_cfg, train_cfg, cluster, world, fixed_fields(full.parallel))
-    return model_cfg, train_cfg, cluster, plan, world
+    plan, result = choose(model_cfg, train_cfg, cluster, world, fixed_fields(full.parallel),
+                          top_k=max(10, 3 * top))
+    shapes = Shapes.from_configs(model_cfg, train_cfg, cluster)
+    picked, seen = [], set()
+    for p in [plan] + (result.plans if result is not None else []):
+        mem = memory_breakdown(shapes, encode([p]))
+        key = (round(float(mem["first"][0])), round(float(mem["last"][0])), p.tp, p.pp, p.dp)
+        if key not in seen and len(picked) < top:
+            seen.add(key)
+            picked.append(p)
+    return model_cfg, train_cfg, cluster, picked, world
 
 
-def rehearse_stage(preset: str, stage: str, devices: int | None) -> dict[str, Any]:
-    """In this process: rehearse the first or last stage's rank of the preset's plan."""
+def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0) -> dict[str, Any]:
+    """In this process: rehearse the first or last stage's rank of the preset's plan number
+    ``index`` (0: the plan the stage chooses)."""
     t0 = time.perf_counter()
     from model.training.rehearse import busiest_ranks
     from stages.plan import rehearsal_records
-
-    model_cfg, train_cfg, cluster, plan, world = chosen_plan(preset, devices)
+    model_cfg, train_cfg, cluster, plans, world = ranked_plans(preset, devices, index + 1)
+    plan = plans[index]
     ranks = busiest_ranks(plan)
     rank = ranks[0] if stage == "first" else ranks[-1]
     before = peak_rss_gb()
     record = rehearsal_records(model_cfg, train_cfg, plan, cluster, world, ranks=[rank])[0]
-    return {"preset": preset, "plan": plan.describe(), "plan_fields": plan.to_dict(),
-            "devices": world, "device_memory_gb": cluster.memory_gb, **record,
+    return {"preset": preset, "plan_index": index, "plan": plan.describe(),
+            "plan_fields": plan.to_dict(), "devices": world,
+            "device_memory_gb": cluster.memory_gb, **record,
             "process_seconds": time.perf_counter() - t0,
             "host_peak_rss_before_gb": before, "host_peak_rss_gb": peak_rss_gb()}
 
 
-def run_child(preset: str, stage: str, devices: int | None, timeout: float) -> dict[str, Any]:
+def run_child(preset: str, stage: str, devices: int | None, timeout: float,
+              index: int = 0) -> dict[str, Any]:
     """``rehearse_stage`` in a fresh interpreter; its record, or the reason it has none."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", preset, stage]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", preset, stage, str(index)]
     if devices:
         cmd += ["--devices", str(devices)]
     t0 = time.perf_counter()
@@ -81,18 +106,37 @@ def run_child(preset: str, stage: str, devices: int | None, timeout: float) -> d
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                               check=False)
     except subprocess.TimeoutExpired:
-        return {"preset": preset, "stage": stage, "error": f"timed out after {timeout:.0f} s"}
+        return {"preset": preset, "stage": stage, "plan_index": index,
+                "error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
-        return {"preset": preset, "stage": stage, "error": proc.stderr[-2000:]}
+        return {"preset": preset, "stage": stage, "plan_index": index,
+                "error": proc.stderr[-2000:]}
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     record["wall_seconds"] = time.perf_counter() - t0
     return record
 
 
+def memory_error_pct(record: dict[str, Any]) -> float:
+    """The model's tensor memory against the rehearsal's, in percent (+: the model holds more)."""
+    return 100 * (record["modeled_tensor_memory_gb"] / record["rehearsed_peak_memory_gb"] - 1)
+
+
 def figures_of(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The headline figures, one set per preset and stage."""
     out: dict[str, Any] = {}
+    done = [r for r in records if "error" not in r]
+    if done:
+        errors = [memory_error_pct(r) for r in done]
+        out["ranks_rehearsed"] = len(done)
+        out["plans_rehearsed"] = len({(r["preset"], r["plan"]) for r in done})
+        out["memory_error_pct_min"] = round(min(errors), 2)
+        out["memory_error_pct_max"] = round(max(errors), 2)
+        out["memory_within_5pct"] = all(abs(e) <= 5 for e in errors)
+        out["picks_fit_by_rehearsal"] = all(
+            r["rehearsed_fits_device"] for r in done if r.get("plan_index", 0) == 0)
     for r in records:
+        if r.get("plan_index", 0) != 0:
+            continue
         key = f"{r['preset'].replace('frontier-', '')}_{r['stage']}"
         if "error" in r:
             out[f"{key}_error"] = r["error"][:200]
@@ -107,6 +151,7 @@ def figures_of(records: list[dict[str, Any]]) -> dict[str, Any]:
             f"{key}_modeled_peak_memory_gb": round(r["peak_memory_gb"], 2),
             f"{key}_modeled_tensor_memory_gb": round(r["modeled_tensor_memory_gb"], 2),
             f"{key}_rehearsed_over_modeled": round(r["rehearsed_over_modeled"], 3),
+            f"{key}_memory_error_pct": round(memory_error_pct(r), 2),
             f"{key}_fits_device": r["rehearsed_fits_device"],
         })
     return out
@@ -119,24 +164,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", type=int, default=None,
                     help="GCDs to plan for (default: each preset's parallel.nproc)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rehearsed rank")
-    ap.add_argument("--child", nargs=2, metavar=("PRESET", "STAGE"), help=argparse.SUPPRESS)
+    ap.add_argument("--top", type=int, default=1,
+                    help="rehearse the K best plans of each preset that differ in memory "
+                         "(1: the chosen plan only)")
+    ap.add_argument("--child", nargs=3, metavar=("PRESET", "STAGE", "INDEX"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(rehearse_stage(args.child[0], args.child[1], args.devices)))
+        print(json.dumps(rehearse_stage(args.child[0], args.child[1], args.devices,
+                                        int(args.child[2]))))
         return 0
     records = []
-    for preset in args.presets.split(","):
-        for stage in STAGES:
-            record = run_child(preset, stage, args.devices, args.timeout)
-            records.append(record)
-            print(f"[bench_rehearse] {preset} {stage}: " + (
-                record["error"][-300:] if "error" in record else
-                f"{record['plan']} rank {record['rank']}: rehearsed "
-                f"{record['rehearsed_peak_memory_gb']:.2f} GB vs modeled "
-                f"{record['modeled_tensor_memory_gb']:.2f} GB (tensors; "
-                f"{record['peak_memory_gb']:.2f} GB with margins) in "
-                f"{record['rehearsal_seconds']:.0f} s, host peak RSS "
-                f"{record['host_peak_rss_gb']:.2f} GB"), flush=True)
+    jobs = [(preset, index, stage) for preset in args.presets.split(",")
+            for index in range(args.top) for stage in STAGES]
+    t0 = time.perf_counter()
+    for n, (preset, index, stage) in enumerate(jobs, 1):
+        record = run_child(preset, stage, args.devices, args.timeout, index)
+        records.append(record)
+        eta = (time.perf_counter() - t0) / n * (len(jobs) - n)
+        if "error" in record:
+            outcome = record["error"][-300:]
+        else:
+            outcome = (f"{record['plan']} rank {record['rank']}: rehearsed "
+                       f"{record['rehearsed_peak_memory_gb']:.2f} GB vs modeled "
+                       f"{record['modeled_tensor_memory_gb']:.2f} GB "
+                       f"({memory_error_pct(record):+.1f} %; "
+                       f"{record['peak_memory_gb']:.2f} GB with margins) in "
+                       f"{record['rehearsal_seconds']:.0f} s, host peak RSS "
+                       f"{record['host_peak_rss_gb']:.2f} GB")
+        print(f"[bench_rehearse {n}/{len(jobs)}, ETA {eta / 60:.0f} min] {preset} #{index} "
+              f"{stage}: {outcome}", flush=True)
     figures = figures_of(records)
     write_results("bench_rehearse", figures, {"args": vars(args), "ranks": records})
     print(json.dumps(figures))

@@ -123,7 +123,7 @@ def choose(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster, wor
            fixed: dict[str, Any] | None = None, calibration: dict[str, float] | None = None,
            top_k: int = 10) -> tuple[Plan, SearchResult | None]:
     """The best plan (validated, with predictions) and the search that found it (None: by hand)."""
-    shapes = Shapes.from_configs(model_cfg, train_cfg)
+    shapes = Shapes.from_configs(model_cfg, train_cfg, cluster)
     fixed = fixed or {}
     manual = hand_plan(fixed, train_cfg.global_batch, world)
     if manual is not None:
@@ -219,15 +219,16 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
 
     Per rank (``stage`` first, middle or last; the model prices a middle stage as the
     first): ``peak_memory_gb`` (the model's, with the cluster's margins, as the search
-    uses it), ``modeled_tensor_memory_gb`` (the model's states + activations, no margins),
+    uses it), ``modeled_tensor_memory_gb`` (the model's states, activations and peak buffers, no
+    margins),
     ``rehearsed_peak_memory_gb`` (tensor bytes at the rehearsed peak), the same with the
     cluster's margins and whether that fits the device, the rehearsed memory by category,
     FLOPs and collective bytes per step, and the model-FLOP count per device for scale.
     Raises RehearsalError (a RuntimeError) for a plan that cannot be rehearsed.
     """
-    from model.training.rehearse import busiest_ranks, rehearse  # torch: only when asked
+    from model.training.rehearse import busiest_ranks, rehearse_isolated  # torch: when asked
 
-    mem = explain(Shapes.from_configs(model_cfg, train_cfg), cluster, plan, world,
+    mem = explain(Shapes.from_configs(model_cfg, train_cfg, cluster), cluster, plan, world,
                   train_cfg.global_batch, calibration)["memory_gb"]
     model_flops = (flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.global_batch
                    * train_cfg.seq_len / world)
@@ -237,8 +238,9 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
         pp_rank = rank // (plan.dp * plan.tp)
         stage = "first" if pp_rank == 0 else "last" if pp_rank == plan.pp - 1 else "middle"
         modeled = "last" if stage == "last" else "first"  # the model bounds others by the first
-        result = rehearse(model_cfg, train_cfg, plan, rank)
-        tensors = mem[f"states_{modeled}"] + mem[f"act_{modeled}"]
+        result = rehearse_isolated(model_cfg, train_cfg, plan, rank)
+        tensors = (mem[f"states_{modeled}"] + mem[f"act_{modeled}"]
+                   + mem[f"transient_{modeled}"])
         with_margins = result.peak_memory_gb * margin + cluster.reserved_gb
         records.append({
             "rank": rank, "stage": stage, "coords": result.coords,
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed = fixed_fields(full.parallel) if full is not None else {}
         fixed.update(parse_fix(args.fix))
         plan, result = choose(model_cfg, train, cluster, args.devices, fixed, cal, top_k=args.top)
-        ex = explain(Shapes.from_configs(model_cfg, train), cluster, plan, args.devices,
+        ex = explain(Shapes.from_configs(model_cfg, train, cluster), cluster, plan, args.devices,
                      args.global_batch, cal) if args.explain or args.json else None
         cost = None
         if args.tokens is not None or train_cfg is not None:

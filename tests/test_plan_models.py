@@ -6,6 +6,7 @@ import pytest
 
 from model.planner.cluster import load_cluster
 from model.planner.memory_model import (
+    LOGIT_BYTES,
     activation_elems_per_layer,
     memory_breakdown,
     stage_layer_counts,
@@ -29,19 +30,20 @@ def test_single_rank_fp32_memory_matches_hand_count() -> None:
     assert m["params_first"] == params
     assert m["states_first"] == 16 * params                # fp32 param, grad, Adam m and v
     sbh = 32 * 2 * 64
-    per_layer = 4 * sbh + 3 * sbh + sbh + 4 * 32 * 2 + 2 * 32 * 2 * 256  # + flash lse
-    logits = 32 * 2 * 128 * (4 + 4)                         # logits + fp32 log-softmax
-    # one micro-batch in flight; backward adds one block's activation gradients and the
-    # logits' gradient
-    act = 4 * per_layer * 4 + per_layer * 4 + 2 * logits
-    assert m["act_first"] == act
-    assert m["peak"] == 16 * params + act
+    # norm inputs, linear inputs, q/k/v, attention output, flash lse, the MLP's two tensors
+    per_layer = 2 * sbh + 2 * sbh + 3 * sbh + sbh + 4 * 32 * 2 + 2 * 32 * 2 * 256
+    assert m["act_first"] == 4 * per_layer * 4             # one micro-batch in flight
+    logits = 32 * 2 * 128 * LOGIT_BYTES[4]                  # the loss's backward peak
+    assert m["transient_first"] == logits
+    assert m["peak"] == 16 * params + 4 * per_layer * 4 + logits
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_activations_follow_korthikanti_without_dropout(tp: int) -> None:
+def test_activations_follow_korthikanti_as_this_trainer_saves_them(tp: int) -> None:
     # Korthikanti et al. 2022, bf16, bytes per layer: sbh(10 + 24/t) + 5as^2b/t with dropout;
     # this GPT has no dropout, which removes 2sbh of masks and 3as^2b/t (mask + dropout output).
+    # Under sequence parallelism Megatron saves the linears' inputs sharded (sbh * 32/t without
+    # dropout); DTensor's column-parallel linears save them all-gathered: 4 sbh (1 - 1/t) more.
     s_, b, h, a = 2048, 1, 4096, 32
     s = Shapes(8, h, a, a, 4 * h, 1024, s_, llama=False, dtype="bfloat16", flash_attention=False)
     sbh = s_ * b * h
@@ -55,38 +57,59 @@ def test_activations_follow_korthikanti_without_dropout(tp: int) -> None:
     assert stored(0, REC_SEL) == pytest.approx(sbh * (8 + 24 / tp))
     assert stored(0, REC_FULL) == pytest.approx(2 * sbh)
     if tp > 1:
-        assert stored(1, REC_NONE) == pytest.approx(sbh * 32 / tp + 2 * a * s_ ** 2 * b / tp)
-        assert stored(1, REC_SEL) == pytest.approx(sbh * 32 / tp)
+        gathered = 4 * sbh * (1 - 1 / tp)
+        assert stored(1, REC_NONE) == pytest.approx(
+            sbh * 32 / tp + gathered + 2 * a * s_ ** 2 * b / tp)
+        assert stored(1, REC_SEL) == pytest.approx(sbh * 32 / tp + gathered)
         assert stored(1, REC_FULL) == pytest.approx(2 * sbh / tp)
 
 
 def test_sharding_modes_scale_states_with_dp() -> None:
     s = Shapes(8, 1024, 16, 16, 4096, 32000, 512, dtype="bfloat16")
-    common = {"dp": 8, "micro_batch": 1, "recompute": "full"}
+    common = {"dp": 8, "micro_batch": 1, "grad_accum": 4, "recompute": "full"}
     ddp = _mem(s, sharding="ddp", **common)
     z2 = _mem(s, sharding="zero2", **common)
     z3 = _mem(s, sharding="zero3", **common)
     p = ddp["params_first"]
-    assert ddp["states_first"] == pytest.approx(p * (16 + 2))   # + DDP gradient buckets
-    assert z2["states_first"] == pytest.approx(p * 4 + p * 16 / 8)
-    unit = max(s.layer_matrix_params + s.layer_norm_params, s.embedding_params)
-    assert z3["states_first"] == pytest.approx(p * 16 / 8 + unit * 3 * 2)
+    root = 2 * s.embedding_params + s.d_model
+    unit = s.layer_matrix_params + s.layer_norm_params
+    # fp32 params, grads, Adam; bf16 autocast copies of the weights; DDP's buckets
+    assert ddp["states_first"] == pytest.approx(p * (16 + 2 + 4))
+    # zero2 accumulating: fp32 shards and Adam, unsharded bf16 params and fp32 gradients;
+    # buffers: two blocks gathered (bf16) and one reduce-scattered (fp32)
+    assert z2["states_first"] == pytest.approx(p * 12 / 8 + p * (2 + 4))
+    # zero3: sharded fp32 gradients, the root unit's bf16 params and fp32 gradients
+    assert z3["states_first"] == pytest.approx(p * 16 / 8 + root * (2 + 4))
+    assert z3["transient_first"] == pytest.approx(max(unit * (2 + 4),
+                                                      512 * 32000 * LOGIT_BYTES[2]))
     assert z3["peak"] < z2["peak"] < ddp["peak"]
+
+
+def test_pipelined_fsdp_keeps_unsharded_params_and_fp32_gradients() -> None:
+    s = Shapes(8, 1024, 16, 16, 4096, 32000, 512, dtype="bfloat16")
+    common = {"pp": 2, "dp": 8, "micro_batch": 1, "grad_accum": 8, "schedule": "1f1b"}
+    z2, z3 = _mem(s, sharding="zero2", **common), _mem(s, sharding="zero3", **common)
+    p = z2["params_first"]
+    # gradient sync and reshard-after-backward are off but for the last micro-batch
+    assert z2["states_first"] == z3["states_first"] == pytest.approx(p * 12 / 8 + p * 6)
 
 
 def test_pipeline_schedules_in_flight_micro_batches() -> None:
     s = Shapes(16, 512, 8, 8, 2048, 1000, 256, dtype="bfloat16")
     base = {"pp": 4, "micro_batch": 1, "grad_accum": 16, "sharding": "none", "recompute": "none"}
-    gpipe = _mem(s, schedule="gpipe", **base)["act_first"]
-    onef = _mem(s, schedule="1f1b", **base)["act_first"]
-    inter = _mem(s, schedule="interleaved_1f1b", virtual_stages=2, **base)["act_first"]
-    st, tr = activation_elems_per_layer(s, np.array([1]), np.array([1]), np.array([0]),
-                                        np.array([REC_NONE]))
-    layers = 16 // 4
-    # GPipe holds all 16 micro-batches, 1F1B holds pp=4, interleaved (1 + (p-1)/(p v)) * 4
-    assert gpipe == pytest.approx((16 * layers * st[0] + tr[0]) * 2)
-    assert onef == pytest.approx((4 * layers * st[0] + tr[0]) * 2)
-    assert inter == pytest.approx(((1 + 3 / 8) * 4 * layers * st[0] + tr[0]) * 2)
+    gpipe = _mem(s, schedule="gpipe", **base)
+    onef = _mem(s, schedule="1f1b", **base)
+    inter = _mem(s, schedule="interleaved_1f1b", virtual_stages=2, **base)
+    st, _ = activation_elems_per_layer(s, np.array([1]), np.array([1]), np.array([0]),
+                                       np.array([REC_NONE]))
+    out = 256 * 512  # each in-flight chunk keeps its output for the backward
+    # GPipe holds all 16 micro-batches of 4 layers, 1F1B pp - rank of them; interleaved
+    # (torch's warm-up) (v - 1) * 4 + 2 * (pp - 1 - rank) + 1 chunks of 2 layers
+    assert gpipe["act_first"] == pytest.approx(16 * (4 * st[0] + out) * 2)
+    assert onef["act_first"] == pytest.approx(4 * (4 * st[0] + out) * 2)
+    assert onef["act_last"] == pytest.approx(1 * (4 * st[0] + out) * 2)
+    assert inter["act_first"] == pytest.approx(11 * (2 * st[0] + out) * 2)
+    assert inter["act_last"] == pytest.approx(5 * (2 * st[0] + out) * 2)
 
 
 def test_stage_layer_counts_match_the_split_used_by_the_trainer() -> None:

@@ -71,7 +71,8 @@ def test_1t_on_3072_frontier_gcds_returns_a_valid_plan() -> None:
     best.check(ONE_T, train, 3072)
     assert best.tp * best.pp * best.dp == 3072
     assert best.predictions["memory_gb_per_device"] <= 64
-    assert best.pp > 1 and best.tp > 1  # 1T parameters need both to fit 64 GB
+    # 1T parameters fit 64 GB only sharded: over tp x pp, or over dp by ZeRO-3
+    assert (best.pp > 1 and best.tp > 1) or best.sharding == "zero3"
 
 
 def test_model_that_fits_nowhere_says_what_would_work() -> None:

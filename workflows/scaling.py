@@ -205,7 +205,7 @@ def breakdown(cfg: PipelineConfig, plan: Any, cluster: Any | None = None) -> dic
         cluster = load_measured_cluster(cfg.parallel.cluster, world,
                                         cache_dir=cfg.runs_dir / "cache" / "microbench")
     cal = load_calibration(calibration_path(cfg, cluster))
-    return explain(Shapes.from_configs(cfg.model, cfg.train), cluster, plan, world,
+    return explain(Shapes.from_configs(cfg.model, cfg.train, cluster), cluster, plan, world,
                    cfg.train.global_batch, cal)["step"]
 
 

@@ -29,6 +29,8 @@ REQUIRED = {
     "links": "link levels (pair/node/network) with bandwidth_gbps and latency_us",
 }
 LINK_REQUIRED = ("bandwidth_gbps", "latency_us")
+ATTENTION_KERNELS = ("flash", "math")
+"""What ``Cluster.attention_kernel`` may name."""
 
 
 class ClusterError(ValueError):
@@ -103,6 +105,11 @@ class Cluster:
     attention_efficiency: float = 0.0
     """Fraction of peak a fused (flash) attention kernel reaches; its backward recomputes the
     scores (2.5 forward passes in all). 0: attention is timed as two batched GEMMs."""
+    attention_kernel: str = "flash"
+    """The attention kernel this trainer's SDPA gets on the device: ``flash`` (a flash or
+    memory-efficient kernel: no s x s score matrix is stored, a float32 log-sum-exp is) or
+    ``math`` (the scores are stored). The memory and time models of this trainer's plans
+    assume it; the file says why for its device."""
     tp_comm_scale: float = 1.0
     """Multiplier on the modelled tensor-parallel communication: measured on CPUs (a real
     tp=2 block against the model, ``model.planner.microbench.tp_comm_scale``), 1 elsewhere."""
@@ -216,6 +223,12 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
                 "tp_comm_overlap", "tp_comm_scale"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
+    if "attention_kernel" in raw:
+        kernel = raw["attention_kernel"]
+        if kernel not in ATTENTION_KERNELS:
+            raise ClusterError(f"{where}: attention_kernel must be one of "
+                               f"{', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
+        optional["attention_kernel"] = kernel
     if "gemm_sms" in raw:
         optional["gemm_sms"] = int(_num(raw, "gemm_sms", where, positive=False))
     if "gemm_tile" in optional:

@@ -1,31 +1,60 @@
-"""Peak memory per rank of a training step under a parallel plan.
+"""Peak memory per rank of a training step of this project's trainer under a parallel plan.
 
-Model states (bytes per parameter held by a rank; c = 2 for bf16 mixed precision,
-4 for fp32; mixed precision adds a 4-byte fp32 master copy):
+The model counts the tensors ``model.training.trainer.Trainer`` keeps, term by term, and is
+checked against rehearsals of the trainer's own ranks under fake tensors
+(``model/training/rehearse.py``; ``tests/test_plan_memory_rehearsal.py``). c is the compute
+dtype's bytes (2 for bf16, 4 for fp32), P the parameters a rank holds (its tp shard), u one
+block's parameters (the FSDP unit) and R the parameters outside the blocks (embedding,
+output head and final norm: FSDP's root unit).
 
-- none / ddp: params c + grads c + master + Adam m, v (8) = 16 B, all replicated;
-  DDP adds its gradient buckets (another c).
-- zero2 (FSDP2, reshard_after_forward=False, gradients accumulated unsharded and
-  reduce-scattered once per step): unsharded params c + unsharded grads c, plus sharded
-  fp32 params/master 4 + fp32 grads 4 + Adam 8 over dp.
-- zero3 (FSDP2 resharding after forward, reduce-scatter per micro-batch): the same 16 B
-  sharded over dp, plus the unsharded params of two blocks (one computing, one prefetched)
-  and the unsharded grads of one block.
+Model states:
 
-Activations per block and micro-batch follow Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models"), counted per stored tensor and
-without dropout masks (this GPT has no dropout): norm inputs and the attention/MLP inputs
-(s*b*h each, divided by tp under sequence parallelism), q/k/v and the attention output
-(divided by tp), the s*s score matrix a*s^2*b/tp unless a flash kernel is used (selective
-recompute drops it), and the MLP's intermediate tensors (2 or 4 of s*b*ffn/tp). Full
-recompute keeps only each block's input, plus one block's activations while it is
-recomputed. Backward adds transients: the activation gradients of the block being
-differentiated (about its full activation set) and, on the last stage, the logits'
-gradient. The pipeline schedule decides how many micro-batches are in flight on the first
-stage: all m for GPipe, pp for 1F1B, and for interleaved 1F1B (pp-1)*2 + (v-1)*pp + 1
-chunks of L/(pp*v) layers (Megatron's warm-up count). The last stage also keeps logits (c)
-and their fp32 log-softmax for every in-flight micro-batch (and once more for the gradient).
-Everything is multiplied by (1 + fragmentation) and the cluster's reserved memory is added.
+- FSDP2 (zero2/zero3 with dp > 1) keeps fp32 parameter shards and Adam's two moments,
+  12 P / dp. What else lives through the step depends on when gradients are reduced:
+  - pipelining (pp > 1): ``torch.distributed.pipelining`` turns gradient sync and
+    reshard-after-backward off for every micro-batch but the last, so the stage's compute
+    parameters stay unsharded (c P) and FSDP2 accumulates unsharded gradients in its
+    ``reduce_dtype``, float32 (4 P), for zero2 and zero3 alike. At the last micro-batch's
+    backward one block is reduce-scattered from a float32 buffer (4 u) and, on the first
+    stage, the embedding's gradient is produced ((c + 4) R).
+  - zero2 without pipelining and with grad_accum > 1: the trainer turns gradient sync off
+    but for the last micro-batch, so the same unsharded parameters and float32 gradients
+    (c P + 4 P), plus two blocks of all-gather buffers (2 c u: parameters are resharded
+    after each backward and gathered again, one block ahead) and the reduce-scatter buffer.
+  - zero3, or zero2 with one micro-batch: gradients are reduce-scattered per block as they
+    are made and accumulate sharded (4 P / dp), so only the root's unsharded parameters and
+    float32 gradients ((c + 4) R), one block's all-gather (c u) and one reduce-scatter
+    buffer (4 u) add to the shards; zero2 keeps every block's parameters gathered from its
+    forward to its backward (c P: at the end of the forward all of them).
+- Without FSDP (sharding none or ddp, or dp == 1): float32 parameters, gradients and
+  Adam moments (16 P); under bf16 autocast the bf16 copies of the weights that the
+  forward saves for backward (2 P); DDP's gradient buckets (4 P) without pipelining; under
+  pipelining with ddp one flat float32 copy of the gradients for their all-reduce after the
+  schedule (4 P, once the activations are gone).
+
+Activations per block and micro-batch, as this trainer's blocks save them (Korthikanti et
+al. 2022's count without dropout, with one change): the two norm inputs (s b h each,
+divided by tp under sequence parallelism), the inputs of the QKV and first MLP linears
+(s b h each, *not* divided by tp: DTensor's column-parallel linears save the all-gathered
+input that sequence parallelism makes; without SP they are the norm outputs), q/k/v and
+the attention output (divided by tp), the attention kernel's float32 log-sum-exp (a flash
+or memory-efficient kernel; without one the s x s scores, a s^2 b / tp), and the MLP's
+intermediates (2 or 4 of s b ffn / tp). Selective recompute drops the scores; full
+recompute keeps each block's input and, while one block is recomputed, its activations.
+
+In flight: the pipeline schedule decides how many micro-batches each stage holds. GPipe:
+all m; 1F1B: pp - r on pipeline rank r; interleaved 1F1B (torch's ``_get_warmup_ops``):
+(v - 1) x m_round + 2 (pp - 1 - r) + 1 chunk forwards of L / (pp v) layers before the
+first backward (m_round = m / max(1, m // pp)), at most m v. Each in-flight chunk also
+keeps its output for the backward (s b h / tp under SP). The rank holding the output head
+keeps, for the micro-batch in its loss, the logits gathered over the vocabulary (this
+trainer computes the loss on full rows on every tp rank) with their float32 copy and
+log-softmax, and in backward their float32 gradients: LOGIT_BYTES per logit.
+
+The peak is the larger of two moments: the loss's backward (states + activations + the
+logits) and the block backward where buffers peak (states + activations + the reduce-scatter
+and all-gather buffers above). Everything is multiplied by (1 + fragmentation) and the
+cluster's reserved memory is added.
 """
 from __future__ import annotations
 
@@ -37,7 +66,6 @@ from model.planner.shapes import (
     DDP,
     GPIPE,
     INTERLEAVED,
-    NOSHARD,
     REC_FULL,
     REC_NONE,
     ZERO2,
@@ -46,6 +74,12 @@ from model.planner.shapes import (
 )
 
 GB = 1e9
+
+LOGIT_BYTES = {2: 16.0, 4: 20.0}
+"""Bytes per logit (sequence x micro-batch x vocabulary) at the loss's backward, by compute
+dtype bytes: the gathered logits (c), their float32 copy and log-softmax (4 + 4) and the
+float32 gradients of both (4 + 4) less what is freed in between; measured 15-16 per logit in
+bf16 rehearsals (logits of 1e8 values); fp32 keeps no separate copy but a larger gather."""
 
 
 def stage_layer_counts(
@@ -64,14 +98,24 @@ def stage_layer_counts(
     return first, last
 
 
+def in_flight_chunks(pp: np.ndarray, ga: np.ndarray, sched: np.ndarray, v: np.ndarray,
+                     pp_rank: np.ndarray) -> np.ndarray:
+    """Chunk forwards whose activations pipeline rank ``pp_rank`` holds at its peak.
+
+    A chunk is the rank's whole stage except under interleaved 1F1B (v chunks per rank).
+    """
+    gpipe = ga * v
+    onef = np.minimum(pp - pp_rank, ga)
+    rounds = np.maximum(1, ga // np.maximum(pp, 1))
+    per_round = ga // rounds
+    inter = np.minimum(ga * v, (v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1)
+    out = np.where(sched == GPIPE, gpipe, np.where(sched == INTERLEAVED, inter, onef))
+    return np.where(pp == 1, 1, out)
+
+
 def in_flight(pp: np.ndarray, ga: np.ndarray, sched: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Micro-batch activations (in units of a full stage's layers) held by the first stage."""
-    gpipe = ga.astype(float)
-    onef = np.minimum(pp, ga).astype(float)
-    chunks = np.minimum(ga * v, (pp - 1) * 2 + (v - 1) * pp + 1)
-    inter = chunks / np.maximum(v, 1)
-    out = np.where(sched == GPIPE, gpipe, np.where(sched == INTERLEAVED, inter, onef))
-    return np.where(pp == 1, 1.0, out)
+    return in_flight_chunks(pp, ga, sched, v, np.zeros_like(pp)) / np.maximum(v, 1)
 
 
 def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray,
@@ -80,19 +124,19 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
     sbh = s.seq_len * mb * s.d_model
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     hd = s.head_dim
-    norms_and_inputs = 4 * sbh * spf  # 2 norm inputs + attention input + MLP input
+    norm_inputs = 2 * sbh * spf
+    linear_inputs = 2 * sbh  # all-gathered under SP, the norm outputs without it
     qkv = s.seq_len * mb * (s.n_heads * hd + 2 * s.kv_heads * hd) / tp
     attn_out = sbh / tp
     scores = 0.0 if s.flash_attention else s.n_heads * s.seq_len ** 2 * mb / tp
     # flash kernels keep a fp32 log-sum-exp per (head, position)
     lse = s.n_heads * s.seq_len * mb / tp * (4 / s.act_bytes) if s.flash_attention else 0.0
     mlp = (4 if s.llama else 2) * s.seq_len * mb * s.ffn / tp
-    full = norms_and_inputs + qkv + attn_out + lse + mlp + scores
+    full = norm_inputs + linear_inputs + qkv + attn_out + lse + mlp + scores
     selective = full - scores
     stored = np.where(rec == REC_NONE, full, np.where(rec == REC_FULL, sbh * spf, selective))
-    # backward of one block holds gradients of its activations (about its full set), and
-    # under full recompute also the recomputed activations themselves
-    transient = np.where(rec == REC_FULL, 2 * full, full)
+    # under full recompute one block's activations exist again while it is recomputed
+    transient = np.where(rec == REC_FULL, full, 0.0)
     return stored, transient
 
 
@@ -100,8 +144,10 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
                      fragmentation: float = 0.0) -> dict[str, np.ndarray]:
     """Per-rank bytes (arrays over candidates) of the first and last pipeline stages and the peak.
 
-    c: encoded plans (model.planner.shapes.encode). Keys returned: params_first, params_last,
-    states_first, states_last, act_first, act_last, first, last, peak (all bytes).
+    c: encoded plans (model.planner.shapes.encode). Keys returned (bytes): params_first,
+    params_last; states_first, states_last (model states kept through the step);
+    act_first, act_last (stored activations); transient_first, transient_last (the
+    buffers or the logits at the peak); first, last and peak (their sums with the margins).
     """
     tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
     sched, v, shard, rec, sp = c["sched"], c["v"], c["shard"], c["rec"], c["sp"]
@@ -111,38 +157,58 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     emb_p = s.embedding_params / tp
     n_first, n_last = stage_layer_counts(s, pp, v)
     single = pp == 1
-    params_first = n_first * layer_p + emb_p + np.where(single, emb_p + s.d_model, 0.0)
-    params_last = n_last * layer_p + emb_p + s.d_model
+    root_first = emb_p + np.where(single, emb_p + s.d_model, 0.0)
+    root_last = emb_p + s.d_model + np.where(single, emb_p, 0.0)
+    params_first = n_first * layer_p + root_first
+    params_last = n_last * layer_p + root_last
+    fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
+    u = layer_p
 
-    full_state = 2 * cb + (4 if mixed else 0) + 8  # = 16 B/param either way
-    sharded_state = 4 + 4 + 8  # fp32 params/master, fp32 grads, Adam m and v
-    unit = np.maximum(layer_p, emb_p)  # largest FSDP unit (a block or the embedding/output)
-
-    def states(params: np.ndarray) -> np.ndarray:
-        replicated = params * full_state + np.where(shard == DDP, params * cb, 0.0)
-        zero2 = params * 2 * cb + params * sharded_state / dp
-        zero3 = params * sharded_state / dp + unit * 3 * cb
-        out = np.where(shard == ZERO3, zero3, np.where(shard == ZERO2, zero2, replicated))
-        return np.where(shard == NOSHARD, params * full_state, out)
+    def states(params: np.ndarray, root: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(states kept through the step, buffers at a block's backward peak)."""
+        accumulate = ~single | ((shard == ZERO2) & (ga > 1))
+        per_block = 4 * params / dp + np.where(shard == ZERO2, cb * params + 4 * root,
+                                                (cb + 4) * root)
+        sharded = 12 * params / dp + np.where(accumulate, (cb + 4) * params, per_block)
+        pipe_buf = 4 * u  # the last micro-batch's reduce-scatter
+        flat_buf = np.where((shard == ZERO2) & (ga > 1), 2 * cb * u, cb * u) + 4 * u
+        plain = 16 * params + (2 * params if mixed else 0.0)
+        plain = plain + np.where((shard == DDP) & (dp > 1) & single, 4 * params, 0.0)
+        plain_buf = np.where((shard == DDP) & (dp > 1) & ~single, 4 * params, 0.0)
+        return (np.where(fsdp, sharded, plain),
+                np.where(fsdp, np.where(single, flat_buf, pipe_buf), plain_buf))
 
     stored, transient = activation_elems_per_layer(s, mb, tp, sp, rec)
-    flight = in_flight(pp, ga, sched, v)
-    act_first = (flight * n_first * stored + transient) * cb
-    logits = s.seq_len * mb * s.vocab / tp * (cb + 4)
-    last_flight = np.where(sched == GPIPE, ga, 1)
-    last_flight = np.where(single, 1, last_flight)
-    # logits and their fp32 log-softmax per in-flight micro-batch, plus their gradients
-    act_last = (last_flight * n_last * stored + transient) * cb + (last_flight + 1) * logits
-    act_first = act_first + np.where(single, 2 * logits, 0.0)
+    spf = np.where(sp == 1, 1.0 / tp, 1.0)
+    chunk_out = s.seq_len * mb * s.d_model * spf * np.where(single, 0.0, 1.0)
+    logits = s.seq_len * mb * s.vocab * LOGIT_BYTES[cb]
 
-    st_first, st_last = states(params_first), states(params_last)
-    first = (st_first + act_first) * (1 + fragmentation) + reserved_gb * GB
-    last = (st_last + act_last) * (1 + fragmentation) + reserved_gb * GB
+    def act(pp_rank: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        chunks = in_flight_chunks(pp, ga, sched, v, pp_rank)
+        return (chunks * (layers / np.maximum(v, 1) * stored + chunk_out) + transient) * cb
+
+    first_rank = np.zeros_like(pp)
+    act_first = act(first_rank, n_first)
+    act_last = act(pp - 1, n_last)
+    st_first, buf_first = states(params_first, root_first)
+    st_last, buf_last = states(params_last, root_last)
+    # A pipeline's first stage peaks in a backward with every micro-batch in flight, while a
+    # block's (or the embedding's) new gradient is cast to float32 to be accumulated. The
+    # ddp all-reduce copy comes after the schedule, when the activations are gone. Without
+    # pipelining the buffers meet every stored activation at the start of the backward; the
+    # head's rank peaks at the loss's backward or at a block's, whichever holds more.
+    pipe_first = np.where(fsdp, (cb + 4) * np.maximum(u, root_first),
+                          np.maximum(0.0, buf_first - act_first))
+    peak_first = np.where(single, np.maximum(buf_first, logits), pipe_first)
+    peak_last = np.maximum(buf_last, logits)
+    first = (st_first + peak_first + act_first) * (1 + fragmentation) + reserved_gb * GB
+    last = (st_last + peak_last + act_last) * (1 + fragmentation) + reserved_gb * GB
     last = np.where(single, first, last)  # one stage: the first rank is also the last
     return {
         "params_first": params_first, "params_last": params_last,
         "states_first": st_first, "states_last": st_last,
         "act_first": act_first, "act_last": act_last,
+        "transient_first": peak_first, "transient_last": peak_last,
         "first": first, "last": last, "peak": np.maximum(first, last),
     }
 

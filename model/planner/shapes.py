@@ -51,11 +51,13 @@ class Shapes:
     this trainer keeps the tie only without pipeline stages."""
 
     @classmethod
-    def from_configs(cls, model_cfg: Any, train_cfg: Any, flash_attention: bool = True) -> Shapes:
-        """Build from model.config.ModelConfig and TrainConfig.
+    def from_configs(cls, model_cfg: Any, train_cfg: Any, cluster: Any = None) -> Shapes:
+        """Build from model.config.ModelConfig and TrainConfig, for this trainer on ``cluster``.
 
         This project's blocks run eager unless ``train.compile`` (which compiles the blocks,
-        not the loss: model.training.trainer.cross_entropy stays eager)."""
+        not the loss: model.training.trainer.cross_entropy stays eager). The attention
+        kernel is the cluster's ``attention_kernel`` (flash when no cluster is given)."""
+        flash_attention = getattr(cluster, "attention_kernel", "flash") == "flash"
         return cls(
             n_layers=model_cfg.n_layers, d_model=model_cfg.d_model, n_heads=model_cfg.n_heads,
             kv_heads=model_cfg.kv_heads, ffn=model_cfg.ffn_dim, vocab=model_cfg.vocab_size,

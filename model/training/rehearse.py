@@ -46,8 +46,10 @@ the two on gloo ranks).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import multiprocessing
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -569,6 +571,20 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
     return result
 
 
+def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: int,
+                      steps: int = 1, warmup: int = 1) -> Rehearsal:
+    """``rehearse`` in a fresh (spawned) interpreter, its RehearsalError re-raised here.
+
+    One rank per process: DTensor caches device meshes by value, so a second rehearsal in
+    the same process would reach collectives bound to the first one's destroyed process
+    group ("Could not resolve the process group registered under the name ...").
+    """
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(rehearse, model_cfg, train_cfg, plan, rank, None, steps,
+                           warmup).result()
+
+
 def busiest_ranks(plan: Plan) -> list[int]:
     """The first pipeline stage's rank 0 and the last stage's first rank (one if pp == 1)."""
     last = (plan.pp - 1) * plan.dp * plan.tp
@@ -578,6 +594,7 @@ def busiest_ranks(plan: Plan) -> list[int]:
 def rehearse_ranks(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
                    ranks: list[int] | None = None, steps: int = 1,
                    warmup: int = 1) -> list[Rehearsal]:
-    """Rehearse each of ``ranks`` (default: ``busiest_ranks``), one after the other."""
-    return [rehearse(model_cfg, train_cfg, plan, r, steps=steps, warmup=warmup)
+    """Rehearse each of ``ranks`` (default: ``busiest_ranks``), one after the other, each in
+    a process of its own (``rehearse_isolated``)."""
+    return [rehearse_isolated(model_cfg, train_cfg, plan, r, steps=steps, warmup=warmup)
             for r in (ranks if ranks is not None else busiest_ranks(plan))]
