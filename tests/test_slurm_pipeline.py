@@ -181,7 +181,9 @@ def _cancel_after_first_checkpoint(runs_dir: Path, found: dict, stop: threading.
 def test_cancelled_training_job_is_retried_and_resumes(slurm_runs_dir):
     runs_dir = slurm_runs_dir
     steps, every = 60, 10
-    proc = start_cli(runs_dir, f"train.steps={steps}", f"train.checkpoint_every={every}")
+    # every checkpoint kept: the one seen before the cancel is looked at after the run
+    proc = start_cli(runs_dir, f"train.steps={steps}", f"train.checkpoint_every={every}",
+                     "train.keep_last=100")
     with watching(_cancel_after_first_checkpoint, runs_dir) as found:
         output = wait_cli(proc, runs_dir, timeout=1200)
     assert "job" in found, "training finished before a checkpoint could be cancelled"
