@@ -85,6 +85,9 @@ def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0)
     model_cfg, train_cfg, cluster, plans, world = ranked_plans(preset, devices, index + 1)
     plan = plans[index]
     ranks = busiest_ranks(plan)
+    if stage == "last" and len(ranks) == 1:
+        return {"preset": preset, "stage": stage, "plan_index": index, "plan": plan.describe(),
+                "skipped": "one pipeline stage: its first rank is also its last"}
     rank = ranks[0] if stage == "first" else ranks[-1]
     before = peak_rss_gb()
     record = rehearsal_records(model_cfg, train_cfg, plan, cluster, world, ranks=[rank])[0]
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for n, (preset, index, stage) in enumerate(jobs, 1):
         record = run_child(preset, stage, args.devices, args.timeout, index)
+        if "skipped" in record:
+            continue
         records.append(record)
         eta = (time.perf_counter() - t0) / n * (len(jobs) - n)
         if "error" in record:

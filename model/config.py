@@ -201,12 +201,14 @@ class ParallelConfig:
     """Shard norms/dropout activations along the sequence over the tp group."""
     refine_top_k: int = 0
     """If > 0, measure the planner's top-k plans for a few steps and keep the fastest."""
-    rehearse: bool = False
-    """If true, the plan stage rehearses the chosen plan: its first and last pipeline stage's
-    ranks run two training steps on fake tensors in a fake process group of the plan's world
-    size (``model/training/rehearse.py``), and the rehearsed peak memory, FLOPs and
-    collective bytes are recorded beside the memory model's figures (``rehearsal.json``).
-    Off by default: at Frontier sizes a rehearsal takes minutes."""
+    rehearse: bool | None = None
+    """Whether the plan stage rehearses its plan: the first and last pipeline stage's ranks
+    run two training steps on fake tensors in a fake process group of the plan's world size
+    (``model/training/rehearse.py``), and a plan whose rehearsed peak (with the cluster's
+    margins) does not fit the device gives way to the next best that does (``rehearsal.json``
+    beside the memory model's figures). None (the default): on for every cluster but the
+    measured local one, whose plans run for real at once; a Frontier-size rank takes one to
+    three minutes."""
 
     def __post_init__(self) -> None:
         _require(self.nproc > 0, f"parallel.nproc must be > 0, got {self.nproc}")

@@ -320,8 +320,11 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
         tracker.log_artifact(out_dir / "calibration.json")
         for art in plan_report.measured_report(records, out_dir):
             tracker.log_artifact(art)
-    if cfg.parallel.rehearse:
-        rehearse_in_stage(cfg, plan, cluster, cal, out_dir, tracker)
+    rehearsing = rehearse_by_default(cfg.parallel.rehearse, cluster)
+    if rehearsing:
+        others = [p for p in (result.plans if result is not None else []) if p.key() != plan.key()]
+        plan = rehearse_in_stage(cfg, [plan] + others[:REHEARSE_TRIES - 1], cluster, cal,
+                                 out_dir, tracker)
     plan_path = plan.to_json(out_dir / "plan.json")
     tracker.log_params({f"plan.{k}": v for k, v in plan.to_dict().items() if k != "predictions"}
                        | {"plan.cluster": cluster.name, "plan.world_size": world})
@@ -332,34 +335,68 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
            "predictions": plan.predictions, "cluster": cluster.name}
     if records:
         out["measured"] = str((out_dir / "measured.json").resolve())
-    if cfg.parallel.rehearse:
+    if rehearsing:
         out["rehearsal"] = str((out_dir / "rehearsal.json").resolve())
     return out
 
 
-def rehearse_in_stage(cfg: Any, plan: Plan, cluster: Cluster,
+REHEARSE_TRIES = 5
+"""Plans the stage rehearses, best first, before it gives up on finding one that fits."""
+
+
+def rehearse_by_default(setting: bool | None, cluster: Cluster) -> bool:
+    """``parallel.rehearse``, where None means: on for every cluster but a measured (local)
+    one."""
+    return (not cluster.measured) if setting is None else setting
+
+
+def rehearse_in_stage(cfg: Any, plans: list[Plan], cluster: Cluster,
                       calibration: dict[str, float] | None, out_dir: Path,
-                      tracker: Any) -> Path:
-    """The stage's rehearsal (parallel.rehearse): print it, write ``rehearsal.json`` (the
-    records of ``rehearsal_records``, or ``{"error": ...}`` for a plan that cannot be
-    rehearsed: the plan itself stands) and log it to the stage's run."""
+                      tracker: Any) -> Plan:
+    """The stage's rehearsal (``parallel.rehearse``): rehearse ``plans`` in order and return
+    the first whose rehearsed ranks fit the device with the cluster's margins, so the stage
+    never keeps a plan its rehearsal says does not fit. Prints each, writes
+    ``rehearsal.json`` (the kept plan's ``rehearsal_records``, or ``{"error": ...}`` for a
+    plan that cannot be rehearsed: that plan stands) and, when plans gave way,
+    ``rehearsal_rejected.json``; logs both and the kept plan's rehearsed peaks. Raises
+    PlanError, with every plan's rehearsed peak and the fix, when none fits."""
     from model.training.rehearse import RehearsalError
 
     path = out_dir / "rehearsal.json"
-    try:
-        records = rehearsal_records(cfg.model, cfg.train, plan, cluster, cfg.parallel.nproc,
-                                    calibration)
-    except RehearsalError as exc:
-        print(f"[plan] not rehearsed: {exc}", flush=True)
-        path.write_text(json.dumps({"error": str(exc)}, indent=2))
-        tracker.log_artifact(path)
-        return path
-    print(rehearsal_text(plan, records, cluster.memory_gb), flush=True)
+    rejected: list[dict[str, Any]] = []
+    for plan in plans:
+        try:
+            records = rehearsal_records(cfg.model, cfg.train, plan, cluster,
+                                        cfg.parallel.nproc, calibration)
+        except RehearsalError as exc:
+            print(f"[plan] {plan.describe()} not rehearsed: {exc}", flush=True)
+            path.write_text(json.dumps({"error": str(exc)}, indent=2))
+            tracker.log_artifact(path)
+            return plan
+        print(rehearsal_text(plan, records, cluster.memory_gb), flush=True)
+        if all(r["rehearsed_fits_device"] for r in records):
+            break
+        worst = max(r["rehearsed_peak_memory_gb_with_margins"] for r in records)
+        print(f"[plan] {plan.describe()} needs {worst:.1f} GB per device by its rehearsal, "
+              f"more than {cluster.memory_gb:g} GB: trying the next plan", flush=True)
+        rejected.append({"plan": plan.describe(), "plan_fields": plan.to_dict(),
+                         "rehearsed_peak_memory_gb_with_margins": worst, "ranks": records})
+    else:
+        sizes = "; ".join(f"{r['plan']}: {r['rehearsed_peak_memory_gb_with_margins']:.1f} GB"
+                          for r in rejected)
+        raise PlanError(
+            f"no plan fits in {cluster.memory_gb:g} GB per device by its rehearsal ({sizes}, "
+            "with the cluster's margins): fix recompute=full or a smaller micro_batch, or use "
+            "more devices")
+    if rejected:
+        gave_way = out_dir / "rehearsal_rejected.json"
+        gave_way.write_text(json.dumps(rejected, indent=2))
+        tracker.log_artifact(gave_way)
     path.write_text(json.dumps(records, indent=2))
     tracker.log_artifact(path)
     tracker.log_metrics({f"rehearsed_peak_memory_gb_rank{r['rank']}":
                          r["rehearsed_peak_memory_gb"] for r in records})
-    return path
+    return plan
 
 
 # --- command line ------------------------------------------------------------------------

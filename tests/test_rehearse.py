@@ -41,7 +41,7 @@ from torch.distributed.pipelining._utils import InferenceMode
 
 from model.config import ModelConfig, TrainConfig
 from model.parallel.pipeline import build_schedule, chunk_ids
-from model.planner.plan import Plan
+from model.planner.plan import Plan, PlanError
 from model.training.rehearse import (
     RehearsalError,
     busiest_ranks,
@@ -279,32 +279,72 @@ def test_plan_cli_prints_the_rehearsal_beside_the_model(tmp_path: Path,
         assert record["modeled_tensor_memory_gb"] < record["peak_memory_gb"]  # margins
 
 
-def test_plan_stage_rehearses_only_when_parallel_rehearse_is_set(tmp_path: Path) -> None:
+def test_plan_stage_rehearses_by_default_off_the_local_cluster(tmp_path: Path) -> None:
     from model.config import ParallelConfig
     from stages import plan as plan_stage
     from stages import tracking
     from stages.config import load_config
 
-    assert ParallelConfig().rehearse is False
+    assert ParallelConfig().rehearse is None
     runs = tmp_path / "runs"
     uri = tracking.default_tracking_uri(runs)
     experiment = tracking.ensure_experiment(uri, "rehearse-test", runs)
-    for rehearse_it in (False, True):
+    # (parallel.rehearse, cluster, rehearsed?): None rehearses on frontier, not on local
+    for setting, cluster, expected in (("false", "frontier", False), ("null", "local", False),
+                                       ("null", "frontier", True)):
         cfg = load_config("tiny", [f"tracking.runs_dir={runs}", "parallel.nproc=2",
-                                   "parallel.cluster=frontier",
-                                   f"parallel.rehearse={str(rehearse_it).lower()}"])
-        run_id = tracking.start_run(uri, experiment, f"plan-{rehearse_it}")
+                                   f"parallel.cluster={cluster}", f"parallel.rehearse={setting}"])
+        run_id = tracking.start_run(uri, experiment, f"plan-{setting}-{cluster}")
         tracker = tracking.Tracker(uri, run_id)
-        out_dir = tmp_path / f"plan-{rehearse_it}"
+        out_dir = tmp_path / f"plan-{setting}-{cluster}"
         out_dir.mkdir()
         out = plan_stage.run(cfg, {}, out_dir, tracker)
         tracker.flush()
-        assert ("rehearsal" in out) is rehearse_it
-        assert (out_dir / "rehearsal.json").exists() is rehearse_it
+        assert ("rehearsal" in out) is expected
+        assert (out_dir / "rehearsal.json").exists() is expected
     records = json.loads((out_dir / "rehearsal.json").read_text())
     plan = Plan.from_json(out["plan"])
     assert [r["rank"] for r in records] == busiest_ranks(plan)
+    assert all(r["rehearsed_fits_device"] for r in records)
     metrics = tracking.MlflowClient(uri).get_run(run_id).data.metrics
     for r in records:
         assert metrics[f"rehearsed_peak_memory_gb_rank{r['rank']}"] == pytest.approx(
             r["rehearsed_peak_memory_gb"])
+
+
+@pytest.mark.slow  # six rehearsals, each in a process of its own: ~1 minute
+def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(tmp_path: Path) -> None:
+    """Two plans of one model, the first holding far more activations (no recompute, a
+    large micro-batch); on a device sized between their rehearsed peaks the stage keeps the
+    second and records why the first gave way; below both it refuses with the figures."""
+    import dataclasses
+
+    from model.planner.cluster import load_cluster
+    from stages import plan as plan_stage
+    from stages import tracking
+    from stages.config import load_config
+
+    runs = tmp_path / "runs"
+    cfg = load_config("tiny", [f"tracking.runs_dir={runs}", "parallel.nproc=2",
+                               "train.global_batch=16", "train.seq_len=256",
+                               "model.max_seq_len=256"])
+    lavish = Plan(dp=2, micro_batch=8, grad_accum=1, sharding="zero3", recompute="none")
+    frugal = Plan(dp=2, micro_batch=1, grad_accum=8, sharding="zero3", recompute="full")
+    bare = dataclasses.replace(load_cluster("frontier"), fragmentation=0.0, reserved_gb=0.0)
+    peaks = [plan_stage.rehearsal_records(cfg.model, cfg.train, p, bare, 2)[0][
+        "rehearsed_peak_memory_gb"] for p in (lavish, frugal)]
+    assert peaks[0] > 1.5 * peaks[1]
+    uri = tracking.default_tracking_uri(runs)
+    experiment = tracking.ensure_experiment(uri, "rehearse-fit", runs)
+    tracker = tracking.Tracker(uri, tracking.start_run(uri, experiment, "fit"))
+    between = dataclasses.replace(bare, memory_gb=(peaks[0] + peaks[1]) / 2)
+    kept = plan_stage.rehearse_in_stage(cfg, [lavish, frugal], between, None, tmp_path, tracker)
+    assert kept.key() == frugal.key()
+    rejected = json.loads((tmp_path / "rehearsal_rejected.json").read_text())
+    assert [r["plan"] for r in rejected] == [lavish.describe()]
+    assert rejected[0]["rehearsed_peak_memory_gb_with_margins"] == pytest.approx(peaks[0])
+    assert json.loads((tmp_path / "rehearsal.json").read_text())[0]["rehearsed_fits_device"]
+    below = dataclasses.replace(bare, memory_gb=peaks[1] / 2)
+    with pytest.raises(PlanError, match="no plan fits .* by its rehearsal"):
+        plan_stage.rehearse_in_stage(cfg, [lavish, frugal], below, None, tmp_path, tracker)
+    tracker.flush()
