@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Stop the test cluster started by .ci/start_slurm.sh: every slurmd and slurmctld and, for a
-# multi-node cluster, the processes left in the node namespaces, the namespaces, their links,
-# the bridge and the cluster's /etc/hosts block. Removes the env file so the Slurm tests skip
-# again. munged is left running (other tools may use it).
+# Stop the test cluster started by .ci/start_slurm.sh: its jobs (cancelled, and the
+# controller's saved state removed, so a restart brings none back), every slurmd and
+# slurmctld and, for a multi-node cluster, the processes left in the node namespaces, the
+# namespaces, their links, the bridge and the cluster's /etc/hosts block. Removes the env
+# file so the Slurm tests skip again. munged is left running (other tools may use it).
 #
 #   .ci/stop_slurm.sh [--state-dir DIR] [--prefix NAME]
 #
@@ -36,11 +37,24 @@ stop_pid() {  # stop_pid PID WHAT
 }
 
 rm -f "$STATE_DIR/env"
+# Jobs a killed test run left behind: cancel them while the controller still answers, and
+# drop its saved state below, so the next start does not bring them back.
+if [[ -s "$STATE_DIR/slurmctld.pid" ]] && kill -0 "$(cat "$STATE_DIR/slurmctld.pid")" 2>/dev/null; then
+    jobs="$(SLURM_CONF="$STATE_DIR/slurm.conf" timeout 10 squeue -h -o %A 2>/dev/null | tr '\n' ' ')"
+    if [[ -n "${jobs// }" ]]; then
+        # shellcheck disable=SC2086  # one job id per word
+        SLURM_CONF="$STATE_DIR/slurm.conf" timeout 10 scancel $jobs 2>/dev/null || true
+        echo "[stop_slurm] cancelled jobs $jobs"
+    fi
+fi
 shopt -s nullglob
 for pidfile in "$STATE_DIR"/slurmd.pid "$STATE_DIR"/slurmd-*.pid "$STATE_DIR"/slurmctld.pid; do
     [[ -s "$pidfile" ]] && stop_pid "$(cat "$pidfile")" "$(basename "$pidfile" .pid)"
     rm -f "$pidfile"
 done
+
+# slurmctld's saved jobs, recovered on its next start otherwise (the directory stays)
+[[ -d "$STATE_DIR/state" ]] && find "$STATE_DIR/state" -mindepth 1 -delete
 
 [[ -n "$PREFIX" ]] || exit 0
 
