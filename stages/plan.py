@@ -238,7 +238,8 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
         pp_rank = rank // (plan.dp * plan.tp)
         stage = "first" if pp_rank == 0 else "last" if pp_rank == plan.pp - 1 else "middle"
         modeled = "last" if stage == "last" else "first"  # the model bounds others by the first
-        result = rehearse_isolated(model_cfg, train_cfg, plan, rank)
+        result = rehearse_isolated(model_cfg, train_cfg, plan, rank,
+                                   initializer=launch.die_with_parent)
         tensors = (mem[f"states_{modeled}"] + mem[f"act_{modeled}"]
                    + mem[f"transient_{modeled}"])
         with_margins = result.peak_memory_gb * margin + cluster.reserved_gb

@@ -53,7 +53,7 @@ import multiprocessing
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -572,15 +572,18 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
 
 
 def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: int,
-                      steps: int = 1, warmup: int = 1) -> Rehearsal:
+                      steps: int = 1, warmup: int = 1,
+                      initializer: Callable[[], None] | None = None) -> Rehearsal:
     """``rehearse`` in a fresh (spawned) interpreter, its RehearsalError re-raised here.
 
     One rank per process: DTensor caches device meshes by value, so a second rehearsal in
     the same process would reach collectives bound to the first one's destroyed process
     group ("Could not resolve the process group registered under the name ...").
+    ``initializer`` runs first in the child (the plan stage's makes it die with its parent).
     """
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context,
+                                                initializer=initializer) as pool:
         return pool.submit(rehearse, model_cfg, train_cfg, plan, rank, None, steps,
                            warmup).result()
 
@@ -589,12 +592,3 @@ def busiest_ranks(plan: Plan) -> list[int]:
     """The first pipeline stage's rank 0 and the last stage's first rank (one if pp == 1)."""
     last = (plan.pp - 1) * plan.dp * plan.tp
     return [0] if last == 0 else [0, last]
-
-
-def rehearse_ranks(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
-                   ranks: list[int] | None = None, steps: int = 1,
-                   warmup: int = 1) -> list[Rehearsal]:
-    """Rehearse each of ``ranks`` (default: ``busiest_ranks``), one after the other, each in
-    a process of its own (``rehearse_isolated``)."""
-    return [rehearse_isolated(model_cfg, train_cfg, plan, r, steps=steps, warmup=warmup)
-            for r in (ranks if ranks is not None else busiest_ranks(plan))]
