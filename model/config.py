@@ -197,6 +197,9 @@ class ParallelConfig:
     """Data-parallel sharding: zero3 (FSDP2 reshard after forward), zero2, ddp or none."""
     recompute: Recompute | None = None
     """Activation checkpointing: none, selective or full; None lets the planner choose."""
+    recompute_layers: int | None = None
+    """With recompute full, recompute only the first N blocks of each pipeline chunk (0: every
+    block); None lets the planner choose."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence over the tp group."""
     refine_top_k: int = 0
@@ -220,6 +223,9 @@ class ParallelConfig:
         for name in ("tp", "pp", "dp", "micro_batch", "virtual_stages"):
             value = getattr(self, name)
             _require(value is None or value > 0, f"parallel.{name} must be > 0, got {value}")
+        _require(self.recompute_layers is None or self.recompute_layers >= 0,
+                 f"parallel.recompute_layers must be >= 0 (0: every block), got "
+                 f"{self.recompute_layers}")
         _require(self.refine_top_k >= 0, "parallel.refine_top_k must be >= 0")
 
     @property

@@ -116,6 +116,7 @@ def hand_plan(fixed: dict[str, Any], global_batch: int, world: int) -> Plan | No
                 grad_accum=ga,
                 schedule=fixed["schedule"], virtual_stages=fixed.get("virtual_stages") or 1,
                 sharding=fixed["sharding"], recompute=fixed["recompute"],
+                recompute_layers=fixed.get("recompute_layers") or 0,
                 sequence_parallel=bool(fixed.get("sequence_parallel", False)))
 
 

@@ -46,6 +46,7 @@ def test_overrides_are_typed_and_applied():
         ("train.seq_len=4096", "train.seq_len=4096 exceeds model.max_seq_len"),
         ("site.walltime=2h", "site.walltime must be HH:MM:SS"),
         ("parallel.schedule=zigzag", "choose one of"),
+        ("parallel.recompute_layers=-1", "parallel.recompute_layers must be >= 0"),
         ("train.steps", "must look like section.key=value"),
     ],
 )

@@ -112,6 +112,50 @@ def test_pipeline_schedules_in_flight_micro_batches() -> None:
     assert inter["act_last"] == pytest.approx(5 * (2 * st[0] + out) * 2)
 
 
+def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> None:
+    # 8 layers over pp=2: chunks of 4; recompute_layers=1 recomputes the first of each chunk
+    s = Shapes(8, 1024, 16, 16, 4096, 32000, 512, dtype="bfloat16")
+    base = {"pp": 2, "micro_batch": 1, "grad_accum": 4, "schedule": "1f1b", "sharding": "none"}
+    one = np.array([1])
+
+    def per_layer(rec: int) -> tuple[float, float]:
+        st, tr = activation_elems_per_layer(s, one, one, np.array([0]), np.array([rec]))
+        return float(st[0]), float(tr[0])
+
+    kept, _ = per_layer(REC_NONE)
+    recomputed, transient = per_layer(REC_FULL)
+    out = 512 * 1024  # each in-flight chunk's output
+    partial = _mem(s, recompute="full", recompute_layers=1, **base)
+    # first rank: pp - 0 = 2 chunks in flight, one block recomputed and three kept in each;
+    # the block recomputed in backward (one block's activations) comes after the three kept
+    # ones have freed theirs, so it adds nothing
+    assert transient == kept
+    assert partial["act_first"] == pytest.approx((2 * (1 * recomputed + 3 * kept + out)) * 2)
+    assert partial["act_last"] == pytest.approx((1 * (recomputed + 3 * kept + out)) * 2)
+    none = _mem(s, recompute="none", **base)
+    full = _mem(s, recompute="full", **base)  # every block recomputed: the transient on top
+    assert full["act_first"] == pytest.approx((2 * (4 * recomputed + out) + transient) * 2)
+    assert full["act_first"] < partial["act_first"] < none["act_first"]
+    # without pipelining the chunk is the whole model
+    whole = _mem(s, micro_batch=1, grad_accum=1, sharding="none", recompute="full",
+                 recompute_layers=6)
+    assert whole["act_first"] == pytest.approx((6 * recomputed + 2 * kept) * 2)
+
+
+def test_partial_recompute_costs_its_share_of_the_recomputed_forwards() -> None:
+    # the recompute compute and its extra tp collectives scale by N / layers per chunk
+    cl = load_cluster("frontier")
+    s = Shapes(16, 4096, 32, 32, 16384, 51200, 2048, llama=False)
+    base = {"tp": 4, "pp": 2, "micro_batch": 1, "grad_accum": 8, "sharding": "none"}
+    t = step_time(s, cl, encode([Plan(recompute="none", **base), Plan(recompute="full", **base),
+                                 Plan(recompute="full", recompute_layers=2, **base)]))
+    rec = t["breakdown"]["compute_recompute"]
+    assert rec[0] == 0 and rec[2] == pytest.approx(rec[1] * 2 / 8)
+    extra = t["tp_comm"] - t["tp_comm"][0]  # 2 all-reduces more per recomputed block
+    assert extra[1] > 0 and extra[2] == pytest.approx(extra[1] * 2 / 8)
+    assert t["step"][0] < t["step"][2] < t["step"][1]
+
+
 def test_stage_layer_counts_match_the_split_used_by_the_trainer() -> None:
     s = Shapes(10, 64, 4, 4, 256, 128, 32)
     for pp, v in ((1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (3, 3), (2, 5)):

@@ -64,6 +64,44 @@ def test_fixed_fields_are_honoured() -> None:
         choose(model, train, cl, 32, {**hand, "tp": 4})
 
 
+def test_partial_recompute_is_searched_and_a_fixed_count_honoured() -> None:
+    from model.planner.search import enumerate_plans, recompute_layer_options
+    from model.planner.shapes import REC_FULL
+
+    model = ModelConfig(family="neox", n_layers=24, d_model=2048, n_heads=16, vocab_size=51200,
+                        max_seq_len=2048)
+    cl = load_cluster("dgx-a100")
+    train = TrainConfig(global_batch=64, seq_len=2048, dtype="bfloat16")
+    s = Shapes.from_configs(model, train)
+    # a quarter, half and three quarters of each chunk's blocks, besides all of them
+    assert recompute_layer_options(12) == [3, 6, 9]
+    assert recompute_layer_options(2) == [1] and recompute_layer_options(1) == []
+    c, _ = enumerate_plans(s, 32, 64, {"tp": 2, "pp": 2, "schedule": "1f1b"})
+    assert sorted(set(c["rl"][c["rec"] == REC_FULL])) == [0, 3, 6, 9]
+    assert set(c["rl"][c["rec"] != REC_FULL]) == {0}
+    # fixed: every ranked plan recomputes the first 3 blocks of each chunk, fully
+    plan, res = choose(model, train, cl, 32, {"recompute_layers": 3})
+    assert res is not None and res.plans
+    assert all((p.recompute, p.recompute_layers) == ("full", 3) for p in res.plans)
+    assert "full3" in plan.describe()
+    # pp=8 leaves 3 layers per chunk: too few for 3 recomputed blocks
+    assert all(p.pp * p.virtual_stages <= 6 for p in res.plans)
+    hand = {"tp": 2, "pp": 2, "dp": 8, "micro_batch": 2, "schedule": "1f1b",
+            "sharding": "zero2", "recompute": "full", "recompute_layers": 4}
+    plan, res = choose(model, train, cl, 32, hand)
+    assert res is None and plan.recompute_layers == 4
+    # refused, with the field and the fix named
+    with pytest.raises(PlanError, match=r"recompute_layers=12 must be smaller than the 12 "
+                                        r"layers of the smallest pipeline chunk.*use "
+                                        r"recompute_layers=0"):
+        choose(model, train, cl, 32, {**hand, "recompute_layers": 12})
+    with pytest.raises(PlanError, match=r"recompute_layers=2 needs recompute=full \(got "
+                                        r"recompute=selective\)"):
+        choose(model, train, cl, 32, {"recompute": "selective", "recompute_layers": 2})
+    with pytest.raises(PlanError, match=r"plan.recompute_layers must be an integer >= 0"):
+        Plan.from_dict({**Plan().to_dict(), "recompute_layers": -1})
+
+
 def test_1t_on_3072_frontier_gcds_returns_a_valid_plan() -> None:
     s, train = _shapes(ONE_T, 1536)
     res = search(s, load_cluster("frontier"), 3072, 1536)
@@ -108,8 +146,8 @@ def test_cluster_with_a_missing_field(tmp_path: Path) -> None:
 
 def test_plan_json_round_trip(tmp_path: Path) -> None:
     plan = Plan(tp=2, pp=4, dp=3, micro_batch=2, grad_accum=8, schedule="interleaved_1f1b",
-                virtual_stages=2, sharding="zero2", recompute="selective", sequence_parallel=True,
-                predictions={"step_time_s": 1.5, "mfu": 0.4})
+                virtual_stages=2, sharding="zero2", recompute="full", recompute_layers=2,
+                sequence_parallel=True, predictions={"step_time_s": 1.5, "mfu": 0.4})
     path = plan.to_json(tmp_path / "sub" / "plan.json")
     back = Plan.from_json(path)
     assert back == plan and back.to_dict() == json.loads(path.read_text())

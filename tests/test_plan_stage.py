@@ -88,11 +88,16 @@ def test_stage_validates_a_hand_plan_with_the_same_messages(runs_dir: Path) -> N
         plan_stage.run(_cfg(runs_dir, *fixed), {}, out_dir, tracker)
     good = ["parallel.tp=1", "parallel.pp=2", "parallel.micro_batch=2", "parallel.schedule=1f1b",
             "parallel.sharding=none", "parallel.recompute=full"]
-    cfg = _cfg(runs_dir, *good)
+    # 4 layers over pp=2: recomputing 2 blocks of a 2-block chunk is refused, naming the fix
+    with pytest.raises(PlanError, match=r"recompute_layers=2 must be smaller than the 2 layers.*"
+                                        r"use recompute_layers=0"):
+        plan_stage.run(_cfg(runs_dir, *good, "parallel.recompute_layers=2"), {}, out_dir, tracker)
+    cfg = _cfg(runs_dir, *good, "parallel.recompute_layers=1")
     out = plan_stage.run(cfg, {}, out_dir, tracker)
     # micro_batch 2 on one data-parallel rank: the rest of the global batch is accumulation.
     assert (out["tp"], out["pp"], out["dp"], out["grad_accum"]) == (
         1, 2, 1, cfg.train.global_batch // 2)
+    assert Plan.from_json(out["plan"]).recompute_layers == 1  # into plan.json
     assert not (out_dir / "plan_table.txt").exists()  # validated, not searched
 
 

@@ -226,6 +226,19 @@ def test_ddp_under_pipelining_all_reduces_the_stage_gradients() -> None:
         result.collective_bytes_by_dim["pp"]["recv"] == plan.grad_accum * SEQ * MODEL["d_model"] * 4
 
 
+def test_partial_recompute_keeps_activations_between_none_and_full() -> None:
+    """Recomputing the first 2 of 4 blocks (fake tensors, one rank) keeps more activations
+    than recomputing all of them and fewer than recomputing none."""
+    base = {"micro_batch": 2, "grad_accum": 2, "sharding": "none"}
+    train = TrainConfig(seq_len=SEQ, global_batch=4)
+    activation = {}
+    for rec, layers in (("none", 0), ("full", 2), ("full", 0)):
+        plan = Plan(**base, recompute=rec, recompute_layers=layers)
+        result = rehearse(ModelConfig(**MODEL), train, plan, 0)
+        activation[plan.describe().split()[-1]] = result.peak_memory_by_category["activation"]
+    assert activation["full"] < activation["full2"] < activation["none"], activation
+
+
 def test_ddp_without_pipelining_is_refused() -> None:
     plan = Plan(dp=2, micro_batch=2, grad_accum=2, sharding="ddp")
     with pytest.raises(RehearsalError, match="DDP"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.train_helpers import run_worker
+from tests.train_helpers import run_worker, tiny_config
 
 LAYOUTS = {
     "tp2": ({"tp": 2, "micro_batch": 4, "grad_accum": 2, "sharding": "none"}, 2),
@@ -51,6 +51,40 @@ def test_layout_matches_single_process(name: str, reference: list[float], tmp_pa
     assert len(summary["losses"]) == 4
     for step, (got, want) in enumerate(zip(summary["losses"], reference)):
         assert abs(got - want) < 1e-5, f"{name} step {step + 1}: loss {got} vs single {want}"
+
+
+def test_partial_recompute_marks_the_first_blocks_of_the_chunk() -> None:
+    import torch
+
+    from model.gpt import GPT
+    from model.parallel.parallelize import apply_activation_checkpointing
+    from model.parallel.pipeline import build_chunk
+
+    cfg = tiny_config().model
+    with torch.device("meta"):
+        whole = GPT(cfg)
+    apply_activation_checkpointing(whole, "full", 2)
+    assert [b.recompute for b in whole.layers.values()] == [True, True, False, False]
+    apply_activation_checkpointing(whole, "full")  # 0: every block
+    assert all(b.recompute for b in whole.layers.values())
+    second = build_chunk(cfg, 1, 2)  # layers 2 and 3 of a pp=2 split
+    apply_activation_checkpointing(second, "full", 1)
+    assert {k: b.recompute for k, b in second.layers.items()} == {"2": True, "3": False}
+    with pytest.raises(ValueError, match="use recompute_layers=0"):
+        apply_activation_checkpointing(second, "full", 2)
+    with pytest.raises(ValueError, match="needs recompute=full"):
+        apply_activation_checkpointing(whole, "selective", 1)
+
+
+@pytest.mark.slow
+def test_partial_recompute_matches_no_recompute(reference: list[float], tmp_path) -> None:
+    """Recomputing the first 2 of 4 blocks in one process gives the no-recompute losses."""
+    plan = {"micro_batch": 4, "grad_accum": 2, "sharding": "none", "recompute": "full",
+            "recompute_layers": 2}
+    summary = run_worker(tmp_path, plan, 1)
+    assert summary["plan"]["recompute_layers"] == 2
+    for got, want in zip(summary["losses"], reference, strict=True):
+        assert abs(got - want) < 1e-6
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from model.gpt import GPT
+from model.planner.plan import recompute_problems
 
 
 def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
@@ -84,18 +85,25 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -
         parallelize_module(block, tp_mesh, plan)
 
 
-def apply_activation_checkpointing(model: GPT, mode: str) -> None:
+def apply_activation_checkpointing(model: GPT, mode: str, layers: int = 0) -> None:
     """Recompute activations in backward.
 
-    ``full``: every block keeps only its input and reruns its forward in backward.
+    ``full``: every block keeps only its input and reruns its forward in backward; with
+    ``layers`` N > 0 only the chunk's first N blocks do (partial recompute, the plan's
+    ``recompute_layers``), the others keep their activations.
     ``selective`` (Megatron-style): only the attention core (rotary + softmax(QK^T)V) is
     recomputed, dropping the score-sized activations for a small extra cost.
     ``none``: nothing is recomputed.
     """
     if mode not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {mode!r}")
-    for block in model.layers.values():
-        block.recompute = mode == "full"
+    blocks = list(model.layers.values())  # the chunk's blocks in layer order
+    broken = recompute_problems(mode, layers, len(blocks), 1)  # the plan's rule, this chunk
+    if layers < 0 or broken:
+        raise ValueError("; ".join(broken) or f"recompute_layers must be >= 0, got {layers}")
+    recomputed = layers or len(blocks)
+    for i, block in enumerate(blocks):
+        block.recompute = mode == "full" and i < recomputed
         block.attention.recompute_core = mode == "selective"
 
 
@@ -136,11 +144,15 @@ def parallelize_chunk(
     sequence_parallel: bool,
     param_dtype: torch.dtype | None,
     compile: bool = False,
+    recompute_layers: int = 0,
 ) -> None:
-    """Apply TP -> activation checkpointing -> compile -> FSDP2 to one (meta-device) chunk."""
+    """Apply TP -> activation checkpointing -> compile -> FSDP2 to one (meta-device) chunk.
+
+    ``recompute_layers`` > 0 recomputes only the chunk's first blocks under ``recompute``
+    full (``apply_activation_checkpointing``)."""
     if tp > 1:
         apply_tp(model, mesh["tp"], sequence_parallel)
-    apply_activation_checkpointing(model, recompute)
+    apply_activation_checkpointing(model, recompute, recompute_layers)
     if compile:
         apply_compile(model)
     if sharding in ("zero2", "zero3") and dp > 1:

@@ -41,6 +41,13 @@ the attention output (divided by tp), the attention kernel's float32 log-sum-exp
 or memory-efficient kernel; without one the s x s scores, a s^2 b / tp), and the MLP's
 intermediates (2 or 4 of s b ffn / tp). Selective recompute drops the scores; full
 recompute keeps each block's input and, while one block is recomputed, its activations.
+Partial recompute (full with ``recompute_layers`` N > 0, ``chunk_activation_elems``): in each
+pipeline chunk of L blocks the first N keep what full recompute keeps and the other L - N
+what no recompute keeps. The recomputed block's activations come on top only where they
+exceed what the chunk has freed by then: the backward reaches the first N blocks after the
+L - N others have freed theirs, at least one block's worth, so they add nothing (rehearsed
+at 175B width with 8 layers, zero3 dp8: the peaks of N = 4 and 6 fall while a recomputed
+block runs and hold full recompute's activations, N = 2's in a kept block's backward).
 
 In flight: the pipeline schedule decides how many micro-batches each stage holds. GPipe:
 all m; 1F1B: pp - r on pipeline rank r; interleaved 1F1B (torch's ``_get_warmup_ops``):
@@ -140,6 +147,25 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
     return stored, transient
 
 
+def chunk_activation_elems(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray,
+                           rec: np.ndarray, rl: np.ndarray, layers: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """(stored elements of one pipeline chunk of ``layers`` blocks per micro-batch, elements
+    the chunk in backward holds beyond them while a block is recomputed).
+
+    Under partial recompute (rec full, ``rl`` = recompute_layers N > 0) the chunk's first N
+    blocks store what full recompute stores and the other ``layers - N`` what no recompute
+    stores; otherwise every block stores the same. A block is recomputed once the chunk's
+    later blocks have freed their activations: the chunk then holds the N recomputed blocks'
+    inputs and one block's activations, which under partial recompute is no more than at
+    the start of its backward; under full recompute it is one block's activations more."""
+    stored, transient = activation_elems_per_layer(s, mb, tp, sp, rec)
+    kept, _ = activation_elems_per_layer(s, mb, tp, sp, np.full_like(rec, REC_NONE))
+    recomputed = np.where((rec == REC_FULL) & (rl > 0), np.minimum(rl, layers), layers)
+    chunk = recomputed * stored + (layers - recomputed) * kept
+    return chunk, np.maximum(0.0, recomputed * stored + transient - chunk)
+
+
 def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0.0,
                      fragmentation: float = 0.0) -> dict[str, np.ndarray]:
     """Per-rank bytes (arrays over candidates) of the first and last pipeline stages and the peak.
@@ -150,7 +176,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     buffers or the logits at the peak); first, last and peak (their sums with the margins).
     """
     tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
-    sched, v, shard, rec, sp = c["sched"], c["v"], c["shard"], c["rec"], c["sp"]
+    sched, v, shard, rec, sp, rl = c["sched"], c["v"], c["shard"], c["rec"], c["sp"], c["rl"]
     cb = s.act_bytes
     mixed = s.dtype == "bfloat16"
     layer_p = s.layer_matrix_params / tp + s.layer_norm_params
@@ -178,14 +204,15 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
         return (np.where(fsdp, sharded, plain),
                 np.where(fsdp, np.where(single, flat_buf, pipe_buf), plain_buf))
 
-    stored, transient = activation_elems_per_layer(s, mb, tp, sp, rec)
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     chunk_out = s.seq_len * mb * s.d_model * spf * np.where(single, 0.0, 1.0)
     logits = s.seq_len * mb * s.vocab * LOGIT_BYTES[cb]
 
     def act(pp_rank: np.ndarray, layers: np.ndarray) -> np.ndarray:
         chunks = in_flight_chunks(pp, ga, sched, v, pp_rank)
-        return (chunks * (layers / np.maximum(v, 1) * stored + chunk_out) + transient) * cb
+        stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
+                                                   layers / np.maximum(v, 1))
+        return (chunks * (stored + chunk_out) + transient) * cb
 
     first_rank = np.zeros_like(pp)
     act_first = act(first_rank, n_first)

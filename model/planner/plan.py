@@ -2,7 +2,8 @@
 
 A ``Plan`` fixes the mesh (pp, dp, tp; tp varies fastest), the batch split
 (micro_batch sequences per micro-batch per data-parallel rank, grad_accum micro-batches
-per step), the pipeline schedule, data-parallel sharding and activation recompute.
+per step), the pipeline schedule, data-parallel sharding and activation recompute (all
+blocks, or with ``recompute_layers`` the first N blocks of each pipeline chunk).
 ``Plan.check`` enforces every rule the trainer relies on and raises ``PlanError``
 (a ``ValueError``) naming the factors involved and what to change. The rules are the
 ``*_problems`` functions below, one per group of factors; the search applies the same
@@ -49,6 +50,9 @@ class Plan:
     """Data-parallel sharding: zero3, zero2, ddp or none (none needs dp == 1)."""
     recompute: str = "none"
     """Activation recompute: none, selective or full."""
+    recompute_layers: int = 0
+    """With recompute full: recompute only the first N blocks of each pipeline chunk (each
+    model chunk a rank holds; the whole model without pipelining); 0 recomputes every block."""
     sequence_parallel: bool = False
     """Shard norm/dropout activations along the sequence over the tp group (needs tp > 1)."""
     predictions: dict[str, float] = field(default_factory=dict)
@@ -104,24 +108,27 @@ class Plan:
     def key(self) -> tuple:
         """Identity of the layout, without predictions (for dedup and comparisons)."""
         return (self.tp, self.pp, self.dp, self.micro_batch, self.grad_accum, self.schedule,
-                self.virtual_stages, self.sharding, self.recompute, self.sequence_parallel)
+                self.virtual_stages, self.sharding, self.recompute, self.recompute_layers,
+                self.sequence_parallel)
 
     def describe(self) -> str:
-        """A short one-line label, e.g. 'tp2 pp4 dp8 mb1 ga16 1f1b zero2 sel'."""
+        """A short one-line label, e.g. 'tp2 pp4 dp8 mb1 ga16 1f1b zero2 selective'; partial
+        recompute shows its block count ('full3': the first 3 blocks of each chunk)."""
         sched = self.schedule if self.pp > 1 else "-"
         if self.schedule == "interleaved_1f1b":
             sched = f"il{self.virtual_stages}"
         sp = " sp" if self.sequence_parallel else ""
+        rec = self.recompute + (str(self.recompute_layers) if self.recompute_layers else "")
         return (f"tp{self.tp} pp{self.pp} dp{self.dp} mb{self.micro_batch} ga{self.grad_accum} "
-                f"{sched} {self.sharding} {self.recompute}{sp}")
+                f"{sched} {self.sharding} {rec}{sp}")
 
     # --- validation ----------------------------------------------------------------------
     def validate_fields(self) -> None:
         """Check each field on its own (types and allowed values)."""
         for name in INTEGER_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"plan.{name} must be an integer >= 1, got {value!r}")
+            value, least = getattr(self, name), 0 if name in COUNT_FIELDS else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise PlanError(f"plan.{name} must be an integer >= {least}, got {value!r}")
         for name, allowed in (("schedule", SCHEDULES), ("sharding", SHARDINGS),
                               ("recompute", RECOMPUTES)):
             if getattr(self, name) not in allowed:
@@ -155,6 +162,8 @@ class Plan:
             *batch_problems(self.micro_batch, self.grad_accum, self.dp, train_cfg.global_batch),
             *schedule_problems(self.schedule, self.pp, self.grad_accum, self.virtual_stages),
             *sharding_problems(self.sharding, self.dp, self.tp),
+            *recompute_problems(self.recompute, self.recompute_layers, model_cfg.n_layers,
+                                self.pp * self.virtual_stages),
             *sequence_parallel_problems(self.sequence_parallel, self.tp, train_cfg.seq_len),
             *sequence_length_problems(train_cfg.seq_len, model_cfg.max_seq_len),
         ]
@@ -265,6 +274,24 @@ def sharding_problems(sharding: str, dp: int, tp: int) -> list[str]:
     return out
 
 
+def recompute_problems(recompute: str, recompute_layers: int, n_layers: int,
+                       chunks: int) -> list[str]:
+    """Partial recompute (recompute_layers N > 0) needs recompute full and N below the layers
+    of the smallest pipeline chunk (N equal to them would be full recompute: use 0)."""
+    if recompute_layers == 0:
+        return []
+    if recompute != "full":
+        return [f"recompute_layers={recompute_layers} needs recompute=full (got "
+                f"recompute={recompute}): set recompute=full or recompute_layers=0"]
+    smallest = n_layers // max(chunks, 1)  # stage_layers's split: the last chunks are smallest
+    if 0 < smallest <= recompute_layers:  # no layer per chunk: pipeline_problems says so
+        return [f"recompute_layers={recompute_layers} must be smaller than the {smallest} layers "
+                f"of the smallest pipeline chunk (model.n_layers={n_layers} over "
+                f"pp*virtual_stages={chunks} chunks): use recompute_layers=0 to recompute "
+                f"every block, or a smaller count"]
+    return []
+
+
 def sequence_parallel_problems(sequence_parallel: bool, tp: int, seq_len: int) -> list[str]:
     """Sequence parallelism needs tp > 1 dividing the sequence length."""
     if not sequence_parallel:
@@ -307,6 +334,8 @@ FIELD_TYPES: dict[str, type] = {f.name: {"int": int, "str": str, "bool": bool}[f
                                 for f in fields(Plan) if f.name in LAYOUT_FIELDS}
 """Each layout field's type (``--fix NAME=VALUE`` parses by it)."""
 INTEGER_FIELDS: tuple[str, ...] = tuple(n for n, t in FIELD_TYPES.items() if t is int)
+COUNT_FIELDS: tuple[str, ...] = ("recompute_layers",)
+"""The integer fields for which 0 is allowed (a count; the other integers are degrees >= 1)."""
 CONFIG_FIELDS: tuple[str, ...] = tuple(n for n in LAYOUT_FIELDS
                                        if n in {f.name for f in fields(ParallelConfig)})
 """The layout fields a config's ``parallel`` section can fix (grad_accum follows the batch)."""

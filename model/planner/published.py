@@ -46,8 +46,9 @@ FILE_FIELDS = ("source", "role", "cluster", "framework", "dtype", "flash_attenti
                "flops_formula", "rows")
 ROW_FIELDS = ("name", "n_layers", "d_model", "n_heads", "seq_len", "vocab", "family",
               "global_batch", "devices", "measured")
-PLAN_FIELDS = tuple(f for f in LAYOUT_FIELDS if f not in ("dp", "grad_accum"))
-"""A published row's layout columns (dp and grad_accum follow from devices and batch)."""
+PLAN_FIELDS = tuple(f for f in LAYOUT_FIELDS if f not in ("dp", "grad_accum", "recompute_layers"))
+"""A published row's layout columns (dp and grad_accum follow from devices and batch;
+recompute_layers is optional, 0 when absent: every block recomputed under recompute full)."""
 MEASURES = ("tflops_per_device", "mfu", "pct_of_peak", "tokens_per_s_per_device")
 FORMULAS = ("megatron_hardware", "megatron_model", "megatron_model_v16", "none")
 BOUNDS = (0.3, 1.5)
@@ -140,6 +141,7 @@ def _rows_of(path: Path) -> list[Row]:
             plan = Plan(tp=r["tp"], pp=r["pp"], dp=dp, micro_batch=r["micro_batch"],
                         grad_accum=ga, schedule=r["schedule"], virtual_stages=r["virtual_stages"],
                         sharding=r["sharding"], recompute=r["recompute"],
+                        recompute_layers=int(r.get("recompute_layers", 0)),
                         sequence_parallel=bool(r["sequence_parallel"]))
         fpt = flops_per_token(raw["flops_formula"], s)
         value = float(r["measured"])

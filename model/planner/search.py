@@ -24,6 +24,7 @@ from model.planner.plan import (
     PlanError,
     divisors,
     pipeline_problems,
+    recompute_problems,
     schedule_problems,
     sequence_parallel_problems,
     sharding_problems,
@@ -36,15 +37,20 @@ from model.planner.shapes import (
     INTERLEAVED,
     NOSHARD,
     ONEF1B,
+    REC_FULL,
     ZERO2,
     ZERO3,
     Shapes,
+    columns,
     decode,
     encode,
 )
 from model.planner.time_model import predictions
 
 FIXABLE = LAYOUT_FIELDS
+PARTIAL_RECOMPUTE_FRACTIONS = (0.25, 0.5, 0.75)
+"""Under recompute full the search also tries recomputing these fractions of each pipeline
+chunk's blocks (``recompute_layers``), besides every block."""
 
 
 @dataclass
@@ -96,6 +102,13 @@ def _fixed_ok(fixed: dict[str, Any], name: str, value: Any) -> bool:
     return fixed.get(name) is None or fixed[name] == value
 
 
+def recompute_layer_options(layers_per_chunk: int) -> list[int]:
+    """The partial recompute counts the search tries for chunks of ``layers_per_chunk`` blocks:
+    ``PARTIAL_RECOMPUTE_FRACTIONS`` of them, rounded, distinct, > 0 and below the chunk."""
+    counts = {int(layers_per_chunk * f + 0.5) for f in PARTIAL_RECOMPUTE_FRACTIONS}
+    return sorted(n for n in counts if 0 < n < layers_per_chunk)
+
+
 def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, Any] | None = None,
                     ) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
     """All structurally valid candidates (encoded) and the grouped structural rejections."""
@@ -109,6 +122,12 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
     if fixed.get("sharding") is not None:
         shard_codes = {SHARDINGS.index(fixed["sharding"])}
     rec_codes = [RECOMPUTES.index(fixed["recompute"])] if "recompute" in fixed else [0, 1, 2]
+    fixed_layers = fixed.get("recompute_layers")
+    if fixed_layers:  # partial recompute is a kind of full recompute
+        broken = recompute_problems(fixed.get("recompute", "full"), fixed_layers, s.n_layers, 1)
+        if broken:
+            raise PlanError(broken[0])
+        rec_codes = [REC_FULL]
     for tp in divisors(world):
         if not _fixed_ok(fixed, "tp", tp):
             continue
@@ -149,6 +168,15 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
             sched_opts = [(sc, v) for sc, v in sched_opts
                           if _fixed_ok(fixed, "schedule", SCHEDULES[sc])
                           and _fixed_ok(fixed, "virtual_stages", v)]
+            if fixed_layers:
+                short = [(sc, v) for sc, v in sched_opts
+                         if recompute_problems("full", fixed_layers, s.n_layers, pp * v)]
+                for v in sorted({v for _, v in short}):
+                    rejected[f"recompute_layers={fixed_layers} is not below the layers of each "
+                             "pipeline chunk (use 0 or fewer)"].append(f"{fam} v={v}")
+                sched_opts = [o for o in sched_opts if o not in short]
+                if not sched_opts:
+                    continue
             shards = [NOSHARD] if dp == 1 else [ZERO3, ZERO2, DDP]
             shards = [x for x in shards
                       if x in shard_codes and not sharding_problems(SHARDINGS[x], dp, tp)]
@@ -163,15 +191,16 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
                 for sc, v in sched_opts:
                     if schedule_problems(SCHEDULES[sc], pp, ga, v):
                         continue
+                    partial = ([fixed_layers] if fixed_layers else [0] if fixed_layers == 0
+                               else [0, *recompute_layer_options(s.n_layers // (pp * v))])
                     for sh, rc, sp in itertools.product(shards, rec_codes, sp_opts):
-                        rows.append((tp, pp, dp, mb, ga, sc, v, sh, rc, sp))
+                        for rl in (partial if rc == REC_FULL else (0,)):
+                            rows.append((tp, pp, dp, mb, ga, sc, v, sh, rc, rl, sp))
             if not any(r[0] == tp and r[1] == pp for r in rows[-1:]):
                 reason = ("no micro-batch/schedule combination allowed (1f1b needs grad_accum "
                           ">= pp; fixed fields)")
                 rejected[reason].append(fam)
-    arr = np.array(rows, dtype=np.int64).reshape(-1, 10)
-    names = ("tp", "pp", "dp", "mb", "ga", "sched", "v", "shard", "rec", "sp")
-    return {n: arr[:, i] for i, n in enumerate(names)}, dict(rejected)
+    return columns(rows), dict(rejected)
 
 
 FRAMEWORK = "pytorch"

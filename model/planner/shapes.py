@@ -110,14 +110,24 @@ class Shapes:
         return self.params.flops_per_token(self.seq_len)
 
 
+COLUMNS: tuple[str, ...] = ("tp", "pp", "dp", "mb", "ga", "sched", "v", "shard", "rec", "rl",
+                             "sp")
+"""The encoded plan's columns, in row order: the Plan fields tp, pp, dp, micro_batch,
+grad_accum, schedule (code), virtual_stages, sharding (code), recompute (code),
+recompute_layers and sequence_parallel (0/1)."""
+
+
+def columns(rows: list[tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Rows of ``COLUMNS`` values as a dict of int arrays, one per column."""
+    arr = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    return {n: arr[:, i] for i, n in enumerate(COLUMNS)}
+
+
 def encode(plans: Iterable[Plan]) -> dict[str, np.ndarray]:
-    """Plans as a dict of int arrays (tp, pp, dp, mb, ga, sched, v, shard, rec, sp)."""
-    rows = [(p.tp, p.pp, p.dp, p.micro_batch, p.grad_accum, SCHEDULES.index(p.schedule),
-             p.virtual_stages, SHARDINGS.index(p.sharding), RECOMPUTES.index(p.recompute),
-             int(p.sequence_parallel)) for p in plans]
-    arr = np.array(rows, dtype=np.int64).reshape(-1, 10)
-    names = ("tp", "pp", "dp", "mb", "ga", "sched", "v", "shard", "rec", "sp")
-    return {n: arr[:, i] for i, n in enumerate(names)}
+    """Plans as a dict of int arrays keyed by ``COLUMNS``."""
+    return columns([(p.tp, p.pp, p.dp, p.micro_batch, p.grad_accum, SCHEDULES.index(p.schedule),
+                     p.virtual_stages, SHARDINGS.index(p.sharding), RECOMPUTES.index(p.recompute),
+                     p.recompute_layers, int(p.sequence_parallel)) for p in plans])
 
 
 def decode(c: dict[str, np.ndarray], i: int) -> Plan:
@@ -126,4 +136,4 @@ def decode(c: dict[str, np.ndarray], i: int) -> Plan:
                 micro_batch=int(c["mb"][i]), grad_accum=int(c["ga"][i]),
                 schedule=SCHEDULES[int(c["sched"][i])], virtual_stages=int(c["v"][i]),
                 sharding=SHARDINGS[int(c["shard"][i])], recompute=RECOMPUTES[int(c["rec"][i])],
-                sequence_parallel=bool(c["sp"][i]))
+                recompute_layers=int(c["rl"][i]), sequence_parallel=bool(c["sp"][i]))

@@ -7,8 +7,9 @@ small GEMMs (small micro-batches, wide tensor parallelism) run below peak. Norms
 activations, rotary and residual adds are memory bound; on GPUs, eager PyTorch's unfused
 kernels move more bytes than fused ones (``eager_block_bytes``, ``EAGER_LOSS_BYTES``).
 Backward costs twice the forward; full recompute adds a forward, selective recompute the
-attention core. Fused (flash) attention skips the masked half of the causal scores; unfused
-attention computes them all.
+attention core; partial recompute (``recompute_layers`` N of each chunk's blocks) adds the
+forward of those N blocks (``recompute_fraction``). Fused (flash) attention skips the masked
+half of the causal scores; unfused attention computes them all.
 
 Communication (ring collectives, ``2(n-1)/n * bytes / bw + 2(n-1) * latency`` for an
 all-reduce, half for reduce-scatter or all-gather) runs on the link the mesh places the
@@ -17,9 +18,10 @@ consecutive ranks (tp=2: one MI250X on Frontier, tp<=8: one node), a dp group ha
 tp and a pp group stride tp*dp (usually the network). A group crossing nodes shares each node's
 NICs with the other groups that have ranks there (``_group_bandwidth``). Per block and
 micro-batch tensor parallelism costs 2 all-reduces forward and 2 backward (2 more with full
-recompute); with sequence parallelism each becomes an all-gather + reduce-scatter of the same
-volume. This project's trainer (``framework`` None) also all-gathers the logits per
-micro-batch and computes the loss on full vocabulary rows on every tp rank. On measured
+recompute, for the recomputed blocks); with sequence parallelism each becomes an all-gather
++ reduce-scatter of the same volume. This project's trainer (``framework`` None) also
+all-gathers the logits per micro-batch and computes the loss on full vocabulary rows on
+every tp rank. On measured
 CPU clusters the tp communication is scaled by ``tp_comm_scale`` (a real tp block waits for
 its partner's GEMMs before each collective).
 
@@ -281,16 +283,26 @@ class _Blocks:
         return np.maximum(self.n_first, self.n_last)
 
 
+def recompute_fraction(s: Shapes, plans: dict[str, np.ndarray]) -> np.ndarray:
+    """The share of blocks whose forward runs again in backward under full recompute: 1, or
+    with recompute_layers N > 0, N over the layers of a pipeline chunk (their mean,
+    n_layers / (pp v); 0 for plans without full recompute)."""
+    chunk_layers = s.n_layers / (plans["pp"] * plans["v"])
+    partial = np.minimum(plans["rl"] / chunk_layers, 1.0)
+    return np.where(plans["rec"] == REC_FULL, np.where(plans["rl"] > 0, partial, 1.0), 0.0)
+
+
 def _block_time(s: Shapes, cluster: Any, plans: dict[str, np.ndarray]) -> _Blocks:
     """Forward (1x), backward (2x) and recompute of one block, plus its fixed host cost."""
     tp, mb, rec, sp = plans["tp"], plans["mb"], plans["rec"], plans["sp"]
     n_first, n_last = stage_layer_counts(s, plans["pp"], plans["v"])
     parts = layer_parts(s, cluster, mb, tp, sp)
     forward = parts["gemm"] + parts["attention"] + parts["elementwise"]
-    recompute = np.where(rec == REC_FULL, forward, np.where(rec == REC_SEL, parts["attention"],
-                                                            0.0))
+    full = recompute_fraction(s, plans)  # a block's share of the recomputed forwards
+    recompute = np.where(rec == REC_FULL, full * forward,
+                         np.where(rec == REC_SEL, parts["attention"], 0.0))
     host = (cluster.layer_overhead_us + np.where(tp > 1, cluster.tp_layer_overhead_us, 0.0)) * 1e-6
-    host = host * np.where(rec == REC_FULL, 4 / 3, 1.0)
+    host = host * (1 + full / 3)  # a recomputed forward repeats the block's host work
     block = 3 * forward + parts["attention_bwd_extra"] + recompute + host
     return _Blocks(parts, recompute, host, block, n_first, n_last)
 
@@ -429,8 +441,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     tokens = s.seq_len * mb
     act_bytes = tokens * s.d_model * s.act_bytes
 
-    # tensor parallelism: 4 all-reduces per block (6 with full recompute), partly overlapped
-    tp_ops = np.where(plans["rec"] == REC_FULL, 6, 4)
+    # tensor parallelism: 4 all-reduces per block (6 for a recomputed one), partly overlapped
+    tp_ops = 4 + 2 * recompute_fraction(s, plans)
     tp_block_raw = tp_ops * _tp_collective(cluster, "all_reduce", act_bytes, tp)
     tp_block = (1 - cluster.tp_comm_overlap) * tp_block_raw  # the exposed part
     gathered = framework is None

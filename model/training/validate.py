@@ -63,4 +63,5 @@ def plan_from_parallel(par: ParallelConfig, train_cfg: TrainConfig) -> Plan:
     return Plan(tp=tp, pp=pp, dp=dp, micro_batch=micro, grad_accum=max(1, per_rank // micro),
                 schedule=schedule, virtual_stages=par.virtual_stages or 1,
                 sharding=par.sharding or ("zero3" if dp > 1 else "none"),
-                recompute=par.recompute or "none", sequence_parallel=par.sequence_parallel)
+                recompute=par.recompute or "none", recompute_layers=par.recompute_layers or 0,
+                sequence_parallel=par.sequence_parallel)
