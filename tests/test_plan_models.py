@@ -6,6 +6,7 @@ import pytest
 
 from model.planner.cluster import load_cluster
 from model.planner.memory_model import (
+    AUTOCAST_ACTIVATION_FACTOR,
     LOGIT_BYTES,
     activation_elems_per_layer,
     memory_breakdown,
@@ -96,7 +97,8 @@ def test_pipelined_fsdp_keeps_unsharded_params_and_fp32_gradients() -> None:
 
 def test_pipeline_schedules_in_flight_micro_batches() -> None:
     s = Shapes(16, 512, 8, 8, 2048, 1000, 256, dtype="bfloat16")
-    base = {"pp": 4, "micro_batch": 1, "grad_accum": 16, "sharding": "none", "recompute": "none"}
+    base = {"pp": 4, "dp": 2, "micro_batch": 1, "grad_accum": 16, "sharding": "zero3",
+            "recompute": "none"}
     gpipe = _mem(s, schedule="gpipe", **base)
     onef = _mem(s, schedule="1f1b", **base)
     inter = _mem(s, schedule="interleaved_1f1b", virtual_stages=2, **base)
@@ -110,12 +112,16 @@ def test_pipeline_schedules_in_flight_micro_batches() -> None:
     assert onef["act_last"] == pytest.approx(1 * (4 * st[0] + out) * 2)
     assert inter["act_first"] == pytest.approx(11 * (2 * st[0] + out) * 2)
     assert inter["act_last"] == pytest.approx(5 * (2 * st[0] + out) * 2)
+    # without FSDP2's bf16 parameters the blocks run under autocast and keep more
+    autocast = _mem(s, schedule="1f1b", **{**base, "dp": 1, "sharding": "none"})
+    assert autocast["act_first"] == pytest.approx(AUTOCAST_ACTIVATION_FACTOR * onef["act_first"])
 
 
 def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> None:
     # 8 layers over pp=2: chunks of 4; recompute_layers=1 recomputes the first of each chunk
     s = Shapes(8, 1024, 16, 16, 4096, 32000, 512, dtype="bfloat16")
-    base = {"pp": 2, "micro_batch": 1, "grad_accum": 4, "schedule": "1f1b", "sharding": "none"}
+    base = {"pp": 2, "dp": 2, "micro_batch": 1, "grad_accum": 4, "schedule": "1f1b",
+            "sharding": "zero2"}
     one = np.array([1])
 
     def per_layer(rec: int) -> tuple[float, float]:
@@ -137,7 +143,7 @@ def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> N
     assert full["act_first"] == pytest.approx((2 * (4 * recomputed + out) + transient) * 2)
     assert full["act_first"] < partial["act_first"] < none["act_first"]
     # without pipelining the chunk is the whole model
-    whole = _mem(s, micro_batch=1, grad_accum=1, sharding="none", recompute="full",
+    whole = _mem(s, dp=2, micro_batch=1, grad_accum=1, sharding="zero3", recompute="full",
                  recompute_layers=6)
     assert whole["act_first"] == pytest.approx((6 * recomputed + 2 * kept) * 2)
 

@@ -28,9 +28,11 @@ Model states:
     forward to its backward (c P: at the end of the forward all of them).
 - Without FSDP (sharding none or ddp, or dp == 1): float32 parameters, gradients and
   Adam moments (16 P); under bf16 autocast the bf16 copies of the weights that the
-  forward saves for backward (2 P); DDP's gradient buckets (4 P) without pipelining; under
-  pipelining with ddp one flat float32 copy of the gradients for their all-reduce after the
-  schedule (4 P, once the activations are gone).
+  forward saves for backward (2 P), each new bf16 gradient and its float32 cast on the
+  first stage of a pipeline ((c + 4) u), and more activations (AUTOCAST_ACTIVATION_FACTOR);
+  DDP's gradient buckets (4 P) without pipelining; under pipelining with ddp one flat
+  float32 copy of the gradients for their all-reduce after the schedule (4 P, once the
+  activations are gone).
 
 Activations per block and micro-batch, as this trainer's blocks save them (Korthikanti et
 al. 2022's count without dropout, with one change): the two norm inputs (s b h each,
@@ -87,6 +89,14 @@ LOGIT_BYTES = {2: 16.0, 4: 20.0}
 dtype bytes: the gathered logits (c), their float32 copy and log-softmax (4 + 4) and the
 float32 gradients of both (4 + 4) less what is freed in between; measured 15-16 per logit in
 bf16 rehearsals (logits of 1e8 values); fp32 keeps no separate copy but a larger gather."""
+
+
+AUTOCAST_ACTIVATION_FACTOR = 2.9
+"""Activations under bf16 autocast over float32 weights (sharding none or ddp, or dp == 1,
+in bf16) relative to the same plan's count with bf16 parameters: rehearsals of 175B-wide
+pipelines keep 2.4x (tp4, SP) to 2.9x (tp1) as much (float32 norm inputs and outputs kept
+beside the bf16 casts the linears save). Measured on the CPU's autocast; a GPU's autocast
+casts differently, so these plans are priced conservatively, not exactly."""
 
 
 def stage_layer_counts(
@@ -208,11 +218,14 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     chunk_out = s.seq_len * mb * s.d_model * spf * np.where(single, 0.0, 1.0)
     logits = s.seq_len * mb * s.vocab * LOGIT_BYTES[cb]
 
+    autocast = ~fsdp & mixed  # bf16 autocast over float32 weights (no FSDP2 bf16 params)
+    act_factor = np.where(autocast, AUTOCAST_ACTIVATION_FACTOR, 1.0)
+
     def act(pp_rank: np.ndarray, layers: np.ndarray) -> np.ndarray:
         chunks = in_flight_chunks(pp, ga, sched, v, pp_rank)
         stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
                                                    layers / np.maximum(v, 1))
-        return (chunks * (stored + chunk_out) + transient) * cb
+        return (chunks * (stored + chunk_out) + transient) * cb * act_factor
 
     first_rank = np.zeros_like(pp)
     act_first = act(first_rank, n_first)
@@ -224,8 +237,9 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # ddp all-reduce copy comes after the schedule, when the activations are gone. Without
     # pipelining the buffers meet every stored activation at the start of the backward; the
     # head's rank peaks at the loss's backward or at a block's, whichever holds more.
-    pipe_first = np.where(fsdp, (cb + 4) * np.maximum(u, root_first),
-                          np.maximum(0.0, buf_first - act_first))
+    cast = (cb + 4) * np.maximum(u, root_first)
+    pipe_first = np.where(fsdp, cast, np.maximum(np.where(autocast, cast, 0.0),
+                                                  buf_first - act_first))
     peak_first = np.where(single, np.maximum(buf_first, logits), pipe_first)
     peak_last = np.maximum(buf_last, logits)
     first = (st_first + peak_first + act_first) * (1 + fragmentation) + reserved_gb * GB
