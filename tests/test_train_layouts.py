@@ -70,7 +70,7 @@ def test_partial_recompute_marks_the_first_blocks_of_the_chunk() -> None:
     second = build_chunk(cfg, 1, 2)  # layers 2 and 3 of a pp=2 split
     apply_activation_checkpointing(second, "full", 1)
     assert {k: b.recompute for k, b in second.layers.items()} == {"2": True, "3": False}
-    with pytest.raises(ValueError, match="use recompute_layers=0"):
+    with pytest.raises(ValueError, match="needs recompute=full and 0 <= N < blocks"):
         apply_activation_checkpointing(second, "full", 2)
     with pytest.raises(ValueError, match="needs recompute=full"):
         apply_activation_checkpointing(whole, "selective", 1)
