@@ -7,7 +7,7 @@ line, one JSON object:
   process) / raw ``Tokenizer.encode_batch`` tokens/s on the same documents (target >= 0.85).
   The shard tasks call ``encode_batch_fast`` (same ids, no character offsets), so the
   benchmark also prints ``encode_ratio_fast``: the same end-to-end rate over raw
-  ``encode_batch_fast``, i.e. what the Arrow reads, id conversion and Zarr writes cost;
+  ``encode_batch_fast``, i.e. what the streamed reads, id conversion and Zarr writes cost;
 - worker_scaling: tokenize tokens/s with 2 Parsl HTEX workers / with 1 worker, each worker
   limited to one encoder thread (RAYON_NUM_THREADS=1) (target >= 1.7);
 - loader_ratio: shuffled training windows/s from the store (TokenWindowLoader) / the same
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.results import RESULTS_DIR, write_results
 from data_prep import build
-from data_prep.corpus import open_corpus, shard_range
+from data_prep.corpus import load_corpus_info, shard_documents
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
 from data_prep.tokenizer import load_tokenizer
@@ -80,7 +80,8 @@ def measure_encode(cfg, out: Path, tracker, reps: int) -> dict[str, float]:
     ``tokenizers`` slows down with every Tokenizer loaded in a process.
     """
     n = tokenize.prepare(cfg, {}, out, tracker)
-    info, ds = open_corpus(out)
+    info = load_corpus_info(out)
+    shards = build.read_prepared(out)["shards"]
     tok = load_tokenizer(out / tokenize.TOKENIZER, cfg.tokenizer.eos_token)
     ratios, ratios_cpu, e2e_rates, raw_rates = [], [], [], []
     per_rep = []
@@ -89,8 +90,7 @@ def measure_encode(cfg, out: Path, tracker, reps: int) -> dict[str, float]:
         tokens = 0
         results = []
         for i in range(n):
-            a, b = shard_range(info.num_documents, n, i)
-            texts = ds[a:b]["text"]
+            texts = list(shard_documents(info, shards[i], cfg.data))
             t0, c0 = time.perf_counter(), cpu_seconds()
             encodings = tok.encode_batch(texts)
             raw_s += time.perf_counter() - t0

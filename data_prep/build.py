@@ -3,7 +3,9 @@
 The writing side of the store format in the package docstring (``store`` is the reading
 side, ``writer`` the low-level part writer). A build lives in one directory ``out_dir``::
 
-    corpus/, corpus.json   the saved corpus (``data_prep.corpus``)
+    corpus.json, doc_bytes.bin, validation_docs.bin
+                           the planned and counted corpus (``data_prep.corpus``); corpus/
+                           holds saved hub datasets, the only copy of input made
     tokenizer.json         the tokenizer
     prepared.json          what ``prepare_store`` decided: shard plan, dtype, eos, hashes, config
     store.zarr/            the store
@@ -11,7 +13,8 @@ side, ``writer`` the low-level part writer). A build lives in one directory ``ou
                            that encoded it)
 
 ``prepare_store`` saves the tokenizer and lays out an empty store; ``write_part`` encodes one
-input shard into its train and validation parts (one process per shard, in parallel);
+input shard, streamed from the source files, into its train and validation parts (one
+process per shard, in parallel);
 ``finish_store`` checks every part and writes the manifest last.
 
 Resuming. Every file is written so that present means complete: JSON files atomically
@@ -30,14 +33,13 @@ import json
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 import zarr
 from tokenizers import Tokenizer
 
@@ -46,9 +48,10 @@ from data_prep.config import DataConfig, TokenizerConfig
 from data_prep.corpus import (
     CORPUS_INFO,
     CorpusInfo,
-    corpus_validation_mask,
     drop_corpus,
+    shard_documents,
     shard_plan,
+    validation_indices,
 )
 from data_prep.errors import DataError
 from data_prep.progress import Progress
@@ -152,31 +155,33 @@ def prepare_store(out_dir: Path, info: CorpusInfo, tokenizer: Tokenizer, data: D
     return prepared
 
 
-def document_batches(ds: datasets.Dataset, start: int, stop: int,
-                     max_bytes: int) -> list[tuple[int, int]]:
-    """Document ranges of about ``max_bytes`` of text each (at least one document).
+def text_batches(texts: Iterator[str], total_bytes: int,
+                 max_bytes: int) -> Iterator[list[str]]:
+    """Documents grouped into lists of about ``max_bytes`` of UTF-8 text (at least one each).
 
-    The last range is cut again so that its final ~1/8 of the bytes is a batch of its own:
-    the writes of the long batch then overlap the encoding of the short one, and only the
-    short batch's writes are left after the encoder finishes.
+    ``total_bytes`` (the shard's text, known from the count) marks the last batch: it is cut
+    again so that its final ~1/8 of the bytes is a batch of its own, so the writes of the long
+    batch overlap the encoding of the short one and only the short batch's writes are left
+    after the encoder finishes. Only the current batch is held.
     """
-    sizes = pc.binary_length(ds.data.column("text").slice(start, stop - start)).to_numpy(
-        zero_copy_only=False)
-    batches, first, total = [], start, 0
-    for i, size in enumerate(sizes.tolist(), start=start):
-        if total and total + size > max_bytes:
-            batches.append((first, i))
-            first, total = i, 0
-        total += size
-    if first < stop:
-        batches.append((first, stop))
-    if batches:
-        a, b = batches[-1]
-        tail = np.cumsum(sizes[a - start : b - start][::-1])
-        cut = b - int(np.searchsorted(tail, TAIL_FRACTION * tail[-1]))  # first doc of the tail
-        if a < cut < b:
-            batches[-1:] = [(a, cut), (cut, b)]
-    return batches
+    batch: list[str] = []
+    size = done = 0
+    cut = None  # where the tail of the last batch starts, once the last batch is under way
+    for text in texts:
+        n = len(text.encode("utf-8"))
+        if batch and (size + n > max_bytes or (cut is not None and done >= cut)):
+            yield batch
+            batch, size = [], 0
+            if cut is not None and done >= cut:
+                cut = float("inf")  # the tail is cut once
+        if not batch and cut is None and total_bytes - done <= max_bytes:
+            rest = total_bytes - done  # the last batch: its last TAIL_FRACTION goes alone
+            cut = done + rest - TAIL_FRACTION * rest
+        batch.append(text)
+        size += n
+        done += n
+    if batch:
+        yield batch
 
 
 def _write_batch(encodings: list, is_val: np.ndarray, eos: int, dtype: np.dtype,
@@ -235,14 +240,14 @@ def finished_part(out_dir: Path, shard_index: int, prepared: dict[str, Any],
 
 
 def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: CorpusInfo,
-               ds: datasets.Dataset, tokenizer: Tokenizer, data: DataConfig,
-               progress: Progress) -> dict[str, Any]:
+               tokenizer: Tokenizer, data: DataConfig, progress: Progress) -> dict[str, Any]:
     """Encode input shard ``shard_index`` into its train and validation parts; record it.
 
-    Any earlier record of the shard is removed first, and the parts are written from
-    scratch (each under a temporary name, renamed into place); the record is written last.
-    Returns the shard's result: its counts, part summaries, timings and ``host`` (the
-    hostname of the machine that encoded it).
+    The shard's documents are streamed from its pieces of the source files, in batches of
+    about ``data.encode_batch_bytes``. Any earlier record of the shard is removed first, and
+    the parts are written from scratch (each under a temporary name, renamed into place);
+    the record is written last. Returns the shard's result: its counts, part summaries,
+    timings and ``host`` (the hostname of the machine that encoded it).
     """
     out_dir = Path(out_dir)
     shard = shard_entry(prepared, shard_index)
@@ -250,33 +255,48 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
     record = _record_path(out_dir, shard_index)
     record.unlink(missing_ok=True)
     began, t0 = time.time(), time.perf_counter()
-    batches = document_batches(ds, start, stop, data.encode_batch_bytes)
+    total_bytes = sum(info.pieces[i]["text_bytes"] for i in shard["pieces"])
+    batches = text_batches(shard_documents(info, shard, data), total_bytes,
+                           data.encode_batch_bytes)
 
-    def encode(batch: tuple[int, int]) -> list:
+    def encode(texts: list[str]) -> list:
         # The fast variant skips character offsets, which a token store never needs (same ids).
-        return tokenizer.encode_batch_fast(ds[batch[0] : batch[1]]["text"])
+        return tokenizer.encode_batch_fast(texts)
 
     # Encoding releases the GIL: the first batch is encoding while the checks and writers are
-    # set up, and the next batch while this one is converted and written, so the Python and
-    # Zarr work does not leave the encoder idle.
+    # set up, and the next batch is read from its file while this one encodes, so the
+    # reading, Python and Zarr work does not leave the encoder idle. At most two batches of
+    # text and their encodings are alive at once.
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(encode, batches[0]) if batches else None
+        current = next(batches, None)
+        pending = pool.submit(encode, current) if current else None
         if tokenizer_hash(tokenizer) != prepared["tokenizer_hash"]:
             raise DataError(
                 f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage"
             )
         eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
-        is_val = corpus_validation_mask(info, data.split_seed)[start:stop]
+        validation = validation_indices(out_dir, start, stop)
         writers = {
             split: PartWriter(out_dir / STORE, split, shard_index, dtype,
                               data.chunk_tokens, data.chunks_per_shard)
             for split in SPLITS
         }
-        for k, (a, b) in enumerate(batches):
+        first = start
+        while pending is not None:
+            following = next(batches, None)  # read while the current batch encodes
             encodings = pending.result()
-            if k + 1 < len(batches):
-                pending = pool.submit(encode, batches[k + 1])
-            _write_batch(encodings, is_val[a - start : b - start], eos, dtype, writers, progress)
+            pending = pool.submit(encode, following) if following else None
+            a, b = np.searchsorted(validation, [first, first + len(encodings)])
+            is_val = np.zeros(len(encodings), dtype=bool)
+            is_val[validation[a:b] - first] = True
+            _write_batch(encodings, is_val, eos, dtype, writers, progress)
+            first += len(encodings)
+            del encodings, current
+            current = following
+    if first != stop:
+        raise DataError(f"tokenize shard {shard_index} read {first - start} documents, the "
+                        f"count found {stop - start}: an input file changed; rerun the "
+                        "tokenize stage")
     attrs = {"shard": shard_index, "tokenizer_hash": prepared["tokenizer_hash"]}
     if label is not None:
         attrs["source"] = label
@@ -360,7 +380,7 @@ def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
 
     ``shard_results`` are the results of every input shard (``write_part`` or
     ``finished_part``); each manifest part names the host that encoded it. Afterwards the
-    saved corpus copy is removed (the store holds it all).
+    saved hub datasets are removed (the store holds it all).
     """
     out_dir = Path(out_dir)
     prepared = read_prepared(out_dir)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from data_prep.config import DataConfig, TokenizerConfig
 from data_prep.errors import DataError
+from data_prep.readers import open_binary
 from data_prep.sources import (
-    JSON_SUFFIXES,
-    PARQUET_SUFFIXES,
     expand_files,
+    file_kind,
     is_saved_dataset,
     json_line_texts,
     record_text,
@@ -46,7 +46,7 @@ def check_source(cfg: DataConfig, source: str, key: str) -> None:
     if source == "stdlib" or source.startswith("hf:") or is_saved_dataset(Path(source)):
         return
     files = expand_files(source, key)
-    parquet = [p for p in files if p.suffix in PARQUET_SUFFIXES]
+    parquet = [p for p in files if file_kind(p) == "parquet"]
     if parquet and len(parquet) != len(files):
         raise DataError(f"{key} {source!r} mixes parquet and text/json files; point it at one "
                         "kind")
@@ -57,13 +57,13 @@ def check_source(cfg: DataConfig, source: str, key: str) -> None:
         raise DataError(f"{key} {source!r} {what}: there is no text to tokenize; point {key} "
                         "at files with documents in them")
     for path, size in list(zip(files, sizes, strict=True))[:SNIFF_FILES]:
-        if path.suffix in PARQUET_SUFFIXES:
+        kind = file_kind(path)
+        if kind == "parquet":
             _check_parquet(path, cfg.text_field, key)
         elif size:
-            head = _head(path, key)
-            complete = len(head) >= size
+            head, complete = _head(path, size, key)
             _check_utf8(path, head, complete, key)
-            if path.suffix in JSON_SUFFIXES:
+            if kind in ("json", "jsonl"):
                 _check_first_record(path, head.decode("utf-8", errors="ignore"), complete,
                                     cfg.text_field, key)
 
@@ -86,11 +86,13 @@ def _size(path: Path, key: str) -> int:
                         f"from {key}") from None
 
 
-def _head(path: Path, key: str) -> bytes:
+def _head(path: Path, size: int, key: str) -> tuple[bytes, bool]:
+    """The first SNIFF_BYTES (decompressed) and whether that is the whole file."""
     try:
-        with open(path, "rb") as handle:
-            return handle.read(SNIFF_BYTES)
-    except OSError as err:
+        with open_binary(path) as handle:
+            head = handle.read(SNIFF_BYTES + 1)
+        return head[:SNIFF_BYTES], len(head) <= SNIFF_BYTES
+    except (OSError, EOFError) as err:
         raise DataError(f"{path}: cannot be read ({err.strerror or err}): fix its permissions "
                         f"or remove it from {key}") from None
 
@@ -125,7 +127,7 @@ def _check_first_record(path: Path, text: str, complete: bool, field: str, key: 
     """The first record is an object with ``field``, read as the stage reads the file: a
     .json file as one document (a list of records or one record) and otherwise, like every
     .jsonl file, as JSON lines. A first record longer than the sniffed text is not judged."""
-    if path.suffix == ".json":
+    if file_kind(path) == "json":
         if complete:
             try:
                 whole = json.loads(text)

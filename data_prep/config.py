@@ -19,9 +19,10 @@ class DataConfig:
 
     source: str | None = None
     """'stdlib' (this interpreter's standard-library .py files), a local path, directory or glob
-    of .txt/.jsonl/.json/.parquet files, a directory written by datasets' save_to_disk, or
-    'hf:<dataset id>' for a hub dataset (needs internet). None: 'stdlib', unless data.sources
-    is given (then it must be None: set exactly one of the two)."""
+    of .txt/.jsonl/.json/.parquet files (text and JSON also .gz or .zst compressed), a
+    directory written by datasets' save_to_disk, or 'hf:<dataset id>' for a hub dataset (needs
+    internet). None: 'stdlib', unless data.sources is given (then it must be None: set exactly
+    one of the two)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Several labelled sources, label -> source (same syntax as data.source), concatenated in
     the order given. Labels ([A-Za-z0-9_.-], unique ignoring case) tag the store parts, so
@@ -37,8 +38,9 @@ class DataConfig:
     split_seed: int = 1234
     """Seed of the document-level train/validation split."""
     num_shards: int = 2
-    """Input shards: one tokenization task per shard, fanned out in parallel. With data.sources
-    the shards are divided among the sources in proportion to their documents (at least one
+    """Input shards: one tokenization task per shard, fanned out in parallel, each a run of
+    file pieces of about equal bytes. With data.sources the shards are divided among the
+    sources in proportion to their bytes (at least one
     each, so it must be >= the number of sources); a shard never spans two sources."""
     chunk_tokens: int = 65536
     """Tokens per Zarr chunk (the unit of compression and of loader reads)."""

@@ -1,7 +1,7 @@
-"""Turn one source (``data.source`` or one entry of ``data.sources``) into a Hugging Face
-``datasets.Dataset`` with one document per row.
+"""One source (``data.source`` or one entry of ``data.sources``): its files, described from
+metadata, cut into pieces, and read as a stream of documents.
 
-Supported sources (the result always has a single string column ``text``):
+Supported sources:
 
 - ``stdlib``: this interpreter's standard-library ``.py`` files (found at run time under
   ``sysconfig.get_paths()["stdlib"]``, site-/dist-packages excluded), sorted by path, one
@@ -9,41 +9,80 @@ Supported sources (the result always has a single string column ``text``):
   skipped, so the default corpus works on every install.
 - a file, a directory (searched recursively) or a glob of ``.txt`` (one file = one
   document), ``.jsonl`` / ``.json`` (records with field ``data.text_field``) or
-  ``.parquet`` files, taken in sorted path order;
+  ``.parquet`` files, taken in sorted path order; text and JSON files may be compressed
+  (``.txt.gz``, ``.jsonl.zst``, ...);
 - a directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict`` with a ``train`` split);
-- ``hf:<dataset id>``: the ``train`` split of a hub dataset (needs internet).
+- ``hf:<dataset id>``: the ``train`` split of a hub dataset (needs internet), saved once
+  under the stage directory (streamed, and only ``data.max_documents`` rows, when that is set).
 
-Empty documents are dropped; documents over ``data.max_document_bytes`` are skipped; at most
-``data.max_documents`` are kept. Bad input raises ``DataError`` naming the file and line and
-the config key of the source (``data.source`` or ``data.sources.<label>``).
+``describe_source`` looks only at metadata (sizes, mtimes, parquet footers, dataset row
+counts) and a few sampled blocks of each file (``SourceFile.sample``, for the fingerprint);
+``plan_pieces`` cuts the files into pieces (byte ranges of uncompressed JSON lines, row
+groups of parquet, row ranges of datasets, whole files otherwise) of about a given size;
+``piece_texts`` streams one piece's documents (``data_prep.readers``).
+
+Empty documents are dropped; documents over ``data.max_document_bytes`` are skipped (the
+limit ``data.max_documents`` is applied by the corpus, which counts). Bad input raises
+``DataError`` naming the file and line and the config key of the source.
 """
 from __future__ import annotations
 
 import glob
-import json
+import hashlib
 import os
+import shutil
 import sysconfig
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from data_prep.config import DataConfig
 from data_prep.errors import DataError
+from data_prep.readers import (
+    COMPRESSIONS,
+    iter_dataset,
+    iter_json,
+    iter_jsonl,
+    iter_parquet,
+    json_line_texts,
+    open_saved_dataset,
+    parquet_row_groups,
+    read_text_document,
+    record_text,
+)
 
-if TYPE_CHECKING:  # datasets loads in ~1 s: only the functions that load data import it
-    import datasets
+__all__ = ["SUPPORTED", "SourceFile", "describe_source", "expand_files", "file_kind",
+           "is_saved_dataset", "json_line_texts", "piece_texts", "plan_pieces", "record_text",
+           "stdlib_files", "unchanged"]
 
-TEXT_SUFFIXES = (".txt",)
-JSON_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-SUPPORTED = TEXT_SUFFIXES + JSON_SUFFIXES + PARQUET_SUFFIXES
+KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+SUPPORTED = tuple([*KINDS, *(f"{s}{c}" for s in (".txt", ".jsonl", ".json")
+                             for c in COMPRESSIONS)])
+"""File name endings a source may hold."""
+SAMPLE_BLOCK = 4096
+SAMPLE_BLOCKS = 16
+"""A file's sample: its first and last ``SAMPLE_BLOCK`` bytes and ``SAMPLE_BLOCKS`` evenly
+spaced blocks between (a file up to that size is hashed whole)."""
 
 
-def text_features() -> datasets.Features:
-    """The one schema every loaded source has: a string column ``text``."""
-    import datasets
+@dataclass
+class SourceFile:
+    """One input file (or saved dataset directory) as the metadata describes it."""
 
-    return datasets.Features({"text": datasets.Value("string")})
+    path: str
+    kind: str
+    """"text", "jsonl", "json", "parquet" or "dataset"."""
+    size: int
+    """Bytes on disk (compressed size for a compressed file; Arrow files of a dataset)."""
+    mtime_ns: int
+    sample: str
+    """sha256 of the sampled blocks (a dataset: of its state.json)."""
+    compressed: bool = False
+    rows: list[int] | None = None
+    """Rows per row group (parquet) or [rows] (dataset); None for text and JSON."""
+    skip_undecodable: bool = False
+    """stdlib: a file that is not UTF-8 is skipped rather than refused."""
 
 
 def stdlib_files() -> list[Path]:
@@ -56,162 +95,18 @@ def stdlib_files() -> list[Path]:
     )
 
 
-def _decode(path: Path, data: bytes, key: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"{path}: not valid UTF-8 (byte {err.start}): convert the file to UTF-8 "
-            f"or remove it from {key}"
-        ) from None
+def file_kind(path: Path) -> str | None:
+    """"text", "jsonl", "json" or "parquet" by the file's name (a compression suffix after
+    a text or JSON suffix allowed); None for an unsupported name."""
+    name = path.name
+    for ending in SUPPORTED:
+        if name.endswith(ending) and len(name) > len(ending):
+            return KINDS[ending.removesuffix(".gz").removesuffix(".zst")]
+    return None
 
 
-def record_text(record: object, field: str, where: str) -> str:
-    """The text field ``field`` of one JSON record; ``where`` (file:line) starts every error."""
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object with field {field!r}, got "
-                        f"{type(record).__name__}: write one object per record")
-    if field not in record:
-        keys = ", ".join(sorted(map(str, record))[:10])
-        raise DataError(
-            f"{where}: record has no field {field!r} (fields: {keys}); set data.text_field"
-        )
-    text = record[field]
-    if not isinstance(text, str):
-        raise DataError(
-            f"{where}: field {field!r} is {type(text).__name__}, expected a string"
-        )
-    return text
-
-
-def _json_texts(path: Path, field: str, key: str) -> Iterator[str]:
-    raw = _decode(path, path.read_bytes(), key)
-    if path.suffix == ".json":
-        try:
-            whole = json.loads(raw)
-        except json.JSONDecodeError:
-            whole = None  # not one JSON document: read it as JSON lines below
-        if isinstance(whole, list):
-            for i, record in enumerate(whole):
-                yield record_text(record, field, f"{path}: record [{i}]")
-            return
-        if whole is not None:
-            yield record_text(whole, field, f"{path}")
-            return
-    yield from json_line_texts(path, raw, field, key)
-
-
-def json_line_texts(path: Path, text: str, field: str, key: str) -> Iterator[str]:
-    """The ``field`` of every JSON line of ``text`` (read from ``path``; blank lines skipped);
-    a malformed line or record is a DataError naming its line and the fix."""
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column "
-                            f"{err.colno}): fix the line or remove the file from {key}") from None
-        yield record_text(record, field, f"{path}:{lineno}")
-
-
-def _generate(files: tuple[str, ...], field: str, skip_undecodable: bool, max_bytes: int | None,
-              max_docs: int | None, stamp: tuple, key: str) -> Iterator[dict[str, str]]:
-    """Rows of text/json files. ``stamp`` (sizes, mtimes) only keys the datasets cache."""
-    del stamp
-    count = 0
-    for name in files:
-        path = Path(name)
-        if path.suffix in TEXT_SUFFIXES or path.suffix == ".py":
-            try:
-                texts: Iterator[str] = iter([_decode(path, path.read_bytes(), key)])
-            except DataError:
-                if skip_undecodable:
-                    continue
-                raise
-        else:
-            texts = _json_texts(path, field, key)
-        for text in texts:
-            if not text or (max_bytes is not None and len(text.encode("utf-8")) > max_bytes):
-                continue
-            yield {"text": text}
-            count += 1
-            if max_docs is not None and count >= max_docs:
-                return
-    if count == 0:
-        raise DataError(
-            f"{key} files ({len(files)}, first {files[0] if files else None}) yielded no "
-            f"documents (empty documents are dropped; max_document_bytes={max_bytes})"
-        )
-
-
-def _from_files(files: list[Path], cfg: DataConfig, cache_dir: Path, skip_undecodable: bool,
-                source: str, key: str) -> datasets.Dataset:
-    import datasets
-    from datasets.exceptions import DatasetGenerationError
-
-    # Tuples, not lists: datasets splits list-valued gen_kwargs into separate generator calls.
-    stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    try:
-        return datasets.Dataset.from_generator(
-            _generate,
-            features=text_features(),
-            cache_dir=str(cache_dir),
-            gen_kwargs={
-                "files": tuple(str(p) for p in files),
-                "field": cfg.text_field,
-                "skip_undecodable": skip_undecodable,
-                "max_bytes": cfg.max_document_bytes,
-                "max_docs": cfg.max_documents,
-                "stamp": stamp,
-                "key": key,
-            },
-        )
-    except DatasetGenerationError as err:
-        cause = err.__cause__
-        while cause is not None and not isinstance(cause, DataError):
-            cause = cause.__cause__
-        if cause is not None:
-            raise cause from None
-        if "empty" in str(err).lower() or "no data" in str(err).lower():
-            raise DataError(f"{key} {source!r} yielded no documents") from None
-        raise
-
-
-def _select_text(ds: datasets.Dataset, cfg: DataConfig, where: str) -> datasets.Dataset:
-    """Keep the text field (as 'text'), drop empty/oversized rows, cap the count."""
-    import datasets
-
-    if cfg.text_field not in ds.column_names:
-        raise DataError(
-            f"{where}: no column {cfg.text_field!r} (columns: {', '.join(ds.column_names)}); "
-            "set data.text_field"
-        )
-    feature = ds.features[cfg.text_field]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise DataError(f"{where}: column {cfg.text_field!r} has type {feature}, expected strings")
-    ds = ds.select_columns([cfg.text_field])
-    if cfg.text_field != "text":
-        ds = ds.rename_column(cfg.text_field, "text")
-    for start in range(0, len(ds), 10_000):  # nulls would become None documents
-        batch = ds[start : start + 10_000]["text"]
-        for offset, text in enumerate(batch):
-            if not isinstance(text, str):
-                raise DataError(
-                    f"{where}: record {start + offset} field {cfg.text_field!r} is "
-                    f"{type(text).__name__}, expected a string"
-                )
-    limit = cfg.max_document_bytes
-
-    def keep(batch: dict[str, list[str]]) -> list[bool]:
-        return [
-            bool(t) and (limit is None or len(t.encode("utf-8")) <= limit) for t in batch["text"]
-        ]
-
-    ds = ds.filter(keep, batched=True)
-    if cfg.max_documents is not None and len(ds) > cfg.max_documents:
-        ds = ds.select(range(cfg.max_documents))
-    return ds
+def _ending(path: Path) -> str:
+    return "".join(path.suffixes[-2:]) if path.suffix in COMPRESSIONS else path.suffix
 
 
 def expand_files(source: str, key: str) -> list[Path]:
@@ -220,7 +115,7 @@ def expand_files(source: str, key: str) -> list[Path]:
     if path.is_file():
         files = [path]
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUPPORTED)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and file_kind(p))
         if not files:
             raise DataError(
                 f"{key} directory {source!r} has no {'/'.join(SUPPORTED)} files: add some, "
@@ -234,12 +129,14 @@ def expand_files(source: str, key: str) -> list[Path]:
     else:
         raise DataError(
             f"{key} {source!r} does not exist: give 'stdlib', a file, directory or glob "
-            "of .txt/.jsonl/.json/.parquet files, a save_to_disk directory, or 'hf:<id>'"
+            "of .txt/.jsonl/.json/.parquet files (.gz/.zst compressed text and JSON too), a "
+            "save_to_disk directory, or 'hf:<id>'"
         )
-    bad = [p for p in files if p.suffix not in SUPPORTED]
+    bad = [p for p in files if file_kind(p) is None]
     if bad:
         raise DataError(
-            f"{bad[0]}: unsupported file type {bad[0].suffix!r}; use one of {SUPPORTED}"
+            f"{bad[0]}: unsupported file type {_ending(bad[0])!r}; use one of {SUPPORTED} "
+            f"(or remove it from {key})"
         )
     return files
 
@@ -251,62 +148,229 @@ def is_saved_dataset(path: Path) -> bool:
     )
 
 
-def load_source(cfg: DataConfig, cache_dir: str | Path, source: str | None = None,
-                key: str = "data.source") -> datasets.Dataset:
-    """Load one source as a Dataset with one non-empty document per row in column 'text'.
+def sample_digest(path: Path, size: int) -> str:
+    """sha256 of the file's sampled blocks: enough to see most edits without a full read
+    (size and mtime catch the rest but a same-size edit with the old mtime restored)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        if size <= SAMPLE_BLOCK * (SAMPLE_BLOCKS + 2):
+            digest.update(handle.read())
+        else:
+            step = (size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS + 1)
+            for offset in [0, *(step * (i + 1) for i in range(SAMPLE_BLOCKS)),
+                           size - SAMPLE_BLOCK]:
+                handle.seek(offset)
+                digest.update(handle.read(SAMPLE_BLOCK))
+    return digest.hexdigest()
 
-    ``source`` defaults to ``cfg.source`` ('stdlib' when None); ``key`` is the config key that
-    named it, used in error messages (``data.sources.<label>`` for a labelled source). The
-    other ``cfg`` fields (text_field, limits) apply to it. ``cache_dir`` holds the datasets
-    cache (keep it under the stage's directory or the runs directory, never the user's home).
-    """
+
+def _stat(path: Path, key: str) -> os.stat_result:
+    try:
+        return path.stat()
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err}): fix it or remove it "
+                        f"from {key}") from None
+
+
+def describe_file(path: Path, key: str, skip_undecodable: bool = False) -> SourceFile:
+    """A file's metadata and sample (parquet: its row groups, from the footer)."""
+    kind = file_kind(path) or "text"  # stdlib .py files are text
+    st = _stat(path, key)
+    rows = None
+    if kind == "parquet":
+        import pyarrow as pa
+
+        try:
+            rows = parquet_row_groups(path)
+        except (OSError, ValueError, pa.ArrowException) as err:
+            raise DataError(f"{path}: not a readable parquet file ({err}): rewrite it or "
+                            f"remove it from {key}") from None
+    try:
+        sample = sample_digest(path, st.st_size)
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err.strerror or err}): fix its permissions "
+                        f"or remove it from {key}") from None
+    return SourceFile(path=str(path), kind=kind, size=st.st_size, mtime_ns=st.st_mtime_ns,
+                      sample=sample, compressed=path.suffix in COMPRESSIONS, rows=rows,
+                      skip_undecodable=skip_undecodable)
+
+
+def describe_dataset(path: Path, key: str) -> SourceFile:
+    """A save_to_disk directory: its row count, Arrow file sizes and the state it saved."""
+    ds = open_saved_dataset(path, key)
+    arrow = [Path(f["filename"]) for f in ds.cache_files]
+    size = sum(f.stat().st_size for f in arrow)
+    state = hashlib.sha256()
+    for f in sorted(arrow):
+        st = f.stat()
+        state.update(f"{f}:{st.st_size}:{st.st_mtime_ns}:{sample_digest(f, st.st_size)}"
+                     .encode())
+    mtime = max((f.stat().st_mtime_ns for f in arrow), default=0)
+    return SourceFile(path=str(path), kind="dataset", size=size, mtime_ns=mtime,
+                      sample=state.hexdigest(), rows=[len(ds)])
+
+
+def _hub_dataset(source: str, cfg: DataConfig, stage_dir: Path, slot: str, key: str) -> Path:
+    """Save the hub dataset's train split (only ``data.max_documents`` rows, streamed, when
+    that is set) as ``<stage_dir>/corpus/<slot>``; kept when an earlier attempt saved it."""
     import datasets
 
-    datasets.disable_progress_bars()  # tokenization prints its own progress lines
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    if source is None:
-        if cfg.sources:
-            raise DataError("data.sources is set: load each source by name "
-                            "(data_prep.corpus.load_corpus loads them all)")
-        source = cfg.source or "stdlib"
-    if source == "stdlib":
-        ds = _from_files(
-            stdlib_files(), cfg, cache_dir, skip_undecodable=True, source=source, key=key
-        )
-    elif source.startswith("hf:"):
-        where = f"{key}: hub dataset {source[3:]!r}"
-        ds = _select_text(
-            datasets.load_dataset(source[3:], split="train", cache_dir=str(cache_dir)), cfg, where
-        )
-    elif is_saved_dataset(Path(source)):
-        loaded = datasets.load_from_disk(source)
-        if isinstance(loaded, datasets.DatasetDict):
-            if "train" not in loaded:
-                raise DataError(f"{key}: {source}: saved DatasetDict has no 'train' split "
-                                f"({list(loaded)})")
-            loaded = loaded["train"]
-        ds = _select_text(loaded, cfg, f"{key}: {source}")
+    target = stage_dir / "corpus" / slot
+    if is_saved_dataset(target):
+        return target
+    cache = stage_dir / "hf_cache"  # never the user's home; removed once the copy is saved
+    tmp = target.with_name(f".{slot}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    name = source[3:]
+    if cfg.max_documents is not None:
+        # A document budget: stream rows instead of downloading the whole split.
+        stream = datasets.load_dataset(name, split="train", streaming=True,
+                                       cache_dir=str(cache))
+        budget = cfg.max_documents
+
+        def rows() -> Iterator[dict[str, str]]:
+            kept = 0
+            for row in stream:
+                text = row.get(cfg.text_field)
+                if not isinstance(text, str):
+                    raise DataError(f"{key}: hub dataset {name!r}: field {cfg.text_field!r} is "
+                                    f"{type(text).__name__}, expected a string; set "
+                                    "data.text_field")
+                yield {cfg.text_field: text}
+                kept += bool(text)
+                if kept >= budget:
+                    return
+
+        features = datasets.Features({cfg.text_field: datasets.Value("string")})
+        ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache))
     else:
-        files = expand_files(source, key)
-        parquet = [p for p in files if p.suffix in PARQUET_SUFFIXES]
-        if parquet and len(parquet) != len(files):
-            raise DataError(
-                f"{key} {source!r} mixes parquet and text/json files; point it at one kind"
-            )
-        if parquet:
-            loaded = datasets.load_dataset(
-                "parquet",
-                data_files=[str(p) for p in parquet],
-                split="train",
-                cache_dir=str(cache_dir),
-            )
-            ds = _select_text(loaded, cfg, f"parquet files of {key} {source!r}")
-        else:
-            ds = _from_files(files, cfg, cache_dir, skip_undecodable=False, source=source, key=key)
-    if len(ds) == 0:
+        ds = datasets.load_dataset(name, split="train", cache_dir=str(cache))
+    ds.save_to_disk(str(tmp))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)
+    shutil.rmtree(cache, ignore_errors=True)
+    return target
+
+
+def describe_source(cfg: DataConfig, source: str, key: str, stage_dir: Path | None = None,
+                    slot: str = "source") -> list[SourceFile]:
+    """The files of one source, in corpus order, from metadata and samples only.
+
+    ``key`` (``data.source`` or ``data.sources.<label>``) names the source in errors. A hub
+    source (``hf:``) is first saved under ``stage_dir/corpus/<slot>``.
+    """
+    if source == "stdlib":
+        return [describe_file(p, key, skip_undecodable=True) for p in stdlib_files()]
+    if source.startswith("hf:"):
+        if stage_dir is None:
+            raise DataError(f"{key} {source!r}: a hub dataset is saved under the stage "
+                            "directory; give stage_dir")
+        return [describe_dataset(_hub_dataset(source, cfg, Path(stage_dir), slot, key), key)]
+    if is_saved_dataset(Path(source)):
+        return [describe_dataset(Path(source), key)]
+    files = expand_files(source, key)
+    parquet = [p for p in files if file_kind(p) == "parquet"]
+    if parquet and len(parquet) != len(files):
         raise DataError(
-            f"{key} {source!r} yielded no documents (empty files are dropped; "
-            f"max_document_bytes={cfg.max_document_bytes})"
+            f"{key} {source!r} mixes parquet and text/json files; point it at one kind"
         )
-    return ds
+    return [describe_file(p, key) for p in files]
+
+
+def unchanged(entry: SourceFile | dict[str, Any]) -> bool:
+    """Whether the file still has the size and mtime it was described with."""
+    entry = entry if isinstance(entry, SourceFile) else SourceFile(**entry)
+    path = Path(entry.path)
+    if entry.kind == "dataset":
+        try:
+            return describe_dataset(path, "data.source").sample == entry.sample
+        except (DataError, OSError):
+            return False
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return (st.st_size, st.st_mtime_ns) == (entry.size, entry.mtime_ns)
+
+
+def plan_pieces(files: list[SourceFile], piece_bytes: int) -> list[dict[str, Any]]:
+    """Cut files into pieces of about ``piece_bytes`` (by metadata, in corpus order).
+
+    Each piece is {"file": index into ``files``, "start", "stop", "bytes"}: a byte range of
+    an uncompressed JSON lines file, a row-group range of a parquet file, a row range of a
+    dataset; ``start``/``stop`` are None for a whole text, JSON or compressed file.
+    """
+    pieces: list[dict[str, Any]] = []
+    piece_bytes = max(1, piece_bytes)
+    for index, f in enumerate(files):
+        if f.kind == "jsonl" and not f.compressed and f.size > piece_bytes:
+            count = -(-f.size // piece_bytes)
+            cuts = [f.size * i // count for i in range(count + 1)]
+            pieces += [{"file": index, "start": a, "stop": b, "bytes": b - a}
+                       for a, b in zip(cuts, cuts[1:], strict=False)]
+        elif f.kind in ("parquet", "dataset") and f.rows:
+            total_rows = max(1, sum(f.rows))
+            units = f.rows if f.kind == "parquet" else None
+            if units is None:  # a dataset: row ranges of about piece_bytes
+                count = max(1, min(f.rows[0], -(-f.size // piece_bytes)))
+                cuts = [f.rows[0] * i // count for i in range(count + 1)]
+                pieces += [{"file": index, "start": a, "stop": b,
+                            "bytes": f.size * (b - a) // total_rows}
+                           for a, b in zip(cuts, cuts[1:], strict=False)]
+                continue
+            first, acc = 0, 0
+            for group, rows in enumerate(units):  # whole row groups of about piece_bytes
+                acc += f.size * rows // total_rows
+                if acc >= piece_bytes or group == len(units) - 1:
+                    pieces.append({"file": index, "start": first, "stop": group + 1,
+                                   "bytes": acc})
+                    first, acc = group + 1, 0
+        else:
+            pieces.append({"file": index, "start": None, "stop": None, "bytes": f.size})
+    return pieces
+
+
+def _kept(texts: Iterator[str], max_bytes: int | None) -> Iterator[str]:
+    for text in texts:
+        if text and (max_bytes is None or len(text.encode("utf-8")) <= max_bytes):
+            yield text
+
+
+def piece_texts(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig, key: str,
+                first_line: int = 1, stats: dict | None = None) -> Iterator[str]:
+    """The documents of one piece, streamed: empty ones dropped, ones over
+    ``data.max_document_bytes`` skipped. ``first_line`` and ``stats`` as in
+    ``readers.iter_jsonl`` (line numbers of a JSON lines range)."""
+    f = files[piece["file"]]
+    path = Path(f.path)
+    limit = cfg.max_document_bytes
+    if f.kind == "text":
+        if limit is not None and not f.compressed and f.size > limit:
+            return  # the file is the document, and its size is known: skip it unread
+        try:
+            text = read_text_document(path, key, limit)
+        except DataError:
+            if f.skip_undecodable:
+                return
+            raise
+        if text is not None:
+            yield from _kept(iter([text]), limit)
+    elif f.kind == "jsonl":
+        yield from _kept(iter_jsonl(path, cfg.text_field, key, piece["start"] or 0,
+                                    piece["stop"], first_line, stats), limit)
+    elif f.kind == "json":
+        yield from _kept(iter_json(path, cfg.text_field, key), limit)
+    elif f.kind == "parquet":
+        groups = None if piece["start"] is None else list(range(piece["start"], piece["stop"]))
+        first_row = sum((f.rows or [])[: piece["start"] or 0])
+        yield from _kept(iter_parquet(path, cfg.text_field, groups, first_row), limit)
+    elif f.kind == "dataset":
+        yield from _kept(iter_dataset(path, cfg.text_field, key, piece["start"] or 0,
+                                      piece["stop"]), limit)
+    else:
+        raise DataError(f"{path}: unknown kind {f.kind!r}")
+
+
+def file_record(f: SourceFile) -> dict[str, Any]:
+    """A SourceFile as plain JSON values."""
+    return asdict(f)

@@ -1,14 +1,17 @@
 """Stage tokenize: raw text -> tokenizer.json + a Zarr token store (train/validation).
 
-``prepare`` saves the corpus and trains (or loads) the tokenizer; ``part`` encodes one input
-shard (a contiguous range of documents) into its own store parts (safe to run in parallel
-processes); ``finalize`` checks every part and writes the manifest last, atomically. The
-store format and how it is written live in ``data_prep`` (``data_prep.build``); this module
-wires the configuration, progress lines and tracking.
+``prepare`` plans the corpus from file metadata, counts its documents in one streaming pass
+and trains (or loads) the tokenizer; ``part`` streams one input shard (contiguous pieces of
+the source files: byte ranges of JSON lines, parquet row groups, whole files) into its own
+store parts (safe to run in parallel processes); ``finalize`` checks every part and writes
+the manifest last, atomically. The store format and how it is written live in
+``data_prep`` (``data_prep.build``); this module wires the configuration, progress lines
+and tracking.
 
 Resumable: a failed attempt's directory is kept and the next attempt runs in it. ``prepare``
-keeps the saved corpus and tokenizer of an earlier attempt with the same configuration, and
-``part`` returns at once for a shard an earlier attempt finished, so only the unfinished
+keeps the counted corpus and tokenizer of an earlier attempt with the same configuration
+and unchanged input files, and ``part`` returns at once for a shard an earlier attempt
+finished, so only the unfinished
 shards are encoded again; the store is the same as one uninterrupted run's.
 
 With ``data.sources`` every input shard lies inside one labelled source, so each part carries
@@ -26,7 +29,7 @@ import numpy as np
 
 from data_prep import build
 from data_prep.build import PREPARED, STORE, TOKENIZER
-from data_prep.corpus import open_corpus, prepare_corpus, saved_corpus, training_sample
+from data_prep.corpus import load_corpus_info, prepare_corpus, saved_corpus, training_sample
 from data_prep.progress import Progress
 from data_prep.store import MANIFEST
 from data_prep.tokenizer import load_tokenizer, shared_tokenizer, train_tokenizer
@@ -36,10 +39,11 @@ __all__ = ["PREPARED", "STORE", "TOKENIZER", "finalize", "part", "prepare"]
 
 
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> int:
-    """Save the corpus, train or load the tokenizer, lay out the store; return the shard count.
+    """Plan and count the corpus, train or load the tokenizer, lay out the store; return the
+    shard count.
 
     The count is ``data.num_shards``; with ``data.sources`` they are divided among the sources
-    in proportion to their documents (at least one each). A corpus and a trained tokenizer
+    in proportion to their bytes (at least one each). A counted corpus and a trained tokenizer
     that an earlier attempt saved in ``out_dir`` for the same configuration are kept.
     ``inputs`` is empty (the first stage); it keeps the signature every stage shares.
     """
@@ -57,8 +61,8 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
         if tokenizer is not None:
             kept.append("tokenizer")
         else:
-            _, ds = open_corpus(out_dir)
-            sample = training_sample(ds, cfg.tokenizer.train_sample_bytes, cfg.data.split_seed)
+            sample = training_sample(out_dir, info, cfg.data, cfg.tokenizer.train_sample_bytes,
+                                     cfg.data.split_seed)
             print(f"tokenize: training a {cfg.tokenizer.vocab_size}-id byte-level BPE on "
                   f"{len(sample)} documents ({sum(len(t) for t in sample) / 1e6:.1f} M "
                   "characters)", flush=True)
@@ -100,10 +104,10 @@ def part(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]
         print(f"{title}: {finished['documents']} docs, {finished['tokens']:,} tokens, finished by "
               "an earlier attempt; kept", flush=True)
         return finished
-    info, ds = open_corpus(out_dir)
+    info = load_corpus_info(out_dir)
     tokenizer = shared_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
     progress = Progress(title, shard["stop"] - shard["start"], cfg.data.progress_seconds)
-    result = build.write_part(out_dir, shard_index, prepared, info, ds, tokenizer, cfg.data,
+    result = build.write_part(out_dir, shard_index, prepared, info, tokenizer, cfg.data,
                               progress)
     progress.emit(done=True)
     return result

@@ -10,8 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_prep.config import DataConfig
+from data_prep.corpus import source_documents
 from data_prep.errors import DataError
-from data_prep.sources import load_source, stdlib_files
+from data_prep.sources import stdlib_files
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +21,7 @@ def _hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def texts(source: str | Path, tmp: Path, **kw) -> list[str]:
-    return load_source(DataConfig(source=str(source), **kw), tmp / "cache")["text"]
+    return list(source_documents(DataConfig(source=str(source), **kw), tmp / "stage"))
 
 
 def test_txt_directory_one_file_per_document_sorted(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import zarr
 from tokenizers import Tokenizer
 
 from data_prep.config import DataConfig
-from data_prep.corpus import CorpusInfo, allocate_shards, prepare_corpus, shard_plan
+from data_prep.corpus import allocate_shards, group_pieces, prepare_corpus
 from data_prep.errors import DataError, StoreError
 from data_prep.store import SplitReader, open_store
 from model.config import ModelConfig
@@ -178,13 +178,11 @@ def test_shard_allocation() -> None:
         assert sum(counts) == shards and min(counts) >= 1
     with pytest.raises(DataError, match="num_shards=1 is less than the 2 sources"):
         allocate_shards([3, 4], 1)
-    sources = [{"label": "a", "source": "x", "start": 0, "stop": 5, "num_validation": 1},
-               {"label": "b", "source": "y", "start": 5, "stop": 105, "num_validation": 5}]
-    info = CorpusInfo("corpus", 105, 0, "f", 6, sources)
-    plan = shard_plan(info, 6)
-    assert [p["source"] for p in plan] == ["a"] + ["b"] * 5
-    assert [(p["start"], p["stop"]) for p in plan] == [(0, 5), (5, 25), (25, 45), (45, 65),
-                                                       (65, 85), (85, 105)]
+    # Pieces go to the shard their middle byte falls in: contiguous, balanced by bytes.
+    pieces = [{"bytes": b} for b in (10, 10, 10, 10, 60)]
+    assert group_pieces(pieces, 3) == [[0, 1, 2], [3], [4]]
+    assert group_pieces([{"bytes": 5}] * 6, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert group_pieces([{"bytes": 1}], 3) == [[], [0], []]
 
 
 def test_tracking_logs_per_source_counts(built: dict) -> None:

@@ -1,0 +1,344 @@
+"""Streaming readers of one input file: every reader holds a bounded window of the file.
+
+- plain text (``.txt``, ``.py``): the file is one document, read in ``CHUNK_BYTES`` chunks
+  through an incremental UTF-8 decoder; reading stops as soon as the document is known to
+  be over ``data.max_document_bytes``, so a skipped giant file costs at most that much;
+- JSON lines (``.jsonl``): line by line, optionally over a byte range ``[start, stop)``:
+  the range starts at the first line boundary at or after ``start`` (a line that begins
+  before ``start`` belongs to the range before) and ends with the line that holds byte
+  ``stop - 1``, so ranges that tile a file read every line exactly once;
+- ``.json``: a top-level array is streamed record by record (``json.JSONDecoder.raw_decode``
+  over a refilled buffer); a single object is one record; anything else is read as JSON lines;
+- parquet: only the text column, one row group at a time (``ParquetFile.iter_batches``);
+- a ``save_to_disk`` directory: memory-mapped Arrow, read in row batches.
+
+``.gz`` (gzip) and ``.zst`` (the ``zstandard`` package) after a text or JSON suffix are
+decompressed as a stream. Errors are ``DataError`` naming the file (and line or record)
+and what to fix.
+"""
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from data_prep.errors import DataError
+
+CHUNK_BYTES = 1 << 20
+"""Bytes read per call from a file (text chunks, the JSON window's refill)."""
+PARQUET_BATCH_ROWS = 1024
+"""Rows per batch read from parquet (batches never cross a row group)."""
+DATASET_BATCH_ROWS = 1024
+"""Rows per batch read from a saved (Arrow) dataset."""
+COMPRESSIONS = (".gz", ".zst")
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+def open_binary(path: str | Path) -> IO[bytes]:
+    """``path`` opened for buffered binary reading, decompressed when it ends in .gz or .zst."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    if path.suffix == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(
+                f"{path}: reading .zst files needs the 'zstandard' package, which is not "
+                "installed: pip install zstandard (or conda install -c conda-forge zstandard), "
+                "or decompress the file"
+            ) from None
+        raw = open(path, "rb")  # noqa: SIM115  (closed with the reader: closefd)
+        # Concatenated frames (as written by parallel compressors) are one stream.
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True,
+                                                            closefd=True)
+        return io.BufferedReader(reader, CHUNK_BYTES)
+    return open(path, "rb", buffering=CHUNK_BYTES)  # noqa: SIM115
+
+
+def _utf8_error(path: Path, offset: int, key: str) -> DataError:
+    return DataError(f"{path}: not valid UTF-8 (byte {offset}): convert the file to UTF-8 "
+                     f"or remove it from {key}")
+
+
+def read_text_document(path: str | Path, key: str, max_bytes: int | None = None) -> str | None:
+    """The whole file as one document, or None when it has more than ``max_bytes`` bytes.
+
+    Read in ``CHUNK_BYTES`` chunks: the bytes are never held beside the whole text, and an
+    oversized document is abandoned at the limit. Invalid UTF-8 is a DataError (``key``, the
+    config key of the source, names where to remove the file from).
+    """
+    path = Path(path)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    parts: list[str] = []
+    consumed = 0
+    with open_binary(path) as handle:
+        while True:
+            chunk = handle.read(CHUNK_BYTES)
+            pending = len(decoder.getstate()[0])
+            try:
+                parts.append(decoder.decode(chunk, final=not chunk))
+            except UnicodeDecodeError as err:
+                raise _utf8_error(path, consumed - pending + err.start, key) from None
+            if not chunk:
+                break
+            consumed += len(chunk)
+            if max_bytes is not None and consumed > max_bytes:
+                return None
+    return "".join(parts)
+
+
+def record_text(record: object, field: str, where: str) -> str:
+    """The text field ``field`` of one JSON record; ``where`` (file:line) starts every error."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with field {field!r}, got "
+                        f"{type(record).__name__}: write one object per record")
+    if field not in record:
+        keys = ", ".join(sorted(map(str, record))[:10])
+        raise DataError(
+            f"{where}: record has no field {field!r} (fields: {keys}); set data.text_field"
+        )
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(
+            f"{where}: field {field!r} is {type(text).__name__}, expected a string"
+        )
+    return text
+
+
+def _json_line(path: Path, line: str, lineno: int, field: str, key: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column "
+                        f"{err.colno}): fix the line or remove the file from {key}") from None
+    return record_text(record, field, f"{path}:{lineno}")
+
+
+def json_line_texts(path: Path, text: str, field: str, key: str) -> Iterator[str]:
+    """The ``field`` of every JSON line of ``text`` (already read from ``path``; blank lines
+    skipped); a malformed line or record is a DataError naming its line and the fix."""
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if line.strip():
+            yield _json_line(path, line, lineno, field, key)
+
+
+def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0, stop: int | None = None,
+               first_line: int = 1, stats: dict | None = None) -> Iterator[str]:
+    """The ``field`` of every JSON line whose first byte lies in ``[start, stop)``.
+
+    Line by line: memory is one line. ``first_line`` is the number of the range's first line
+    (for error messages); ``stats``, when given, gets ``"lines"``: the lines read so far.
+    ``start``/``stop`` are offsets into the (decompressed) stream; compressed files are read
+    whole (``start`` 0, ``stop`` None), since they cannot be entered in the middle.
+    """
+    path = Path(path)
+    lineno, lines = first_line, 0
+    with open_binary(path) as handle:
+        pos = 0
+        if start > 0:
+            # The line holding byte start - 1 belongs to the range before (it ends at or
+            # after start - 1): skip through its newline.
+            handle.seek(start - 1)
+            pos = start - 1 + len(handle.readline())
+        while stop is None or pos < stop:
+            raw = handle.readline()
+            if not raw:
+                break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _utf8_error(path, pos + err.start, key) from None
+            pos += len(raw)
+            lines += 1
+            if stats is not None:
+                stats["lines"] = lines
+            if line.strip():
+                yield _json_line(path, line, lineno, field, key)
+            lineno += 1
+
+
+class _JsonWindow:
+    """A refilled text window over a binary stream, for decoding one JSON value at a time."""
+
+    def __init__(self, handle: IO[bytes], path: Path, key: str) -> None:
+        self.handle, self.path, self.key = handle, path, key
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.buf, self.pos, self.eof, self.consumed = "", 0, False, 0
+
+    def more(self, size: int = CHUNK_BYTES) -> bool:
+        """Append up to ``size`` more bytes; False at the end of the stream."""
+        if self.eof:
+            return False
+        chunk = self.handle.read(size)
+        pending = len(self.decoder.getstate()[0])
+        try:
+            text = self.decoder.decode(chunk, final=not chunk)
+        except UnicodeDecodeError as err:
+            raise _utf8_error(self.path, self.consumed - pending + err.start, self.key) from None
+        self.consumed += len(chunk)
+        self.buf, self.pos = self.buf[self.pos:] + text, 0  # drop what was decoded already
+        self.eof = not chunk
+        return bool(chunk)
+
+    def peek(self) -> str | None:
+        """The next character that is not JSON whitespace (not consumed); None at the end."""
+        while True:
+            self.pos = _WHITESPACE.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.more():
+                return None
+
+    def value(self, where: str) -> object:
+        """Decode the next JSON value; the window grows (doubling) until the value fits."""
+        size = CHUNK_BYTES
+        self.peek()  # raw_decode does not skip leading whitespace
+        while True:
+            try:
+                obj, end = _DECODER.raw_decode(self.buf, self.pos)
+            except json.JSONDecodeError as err:
+                if self.more(size):
+                    size *= 2
+                    continue
+                raise DataError(f"{where}: malformed JSON ({err.msg}): fix the file or remove "
+                                f"it from {self.key}") from None
+            self.pos = end
+            return obj
+
+
+def iter_json(path: str | Path, field: str, key: str) -> Iterator[str]:
+    """The records of a ``.json`` file: a top-level array streamed element by element, a
+    single object as one record, and otherwise the file read as JSON lines."""
+    path = Path(path)
+    with open_binary(path) as handle:
+        window = _JsonWindow(handle, path, key)
+        first = window.peek()
+        if first is None:
+            return
+        if first == "[":
+            window.pos += 1
+            index = 0
+            if window.peek() == "]":
+                window.pos += 1
+            else:
+                while True:
+                    where = f"{path}: record [{index}]"
+                    yield record_text(window.value(where), field, where)
+                    index += 1
+                    sep = window.peek()
+                    window.pos += 1
+                    if sep == "]":
+                        break
+                    if sep != ",":
+                        raise DataError(f"{where}: malformed JSON (expected ',' or ']' after the "
+                                        f"record): fix the file or remove it from {key}")
+            if window.peek() is not None:
+                raise DataError(f"{path}: data after the closing ']' of its JSON array: a .json "
+                                "file holds one array, one object or JSON lines")
+            return
+        try:
+            whole = window.value(str(path))
+            single = window.peek() is None
+        except DataError:
+            single = False  # not one JSON value: JSON lines (named line by line below)
+        if single:
+            yield record_text(whole, field, str(path))
+            return
+    yield from iter_jsonl(path, field, key)
+
+
+def _string_column_error(where: str, field: str, names: list[str], kind: object) -> DataError:
+    if kind is None:
+        return DataError(f"{where}: no column {field!r} (columns: {', '.join(names[:10])}); "
+                         "set data.text_field")
+    return DataError(f"{where}: column {field!r} has type {kind}, expected strings")
+
+
+def _is_string(kind: object) -> bool:
+    import pyarrow as pa
+
+    checks = [pa.types.is_string, pa.types.is_large_string]
+    if hasattr(pa.types, "is_string_view"):
+        checks.append(pa.types.is_string_view)
+    return any(check(kind) for check in checks)
+
+
+def parquet_row_groups(path: str | Path) -> list[int]:
+    """Rows per row group, from the file's footer only."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+
+
+def iter_parquet(path: str | Path, field: str, row_groups: list[int] | None = None,
+                 first_row: int = 0) -> Iterator[str]:
+    """The ``field`` column of row groups ``row_groups`` (all when None), in order.
+
+    One row group's column at most is decoded at a time. ``first_row`` is the file row
+    index of the first row read (for error messages); a null is a DataError.
+    """
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    handle = pq.ParquetFile(path)
+    schema = handle.schema_arrow
+    names = list(schema.names)
+    kind = schema.field(field).type if field in names else None
+    if kind is None or not _is_string(kind):
+        raise _string_column_error(str(path), field, names, kind)
+    row = first_row
+    for batch in handle.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=row_groups,
+                                     columns=[field]):
+        texts = batch.column(0).to_pylist()
+        for offset, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise DataError(f"{path}: record {row + offset} field {field!r} is "
+                                f"{type(text).__name__}, expected a string")
+        yield from texts
+        row += len(texts)
+
+
+def open_saved_dataset(path: str | Path, key: str):
+    """A ``save_to_disk`` directory as a memory-mapped Dataset (a DatasetDict's ``train``)."""
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise DataError(f"{key}: {path}: saved DatasetDict has no 'train' split "
+                            f"({list(loaded)})")
+        loaded = loaded["train"]
+    return loaded
+
+
+def iter_dataset(path: str | Path, field: str, key: str, start: int = 0,
+                 stop: int | None = None) -> Iterator[str]:
+    """The ``field`` of rows ``[start, stop)`` of a saved dataset, ``DATASET_BATCH_ROWS`` at
+    a time from the memory-mapped Arrow files."""
+    import datasets
+
+    ds = open_saved_dataset(path, key)
+    where = f"{key}: {path}"
+    if field not in ds.column_names:
+        raise _string_column_error(where, field, list(ds.column_names), None)
+    feature = ds.features[field]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        raise _string_column_error(where, field, list(ds.column_names), feature)
+    ds = ds.select_columns([field])
+    stop = len(ds) if stop is None else stop
+    for begin in range(start, stop, DATASET_BATCH_ROWS):
+        texts = ds[begin : min(stop, begin + DATASET_BATCH_ROWS)][field]
+        for offset, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise DataError(f"{where}: record {begin + offset} field {field!r} is "
+                                f"{type(text).__name__}, expected a string")
+        yield from texts
