@@ -370,8 +370,13 @@ def validate_plan(s: Shapes, cluster: Any, plan: Plan, model_cfg: Any, train_cfg
     out = predict_plan(s, cluster, plan, world, train_cfg.global_batch, calibration)
     mem = out.predictions["memory_gb_per_device"]
     if mem > cluster.memory_gb:
+        fixes = ([] if plan.recompute == "full" and not plan.recompute_layers
+                 else ["recompute=full"])
+        fixes += ["a smaller micro_batch"] if plan.micro_batch > 1 else []
+        fixes += [] if plan.sharding == "zero3" else ["zero3 sharding"]
+        fixes += ["sequence_parallel=true"] if plan.tp > 1 and not plan.sequence_parallel else []
         raise PlanError(
             f"plan {plan.describe()} needs {mem:.1f} GB per device, more than the "
-            f"{cluster.memory_gb:g} GB of {cluster.name}: use recompute=full, a smaller "
-            f"micro_batch, zero3 sharding, more pp/tp, or more devices")
+            f"{cluster.memory_gb:g} GB of {cluster.name}: use {', '.join(fixes)}, more pp/tp, "
+            "or more devices")
     return out
