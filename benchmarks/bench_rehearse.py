@@ -20,7 +20,8 @@ one JSON object.
 
 The figures: per preset and stage the chosen plan's ranks, and over every rehearsed rank the
 memory model's error against the rehearsal (``memory_error_pct_min``/``_max``, +: the
-model holds more) and whether every chosen plan fits by the rehearsal.
+model holds more), whether every chosen plan fits by the rehearsal, and ``complete``: the
+file is rewritten after every rank, so a run stopped early keeps what it measured.
 """
 from __future__ import annotations
 
@@ -119,6 +120,18 @@ def run_child(preset: str, stage: str, devices: int | None, timeout: float,
     return record
 
 
+def outcome_of(record: dict[str, Any]) -> str:
+    """One line on a rehearsed rank: the plan, the peaks and the time, or the error."""
+    if "error" in record:
+        return record["error"][-300:]
+    return (f"{record['plan']} rank {record['rank']}: rehearsed "
+            f"{record['rehearsed_peak_memory_gb']:.2f} GB vs modeled "
+            f"{record['modeled_tensor_memory_gb']:.2f} GB ({memory_error_pct(record):+.1f} %; "
+            f"{record['peak_memory_gb']:.2f} GB with margins) in "
+            f"{record['rehearsal_seconds']:.0f} s, host peak RSS "
+            f"{record['host_peak_rss_gb']:.2f} GB")
+
+
 def memory_error_pct(record: dict[str, Any]) -> float:
     """The model's tensor memory against the rehearsal's, in percent (+: the model holds more)."""
     return 100 * (record["modeled_tensor_memory_gb"] / record["rehearsed_peak_memory_gb"] - 1)
@@ -183,25 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for n, (preset, index, stage) in enumerate(jobs, 1):
         record = run_child(preset, stage, args.devices, args.timeout, index)
-        if "skipped" in record:
-            continue
-        records.append(record)
-        eta = (time.perf_counter() - t0) / n * (len(jobs) - n)
-        if "error" in record:
-            outcome = record["error"][-300:]
-        else:
-            outcome = (f"{record['plan']} rank {record['rank']}: rehearsed "
-                       f"{record['rehearsed_peak_memory_gb']:.2f} GB vs modeled "
-                       f"{record['modeled_tensor_memory_gb']:.2f} GB "
-                       f"({memory_error_pct(record):+.1f} %; "
-                       f"{record['peak_memory_gb']:.2f} GB with margins) in "
-                       f"{record['rehearsal_seconds']:.0f} s, host peak RSS "
-                       f"{record['host_peak_rss_gb']:.2f} GB")
-        print(f"[bench_rehearse {n}/{len(jobs)}, ETA {eta / 60:.0f} min] {preset} #{index} "
-              f"{stage}: {outcome}", flush=True)
-    figures = figures_of(records)
-    write_results("bench_rehearse", figures, {"args": vars(args), "ranks": records})
-    print(json.dumps(figures))
+        if "skipped" not in record:
+            records.append(record)
+            print(f"[bench_rehearse {n}/{len(jobs)}, ETA "
+                  f"{(time.perf_counter() - t0) / n * (len(jobs) - n) / 60:.0f} min] {preset} "
+                  f"#{index} {stage}: {outcome_of(record)}", flush=True)
+        # written after every rank, so a run stopped early keeps what it measured
+        write_results("bench_rehearse", {**figures_of(records), "complete": n == len(jobs)},
+                      {"args": vars(args), "ranks": records})
+    print(json.dumps({**figures_of(records), "complete": True}))
     return 0
 
 

@@ -25,9 +25,12 @@ Model states:
     after each backward and gathered again, one block ahead) and the reduce-scatter buffer.
   - zero3, or zero2 with one micro-batch: gradients are reduce-scattered per block as they
     are made and accumulate sharded (4 P / dp), so only the root's unsharded parameters and
-    float32 gradients ((c + 4) R), one block's all-gather (c u) and one reduce-scatter
-    buffer (4 u) add to the shards; zero2 keeps every block's parameters gathered from its
-    forward to its backward (c P: at the end of the forward all of them).
+    float32 gradients ((c + 4) R) and the buffers of the block in backward add to the
+    shards: its float32 reduce-scatter input (4 u) and, under zero3, its gathered
+    parameters, the next block's prefetched ones and its new gradient (2.5 c u: measured at
+    9 u in bf16 on a 128-block 1T rank, where a two-block rehearsal never reaches that
+    moment), under zero2 one block's gradient (c u); zero2 keeps every block's parameters
+    gathered from its forward to its backward (c P: at the end of the forward all of them).
 - Without FSDP (sharding none or ddp, or dp == 1): float32 parameters, gradients and
   Adam moments (16 P); under bf16 autocast the bf16 copies of the weights that the
   forward saves for backward (2 P), each new bf16 gradient and its float32 cast on the
@@ -209,7 +212,8 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
                                                 (cb + 4) * root)
         sharded = 12 * params / dp + np.where(accumulate, (cb + 4) * params, per_block)
         pipe_buf = 4 * u  # the last micro-batch's reduce-scatter
-        flat_buf = np.where((shard == ZERO2) & (ga > 1), 2 * cb * u, cb * u) + 4 * u
+        gathered = np.where(shard == ZERO3, 2.5 * cb * u, cb * u)
+        flat_buf = np.where((shard == ZERO2) & (ga > 1), 2 * cb * u, gathered) + 4 * u
         plain = 16 * params + (2 * params if mixed else 0.0)
         plain = plain + np.where((shard == DDP) & (dp > 1) & single, 4 * params, 0.0)
         plain_buf = np.where((shard == DDP) & (dp > 1) & ~single, 4 * params, 0.0)
