@@ -118,8 +118,9 @@ def expand_files(source: str, key: str) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and file_kind(p))
         if not files:
             raise DataError(
-                f"{key} directory {source!r} has no {'/'.join(SUPPORTED)} files: add some, "
-                f"or point {key} at a directory that has them"
+                f"{key} directory {source!r} has no {'/'.join(KINDS)} files (the text kinds "
+                f"also {'/'.join(COMPRESSIONS)} compressed): add some, or point {key} at a "
+                "directory that has them"
             )
     elif glob.has_magic(source):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True)

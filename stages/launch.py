@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -38,6 +39,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SPEC_FILE = "spec.json"
 """What a ranks stage's ``prepare`` writes in its work directory: the ranks' ``RankSpec``."""
 RANK_ERROR_FILE = "rank-error.json"
+RANK_MESSAGE_PREFIX = "[rank] "
+"""How a rank's one-line error starts on its stderr (the launcher takes it from there where
+a full disk took no ``rank-error.json``)."""
+# A full disk, a quota or a read-only filesystem: trying again fails the same way.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 USER_ERROR_EXIT = 3  # a rank refused its input: retrying cannot help
 
 
@@ -156,15 +162,22 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
             timer = threading.Timer(timeout_s, _kill_group, (proc,))
             timer.start()
             stack.callback(timer.cancel)
+        reported: str | None = None  # a rank's own one-line error
         for line in proc.stdout:
-            if echo:
+            own = line.startswith(RANK_MESSAGE_PREFIX)
+            if own:
+                reported = line[len(RANK_MESSAGE_PREFIX):].strip()
+            # once a rank has said why it failed, torchrun's failure report (a traceback of
+            # its own that repeats it) goes to the log only
+            if echo and (own or reported is None):
                 sys.stdout.write(line)
             tail.append(line)
             if log:
                 log.write(line)
         code = proc.wait()
     if code != 0:
-        raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir))
+        # the rank's file, or its line where a full disk took no file
+        raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir) or reported)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -192,12 +205,35 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def storage_error(error: BaseException) -> OSError | None:
+    """The full-disk (quota, read-only) OSError behind ``error``, if any: in its cause or
+    context chain, or among a distributed checkpoint's per-rank failures."""
+    seen: set[int] = set()
+    todo: list[Any] = [error]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, tuple):  # DCP's failures: rank -> (exception, traceback)
+            todo.extend(item)
+            continue
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and item.errno in STORAGE_ERRNOS:
+            return item
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+        todo.extend([item.__cause__, item.__context__])
+    return None
+
+
 def rank_main(description: str, run: Callable[[RankSpec], Any],
               argv: list[str] | None = None) -> int:
     """The command-line entry every rank worker shares: parse ``--spec``, run, report.
 
-    A ``ValueError`` (the project's input errors derive from it) is written to
-    ``rank-error.json`` and ends the rank with ``USER_ERROR_EXIT``; anything else propagates.
+    A ``ValueError`` (the project's input errors derive from it) or a full disk is written
+    to ``rank-error.json`` (where the disk still takes it) and ends the rank with
+    ``USER_ERROR_EXIT`` and one line on stderr; anything else propagates.
     """
     import argparse
 
@@ -208,9 +244,15 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     spec = RankSpec.read(args.spec)
     try:
         run(spec)
-    except ValueError as error:
+    except BaseException as error:  # torch's CheckpointException is a BaseException
+        full = storage_error(error)
+        if not isinstance(error, ValueError) and full is None:
+            raise
         message = f"{type(error).__name__}: {error}"
-        print(f"[rank] {message}", file=sys.stderr, flush=True)
+        if full is not None:  # retrying fails the same way: say so once, with the fix
+            message = (f"OSError: {full.strerror} (while writing under {spec.out_dir}: free "
+                       "space or pass another --runs-dir)")
+        print(f"{RANK_MESSAGE_PREFIX}{message}", file=sys.stderr, flush=True)
         with contextlib.suppress(OSError):
             write_json_atomic(Path(spec.out_dir) / RANK_ERROR_FILE,
                               {"message": message, "traceback": traceback.format_exc()})
@@ -235,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         run_local(args.spec, what=Path(args.spec).parent.name)
     except RanksFailed as error:
         print(f"[launch] {error}", file=sys.stderr, flush=True)
+        out_dir = Path(RankSpec.read(args.spec).out_dir)
+        if error.user_error and read_rank_error(out_dir) is None:
+            # the rank said why on stderr but a full disk took no file: keep it for the
+            # driver where the disk now takes it
+            with contextlib.suppress(OSError):
+                write_json_atomic(out_dir / RANK_ERROR_FILE, {"message": error.user_error})
         return USER_ERROR_EXIT if error.user_error else error.exit_code
     return 0
 

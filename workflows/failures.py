@@ -8,7 +8,6 @@ to ``site.retries`` times; the console names the attempt and the cause.
 """
 from __future__ import annotations
 
-import errno
 import sys
 import threading
 from typing import Any
@@ -16,13 +15,11 @@ from typing import Any
 from parsl.app.errors import BashExitFailure
 from parsl.dataflow.errors import DependencyError
 
-from stages.launch import USER_ERROR_EXIT
+from stages.launch import STORAGE_ERRNOS, USER_ERROR_EXIT
 
 NEVER_RETRY = 1e9  # a cost above any retry budget
 
 
-# A full disk, a quota or a read-only filesystem: trying again fails the same way.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 def is_user_error(error: BaseException) -> bool:

@@ -240,6 +240,12 @@ def _fail_open_attempt(ctx: attempts.PipelineContext, begun: concurrent.futures.
         return
     status = outputs.read_status(attempt.work_dir)
     if status and status["state"] == "running":
+        from stages.launch import read_rank_error
+
+        said = read_rank_error(attempt.work_dir)
+        if said is not None:  # the rank's own reason, not only the launcher's exit code
+            cause, error = error, RuntimeError(f"a rank failed: {said}")
+            error.__cause__ = cause
         attempts.fail(ctx, attempt, error)
 
 

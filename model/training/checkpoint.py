@@ -330,7 +330,12 @@ def start_save(
     if asynchronous:
         future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
     else:
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except BaseException:  # DCP's CheckpointException, raised on every rank alike
+            if _rank() == 0:  # nothing half-written stays: a full disk gets its space back
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     if _rank() == 0:
         with atomic_path(tmp / "extra.pt") as part:
             torch.save(extra, part)
