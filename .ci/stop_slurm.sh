@@ -53,8 +53,11 @@ for pidfile in "$STATE_DIR"/slurmd.pid "$STATE_DIR"/slurmd-*.pid "$STATE_DIR"/sl
     rm -f "$pidfile"
 done
 
-# slurmctld's saved jobs, recovered on its next start otherwise (the directory stays)
+# slurmctld's saved jobs, recovered on its next start otherwise (the directory stays), and
+# with them the job-completion log: job ids start again at 1, and an old record of a reused
+# id would read as the new job's end
 [[ -d "$STATE_DIR/state" ]] && find "$STATE_DIR/state" -mindepth 1 -delete
+rm -f "$STATE_DIR/log/jobcomp.txt"
 
 [[ -n "$PREFIX" ]] || exit 0
 
