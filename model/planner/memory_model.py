@@ -135,11 +135,6 @@ def in_flight_chunks(pp: np.ndarray, ga: np.ndarray, sched: np.ndarray, v: np.nd
     return np.where(pp == 1, 1, out)
 
 
-def in_flight(pp: np.ndarray, ga: np.ndarray, sched: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Micro-batch activations (in units of a full stage's layers) held by the first stage."""
-    return in_flight_chunks(pp, ga, sched, v, np.zeros_like(pp)) / np.maximum(v, 1)
-
-
 def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray,
                                rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(stored elements per block per micro-batch, elements of one block while recomputed)."""
