@@ -161,6 +161,12 @@ class SiteConfig:
     heartbeat_threshold: int = 120
     """Seconds without a heartbeat before Parsl declares a job's workers lost and retries
     their tasks (e.g. after a cancelled or preempted Slurm job)."""
+    save_before_end_s: int | None = None
+    """Seconds before the walltime at which Slurm signals the training ranks (#SBATCH
+    --signal=USR1@N) to checkpoint at the next step and end the job out of time; the next
+    job resumes there. Leave one step, one checkpoint save and Slurm's up to 60 s early
+    delivery. None: 600 on Frontier, 180 elsewhere, at most a quarter of the walltime;
+    0: no signal (SIGTERM at the walltime still stops the ranks at the next step)."""
 
     def __post_init__(self) -> None:
         _check_site_text(self)
@@ -184,9 +190,18 @@ class SiteConfig:
             raise ValueError(f"site.tokenize_nodes must be > 0, got {self.tokenize_nodes}")
         if self.retries < 0:
             raise ValueError("site.retries must be >= 0")
+        if self.save_before_end_s is not None and self.save_before_end_s < 0:
+            raise ValueError(f"site.save_before_end_s must be >= 0 seconds, got "
+                             f"{self.save_before_end_s}")
         parts = self.walltime.split(":")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
             raise ValueError(f"site.walltime must be HH:MM:SS, got {self.walltime!r}")
+        wall = int(parts[0]) * 3600 + int(parts[1]) * 60 + int(parts[2])
+        if self.save_before_end_s and self.save_before_end_s >= wall:
+            raise ValueError(
+                f"site.save_before_end_s={self.save_before_end_s} is not shorter than "
+                f"site.walltime={self.walltime} ({wall} s): the ranks would be told to stop "
+                "before they start; lower it or lengthen the walltime")
 
 
 # What a site value may hold where it reaches a batch script or a command line: Slurm names

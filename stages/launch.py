@@ -13,6 +13,14 @@ a stage directory after the stage was declared failed. A rank that rejects its i
 (``ValueError`` and its subclasses: a user mistake that a retry cannot fix) writes
 ``rank-error.json`` beside the spec and exits with ``USER_ERROR_EXIT``, so the workflow
 fails at once with that message instead of retrying.
+
+A rank that stopped out of time (``OutOfTime``: Slurm's signal ahead of the walltime, or a
+SIGTERM, after the ranks wrote the checkpoint of the step they all stopped at) leaves
+``out-of-time.json`` (the step and checkpoint) beside the spec; the launch then exits
+``OUT_OF_TIME_EXIT``, which the workflow reads as "resume in a new job", neither a failure
+nor a spent retry. Under torchrun the ranks themselves exit 0 (torchrun reports any other
+code as a failure) and the launcher turns the file into the code; under srun they exit
+``OUT_OF_TIME_EXIT`` and the ranks' command checks the file the same way.
 """
 from __future__ import annotations
 
@@ -45,6 +53,25 @@ a full disk took no ``rank-error.json``)."""
 # A full disk, a quota or a read-only filesystem: trying again fails the same way.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 USER_ERROR_EXIT = 3  # a rank refused its input: retrying cannot help
+OUT_OF_TIME_EXIT = 75  # the ranks stopped at a checkpoint before the walltime: resume (EX_TEMPFAIL)
+OUT_OF_TIME_FILE = "out-of-time.json"
+"""What the ranks leave beside their spec when they stopped out of time: the step, the
+checkpoint, the signal, the job."""
+
+
+class OutOfTime(Exception):
+    """Raised by a rank's run once every rank stopped at a checkpoint before its steps were
+    done (asked to by a signal); ``rank_main`` turns it into the out-of-time exit."""
+
+
+class RanksOutOfTime(RuntimeError):
+    """The ranks stopped out of time at a checkpoint (``OUT_OF_TIME_FILE``): run them again
+    to resume."""
+
+    def __init__(self, what: str, record: dict[str, Any]) -> None:
+        self.record = record
+        super().__init__(f"{what} ranks stopped out of time after step {record.get('step')} "
+                         f"(checkpoint {record.get('checkpoint')}): run them again to resume")
 
 
 class RanksFailed(RuntimeError):
@@ -129,6 +156,15 @@ def local_command(spec_path: str | Path, spec: RankSpec, python: str = sys.execu
             "--nproc-per-node", str(spec.nproc), "-m", spec.worker, "--spec", str(spec_path)]
 
 
+def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
+    """What the ranks recorded when they stopped out of time, or None."""
+    try:
+        record = json.loads((Path(out_dir) / OUT_OF_TIME_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_rank_error(out_dir: str | Path) -> str | None:
     """The message a rank left when it refused its input, or None."""
     try:
@@ -142,10 +178,12 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
     """Start every rank of the spec at ``spec_path`` with torchrun; stream their output.
 
     Raises ``RanksFailed`` (with the rank's own message when it refused its input) on a
-    non-zero exit or after ``timeout_s``; ranks are killed with their launcher.
+    non-zero exit or after ``timeout_s``, ``RanksOutOfTime`` when the ranks stopped out of
+    time at a checkpoint; ranks are killed with their launcher.
     """
     spec = RankSpec.read(spec_path)
     (Path(spec.out_dir) / RANK_ERROR_FILE).unlink(missing_ok=True)
+    (Path(spec.out_dir) / OUT_OF_TIME_FILE).unlink(missing_ok=True)
     tail: collections.deque[str] = collections.deque(maxlen=40)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "a")) if log_path else None
@@ -175,6 +213,9 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
             if log:
                 log.write(line)
         code = proc.wait()
+    stopped = read_out_of_time(spec.out_dir)
+    if stopped is not None and read_rank_error(spec.out_dir) is None:
+        raise RanksOutOfTime(what, stopped)
     if code != 0:
         # the rank's file, or its line where a full disk took no file
         raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir) or reported)
@@ -233,7 +274,9 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
 
     A ``ValueError`` (the project's input errors derive from it) or a full disk is written
     to ``rank-error.json`` (where the disk still takes it) and ends the rank with
-    ``USER_ERROR_EXIT`` and one line on stderr; anything else propagates.
+    ``USER_ERROR_EXIT`` and one line on stderr; ``OutOfTime`` ends it with
+    ``OUT_OF_TIME_EXIT`` (0 under torchrun, whose launcher reads the rank's file instead);
+    anything else propagates.
     """
     import argparse
 
@@ -244,6 +287,8 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     spec = RankSpec.read(args.spec)
     try:
         run(spec)
+    except OutOfTime:
+        return 0 if os.environ.get("TORCHELASTIC_RUN_ID") else OUT_OF_TIME_EXIT
     except BaseException as error:  # torch's CheckpointException is a BaseException
         full = storage_error(error)
         if not isinstance(error, ValueError) and full is None:
@@ -265,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
     The workflow's local ranks app runs this: it dies with its Parsl worker, torchrun dies
     with it, and the ranks die with torchrun. Exits ``USER_ERROR_EXIT`` when a rank refused
-    its input, else torchrun's exit code.
+    its input, ``OUT_OF_TIME_EXIT`` when the ranks stopped out of time at a checkpoint, else
+    torchrun's exit code.
     """
     import argparse
 
@@ -275,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         run_local(args.spec, what=Path(args.spec).parent.name)
+    except RanksOutOfTime as stopped:
+        print(f"[launch] {stopped}", file=sys.stderr, flush=True)
+        return OUT_OF_TIME_EXIT
     except RanksFailed as error:
         print(f"[launch] {error}", file=sys.stderr, flush=True)
         out_dir = Path(RankSpec.read(args.spec).out_dir)

@@ -16,7 +16,7 @@ from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.checks import checkpoint_cadence_problem, predicted_step_time
 from stages.config import PipelineConfig
-from stages.launch import RANK_ERROR_FILE, SPEC_FILE, RankSpec
+from stages.launch import OUT_OF_TIME_FILE, RANK_ERROR_FILE, SPEC_FILE, RankSpec
 from stages.registry import declaration
 
 LOSS_CURVE_FILE = "loss_curve.png"
@@ -82,7 +82,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     cadence = checkpoint_cadence_problem(cfg.train, cfg.site, predicted_step_time(plan.predictions))
     if cadence:
         raise TrainSetupError(cadence)
-    for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE):
+    for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE, OUT_OF_TIME_FILE):
         (out_dir / leftover).unlink(missing_ok=True)
     tracking = None
     if tracker is not None and getattr(tracker, "run_id", None):
@@ -99,7 +99,11 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
 
 def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any) -> dict[str, Any]:
     """Read summary.json; return the stage outputs, with the provenance evaluate needs
-    (the token store and its tokenizer's hash; both None for synthetic tokens)."""
+    (the token store and its tokenizer's hash; both None for synthetic tokens).
+
+    ``jobs`` (how many jobs the training ran in, a chain of them when it outlived one
+    walltime, across every attempt) and ``node_hours`` (their nodes x their time from the
+    job's start to its ranks' last record) go to the outputs and, as metrics, to MLflow."""
     out_dir = Path(out_dir)
     path = out_dir / SUMMARY_FILE
     if not path.is_file():
@@ -107,8 +111,11 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
     summary = json.loads(path.read_text())
     if tracker is not None:
         tracker.log_dict(summary, SUMMARY_FILE)
+        spent = {k: summary[k] for k in ("jobs", "node_hours") if summary.get(k) is not None}
+        if spent:
+            tracker.log_metrics(spent)
     keys = ("final_loss", "steps_done", "step_time_s", "tokens_per_s", "tflops_per_device",
-            "mfu", "peak_memory_gb")
+            "mfu", "peak_memory_gb", "jobs", "node_hours")
     outputs = {k: summary.get(k) for k in keys}
     outputs.update(checkpoint=summary.get("checkpoint"), summary=str(path.resolve()))
     spec = RankSpec.read(out_dir / SPEC_FILE)

@@ -4,27 +4,60 @@ Launched by ``stages.launch`` (torchrun locally, srun under Slurm; rank identity
 environment). The ``RankSpec`` holds the pipeline config, the plan, the token store (or
 None for synthetic tokens), the output directory, the tracking run and an optional step
 override. Rank (last pipeline stage, dp 0, tp 0) writes ``out_dir/summary.json``.
+
+Out of time: SIGUSR1 (what the training block asks Slurm to send ``site.save_before_end_s``
+ahead of the walltime, ``#SBATCH --signal``) and SIGTERM (the walltime itself, a
+``scancel``, a preemption) do not end the rank; they ask the trainer to stop. The handlers
+are set first thing, before torch is imported, so a signal during start-up is kept too.
+The ranks vote after every step, all stop after the same one with its checkpoint written,
+the logger rank writes ``out-of-time.json`` and every rank ends with the out-of-time exit
+(``stages.launch.OutOfTime``). A second SIGTERM ends the rank at once (the default action),
+so a rank stuck in a collective still dies when its launcher insists.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from model.parallel.threads import CPU_RANK_THREADS, THREADS_VAR
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+_asked: list[str] = []  # the names of the stop signals this rank received
+_STARTED = time.time()
+
+
+def _ask_to_stop(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    if signum == signal.SIGTERM and "SIGTERM" in _asked:  # asked twice: die now
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    _asked.append(name)
+
+
+def stop_requested() -> bool:
+    """Whether this rank received a stop signal."""
+    return bool(_asked)
+
+
+for _signum in STOP_SIGNALS:
+    signal.signal(_signum, _ask_to_stop)
+
+from model.parallel.threads import CPU_RANK_THREADS, THREADS_VAR  # noqa: E402
 
 os.environ.setdefault(THREADS_VAR, str(CPU_RANK_THREADS))  # before torch starts its threads
 
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: E402
 
-from model.parallel.dist_env import from_environ, init_distributed
-from model.planner.plan import Plan
-from model.training.batches import SyntheticBatches
-from model.training.metrics import SPOOL_FILE, BackgroundSink
-from model.training.trainer import Trainer
-from stages.config import config_from_dict
-from stages.launch import RankSpec, rank_main
+from data_prep.atomic import write_json_atomic  # noqa: E402
+from model.parallel.dist_env import from_environ, init_distributed  # noqa: E402
+from model.planner.plan import Plan  # noqa: E402
+from model.training.batches import SyntheticBatches  # noqa: E402
+from model.training.metrics import SPOOL_FILE, BackgroundSink  # noqa: E402
+from model.training.trainer import Trainer  # noqa: E402
+from stages.config import config_from_dict  # noqa: E402
+from stages.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
 
 
 def make_batch_factory(spec: RankSpec, cfg):
@@ -43,8 +76,22 @@ def make_batch_factory(spec: RankSpec, cfg):
     return factory
 
 
+def this_job(spec: RankSpec) -> dict[str, Any]:
+    """This job for the job ledger: the Slurm job (its id, nodes and start) or, launched on
+    this machine, the torchrun launch (the spec's nodes, this rank's start)."""
+    env = os.environ
+    if env.get("SLURM_JOB_ID"):
+        nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or spec.nodes
+        started = env.get("SLURM_JOB_START_TIME")
+        return {"id": env["SLURM_JOB_ID"], "nodes": int(nodes),
+                "started": float(started) if started and started.isdigit() else _STARTED}
+    launch = env.get("TORCHELASTIC_RUN_ID") or str(os.getppid())
+    return {"id": f"local-{launch}", "nodes": spec.nodes, "started": _STARTED}
+
+
 def run_spec(spec: RankSpec) -> dict[str, Any] | None:
-    """Train as described by ``spec`` in this (already launched) rank."""
+    """Train as described by ``spec`` in this (already launched) rank; ``OutOfTime`` when
+    the ranks stopped at a checkpoint before their steps were done."""
     cfg = config_from_dict(spec.config)
     if spec.plan is None:
         raise ValueError(f"{spec.out_dir}: the training rank spec has no plan")
@@ -53,8 +100,10 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
     plan.check(cfg.model, cfg.train, env.world_size)
     device = init_distributed(env)
     try:
+        job = this_job(spec)
         trainer = Trainer(cfg.model, cfg.train, plan, spec.out_dir, make_batch_factory(spec, cfg),
-                          device, peak_tflops=spec.peak_tflops)
+                          device, peak_tflops=spec.peak_tflops, stop_requested=stop_requested,
+                          job=job)
         tracking = spec.tracking
         if tracking and trainer.is_logger:
             from stages.tracking import Tracker
@@ -66,9 +115,16 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             # Metric writes happen on a background thread, off the training step.
             trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]),
                                              spool=Path(spec.out_dir) / SPOOL_FILE)
-        return trainer.fit(spec.steps)
+        summary = trainer.fit(spec.steps)
+        if trainer.out_of_time is not None and trainer.is_logger:
+            write_json_atomic(Path(spec.out_dir) / OUT_OF_TIME_FILE,
+                              {**trainer.out_of_time, "signals": sorted(set(_asked)),
+                               "job": job["id"]})
     finally:
         dist.destroy_process_group()
+    if trainer.out_of_time is not None:
+        raise OutOfTime(f"stopped after step {trainer.out_of_time['step']}")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

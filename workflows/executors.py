@@ -102,8 +102,9 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
         run_dir=str(parsl_dir or Path(run_dir) / "parsl"),
         retries=cfg.site.retries,
         # User errors fail at once; lost workers and killed ranks are retried.
+        # Ranks out of time cost nothing: they resume in a new block (``end_blocks``).
         retry_handler=functools.partial(retry_cost, budget=cfg.site.retries,
-                                        stopping=threading.Event()),
+                                        stopping=threading.Event(), out_of_time=end_blocks),
         # Frequent strategy passes: first app starts sooner, lost blocks are replaced sooner.
         strategy_period=0.5 if site == "local" else 1,
         initialize_logging=True,
@@ -182,6 +183,21 @@ take a moment to run a signalled process's exit)."""
 CLEANUP_DEADLINE_S = {False: 60.0, True: 3.0}
 """How long ``dfk.cleanup`` may take: after a normal run (HTEX gives a live interchange up
 to 10 s to exit) and after an interrupt (the user waits for the prompt)."""
+
+
+def end_blocks(task_record: dict[str, Any]) -> None:
+    """Hand back the Slurm blocks of the executor a task ran on (the ranks ended out of
+    time): the rest of their walltime holds no further job, and the resumed ranks must not
+    start there. Parsl holds the block's workers first (no task reaches them) and cancels
+    the job; a new block is submitted for the retried task. Local blocks are kept."""
+    dfk, label = task_record.get("dfk"), task_record.get("executor")
+    executor = getattr(dfk, "executors", {}).get(label)
+    if executor is None or not isinstance(getattr(executor, "provider", None), SlurmProvider):
+        return
+    active = [block for block, status in executor.status_facade.items()
+              if not status.terminal]
+    if active:
+        executor.scale_in_facade(len(active))
 
 
 def _cancel_blocks(executor: Any) -> None:
@@ -278,15 +294,39 @@ class PolledSlurmProvider(SlurmProvider):
         return self.poll_seconds
 
 
-def scheduler_options(cfg: PipelineConfig) -> str:
-    """The #SBATCH lines of every block: ``--no-requeue``, then ``site.scheduler_options``.
+SAVE_BEFORE_END_S = {"frontier": 600, "slurm": 180}
+"""The default ``site.save_before_end_s`` of a site: one step (1T runs ~97 s a step on
+Frontier), a synchronous checkpoint, and the up to 60 s Slurm may deliver the signal early."""
+
+
+def save_before_end(cfg: PipelineConfig) -> int:
+    """Seconds before the walltime at which the training block's ranks get SIGUSR1 (0: none):
+    ``site.save_before_end_s``, else the site's default capped at a quarter of the walltime."""
+    if cfg.site.save_before_end_s is not None:
+        return cfg.site.save_before_end_s
+    hours, minutes, seconds = (int(part) for part in cfg.site.walltime.split(":"))
+    wall = hours * 3600 + minutes * 60 + seconds
+    return min(SAVE_BEFORE_END_S.get(cfg.site.name, 180), wall // 4)
+
+
+def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
+    """The #SBATCH lines of a block: ``--no-requeue``, the training block's ``--signal``,
+    then ``site.scheduler_options``.
 
     Parsl owns retries: a block that loses a node must end, so that Parsl submits a new one
     and the retried app resumes from its checkpoint. A job Slurm requeued instead
     (``JobRequeue=1``, the default on many sites) would keep Parsl waiting on a block that
     looks pending, for as long as the site's requeue delay.
+
+    ``stop_signal`` (the training block): ``--signal=USR1@N`` with N = ``save_before_end``,
+    sent to every job step (the ranks' srun step; not the batch shell, where Parsl's worker
+    runs), so the ranks checkpoint at their next step and end out of time before Slurm kills
+    the job (``stages.train_worker``); the driver resumes them in a new job.
     """
     lines = "#SBATCH --no-requeue\n"
+    ahead = save_before_end(cfg) if stop_signal else 0
+    if ahead:
+        lines += f"#SBATCH --signal=USR1@{ahead}\n"
     if cfg.site.scheduler_options.strip():
         lines += cfg.site.scheduler_options.strip() + "\n"
     return lines
@@ -316,14 +356,14 @@ def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) 
     cores = site.cores_per_node
     if cores is None and not exclusive:
         cores = max([shape.ranks_per_node for shape in shapes], default=1)
-    return _block_provider(cfg, nodes, cores, SimpleLauncher())
+    return _block_provider(cfg, nodes, cores, SimpleLauncher(), stop_signal=True)
 
 
 def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
-                    launcher: Any) -> SlurmProvider:
+                    launcher: Any, stop_signal: bool = False) -> SlurmProvider:
     """A block of ``nodes`` nodes (``cores`` CPUs per node when not exclusive), submitted
     only when an app needs it (init_blocks=0), at most one at a time, polled as often as
-    the heartbeat threshold."""
+    the heartbeat threshold; ``stop_signal``: with the training block's ``--signal``."""
     site = cfg.site
     return PolledSlurmProvider(
         poll_seconds=min(60, site.heartbeat_threshold),
@@ -333,7 +373,7 @@ def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
         walltime=site.walltime,
         nodes_per_block=nodes,
         cores_per_node=cores,
-        scheduler_options=scheduler_options(cfg),
+        scheduler_options=scheduler_options(cfg, stop_signal),
         # The packed environment is copied to node-local NVMe, which Frontier gives a job
         # only under this constraint (#SBATCH -C nvme).
         constraint=NODE_LOCAL_CONSTRAINT if site.node_local_env else None,

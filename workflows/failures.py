@@ -5,21 +5,41 @@ A user mistake (bad config, data, plan or checkpoint: the project's errors all d
 input) and a full disk fail at once, with their own message and no traceback. Anything else
 (a lost worker, a killed rank, a cancelled job) may succeed when tried again and is retried up
 to ``site.retries`` times; the console names the attempt and the cause.
+
+Ranks that stopped out of time (``OUT_OF_TIME_EXIT``: Slurm's signal ahead of the walltime,
+or a SIGTERM, after the ranks wrote the checkpoint of the step they stopped at) are neither:
+the app is run again at no cost to ``site.retries``, in a new job (the handler's
+``out_of_time`` hands the old block back), and resumes from that checkpoint. So a training
+longer than one walltime runs as a chain of jobs until its steps are done; every job
+advances at least one step (the ranks stop only after a step), so the chain ends.
 """
 from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from parsl.app.errors import BashExitFailure
 from parsl.dataflow.errors import DependencyError
 
-from stages.launch import STORAGE_ERRNOS, USER_ERROR_EXIT
+from stages.launch import OUT_OF_TIME_EXIT, STORAGE_ERRNOS, USER_ERROR_EXIT, read_out_of_time
 
 NEVER_RETRY = 1e9  # a cost above any retry budget
 
 
+def is_out_of_time(error: BaseException) -> bool:
+    """Whether the ranks stopped out of time at a checkpoint: resume them, at no cost."""
+    return isinstance(error, BashExitFailure) and error.exitcode == OUT_OF_TIME_EXIT
+
+
+def _work_dir(task_record: dict[str, Any]) -> str | None:
+    """The stage work directory of a ranks app's task (its ``attempt`` argument)."""
+    for value in (*task_record.get("args", ()), *task_record.get("kwargs", {}).values()):
+        work_dir = getattr(value, "work_dir", None)
+        if work_dir:
+            return str(work_dir)
+    return None
 
 
 def is_user_error(error: BaseException) -> bool:
@@ -33,8 +53,11 @@ def is_user_error(error: BaseException) -> bool:
 
 
 def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0,
-               stopping: threading.Event | None = None) -> float:
-    """Parsl retry handler: user errors cost more than the budget; others cost one try.
+               stopping: threading.Event | None = None,
+               out_of_time: Callable[[dict[str, Any]], None] | None = None) -> float:
+    """Parsl retry handler: user errors cost more than the budget; ranks out of time cost
+    nothing (``out_of_time(task_record)`` first hands their block back, so the next job
+    runs in a new one); others cost one try.
 
     ``budget`` is ``site.retries``: the console says "retrying" only when a retry follows.
     Nothing is retried once ``stopping`` is set (the driver is shutting Parsl down, and the
@@ -44,6 +67,22 @@ def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0,
         return NEVER_RETRY
     if stopping is not None and stopping.is_set():
         return NEVER_RETRY
+    if is_out_of_time(error):
+        work_dir = _work_dir(task_record)
+        record = (read_out_of_time(work_dir) if work_dir else None) or {}
+        attempt = task_record.get("fail_count", 1)
+        job = f" (job {record['job']})" if record.get("job") else ""
+        print(f"[pipeline] {task_record.get('func_name', 'app')} ran out of time on attempt "
+              f"{attempt}{job} after step {record.get('step', '?')}, its checkpoint saved; "
+              f"resuming from it on attempt {attempt + 1} in a new job (no retry spent)",
+              file=sys.stderr, flush=True)
+        if out_of_time is not None:
+            try:
+                out_of_time(task_record)
+            except Exception as problem:  # noqa: BLE001 - the resume goes on; say what failed
+                print(f"[pipeline] could not hand back the out-of-time block: {problem}",
+                      file=sys.stderr, flush=True)
+        return 0.0
     if task_record.get("fail_cost", 0) + 1 <= budget:
         attempt = task_record.get("fail_count", 1)
         name = task_record.get("func_name", "app")

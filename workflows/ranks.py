@@ -25,7 +25,14 @@ from typing import Any
 
 from model.parallel.threads import rank_threads_env
 from stages.config import PipelineConfig
-from stages.launch import RANK_ERROR_FILE, REPO_ROOT, USER_ERROR_EXIT, RankSpec
+from stages.launch import (
+    OUT_OF_TIME_EXIT,
+    OUT_OF_TIME_FILE,
+    RANK_ERROR_FILE,
+    REPO_ROOT,
+    USER_ERROR_EXIT,
+    RankSpec,
+)
 from stages.shape import StageShape
 from workflows.frontier import FRONTIER_CORES_PER_RANK, FRONTIER_NCCL_NET, SiteError
 
@@ -158,7 +165,9 @@ def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) ->
     local: ``python -m stages.launch`` (torchrun on this machine, dying with its Parsl
     worker); slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line Parsl composes from
     ``ranks_resource_spec``) runs one worker per rank. Either way the command exits
-    ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it.
+    ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it,
+    and ``OUT_OF_TIME_EXIT`` when the ranks stopped out of time at a checkpoint (their
+    ``out-of-time.json``), so it resumes them in a new job.
     """
     exports = [f"export {key}={value}" for key, value in rank_env(cfg).items()]
     path = shlex.quote(str(spec_path))
@@ -177,12 +186,14 @@ def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) ->
         worker = "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {worker}')
         address = master_addr_lines()
     error_file = shlex.quote(str(Path(spec.out_dir) / RANK_ERROR_FILE))
+    stopped_file = shlex.quote(str(Path(spec.out_dir) / OUT_OF_TIME_FILE))
     return "\n".join([
         *exports,
         *address,
-        f"rm -f {error_file}",
+        f"rm -f {error_file} {stopped_file}",
         f"$PARSL_MPI_PREFIX {worker}",
         "code=$?",
         f'if [ "$code" -ne 0 ] && [ -f {error_file} ]; then exit {USER_ERROR_EXIT}; fi',
+        f"if [ -f {stopped_file} ]; then exit {OUT_OF_TIME_EXIT}; fi",
         'exit "$code"',
     ])

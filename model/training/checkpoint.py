@@ -13,7 +13,8 @@ A save can also run in the background (``start_save(..., group=...)``: DCP's ``a
 copies the state to host memory and a thread writes it over its own gloo group);
 ``finish_save`` waits for it and publishes it the same way. ``prune_checkpoints`` applies
 the retention rules (``train.keep_last``, ``train.keep_every``) once a save is published;
-``vote`` makes the clock-driven save decision collective.
+``vote`` / ``agree`` make the clock-driven save decision and the stop before the walltime
+collective.
 
 Which files are trusted input:
 
@@ -465,13 +466,22 @@ def vote(decider: bool, each: bool, device: torch.device | str = "cpu",
     still being written somewhere, so ranks never disagree about saving. Without a process
     group it returns its arguments.
     """
+    first, anywhere = agree(decider, each, device=device, group=group)
+    return first, anywhere
+
+
+def agree(decider: bool, *each: bool, device: torch.device | str = "cpu",
+          group: dist.ProcessGroup | None = None) -> tuple[bool, ...]:
+    """One all-reduce (MAX) of a few flags: (rank 0's ``decider``, then for each of ``each``
+    whether any rank's is true). Every rank gets the same answers; without a process group
+    (or with one rank) the arguments come back."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return bool(decider), bool(each)
+        return (bool(decider), *(bool(flag) for flag in each))
     first = decider if dist.get_rank(group) == 0 else False
-    flags = torch.tensor([int(first), int(each)], dtype=torch.int32, device=device)
+    flags = torch.tensor([int(first), *(int(flag) for flag in each)], dtype=torch.int32,
+                         device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    out = flags.tolist()
-    return bool(out[0]), bool(out[1])
+    return tuple(bool(flag) for flag in flags.tolist())
 
 
 def load_checkpoint(

@@ -8,10 +8,21 @@ tp 0). Checkpoints go to ``out_dir/checkpoints`` (every ``checkpoint_every`` ste
 ``checkpoint_minutes`` minutes, whichever comes first; optionally written in the background;
 older ones pruned by ``keep_last``/``keep_every``) and training resumes from the latest
 complete one.
+
+Stopping before the walltime: given ``stop_requested`` (the rank worker passes whether
+SIGUSR1 or SIGTERM arrived; Slurm sends the first ahead of the job's end), the ranks vote on
+it after every step (one small all-reduce of a flag, with the clock's vote), so they all stop
+at the same step boundary: the checkpoint of that step is written and published, and ``fit``
+returns with ``out_of_time`` set instead of writing the summary. The next job resumes there.
+
+Given ``job`` (its id, node count and start), the logger rank keeps ``jobs.json`` beside the
+checkpoints: one entry per job the training ran in, across attempts, updated at every save
+and at the end; the summary counts the jobs and the node-hours they spent.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
 from collections.abc import Callable
@@ -37,6 +48,40 @@ from model.training import checkpoint as ckpt
 from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
 from model.training.metrics import median_step_time, peak_memory_gb, plot_losses
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+
+JOBS_FILE = "jobs.json"
+"""The jobs a training ran in, beside its checkpoints (``record_job``, ``job_totals``)."""
+
+
+def record_job(path: Path, job: dict[str, Any], **fields: Any) -> list[dict[str, Any]]:
+    """Add or update ``job``'s entry (by its ``id``) in the ledger at ``path``; return it all.
+
+    ``job`` holds ``id``, ``nodes`` and ``started`` (epoch seconds); ``fields`` the rest
+    (``ended``, ``first_step``, ``last_step``, ``outcome``). A job whose ranks ran twice (a
+    retry in the same job) keeps one entry: its first start, its last end.
+    """
+    try:
+        ledger = json.loads(path.read_text())
+    except (OSError, ValueError):
+        ledger = []
+    entry = next((e for e in ledger if e.get("id") == job["id"]), None)
+    if entry is None:
+        entry = {**job}
+        ledger.append(entry)
+    for key, value in fields.items():
+        if key == "first_step" and "first_step" in entry:
+            continue
+        entry[key] = value
+    write_json_atomic(path, ledger)
+    return ledger
+
+
+def job_totals(ledger: list[dict[str, Any]]) -> dict[str, Any]:
+    """``jobs`` (how many) and ``node_hours`` (each job's nodes x its start to its last
+    record) of a job ledger."""
+    hours = sum(e["nodes"] * max(0.0, e.get("ended", e["started"]) - e["started"]) / 3600
+                for e in ledger)
+    return {"jobs": len(ledger), "node_hours": hours}
 
 
 class BatchSource(Protocol):
@@ -91,11 +136,17 @@ class Trainer:
         tracker: MetricSink | None = None,
         peak_tflops: float | None = None,
         materialize: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        stop_requested: Callable[[], bool] | None = None,
+        job: dict[str, Any] | None = None,
     ) -> None:
         """``materialize`` makes the context in which the parallelised meta-device chunks get
         storage and everything built on it is made (weights, DDP, optimizer, pipeline
         stages): a no-op for training; the rehearsal (``model/training/rehearse.py``) passes
-        a FakeTensorMode so that one rank of a large plan is built without its memory."""
+        a FakeTensorMode so that one rank of a large plan is built without its memory.
+
+        ``stop_requested``: whether this rank was asked to stop (out of time); voted on after
+        every step. ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger
+        (None: none is kept)."""
         self.model_cfg, self.cfg, self.plan, self.device = model_cfg, train_cfg, plan, device
         self.out_dir, self.tracker = Path(out_dir), tracker
         self.dims = ParallelDims(plan.pp, plan.dp, plan.tp, dist.get_world_size())
@@ -149,6 +200,9 @@ class Trainer:
         self._ckpt_group: dist.ProcessGroup | None = None  # made at the first async save
         self.checkpoint_seconds: list[float] = []  # time each save held training up
         self._clock = time.monotonic()  # when the last save gave training back (or the start)
+        self.stop_requested, self.job = stop_requested, job
+        self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
+        self._stopping = False
 
     # ---------------------------------------------------------------- one optimizer step
     def _autocast(self):
@@ -273,10 +327,15 @@ class Trainer:
 
         Checkpoints every train.checkpoint_every steps, once train.checkpoint_minutes have
         passed since the last save (or the start), and, if ``save_final``, at the end.
+
+        When a stop is requested (``stop_requested`` on any rank), every rank stops after the
+        same step, that step's checkpoint is written, ``out_of_time`` is set ({"step",
+        "checkpoint"}) and None is returned: no summary, the training is not done.
         """
         steps = steps or self.cfg.steps
         last_ckpt = self.resume()
         self.resumed_from = last_ckpt
+        self._record_job(first_step=self.step, last_step=self.step, outcome="running")
         if last_ckpt is not None and self.is_logger:
             print(f"[train] resumed from step {self.step} ({last_ckpt})", flush=True)
         if last_ckpt is None and self.cfg.init_from:
@@ -288,6 +347,7 @@ class Trainer:
         self.iteration_times = []  # whole iterations incl. logging (for loop-overhead checks)
         self.checkpoint_seconds = []
         self._clock = time.monotonic()
+        self._stopping, self.out_of_time = False, None
         while self.step < steps:
             start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -305,25 +365,51 @@ class Trainer:
                 self._progress(loss_value, step_times, steps, tokens_per_step)
             self.iteration_times.append(time.perf_counter() - start)
             last_ckpt = self._checkpoint_if_due(steps, save_final) or last_ckpt
+            if self._stopping:
+                break
         if self.pending is not None:  # nothing may be left writing at exit
             started = time.perf_counter()
             last_ckpt = self.publish()
             self.checkpoint_seconds.append(time.perf_counter() - started)
+        if self._stopping and self.step < steps:
+            return self._stop(last_ckpt)
+        self._record_job(last_step=self.step, outcome="completed")
         return self._finish(step_times, first_step, tokens_per_step, last_ckpt)
 
+    def _stop(self, last_ckpt: Path | None) -> None:
+        """Out of time: the step's checkpoint is published; say so and record the job."""
+        self.out_of_time = {"step": self.step, "checkpoint": str(last_ckpt) if last_ckpt else None}
+        self._record_job(last_step=self.step, outcome="out of time")
+        if self.is_logger:
+            if self.tracker is not None:
+                self.tracker.flush()
+            print(f"[train] out of time: stopped after step {self.step} with checkpoint "
+                  f"{last_ckpt}; the next job resumes there", flush=True)
+        return None
+
+    def _record_job(self, **fields: Any) -> list[dict[str, Any]] | None:
+        """The logger rank updates this job's entry in the job ledger (``jobs.json``)."""
+        if self.job is None or not self.is_logger:
+            return None
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return record_job(self.out_dir / JOBS_FILE, self.job, ended=time.time(), **fields)
+
     def _checkpoint_if_due(self, steps: int, save_final: bool) -> Path | None:
-        """After a step: save if the step count or rank 0's clock says so, and publish a
-        background save that every rank has finished writing. Collective, and every rank
-        reaches the same decisions: the clock and the writers' states are voted on
-        (``checkpoint.vote``, one small all-reduce, only when either is in play)."""
+        """After a step: save if the step count, rank 0's clock or a stop says so, and
+        publish a background save that every rank has finished writing. Collective, and every
+        rank reaches the same decisions: the clock, the writers' states and the stop requests
+        are voted on (``checkpoint.agree``, one small all-reduce, only when one is in play).
+        A stop sets ``_stopping`` after its save."""
         every, minutes = self.cfg.checkpoint_every, self.cfg.checkpoint_minutes
         due = bool(every and self.step % every == 0) or (save_final and self.step == steps)
         finished = False
-        if minutes is not None or self.pending is not None:
+        if minutes is not None or self.pending is not None or self.stop_requested is not None:
             late = minutes is not None and time.monotonic() - self._clock >= minutes * 60
             writing = self.pending is not None and not self.pending.written()
-            late, writing = ckpt.vote(late, writing, self.device)
-            due, finished = due or late, self.pending is not None and not writing
+            asked = self.stop_requested is not None and bool(self.stop_requested())
+            late, writing, stop = ckpt.agree(late, writing, asked, device=self.device)
+            self._stopping = stop
+            due, finished = due or late or stop, self.pending is not None and not writing
         if not (due or finished):
             return None
         started = time.perf_counter()
@@ -333,7 +419,16 @@ class Trainer:
             self._clock = time.monotonic()  # minutes count from when the save gave training back
             if self.is_logger and self.tracker is not None:
                 self.tracker.flush()  # every metric up to this checkpoint is in the store
+            self._record_job(last_step=self.step)
         return saved
+
+    def _job_summary(self) -> dict[str, Any]:
+        """The summary's ``jobs``, ``node_hours`` and ``job_ledger`` (None without a ledger)."""
+        path = self.out_dir / JOBS_FILE
+        if self.job is None or not path.is_file():
+            return {"jobs": None, "node_hours": None, "job_ledger": None}
+        ledger = json.loads(path.read_text())
+        return {**job_totals(ledger), "job_ledger": ledger}
 
     def _throughput(self, step_time: float, tokens_per_step: int) -> dict[str, float]:
         tokens_per_s = tokens_per_step / step_time if step_time > 0 else 0.0
@@ -371,7 +466,7 @@ class Trainer:
                    "checkpoint": str(last_ckpt) if last_ckpt else None,
                    "checkpoint_seconds": sum(self.checkpoint_seconds),
                    "plan": self.plan.to_dict(), "world_size": self.dims.world_size,
-                   "hosts": hosts}
+                   "hosts": hosts, **self._job_summary()}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.losses:
             png = plot_losses(self.losses, 0, self.out_dir / "loss_curve.png")
