@@ -7,13 +7,24 @@
    4 gloo ranks, every valid plan
    (recompute none, no sequence parallelism: on these models memory never binds, so
    recompute only costs time) is run for a few steps through stages.plan.measure_plan.
-   --max-plans N keeps the N best predicted plus evenly spaced others per setting.
-   The pick and the three fastest are run twice (the faster run counts: the machine may be
-   shared). Reported: pick_ratio (measured tokens/s of the planner's pick / measured best), the
-   step-time MAPE of the raw model and of the model calibrated leave-one-out (scales fitted on
-   the other plans of the same setting, as the plan stage's refinement does).
+   --max-plans N keeps the N/2 best predicted plus evenly spaced others per setting.
+   Each plan is measured once, in predicted order; then the contenders (the pick and the two
+   fastest measured, when within 10 % of the fastest) are measured again, round-robin (each
+   round in a rotated order, so the box's slow drift hits them alike), until each is set
+   apart from the fastest by more than its spread or lies within 5 % of it, at most
+   --max-repeats times. A plan's figure is the median of its measurements.
+   Reported: pick_ratio (measured tokens/s of the planner's pick / measured best, and what one
+   measurement per plan gave, ``pick_ratio_one_measurement``), the step-time MAPE of the raw
+   model and of the model calibrated leave-one-out (``model.planner.calibration.calibrate``
+   fitted on the other plans of the same setting, as the plan stage's calibration does; and the
+   plain two-scale fit it replaced, ``..._unshrunk``), the spread of repeated measurements of
+   one plan ((max - min) / median) beside the gaps between the plans compared, and the
+   launches' cost (seconds per launch and beyond the timed steps).
    --repeats N (default 3) makes N independent runs, each in a fresh runs dir with a fresh
-   microbenchmark; the figures are the worst run's, with every run's listed (``*_runs``).
+   microbenchmark; the figures are the worst run's, with every run's listed (``*_runs``), every
+   run's microbenchmark figures (``microbench_runs``) and how much each moved from run to run,
+   with the raw predictions and the measurements of the plans measured in every run
+   (``across_runs``).
 
 --published: instead, the GPU time model against published measurements (configs/published):
 for each source, the framework factors are fitted on the other fitting sources and the source
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -40,9 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import RESULTS_DIR, write_results
-from model.planner.calibration import fit_scales
+from model.planner.calibration import calibrate, fit_scales, predict, unshrunk_scales
 from model.planner.cluster import load_cluster
-from model.planner.microbench import load_measured_cluster
+from model.planner.microbench import cache_file, load_measured_cluster
 from model.planner.search import enumerate_plans, evaluate, search
 from model.planner.shapes import Shapes, decode
 from stages.config import load_config
@@ -105,53 +117,159 @@ def candidates(cfg, nproc: int, max_plans: int):
     return plans, len(c["tp"])
 
 
-def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, steps: int) -> dict:
+CONTEND = 0.10
+"""After one round, plans measured within this fraction of the fastest (and the pick) are the
+contenders, measured again until resolved."""
+MAX_CONTENDERS = 2
+"""At most this many of the fastest are contenders (the pick besides): each costs a launch a
+round."""
+TOLERANCE = 0.05
+"""What a pick may lose (1 - the pick_ratio target): a gap under it needs no resolving."""
+
+
+def _spread(times: list[float]) -> float | None:
+    """Relative spread of repeated measurements of one plan: (max - min) / median."""
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
+
+
+def _resolved(times: list[list[float]], i: int, best: int) -> bool:
+    """Whether plan i's repeats set it apart from the fastest, or within TOLERANCE of it: both
+    spreads under half of the larger of their gap and TOLERANCE."""
+    if len(times[i]) < 2 or len(times[best]) < 2:
+        return False
+    gap = abs(statistics.median(times[i]) / statistics.median(times[best]) - 1)
+    return max(_spread(times[i]), _spread(times[best])) < max(gap, TOLERANCE) / 2
+
+
+def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, steps: int,
+                    max_repeats: int = 3) -> dict:
+    """Measure a setting's plans: every plan once in predicted order, then the contenders (the
+    pick and the plans within CONTEND of the fastest) again in round-robin rounds (each round
+    in a rotated order, so the box's slow drift hits every contender alike) until each is
+    resolved against the fastest (``_resolved``) or has ``max_repeats`` measurements. A plan's
+    figure is the median of its measurements (with 3, one disturbed launch does not move it)."""
     plans, n_valid = candidates(cfg, nproc, max_plans)
     print(f"[local] {label} on {nproc} ranks: {n_valid} valid plans, measuring {len(plans)}",
           flush=True)
-    rows, t0 = [], time.perf_counter()
-    for i, p in enumerate(plans):
-        m = measure_plan(cfg, p, work / f"{label}-n{nproc}-{i}", steps=steps)
-        done = i + 1
-        eta = (time.perf_counter() - t0) / done * (len(plans) - done)
+    times: list[list[float]] = [[] for _ in plans]
+    walls: list[float] = []
+    failed: dict[int, str] = {}
+    t0 = time.perf_counter()
+
+    def measure(i: int, k: int) -> None:
+        m = measure_plan(cfg, plans[i], work / f"{label}-n{nproc}-{i}-r{k}", steps=steps)
         if m["ok"]:
-            rows.append({"plan": p.describe(), "pred": p.predictions, "meas": m["step_time_s"],
-                         "meas_tps": m["tokens_per_s"]})
-            print(f"  {done}/{len(plans)} {p.describe():<40} "
-                  f"predicted {p.predictions['step_time_s']:.4f} s"
-                  f"  measured {m['step_time_s']:.4f} s  ETA {eta:.0f} s", flush=True)
+            times[i].append(m["step_time_s"])
+            walls.append(m["seconds"])
+            print(f"  r{k} {plans[i].describe():<40} predicted "
+                  f"{plans[i].predictions['step_time_s']:.4f} s  measured {m['step_time_s']:.4f}"
+                  f" s  ({m['seconds']:.1f} s, {time.perf_counter() - t0:.0f} s in)", flush=True)
         else:
-            print(f"  {done}/{len(plans)} {p.describe():<40} FAILED: {m['error'][-300:]}",
-                  flush=True)
-    if not rows:
-        return {"label": label, "nproc": nproc, "ok": False}
-    # the machine is shared: interference only adds time, so the planner's pick and the
-    # three fastest are measured once more and each keeps its faster run
-    recheck = {id(rows[0])} | {id(r) for r in sorted(rows, key=lambda r: r["meas"])[:3]}
-    by_desc = {p.describe(): p for p in plans}
-    for j, r in enumerate([r for r in rows if id(r) in recheck]):
-        m = measure_plan(cfg, by_desc[r["plan"]], work / f"{label}-n{nproc}-re{j}", steps=steps)
-        if m["ok"] and m["step_time_s"] < r["meas"]:
-            r["meas"], r["meas_tps"] = m["step_time_s"], m["tokens_per_s"]
-        print(f"  recheck {r['plan']:<40} measured {m.get('step_time_s', float('nan')):.4f} s"
-              f" -> kept {r['meas']:.4f} s", flush=True)
-    best = max(rows, key=lambda r: r["meas_tps"])
-    pick = rows[0] if plans and rows[0]["plan"] == plans[0].describe() else None
+            failed[i] = m["error"][-300:]
+            print(f"  r{k} {plans[i].describe():<40} FAILED: {failed[i]}", flush=True)
+
+    for i in range(len(plans)):
+        measure(i, 0)
+    first = [t[0] if t else None for t in times]
+    for k in range(1, max_repeats):
+        ok = [i for i in range(len(plans)) if times[i] and i not in failed]
+        if not ok:
+            break
+        med = {i: statistics.median(times[i]) for i in ok}
+        best = min(ok, key=med.get)
+        near = sorted((i for i in ok if med[i] <= (1 + CONTEND) * med[best]), key=med.get)
+        contenders = sorted(set(near[:MAX_CONTENDERS]) | ({0} if 0 in ok else set()))
+        todo = [i for i in contenders
+                if len(times[i]) <= k and not (i != best and _resolved(times, i, best))]
+        if best in todo and all(_resolved(times, i, best) for i in contenders if i != best) \
+                and len(contenders) > 1:
+            todo.remove(best)
+        if not todo:
+            break
+        todo = todo[k % len(todo):] + todo[:k % len(todo)]  # rotated: round-robin
+        for i in todo:
+            measure(i, k)
+    ok = [i for i in range(len(plans)) if times[i]]
+    if not ok:
+        return {"label": label, "nproc": nproc, "ok": False, "errors": list(failed.values())}
+    rows = [{"plan": plans[i].describe(), "pred": plans[i].predictions,
+             "meas": statistics.median(times[i]), "times": times[i], "first": first[i],
+             "spread": _spread(times[i])} for i in ok]
+    best = min(rows, key=lambda r: r["meas"])
+    pick = rows[0] if ok[0] == 0 else None
+    by_meas = sorted(rows, key=lambda r: r["meas"])
+    # what one measurement per plan would have said
+    first_best = min(r["first"] for r in rows)
+    points = [{"compute_s": r["pred"]["compute_s"], "comm_s": r["pred"]["comm_s"],
+               "measured_s": r["meas"]} for r in rows]
     raw_ape = [abs(r["pred"]["step_time_s"] - r["meas"]) / r["meas"] for r in rows]
-    loo_ape, loo_pred = [], []
+    loo = {"new": [], "unshrunk": []}
+    loo_ape = {"new": [], "unshrunk": []}
     for i, r in enumerate(rows):
-        others = [{"compute_s": o["pred"]["compute_s"], "comm_s": o["pred"]["comm_s"],
-                   "measured_s": o["meas"]} for j, o in enumerate(rows) if j != i]
-        sc = fit_scales(others)
-        pred = sc["compute_scale"] * r["pred"]["compute_s"] + sc["comm_scale"] * r["pred"]["comm_s"]
-        loo_pred.append(pred)
-        loo_ape.append(abs(pred - r["meas"]) / r["meas"])
-    cal_pick = rows[min(range(len(rows)), key=lambda i: loo_pred[i])]
-    return {"label": label, "nproc": nproc, "ok": True, "n_valid": n_valid, "n_measured": len(rows),
-            "pick": pick["plan"] if pick else None, "best": best["plan"],
-            "pick_ratio": (pick["meas_tps"] / best["meas_tps"]) if pick else 0.0,
-            "calibrated_pick_ratio": cal_pick["meas_tps"] / best["meas_tps"],
-            "mape_raw": statistics.mean(raw_ape), "mape_calibrated_loo": statistics.mean(loo_ape)}
+        others = points[:i] + points[i + 1:]
+        for name, sc in (("new", fit_scales(others)), ("unshrunk", unshrunk_scales(others))):
+            pred = predict(sc, points[i])
+            loo[name].append(pred)
+            loo_ape[name].append(abs(pred - r["meas"]) / r["meas"])
+
+    def loo_pick_ratio(name: str) -> float:
+        return best["meas"] / rows[min(range(len(rows)), key=lambda i: loo[name][i])]["meas"]
+
+    cal = calibrate(points)
+    spreads = [r["spread"] for r in rows if r["spread"] is not None]
+    n_launch = len(walls)
+    step_mean = statistics.mean(r["meas"] for r in rows)
+    out = {
+        "label": label, "nproc": nproc, "ok": True, "n_valid": n_valid, "n_measured": len(rows),
+        "pick": pick["plan"] if pick else None, "best": best["plan"],
+        "pick_ratio": best["meas"] / pick["meas"] if pick else 0.0,
+        "pick_ratio_one_measurement": first_best / pick["first"] if pick else 0.0,
+        "calibrated_pick_ratio": loo_pick_ratio("new"),
+        "calibrated_pick_ratio_unshrunk": loo_pick_ratio("unshrunk"),
+        "mape_raw": statistics.mean(raw_ape),
+        "mape_calibrated_loo": statistics.mean(loo_ape["new"]),
+        "mape_calibrated_loo_unshrunk": statistics.mean(loo_ape["unshrunk"]),
+        "calibration": {k: v for k, v in cal.items()
+                        if not (isinstance(v, float) and not math.isfinite(v))},
+        "gap_pick_best": pick["meas"] / best["meas"] - 1 if pick else None,
+        "gap_runner_up": by_meas[1]["meas"] / by_meas[0]["meas"] - 1 if len(rows) > 1 else None,
+        "repeat_spread_median": statistics.median(spreads) if spreads else None,
+        "repeat_spread_max": max(spreads) if spreads else None,
+        "resolved": all(_resolved([r["times"] for r in rows], i, rows.index(best))
+                        for i, r in enumerate(rows) if r is not best
+                        and r["meas"] <= (1 + CONTEND) * best["meas"]) if len(rows) > 1 else True,
+        "launches": n_launch, "seconds": time.perf_counter() - t0,
+        "launch_seconds_mean": statistics.mean(walls) if walls else None,
+        "step_time_mean_s": step_mean, "steps": steps,
+        # a launch's seconds beyond its timed steps: starting ranks, building, checkpointing
+        "launch_overhead_s": (statistics.mean(walls) - steps * step_mean) if walls else None,
+        "plans": [{"plan": r["plan"], "predicted_s": r["pred"]["step_time_s"],
+                   "compute_s": r["pred"]["compute_s"], "comm_s": r["pred"]["comm_s"],
+                   "measured_s": r["times"], "median_s": r["meas"]} for r in rows],
+    }
+    return out
+
+
+def microbench_figures(cfg, nproc: int) -> dict:
+    """The figures a run's fresh microbenchmark gave (from its cache file)."""
+    path = cache_file(nproc, cfg.runs_dir / "cache" / "microbench")
+    data = json.loads(path.read_text())
+    f = data["fields"]
+    keep = ("peak_tflops", "hbm_bandwidth_gbps", "layer_overhead_us", "microbatch_overhead_us",
+            "optimizer_overhead_us", "fsdp_unit_overhead_us", "tp_layer_overhead_us",
+            "tp_microbatch_overhead_us", "tp_comm_scale", "alone_speedup", "kernel_overhead_us")
+    out = {k: f[k] for k in keep if k in f}
+    ar = f.get("collectives", {}).get("all_reduce")
+    if ar:
+        out["all_reduce_gbps"] = ar["bandwidth_gbps"]
+        out["all_reduce_latency_us"] = ar["latency_us"]
+    out["seconds"] = data.get("seconds")
+    return out
+
+
+def _rel_spread(values: list[float]) -> float | None:
+    vals = [v for v in values if v]
+    return max(vals) / min(vals) - 1 if len(vals) > 1 else None
 
 
 def published(results_dir: str) -> dict:
@@ -230,10 +348,11 @@ def published(results_dir: str) -> dict:
     return result
 
 
-def local_run(max_plans: int, steps: int) -> tuple[dict, list[dict]]:
+def local_run(max_plans: int, steps: int, max_repeats: int) -> tuple[dict, list[dict], dict]:
     """One independent measurement of the local settings, in a fresh runs dir (so with a
-    fresh microbenchmark); return its figures ({} when no setting succeeded) and settings."""
-    settings = []
+    fresh microbenchmark); return its figures ({} when no setting succeeded), its settings
+    and its microbenchmarks' figures by rank count."""
+    settings, micro = [], {}
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
         work = Path(tmp)
         runs = ["tracking.runs_dir=" + str(work / "runs")]
@@ -241,31 +360,84 @@ def local_run(max_plans: int, steps: int) -> tuple[dict, list[dict]]:
             cfg = load_config("tiny", runs + over)
             for nproc in (2, 4):
                 cfg.parallel.nproc = nproc
-                settings.append(measure_setting(label, cfg, nproc, max_plans, work, steps))
+                settings.append(measure_setting(label, cfg, nproc, max_plans, work, steps,
+                                                max_repeats))
+                micro.setdefault(str(nproc), microbench_figures(cfg, nproc))
     ok = [s for s in settings if s["ok"]]
     for s in ok:
         print(f"[local] {s['label']} n={s['nproc']}: pick {s['pick']} / best {s['best']}: "
-              f"ratio {s['pick_ratio']:.3f} (calibrated {s['calibrated_pick_ratio']:.3f}); "
-              f"step-time MAPE raw {s['mape_raw']:.1%}, calibrated (leave-one-out) "
-              f"{s['mape_calibrated_loo']:.1%}", flush=True)
+              f"ratio {s['pick_ratio']:.3f} (one measurement each "
+              f"{s['pick_ratio_one_measurement']:.3f}, calibrated {s['calibrated_pick_ratio']:.3f}"
+              f"); step-time MAPE raw {s['mape_raw']:.1%}, calibrated (leave-one-out) "
+              f"{s['mape_calibrated_loo']:.1%} ({s['calibration']['model']}; unshrunk "
+              f"two scales {s['mape_calibrated_loo_unshrunk']:.1%}); repeat spread "
+              f"{s['repeat_spread_median'] or 0:.1%} (max {s['repeat_spread_max'] or 0:.1%}), "
+              f"gap pick/best {s['gap_pick_best'] or 0:.1%}, runner-up "
+              f"{s['gap_runner_up'] or 0:.1%}; {s['launches']} launches in {s['seconds']:.0f} s",
+              flush=True)
     if not ok:
-        return {}, settings
+        return {}, settings, micro
     return {
         "pick_ratio": round(min(s["pick_ratio"] for s in ok), 4),
+        "pick_ratio_one_measurement": round(min(s["pick_ratio_one_measurement"] for s in ok), 4),
         "calibrated_pick_ratio": round(min(s["calibrated_pick_ratio"] for s in ok), 4),
+        "calibrated_pick_ratio_unshrunk": round(
+            min(s["calibrated_pick_ratio_unshrunk"] for s in ok), 4),
         "step_time_mape": round(statistics.mean(s["mape_calibrated_loo"] for s in ok), 4),
         "step_time_mape_raw": round(statistics.mean(s["mape_raw"] for s in ok), 4),
+        "step_time_mape_unshrunk": round(
+            statistics.mean(s["mape_calibrated_loo_unshrunk"] for s in ok), 4),
+        "repeat_spread_max": round(max(s["repeat_spread_max"] or 0 for s in ok), 4),
         "plans_measured": sum(s["n_measured"] for s in ok),
+        "launches": sum(s["launches"] for s in ok),
         "plans_valid": sum(s["n_valid"] for s in ok),
-    }, settings
+    }, settings, micro
+
+
+def across_runs(settings: list[dict], micro: list[dict]) -> dict:
+    """How the same setting's figures moved from run to run: each microbenchmark field's
+    spread (max / min - 1), and per setting the spread of the raw prediction and of the
+    measurement of each plan measured in every run."""
+    fields = sorted({k for m in micro for n in m.values() for k in n if k != "seconds"})
+    micro_spread = {n: {k: _rel_spread([m[n].get(k) for m in micro if n in m]) for k in fields}
+                    for n in sorted({n for m in micro for n in m})}
+    per_setting = {}
+    for key in sorted({(s["label"], s["nproc"]) for s in settings if s["ok"]}):
+        runs = [s for s in settings if s["ok"] and (s["label"], s["nproc"]) == key]
+        common = set.intersection(*({p["plan"] for p in s["plans"]} for s in runs))
+        pred, meas = [], []
+        for plan in sorted(common):
+            rows = [next(p for p in s["plans"] if p["plan"] == plan) for s in runs]
+            pred.append(_rel_spread([r["predicted_s"] for r in rows]))
+            meas.append(_rel_spread([r["median_s"] for r in rows]))
+        pred = [v for v in pred if v is not None]
+        meas = [v for v in meas if v is not None]
+        per_setting[f"{key[0]}_n{key[1]}"] = {
+            "plans_in_every_run": len(common),
+            "raw_prediction_spread_median": statistics.median(pred) if pred else None,
+            "raw_prediction_spread_max": max(pred) if pred else None,
+            "measured_spread_median": statistics.median(meas) if meas else None,
+            "measured_spread_max": max(meas) if meas else None,
+            "mape_raw_runs": [round(s["mape_raw"], 4) for s in runs],
+            "mape_calibrated_runs": [round(s["mape_calibrated_loo"], 4) for s in runs],
+            "mape_unshrunk_runs": [round(s["mape_calibrated_loo_unshrunk"], 4) for s in runs],
+            "pick_ratio_runs": [round(s["pick_ratio"], 4) for s in runs],
+            "pick_ratio_one_measurement_runs": [round(s["pick_ratio_one_measurement"], 4)
+                                                for s in runs],
+            "calibration_runs": [s["calibration"]["model"] for s in runs],
+            "pick_runs": [s["pick"] for s in runs], "best_runs": [s["best"] for s in runs]}
+    return {"microbench_spread": micro_spread, "settings": per_setting}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-plans", type=int, default=8,
-                    help="plans per setting (default 8: about 5 minutes a run on 2 cores; "
-                         "0: all, about 45)")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--max-plans", type=int, default=6,
+                    help="plans per setting (default 6: about 7 minutes a run on 2 cores; "
+                         "0: all, about an hour)")
+    ap.add_argument("--steps", type=int, default=6, help="training steps a measurement runs "
+                    "(the first is warm-up; the median of the others counts)")
+    ap.add_argument("--max-repeats", type=int, default=3,
+                    help="most measurements of a contending plan (median counts; default 3)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="independent local runs, each with a fresh microbenchmark; the worst "
                          "run's pick_ratio and step_time_mape are the figures (default 3)")
@@ -283,13 +455,19 @@ def main() -> None:
     frontier = frontier_predictions()
     result = {"search_seconds_1t_3072": round(speed, 4)}
     settings: list[dict] = []
+    extra: dict = {}
     if not args.skip_local:
-        runs = []
+        runs, micro = [], []
+        t_local = time.perf_counter()
         for run in range(args.repeats):
             print(f"[local] run {run + 1}/{args.repeats} (fresh microbenchmark)", flush=True)
-            figures, run_settings = local_run(args.max_plans, args.steps)
+            figures, run_settings, run_micro = local_run(args.max_plans, args.steps,
+                                                         args.max_repeats)
             runs.append(figures)
+            micro.append(run_micro)
             settings.extend({**s, "run": run} for s in run_settings)
+        extra = {"microbench_runs": micro, "across_runs": across_runs(settings, micro),
+                 "local_seconds": round(time.perf_counter() - t_local, 1)}
         if runs and all(runs):
             # The worst run is the figure: the planner must hold on every run.
             result.update(
@@ -298,14 +476,22 @@ def main() -> None:
                 pick_ratio_runs=[r["pick_ratio"] for r in runs],
                 step_time_mape_runs=[r["step_time_mape"] for r in runs],
                 step_time_mape_raw_runs=[r["step_time_mape_raw"] for r in runs],
+                step_time_mape_unshrunk_runs=[r["step_time_mape_unshrunk"] for r in runs],
+                pick_ratio_one_measurement_runs=[r["pick_ratio_one_measurement"] for r in runs],
                 calibrated_pick_ratio=min(r["calibrated_pick_ratio"] for r in runs),
+                calibrated_pick_ratio_runs=[r["calibrated_pick_ratio"] for r in runs],
+                calibrated_pick_ratio_unshrunk_runs=[r["calibrated_pick_ratio_unshrunk"]
+                                                     for r in runs],
+                repeat_spread_max_runs=[r["repeat_spread_max"] for r in runs],
                 plans_measured=sum(r["plans_measured"] for r in runs),
-                plans_valid=runs[0]["plans_valid"])
+                launches=sum(r["launches"] for r in runs),
+                plans_valid=runs[0]["plans_valid"],
+                local_seconds=extra["local_seconds"])
     result.update({f"{k}_tflops_per_device": v["tflops_per_device"] for k, v in frontier.items()})
     result.update({f"{k}_mfu": v["mfu"] for k, v in frontier.items()})
     name = "bench_plan_search" if args.skip_local else "bench_plan"
     path = write_results(name, result, {"args": vars(args), "frontier": frontier,
-                                        "settings": settings}, args.results_dir)
+                                        "settings": settings, **extra}, args.results_dir)
     print(f"[results] written to {path}", file=sys.stderr, flush=True)
     print(json.dumps(result))
 

@@ -15,13 +15,13 @@ from 1 that stands out of its own noise: ``f' = 1 + (f - 1) * max(0, 1 - se**2 /
 departure, so a departure within one standard error is dropped entirely, one of two standard
 errors keeps 3/4 of itself, one of three 8/9). se is the spread of the points about the fit:
 for the ratio sd(log ratios) / sqrt(n), fitted in logs and shrunk there; for the two scales
-the least-squares covariance ``s**2 (X'X)^-1`` with ``s**2 = RSS / (n - 2)``. The ratio is
-shrunk toward 1 and each of the two scales toward that shrunk ratio (what a scale says beyond
-the common factor must stand out of its own noise too: compute and comm seconds move together
-across plans, so the two scales are far less determined than their sum). So measurements that
-scatter around the raw model give factors of exactly or nearly 1, a few plans that barely
-communicate leave comm_scale at the common ratio (its se is huge), and a bias well above the
-noise is kept.
+the least-squares covariance ``s**2 (X'X)^-1`` with ``s**2 = RSS / (n - 2)``. The two scales
+are shrunk as a common factor (toward 1) and what communication needs beyond it (toward 0),
+the common factor refitted after the second is shrunk (``fit_two_scales``): compute and comm
+seconds move together across plans, so the two scales are far less determined than their
+sum. So measurements that scatter around the raw model give factors of exactly or nearly 1, a
+few plans that barely communicate leave comm_scale at the common factor (its extra's se is
+huge), and a bias well above the noise is kept.
 
 **Selection.** ``calibrate`` computes each model's leave-one-out error (every point predicted
 by the model fitted, shrinkage included, on the others; the mean absolute relative error) and
@@ -77,8 +77,8 @@ def fit_ratio(points: list[dict[str, float]]) -> dict[str, float]:
 
 
 def least_squares_scales(points: list[dict[str, float]]) -> tuple[np.ndarray, np.ndarray] | None:
-    """(compute_scale, comm_scale) by relative least squares and their standard errors; None
-    when the two are not determined (fewer than 3 points, or no spread in the comm share)."""
+    """(compute_scale, comm_scale) by relative least squares and their covariance; None when
+    the two are not determined (fewer than 3 points, or no spread in the comm share)."""
     pts = _usable(points)
     if len(pts) < 3:
         return None
@@ -93,26 +93,41 @@ def least_squares_scales(points: list[dict[str, float]]) -> tuple[np.ndarray, np
         cov = rss / (len(y) - 2) * np.linalg.inv(x.T @ x)
     except np.linalg.LinAlgError:
         return None
-    return sol, np.sqrt(np.maximum(np.diag(cov), 0.0))
+    return sol, cov
 
 
 def fit_two_scales(points: list[dict[str, float]]) -> dict[str, float]:
-    """compute_scale and comm_scale by relative least squares, each shrunk by its se toward
-    the (shrunk) single ratio, itself shrunk toward 1.
+    """compute_scale and comm_scale, shrunk in two steps that keep the fit consistent.
 
-    Undetermined scales (too few points, no spread in the comm share) stay 1; a fit whose
-    shrunk scale falls under MIN_SCALE is not physical and gives the shrunk ratio alone."""
+    Written as ``measured ~= c (compute + comm) + delta comm`` (``comm_scale = c + delta``):
+    first ``delta``, what communication needs beyond the common factor, from the plain fit
+    with its standard error, shrunk toward 0; then ``c`` refitted given the shrunk delta and
+    shrunk toward 1 by its own standard error. (Shrinking the two scales one by one would
+    break the fit: compute and comm seconds move together across plans, so a well-fitting
+    pair can have two large errors.) Undetermined scales (fewer than 3 points, no spread in
+    the comm share) give the raw model; a scale under MIN_SCALE is not physical and gives the
+    shrunk ratio alone."""
     fit = least_squares_scales(points)
     if fit is None:
-        return {**RAW, "compute_se": float("inf"), "comm_se": float("inf")}
-    sol, se = fit
-    r = fit_ratio(points)["compute_scale"]
-    scales = [shrink(float(f), float(s), toward=r) for f, s in zip(sol, se)]
+        return {**RAW, "comm_extra_se": float("inf")}
+    sol, cov = fit
+    delta = float(sol[1] - sol[0])
+    delta_se = float(np.sqrt(max(cov[0, 0] + cov[1, 1] - 2 * cov[0, 1], 0.0)))
+    delta_s = shrink(delta, delta_se, toward=0.0)
+    pts = _usable(points)
+    tot = np.array([(p["compute_s"] + p["comm_s"]) / p["measured_s"] for p in pts])
+    extra = np.array([delta_s * p["comm_s"] / p["measured_s"] for p in pts])
+    # relative least squares of c given delta: minimise sum (c tot + extra - 1)^2
+    c = float(((1 - extra) * tot).sum() / (tot * tot).sum())
+    resid = c * tot + extra - 1
+    c_se = float(np.sqrt((resid ** 2).sum() / max(len(pts) - 2, 1) / (tot * tot).sum()))
+    c_s = shrink(c, c_se)
     stats = {"compute_unshrunk": float(sol[0]), "comm_unshrunk": float(sol[1]),
-             "compute_se": float(se[0]), "comm_se": float(se[1])}
-    if min(scales) < MIN_SCALE:  # not physical: the common ratio alone
+             "comm_extra": delta, "comm_extra_se": delta_se, "common": c, "common_se": c_se}
+    if min(c_s, c_s + delta_s) < MIN_SCALE:  # not physical: the common ratio alone
+        r = fit_ratio(points)["compute_scale"]
         return {"compute_scale": r, "comm_scale": r, **stats}
-    return {"compute_scale": scales[0], "comm_scale": scales[1], **stats}
+    return {"compute_scale": c_s, "comm_scale": c_s + delta_s, **stats}
 
 
 FITS = {"ratio": fit_ratio, "two_scales": fit_two_scales}
