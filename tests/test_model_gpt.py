@@ -243,3 +243,40 @@ def test_recompute_modes_keep_gradients_and_save_memory() -> None:
         assert torch.allclose(sel[name], base[name], atol=1e-6), name
         assert torch.allclose(full[name], base[name], atol=1e-6), name
     assert full_bytes < sel_bytes < none_bytes
+
+
+SHARD_CHECK = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from model.gpt import _copy_full_into
+
+full = torch.arange(7 * 10, dtype=torch.float32).reshape(7, 10)
+for rank in range(8):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    for placements in ([Shard(0), Shard(0)], [Shard(0), Shard(1)], [Replicate(), Shard(1)],
+                       [_StridedShard(0, split_factor=2), Shard(0)], [Shard(1), Replicate()]):
+        reference = distribute_tensor(full, mesh, placements, src_data_rank=None)
+        param = distribute_tensor(torch.zeros_like(full), mesh, placements, src_data_rank=None)
+        _copy_full_into(param, full)
+        assert torch.equal(param.to_local(), reference.to_local()), (rank, placements)
+    dist.destroy_process_group()
+print("every shard equal")
+"""
+
+
+def test_initial_shards_are_those_distribute_tensor_cuts() -> None:
+    """Init cuts each rank's shard by its offset; on uneven (7 x 10 over 4 x 2) FSDP/TP/strided
+    placements of every rank of a fake 8-rank group it equals ``distribute_tensor``'s. A
+    process of its own: the fake group is initialised once per rank."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", SHARD_CHECK], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "every shard equal" in proc.stdout

@@ -63,7 +63,7 @@ from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import schedules as pipelining_schedules
 from torch.distributed.pipelining._utils import InferenceMode
@@ -191,6 +191,7 @@ PRIVATE_INTERNALS: tuple[tuple[Any, str], ...] = (
     (InferenceMode, "STATIC"),
     (InferenceMode, "needs_dynamic"),
     (MemTracker, "_pre_fw_hook"),
+    (MemTracker, "_update_peak_stats"),
     (FSDPMemTracker, "_fsdp_state_pre_forward"),
 )
 """The private torch attributes the rehearsal overrides or calls."""
@@ -241,7 +242,26 @@ def _is_root_call(tracker: MemTracker, fqn: str) -> bool:
     return parents == {"Global"}
 
 
-class StepMemTracker(MemTracker):
+class GlobalPeakOnly:
+    """Keep only the global peak on each operator (the rehearsal reads no module's peak).
+
+    torch's trackers, after every operator, walk every tracked module to update its
+    forward/backward peak: with thousands of modules (a 128-layer stage) that walk was the
+    largest cost of a rehearsal and grew with the square of the layer count.
+    """
+
+    _curr_mem_snap: dict
+    _peak_mem: dict
+    _peak_mem_snap: dict
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+class StepMemTracker(GlobalPeakOnly, MemTracker):
     """torch's MemTracker, allowing a root module to be called again in one step.
 
     MemTracker refuses a second root call (it takes it for a second iteration); gradient
@@ -258,7 +278,7 @@ class StepMemTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
 
-class StepFSDPMemTracker(FSDPMemTracker):
+class StepFSDPMemTracker(GlobalPeakOnly, FSDPMemTracker):
     """torch's FSDPMemTracker over several FSDP roots, allowing repeated root calls.
 
     ``roots`` are the FSDP-wrapped chunks of one pipeline rank (one or, interleaved,
