@@ -70,9 +70,12 @@ def checkpoint_cadence_problem(train: TrainConfig, site: SiteConfig,
     ``train.checkpoint_every`` steps (or all ``train.steps`` when it is 0); when that takes
     longer than the walltime and ``train.checkpoint_minutes`` is unset or not shorter than
     the walltime, every job ends before saving and a resumed run never advances. None when
-    the step time is unknown or the site has no walltime (``local``).
+    the step time is unknown, the site has no walltime (``local``), or the training block
+    is signalled to save before its end (``site.save_before_end()``) early enough for a step.
     """
     if step_time_s is None or step_time_s <= 0 or site.name == "local":
+        return None
+    if site.save_before_end() > step_time_s:  # every job ends with a checkpoint of its own
         return None
     wall = walltime_seconds(site.walltime)
     steps = min(train.checkpoint_every or train.steps, train.steps)
@@ -95,7 +98,8 @@ def checkpoint_cadence_problem(train: TrainConfig, site: SiteConfig,
     return (f"{head}. Set train.checkpoint_minutes={suggest:g} (a checkpoint every "
             f"{suggest:g} min of training; keep it well below the walltime, which also pays "
             f"for start-up and the save itself), or train.checkpoint_every <= {max_every}, "
-            "or raise site.walltime")
+            "or raise site.walltime, or let the job save before its end "
+            "(site.save_before_end_s longer than a step)")
 
 
 def check_train(cfg: PipelineConfig) -> None:

@@ -168,6 +168,18 @@ class SiteConfig:
     delivery. None: 600 on Frontier, 180 elsewhere, at most a quarter of the walltime;
     0: no signal (SIGTERM at the walltime still stops the ranks at the next step)."""
 
+    def save_before_end(self) -> int:
+        """Seconds before the walltime the training ranks are signalled to stop (0: never):
+        ``save_before_end_s``, else 600 on Frontier and 180 on other Slurm sites, at most a
+        quarter of the walltime; 0 on the local site (no walltime)."""
+        if self.name == "local":
+            return 0
+        if self.save_before_end_s is not None:
+            return self.save_before_end_s
+        hours, minutes, seconds = (int(part) for part in self.walltime.split(":"))
+        default = 600 if self.name == "frontier" else 180
+        return min(default, (hours * 3600 + minutes * 60 + seconds) // 4)
+
     def __post_init__(self) -> None:
         _check_site_text(self)
         for item in self.env:

@@ -11,8 +11,8 @@ ahead of the walltime, ``#SBATCH --signal``) and SIGTERM (the walltime itself, a
 are set first thing, before torch is imported, so a signal during start-up is kept too.
 The ranks vote after every step, all stop after the same one with its checkpoint written,
 the logger rank writes ``out-of-time.json`` and every rank ends with the out-of-time exit
-(``stages.launch.OutOfTime``). A second SIGTERM ends the rank at once (the default action),
-so a rank stuck in a collective still dies when its launcher insists.
+(``stages.launch.OutOfTime``). A rank stuck in a collective still ends: Slurm sends
+SIGKILL ``KillWait`` seconds after its SIGTERM, torchrun 30 s after its own.
 """
 from __future__ import annotations
 
@@ -29,11 +29,7 @@ _STARTED = time.time()
 
 
 def _ask_to_stop(signum: int, frame: Any) -> None:
-    name = signal.Signals(signum).name
-    if signum == signal.SIGTERM and "SIGTERM" in _asked:  # asked twice: die now
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-    _asked.append(name)
+    _asked.append(signal.Signals(signum).name)
 
 
 def stop_requested() -> bool:
@@ -77,16 +73,33 @@ def make_batch_factory(spec: RankSpec, cfg):
 
 
 def this_job(spec: RankSpec) -> dict[str, Any]:
-    """This job for the job ledger: the Slurm job (its id, nodes and start) or, launched on
-    this machine, the torchrun launch (the spec's nodes, this rank's start)."""
+    """This job for the job ledger: the Slurm job (its id, nodes and start: Slurm's
+    SLURM_JOB_START_TIME, else squeue's StartTime, else this rank's start) or, launched on
+    this machine, the torchrun launch (the spec's nodes, this rank's start). Asked by one
+    rank only (squeue)."""
     env = os.environ
-    if env.get("SLURM_JOB_ID"):
-        nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or spec.nodes
-        started = env.get("SLURM_JOB_START_TIME")
-        return {"id": env["SLURM_JOB_ID"], "nodes": int(nodes),
-                "started": float(started) if started and started.isdigit() else _STARTED}
-    launch = env.get("TORCHELASTIC_RUN_ID") or str(os.getppid())
-    return {"id": f"local-{launch}", "nodes": spec.nodes, "started": _STARTED}
+    if not env.get("SLURM_JOB_ID"):
+        launch = env.get("TORCHELASTIC_RUN_ID") or str(os.getppid())
+        return {"id": f"local-{launch}", "nodes": spec.nodes, "started": _STARTED}
+    job_id = env["SLURM_JOB_ID"]
+    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or spec.nodes)
+    started = env.get("SLURM_JOB_START_TIME", "")
+    if started.isdigit():
+        return {"id": job_id, "nodes": nodes, "started": float(started)}
+    return {"id": job_id, "nodes": nodes, "started": _slurm_start(job_id) or _STARTED}
+
+
+def _slurm_start(job_id: str) -> float | None:
+    """The job's start (epoch seconds) by squeue, or None."""
+    import subprocess
+    from datetime import datetime
+
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-O", "StartTime"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return datetime.fromisoformat(out.strip()).timestamp()
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
 
 
 def run_spec(spec: RankSpec) -> dict[str, Any] | None:
@@ -100,10 +113,10 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
     plan.check(cfg.model, cfg.train, env.world_size)
     device = init_distributed(env)
     try:
-        job = this_job(spec)
         trainer = Trainer(cfg.model, cfg.train, plan, spec.out_dir, make_batch_factory(spec, cfg),
-                          device, peak_tflops=spec.peak_tflops, stop_requested=stop_requested,
-                          job=job)
+                          device, peak_tflops=spec.peak_tflops, stop_requested=stop_requested)
+        if trainer.is_logger:  # the one rank that keeps the job ledger
+            trainer.job = this_job(spec)
         tracking = spec.tracking
         if tracking and trainer.is_logger:
             from stages.tracking import Tracker
@@ -119,7 +132,7 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
         if trainer.out_of_time is not None and trainer.is_logger:
             write_json_atomic(Path(spec.out_dir) / OUT_OF_TIME_FILE,
                               {**trainer.out_of_time, "signals": sorted(set(_asked)),
-                               "job": job["id"]})
+                               "job": trainer.job["id"]})
     finally:
         dist.destroy_process_group()
     if trainer.out_of_time is not None:

@@ -160,7 +160,10 @@ def _train(*sets: str):
     return tiny_config("train.steps=100000", *sets).train
 
 
-SLURM = load_config(None, ["site.name=slurm", "site.walltime=02:00:00"]).site
+# No signal before the walltime (site.save_before_end_s=0): only checkpoints by step count
+# or by the clock can land in a job.
+SLURM = load_config(None, ["site.name=slurm", "site.walltime=02:00:00",
+                           "site.save_before_end_s=0"]).site
 
 
 def test_walltime_and_step_time() -> None:
@@ -197,6 +200,18 @@ def test_a_checkpoint_that_lands_in_time_passes(sets) -> None:
     assert checkpoint_cadence_problem(_train(*sets), SLURM, 10.0) is None
 
 
+def test_a_save_before_the_walltime_lets_every_job_checkpoint() -> None:
+    """With the training block signalled ahead of its end (the default), each job ends with
+    a checkpoint of its own, as long as the signal leaves more than a step."""
+    long_run = _train("train.checkpoint_every=1000")
+    signalled = load_config(None, ["site.name=slurm", "site.walltime=02:00:00"]).site
+    assert signalled.save_before_end() == 180
+    assert checkpoint_cadence_problem(long_run, signalled, 10.0) is None
+    signalled.save_before_end_s = 5  # shorter than one 10 s step: refused as without it
+    problem = checkpoint_cadence_problem(long_run, signalled, 10.0)
+    assert "no checkpoint can land" in problem and "site.save_before_end_s" in problem
+
+
 def test_without_a_step_time_or_a_walltime_nothing_is_checked() -> None:
     never = _train("train.checkpoint_every=1000000")
     assert checkpoint_cadence_problem(never, SLURM, None) is None
@@ -215,7 +230,8 @@ def _publish_plan(cfg, step_time_s: float) -> None:
 
 def test_preflight_refuses_it_when_the_plan_is_already_there(tmp_path: Path) -> None:
     cfg = tiny_config("site.name=slurm", "site.walltime=00:10:00", "train.steps=1000",
-                      "train.checkpoint_every=500", f"tracking.runs_dir={tmp_path / 'runs'}")
+                      "train.checkpoint_every=500", f"tracking.runs_dir={tmp_path / 'runs'}",
+                      "site.save_before_end_s=0")
     assert "train" in preflight(cfg)  # no plan output yet: nothing to check against
     _publish_plan(cfg, step_time_s=2.0)  # 500 steps = 1000 s > 600 s
     with pytest.raises(ConfigError, match=r"no checkpoint can land within one Slurm job.*"
@@ -227,7 +243,7 @@ def test_preflight_refuses_it_when_the_plan_is_already_there(tmp_path: Path) -> 
 
 def test_the_train_stage_refuses_it_before_any_rank_starts(tmp_path: Path) -> None:
     cfg = tiny_config("parallel.nproc=1", "site.name=slurm", "site.walltime=00:10:00",
-                      "train.steps=1000", "train.checkpoint_every=500")
+                      "train.steps=1000", "train.checkpoint_every=500", "site.save_before_end_s=0")
     plan = Plan(micro_batch=8, predictions={"step_time_s": 2.0})
     inputs = {"plan": {"plan": str(plan.to_json(tmp_path / "plan.json"))}}
     with pytest.raises(TrainSetupError, match="no checkpoint can land within one Slurm job"):

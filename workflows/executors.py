@@ -294,21 +294,6 @@ class PolledSlurmProvider(SlurmProvider):
         return self.poll_seconds
 
 
-SAVE_BEFORE_END_S = {"frontier": 600, "slurm": 180}
-"""The default ``site.save_before_end_s`` of a site: one step (1T runs ~97 s a step on
-Frontier), a synchronous checkpoint, and the up to 60 s Slurm may deliver the signal early."""
-
-
-def save_before_end(cfg: PipelineConfig) -> int:
-    """Seconds before the walltime at which the training block's ranks get SIGUSR1 (0: none):
-    ``site.save_before_end_s``, else the site's default capped at a quarter of the walltime."""
-    if cfg.site.save_before_end_s is not None:
-        return cfg.site.save_before_end_s
-    hours, minutes, seconds = (int(part) for part in cfg.site.walltime.split(":"))
-    wall = hours * 3600 + minutes * 60 + seconds
-    return min(SAVE_BEFORE_END_S.get(cfg.site.name, 180), wall // 4)
-
-
 def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
     """The #SBATCH lines of a block: ``--no-requeue``, the training block's ``--signal``,
     then ``site.scheduler_options``.
@@ -318,13 +303,14 @@ def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
     (``JobRequeue=1``, the default on many sites) would keep Parsl waiting on a block that
     looks pending, for as long as the site's requeue delay.
 
-    ``stop_signal`` (the training block): ``--signal=USR1@N`` with N = ``save_before_end``,
+    ``stop_signal`` (the training block): ``--signal=USR1@N`` with N =
+    ``site.save_before_end()`` (``site.save_before_end_s`` or the site's default),
     sent to every job step (the ranks' srun step; not the batch shell, where Parsl's worker
     runs), so the ranks checkpoint at their next step and end out of time before Slurm kills
     the job (``stages.train_worker``); the driver resumes them in a new job.
     """
     lines = "#SBATCH --no-requeue\n"
-    ahead = save_before_end(cfg) if stop_signal else 0
+    ahead = cfg.site.save_before_end() if stop_signal else 0
     if ahead:
         lines += f"#SBATCH --signal=USR1@{ahead}\n"
     if cfg.site.scheduler_options.strip():
