@@ -27,6 +27,7 @@ from model.planner.calibration import load_calibration, update_calibration
 from model.planner.cluster import Cluster
 from model.planner.microbench import load_measured_cluster
 from model.planner.plan import CONFIG_FIELDS, FIELD_TYPES, LAYOUT_FIELDS, Plan, PlanError
+from model.planner.rank_counts import count_errors, rank_collective_bytes, rank_flops
 from model.planner.run_cost import plan_run_cost
 from model.planner.search import SearchResult, explain, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
@@ -224,13 +225,16 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     margins),
     ``rehearsed_peak_memory_gb`` (tensor bytes at the rehearsed peak), the same with the
     cluster's margins and whether that fits the device, the rehearsed memory by category,
-    FLOPs and collective bytes per step, and the model-FLOP count per device for scale.
+    FLOPs and collective bytes per step beside the planner's counts of them
+    (``model.planner.rank_counts``: ``modeled_flops_per_step``,
+    ``modeled_collective_bytes_by_dim``, their relative errors in ``count_errors``), and the
+    model-FLOP count per device for scale.
     Raises RehearsalError (a RuntimeError) for a plan that cannot be rehearsed.
     """
     from model.training.rehearse import busiest_ranks, rehearse_isolated  # torch: when asked
 
-    mem = explain(Shapes.from_configs(model_cfg, train_cfg, cluster), cluster, plan, world,
-                  train_cfg.global_batch, calibration)["memory_gb"]
+    shapes = Shapes.from_configs(model_cfg, train_cfg, cluster)
+    mem = explain(shapes, cluster, plan, world, train_cfg.global_batch, calibration)["memory_gb"]
     model_flops = (flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.global_batch
                    * train_cfg.seq_len / world)
     margin = 1 + cluster.fragmentation
@@ -244,6 +248,8 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
         tensors = (mem[f"states_{modeled}"] + mem[f"act_{modeled}"]
                    + mem[f"transient_{modeled}"])
         with_margins = result.peak_memory_gb * margin + cluster.reserved_gb
+        flops = rank_flops(shapes, plan, pp_rank)
+        comm = rank_collective_bytes(shapes, plan, pp_rank)
         records.append({
             "rank": rank, "stage": stage, "coords": result.coords,
             "peak_memory_gb": mem[modeled],
@@ -258,6 +264,9 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
             "model_flops_per_device_per_step": model_flops,
             "rehearsed_collective_bytes_per_step": result.collective_bytes_per_step[-1],
             "rehearsed_collective_bytes_by_dim": result.collective_bytes_by_dim,
+            "modeled_flops_per_step": flops, "modeled_collective_bytes_by_dim": comm,
+            "count_errors": count_errors(flops, comm, result.flops_per_step[-1],
+                                         result.collective_bytes_by_dim),
             "rehearsal_seconds": result.seconds, "rehearsal_notes": result.notes,
         })
     return records

@@ -1,0 +1,286 @@
+"""What one rank of this trainer computes and communicates in a training step: FLOPs and
+collective bytes, per pipeline rank, for one plan (no torch needed).
+
+These are the counts a rehearsal (``model.training.rehearse``: torch's FLOP formulas and
+every collective's full buffer, as NCCL's tests size it) reads off the real trainer; the
+tests hold the two together on every layout family. What this trainer does, and so what
+is counted (sbh = seq_len x micro_batch x d_model elements, c = compute-dtype bytes):
+
+FLOPs (torch.utils.flop_counter: matmuls, and attention as the full s x s products, causal
+or not), per micro-batch: each block's matmuls three times (forward and a backward of
+twice the work) and its attention core (4 s^2 hd per head) 3.5 times (torch prices the
+fused backward at 2.5 forwards: it recomputes the scores); full recompute runs a block's forward
+again but stops, as non-reentrant checkpointing does, once every tensor backward needs is
+back: the MLP's output projection is not recomputed; selective recompute runs the
+attention core again. The last stage adds the output projection (x3); the embedding is a
+lookup.
+
+Tensor parallelism (one collective of sbh elements per arrow, the logits gathered over the
+vocabulary: s b V): with sequence parallelism a block all-gathers its two norm outputs
+and reduce-scatters its two outputs in forward, the mirror in backward, and a recomputed
+forward repeats the gathers and the first reduce-scatter; the first stage's embedding
+output is reduce-scattered (its gradient gathered), the last stage gathers the final
+norm's output (its gradient reduce-scattered) and the logits. Without it a block
+all-reduces its two outputs in forward and its column-parallel inputs' gradients in
+backward (q, k, v and the MLP's one or two input projections, each on its own), a
+recomputed forward its attention output; the embedding's output and the head's input
+gradient are all-reduced.
+
+Pipeline: each micro-batch's activation (sequence-sharded under sequence parallelism) is
+sent forward and its gradient back at every chunk boundary; in the compute dtype under
+FSDP2, in float32 otherwise (autocast keeps the residual stream in float32).
+
+Data parallelism (FSDP2: parameters gathered in the compute dtype, gradients
+reduce-scattered in float32; DDP: one float32 all-reduce): each FSDP unit (a block, and
+the chunk's root) is gathered whenever a forward or backward finds it sharded. zero3
+reshards after every forward, zero2 does not; without pipelining the trainer reshards
+after every backward and (zero2) syncs gradients at the last micro-batch only, zero3 at
+every one; torch's pipelining keeps the units gathered and gradients unsynced between
+micro-batches and syncs once, and its multi-chunk schedules hold at most
+``PIPELINE_ACTIVE_CHUNKS`` chunks gathered, gathering a chunk ahead of its turn and
+resharding the one not needed soonest. ``unit_gathers`` replays a rank's schedule to
+count the gathers.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from model.planner.plan import Plan, stage_layers
+from model.planner.shapes import Shapes
+
+PIPELINE_ACTIVE_CHUNKS = 3
+"""Chunks torch's multi-chunk pipeline schedules keep gathered at once
+(torch.distributed.pipelining.schedules._add_unshard_reshard, max_active_stages)."""
+
+
+ATTENTION_FWD_BWD = 3.5
+"""An attention core's forward and backward FLOPs in forwards (torch.utils.flop_counter's
+SDPA formulas: the backward 2.5 forwards)."""
+
+
+def rank_chunks(plan: Plan, n_layers: int, pp_rank: int) -> list[list[int]]:
+    """The layer ids of each pipeline chunk pipeline rank ``pp_rank`` holds, in order."""
+    chunks = stage_layers(n_layers, plan.pp * plan.virtual_stages)
+    return chunks[pp_rank::plan.pp]
+
+
+def schedule_order(plan: Plan, pp_rank: int) -> list[tuple[str, int]]:
+    """The compute actions of one step on a pipeline rank: ('F' or 'B', local chunk index),
+    in torch's order (GPipe, 1F1B, interleaved 1F1B's depth-first rounds)."""
+    pp, ga, v = plan.pp, plan.grad_accum, plan.virtual_stages
+    if pp == 1 or plan.schedule == "gpipe":
+        return [("F", c) for c in range(v) for _ in range(ga)] \
+            + [("B", c) for c in reversed(range(v)) for _ in range(ga)]
+    if plan.schedule == "1f1b":
+        warmup = min(ga, pp - pp_rank)
+        order = [("F", 0)] * warmup
+        for _ in range(ga - warmup):
+            order += [("B", 0), ("F", 0)]
+        return order + [("B", 0)] * warmup
+    rounds = max(1, ga // pp)
+    per_round = ga // rounds
+    total = v * ga
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
+
+    def forward_chunk(op: int) -> int:
+        return (op // per_round) % v
+
+    def backward_chunk(op: int) -> int:
+        return v - 1 - ((op - warmup) // per_round) % v
+
+    order = [("F", forward_chunk(op)) for op in range(warmup)]
+    for op in range(warmup, total):
+        order += [("F", forward_chunk(op)), ("B", backward_chunk(op))]
+    return order + [("B", backward_chunk(op)) for op in range(total, total + warmup)]
+
+
+def _with_prefetch(order: list[tuple[str, int]]) -> Iterator[tuple[str, int]]:
+    """The order with torch's UNSHARD ('U') and RESHARD ('R') actions of multi-chunk
+    schedules: before each action the next ``PIPELINE_ACTIVE_CHUNKS`` distinct chunks to
+    compute are gathered and the others resharded."""
+    active: list[int] = []
+    for i, action in enumerate(order):
+        upcoming: list[int] = []
+        for _, c in order[i:]:
+            if c not in upcoming:
+                upcoming.append(c)
+                if len(upcoming) == PIPELINE_ACTIVE_CHUNKS:
+                    break
+        for c in [c for c in active if c not in upcoming]:
+            active.remove(c)
+            yield ("R", c)
+        for c in [c for c in upcoming if c not in active]:
+            active.append(c)
+            yield ("U", c)
+        yield action
+
+
+def unit_gathers(plan: Plan, pp_rank: int) -> list[int]:
+    """All-gathers of each FSDP unit of each local chunk in one step (see module docstring)."""
+    v = plan.virtual_stages
+    if plan.pp == 1:  # the trainer's own accumulation: reshard after every backward
+        return [plan.grad_accum * (2 if plan.sharding == "zero3" else 1)] * v
+    order = schedule_order(plan, pp_rank)
+    actions = _with_prefetch(order) if plan.schedule == "interleaved_1f1b" else iter(order)
+    last_backward = {c: max(i for i, (k, cc) in enumerate(order) if k == "B" and cc == c)
+                     for c in range(v)}
+    gathered, gathers = [False] * v, [0] * v
+    seen = -1
+    for kind, c in actions:
+        if kind == "R":
+            gathered[c] = False
+            continue
+        if not gathered[c]:
+            gathers[c] += 1
+            gathered[c] = True
+        if kind == "U":
+            continue
+        seen += 1
+        if kind == "F" and plan.sharding == "zero3":
+            gathered[c] = False
+        if kind == "B" and seen == last_backward[c]:
+            gathered[c] = False
+    return gathers
+
+
+def _block_forward_flops(s: Shapes, plan: Plan) -> tuple[float, float, float]:
+    """(matmul, attention-core, MLP output projection) forward FLOPs of one block and one
+    micro-batch on one tp rank."""
+    tokens = s.seq_len * plan.micro_batch
+    matmul = 2.0 * tokens * s.layer_matrix_params / plan.tp
+    core = 4.0 * plan.micro_batch * (s.n_heads / plan.tp) * s.seq_len ** 2 * s.head_dim
+    out_projection = 2.0 * tokens * s.ffn * s.d_model / plan.tp
+    return matmul, core, out_projection
+
+
+def recomputed_blocks(plan: Plan, chunk_layers: int) -> int:
+    """Blocks of a chunk whose forward runs again under full recompute."""
+    if plan.recompute != "full":
+        return 0
+    return min(plan.recompute_layers, chunk_layers) if plan.recompute_layers else chunk_layers
+
+
+def rank_flops(s: Shapes, plan: Plan, pp_rank: int) -> float:
+    """FLOPs of one training step on a rank of pipeline rank ``pp_rank``."""
+    matmul, core, out_projection = _block_forward_flops(s, plan)
+    per_microbatch = 0.0
+    for layers in rank_chunks(plan, s.n_layers, pp_rank):
+        per_microbatch += len(layers) * (3 * matmul + ATTENTION_FWD_BWD * core)
+        per_microbatch += recomputed_blocks(plan, len(layers)) * (matmul + core - out_projection)
+        if plan.recompute == "selective":
+            per_microbatch += len(layers) * core
+    if pp_rank == plan.pp - 1:
+        per_microbatch += 3 * 2.0 * s.seq_len * plan.micro_batch * s.d_model * s.vocab / plan.tp
+    return plan.grad_accum * per_microbatch
+
+
+def _tp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
+    """Tensor-parallel collective bytes of one step (module docstring)."""
+    if plan.tp == 1:
+        return {}
+    c = s.act_bytes
+    sbh = s.seq_len * plan.micro_batch * s.d_model * c
+    logits = s.seq_len * plan.micro_batch * s.vocab * c
+    chunks = rank_chunks(plan, s.n_layers, pp_rank)
+    blocks = sum(len(layers) for layers in chunks)
+    recomputed = sum(recomputed_blocks(plan, len(layers)) for layers in chunks)
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    if plan.sequence_parallel:
+        gathers = 4 * blocks + 2 * recomputed + first + last
+        scatters = 4 * blocks + recomputed + first + last
+        out = {"all_gather": gathers * sbh, "reduce_scatter": scatters * sbh}
+    else:
+        input_projections = 3 + (2 if s.llama else 1)
+        reduces = (2 + input_projections) * blocks + recomputed + first + last
+        out = {"all_reduce": reduces * sbh, "all_gather": 0.0}
+    if last:
+        out["all_gather"] += logits
+    return {k: plan.grad_accum * v for k, v in out.items() if v}
+
+
+def _pp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
+    """Pipeline sends and receives of one step (each is the other's mirror)."""
+    if plan.pp == 1:
+        return {}
+    fsdp = plan.sharding in ("zero2", "zero3") and plan.dp > 1
+    c = s.act_bytes if fsdp else 4
+    tokens = s.seq_len // plan.tp if plan.sequence_parallel else s.seq_len
+    one = tokens * plan.micro_batch * s.d_model * c
+    v = plan.virtual_stages
+    boundaries = 2 * v - (pp_rank == 0) - (pp_rank == plan.pp - 1)
+    return {"send": plan.grad_accum * boundaries * one, "recv": plan.grad_accum * boundaries * one}
+
+
+def _padded(rows: float, cols: float, dp: int) -> float:
+    """Elements FSDP2 gathers for one parameter: dim 0 padded to a multiple of dp."""
+    return -(-int(rows) // dp) * dp * cols
+
+
+def rank_params(s: Shapes, plan: Plan, pp_rank: int) -> list[float]:
+    """Elements of each local chunk's parameters on one tp rank, as FSDP2 holds them
+    unsharded (each parameter's dim 0 padded to a multiple of dp): a block's matrices split
+    over tp (column-parallel by rows, row-parallel by columns), its norms whole; the
+    embedding on the first chunk, the final norm and head on the last. The neox biases are
+    left out, as everywhere in the planner (``Shapes.layer_matrix_params``)."""
+    tp, dp, h = plan.tp, plan.dp, s.d_model
+    q, kv = s.n_heads * s.head_dim / tp, s.kv_heads * s.head_dim / tp
+    f = s.ffn / tp
+    up = [(f, h)] * (2 if s.llama else 1)
+    vector = (h, 1) if s.llama else (h, 2)  # RMSNorm weight; LayerNorm weight and bias
+    block = [(q, h), (kv, h), (kv, h), (h, q), *up, (h, f), vector, vector]
+    layer = sum(_padded(r, c, dp) for r, c in block)
+    chunks = rank_chunks(plan, s.n_layers, pp_rank)
+    n_chunks = plan.pp * plan.virtual_stages
+    out = []
+    for i, layers in enumerate(chunks):
+        index = pp_rank + i * plan.pp
+        params = len(layers) * layer
+        if index == 0:
+            params += _padded(s.vocab / tp, h, dp)
+        if index == n_chunks - 1:
+            params += _padded(*vector, dp) + (0 if s.tied else _padded(s.vocab / tp, h, dp))
+        out.append(params)
+    return out
+
+
+def _dp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
+    """Data-parallel collective bytes of one step (module docstring)."""
+    if plan.dp == 1 or plan.sharding == "none":
+        return {}
+    params = rank_params(s, plan, pp_rank)
+    if plan.sharding == "ddp":
+        return {"all_reduce": 4.0 * sum(params)}
+    gathers = unit_gathers(plan, pp_rank)
+    syncs = plan.grad_accum if plan.pp == 1 and plan.sharding == "zero3" else 1
+    return {"all_gather": s.act_bytes * sum(p * g for p, g in zip(params, gathers, strict=True)),
+            "reduce_scatter": 4.0 * syncs * sum(params)}
+
+
+def rank_collective_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, dict[str, float]]:
+    """Collective bytes of one step on a rank of pipeline rank ``pp_rank``, by mesh dim
+    (dp, tp, pp) and kind, as the rehearsal counts them (module docstring); the scalar
+    all-reduces (loss, norms) are left out."""
+    dims = {"dp": _dp_bytes(s, plan, pp_rank), "tp": _tp_bytes(s, plan, pp_rank),
+            "pp": _pp_bytes(s, plan, pp_rank)}
+    return {d: k for d, k in dims.items() if k}
+
+
+def count_errors(flops: float, comm: dict[str, dict[str, float]], rehearsed_flops: float,
+                 rehearsed_comm: dict[str, dict[str, int]],
+                 min_share: float = 1e-3) -> dict[str, float]:
+    """Relative errors (modeled / rehearsed - 1) of the FLOPs and of each collective kind
+    per mesh dim ("dp.all_gather") that either side counts at ``min_share`` or more of the
+    rank's collective bytes; below that are the scalar all-reduces of losses and norms and
+    the norm weights' gradient all-reduce under sequence parallelism, which the counts leave
+    out. A kind only one side counts is an error of +1 (modeled only) or -1 (rehearsed
+    only)."""
+    out = {"flops": flops / rehearsed_flops - 1 if rehearsed_flops else float(flops > 0)}
+    total = max(sum(sum(k.values()) for k in comm.values()),
+                sum(sum(k.values()) for k in rehearsed_comm.values()))
+    for dim in sorted(set(comm) | set(rehearsed_comm)):
+        ours, theirs = comm.get(dim, {}), rehearsed_comm.get(dim, {})
+        for kind in sorted(set(ours) | set(theirs)):
+            a, b = ours.get(kind, 0.0), theirs.get(kind, 0)
+            if max(a, b) >= min_share * total:
+                out[f"{dim}.{kind}"] = a / b - 1 if b else 1.0
+    return out
