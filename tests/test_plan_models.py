@@ -482,9 +482,11 @@ def test_tp_comm_scale_inverts_the_time_model_at_tp2() -> None:
 
 def test_the_own_trainer_gathers_the_logits_under_tp() -> None:
     # this project's apply_tp gathers full logits rows and every tp rank computes the loss;
-    # a published framework's vocab-parallel loss does neither
+    # a published framework's vocab-parallel loss does neither (with sequence parallelism
+    # the blocks' tp collectives come to the same four all-reduces a block as the frameworks')
     s = Shapes(2, 128, 4, 4, 512, 8192, 128, llama=True, dtype="float32")
-    plans = encode([Plan(tp=2, micro_batch=4, grad_accum=1, sharding="none")])
+    plans = encode([Plan(tp=2, micro_batch=4, grad_accum=1, sharding="none",
+                         sequence_parallel=True)])
     own = step_time(s, _cpu_cluster(), plans)
     other = step_time(s, _cpu_cluster(), plans, framework="megatron")
     from model.planner.time_model import _coll

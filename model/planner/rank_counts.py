@@ -43,10 +43,18 @@ count the gathers.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
+from typing import Any
 
-from model.planner.plan import Plan, stage_layers
+import numpy as np
+
+from model.planner.plan import SCHEDULES, SHARDINGS, Plan, stage_layers
 from model.planner.shapes import Shapes
+
+GRADIENT_REDUCE_BYTES = 4
+"""Bytes per gradient element the trainer reduces over dp: float32 (FSDP2's reduce_dtype in
+model.parallel.parallelize; DDP's gradients are those of the float32 weights)."""
 
 PIPELINE_ACTIVE_CHUNKS = 3
 """Chunks torch's multi-chunk pipeline schedules keep gathered at once
@@ -143,6 +151,22 @@ def unit_gathers(plan: Plan, pp_rank: int) -> list[int]:
     return gathers
 
 
+@functools.lru_cache(maxsize=4096)
+def _mean_unit_gathers(pp: int, v: int, ga: int, schedule: str, sharding: str) -> float:
+    return float(np.mean(unit_gathers(Plan(pp=pp, virtual_stages=v, grad_accum=ga,
+                                           schedule=schedule, sharding=sharding), 0)))
+
+
+def mean_unit_gathers(c: dict[str, np.ndarray]) -> np.ndarray:
+    """Gathers per FSDP unit on the first pipeline rank in one step, the mean over its
+    chunks, for encoded plans ``c`` (``unit_gathers`` once per distinct schedule)."""
+    keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], c["shard"]], axis=1)
+    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    means = np.array([_mean_unit_gathers(int(pp), int(v), int(ga), SCHEDULES[int(sc)],
+                                         SHARDINGS[int(sh)]) for pp, v, ga, sc, sh in unique])
+    return means[np.asarray(inverse).reshape(-1)]
+
+
 def _block_forward_flops(s: Shapes, plan: Plan) -> tuple[float, float, float]:
     """(matmul, attention-core, MLP output projection) forward FLOPs of one block and one
     micro-batch on one tp rank."""
@@ -174,6 +198,19 @@ def rank_flops(s: Shapes, plan: Plan, pp_rank: int) -> float:
     return plan.grad_accum * per_microbatch
 
 
+def tp_block_collectives(blocks: Any, recomputed: Any, sequence_parallel: Any,
+                         llama: bool) -> tuple[Any, Any, Any]:
+    """(all-gathers, reduce-scatters, all-reduces) of sbh elements that ``blocks`` blocks, of
+    which ``recomputed`` run their forward again, issue over the tp group per micro-batch
+    (scalars or arrays; module docstring)."""
+    input_projections = 3 + (2 if llama else 1)
+    sp = np.asarray(sequence_parallel, dtype=bool)
+    gathers = np.where(sp, 4 * blocks + 2 * recomputed, 0)
+    scatters = np.where(sp, 4 * blocks + recomputed, 0)
+    reduces = np.where(sp, 0, (2 + input_projections) * blocks + recomputed)
+    return gathers, scatters, reduces
+
+
 def _tp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     """Tensor-parallel collective bytes of one step (module docstring)."""
     if plan.tp == 1:
@@ -185,14 +222,14 @@ def _tp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     blocks = sum(len(layers) for layers in chunks)
     recomputed = sum(recomputed_blocks(plan, len(layers)) for layers in chunks)
     first, last = pp_rank == 0, pp_rank == plan.pp - 1
-    if plan.sequence_parallel:
-        gathers = 4 * blocks + 2 * recomputed + first + last
-        scatters = 4 * blocks + recomputed + first + last
-        out = {"all_gather": gathers * sbh, "reduce_scatter": scatters * sbh}
+    gathers, scatters, reduces = (float(n) for n in tp_block_collectives(
+        blocks, recomputed, plan.sequence_parallel, s.llama))
+    if plan.sequence_parallel:  # the embedding's output, the final norm's output
+        gathers, scatters = gathers + first + last, scatters + first + last
     else:
-        input_projections = 3 + (2 if s.llama else 1)
-        reduces = (2 + input_projections) * blocks + recomputed + first + last
-        out = {"all_reduce": reduces * sbh, "all_gather": 0.0}
+        reduces += first + last
+    out = {"all_gather": gathers * sbh, "reduce_scatter": scatters * sbh,
+           "all_reduce": reduces * sbh}
     if last:
         out["all_gather"] += logits
     return {k: plan.grad_accum * v for k, v in out.items() if v}
@@ -249,11 +286,11 @@ def _dp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
         return {}
     params = rank_params(s, plan, pp_rank)
     if plan.sharding == "ddp":
-        return {"all_reduce": 4.0 * sum(params)}
+        return {"all_reduce": GRADIENT_REDUCE_BYTES * sum(params)}
     gathers = unit_gathers(plan, pp_rank)
     syncs = plan.grad_accum if plan.pp == 1 and plan.sharding == "zero3" else 1
     return {"all_gather": s.act_bytes * sum(p * g for p, g in zip(params, gathers, strict=True)),
-            "reduce_scatter": 4.0 * syncs * sum(params)}
+            "reduce_scatter": GRADIENT_REDUCE_BYTES * syncs * sum(params)}
 
 
 def rank_collective_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, dict[str, float]]:

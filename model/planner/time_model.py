@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from model.planner.memory_model import stage_layer_counts
+from model.planner.rank_counts import GRADIENT_REDUCE_BYTES, mean_unit_gathers, tp_block_collectives
 from model.planner.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, ZERO2, ZERO3, Shapes
 
 PIPELINE_P2P_PER_MICROBATCH: dict[str, int] = {"megatron-deepspeed": 4}
@@ -340,33 +341,38 @@ def _p2p_time(cluster: Any, plans: dict[str, np.ndarray], act_bytes: np.ndarray,
 
 
 def _dp_comm(s: Shapes, cluster: Any, plans: dict[str, np.ndarray], blocks: _Blocks,
-             stage_compute: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             stage_compute: np.ndarray, framework: str | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(exposed, raw) seconds of data-parallel communication per step, and the stage's
     parameters per rank.
 
     Without pipelining FSDP2 re-gathers parameters every micro-batch (zero2: once, in
     forward; zero3: forward and backward) and zero3 reduce-scatters every micro-batch;
-    torch pipelining keeps them unsharded between micro-batches and syncs once. What overlaps
-    hides behind the backward (reductions) or forward (gathers) window, up to
-    ``comm_overlap``."""
+    torch pipelining keeps them unsharded between micro-batches and syncs once, except that
+    zero3 reshards after each forward and multi-chunk schedules keep three chunks gathered
+    (``rank_counts.mean_unit_gathers`` replays the schedule). This trainer reduces float32
+    gradients (``GRADIENT_REDUCE_BYTES``), the published frameworks the compute
+    dtype. What overlaps hides behind the backward (reductions) or forward (gathers)
+    window, up to ``comm_overlap``."""
     tp, dp, ga, shard = plans["tp"], plans["dp"], plans["ga"], plans["shard"]
     single = plans["pp"] == 1
     layer_params = s.layer_matrix_params / tp + s.layer_norm_params
     params = blocks.n_widest * layer_params + s.embedding_params / tp
-    grad_bytes = params * s.act_bytes
+    param_bytes = params * s.act_bytes
+    grad_bytes = params * (GRADIENT_REDUCE_BYTES if framework is None else s.act_bytes)
     units = blocks.n_widest + 1  # FSDP: one collective per block + the rest
     all_reduce = _coll(cluster, "all_reduce", grad_bytes, dp, tp)
     reduce_scatter = _coll(cluster, "reduce_scatter", grad_bytes, dp, tp, units)
-    all_gather = _coll(cluster, "all_gather", grad_bytes, dp, tp, units)
+    all_gather = _coll(cluster, "all_gather", param_bytes, dp, tp, units)
     overlap = cluster.comm_overlap
     backward_window, forward_window = 2 * stage_compute / 3, stage_compute / 3
 
     def hidden(t: np.ndarray, window: np.ndarray) -> np.ndarray:
         return np.maximum(t - overlap * window, (1 - overlap) * t)
 
-    zero2_gathers = np.where(single, ga, 1)
+    gathers = mean_unit_gathers(plans)
+    zero2_gathers = zero3_gathers = gathers
     zero3_syncs = np.where(single, ga, 1)
-    zero3_gathers = np.where(single, 2 * ga, ga + 1)
     exposed = np.where(
         shard == DDP, hidden(all_reduce, backward_window),
         np.where(shard == ZERO2, hidden(reduce_scatter, backward_window)
@@ -441,8 +447,16 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     tokens = s.seq_len * mb
     act_bytes = tokens * s.d_model * s.act_bytes
 
-    # tensor parallelism: 4 all-reduces per block (6 for a recomputed one), partly overlapped
-    tp_ops = 4 + 2 * recompute_fraction(s, plans)
+    # tensor parallelism, partly overlapped, in all-reduces of a micro-batch's activation (an
+    # all-gather or a reduce-scatter is half of one): this trainer's collectives per block
+    # (model.planner.rank_counts), the published frameworks' fused projections 4 (6 for a
+    # recomputed block)
+    recomputed = recompute_fraction(s, plans)
+    if framework is None:
+        gathers, scatters, reduces = tp_block_collectives(1, recomputed, plans["sp"], s.llama)
+        tp_ops = (gathers + scatters) / 2 + reduces
+    else:
+        tp_ops = 4 + 2 * recomputed
     tp_block_raw = tp_ops * _tp_collective(cluster, "all_reduce", act_bytes, tp)
     tp_block = (1 - cluster.tp_comm_overlap) * tp_block_raw  # the exposed part
     gathered = framework is None
@@ -474,7 +488,7 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
                           (s.n_layers * blocks.block + logits + microbatch_host) / pp)
 
     p2p = _p2p_time(cluster, plans, act_bytes, framework)
-    dp_exposed, dp_raw, params = _dp_comm(s, cluster, plans, blocks, stage_compute)
+    dp_exposed, dp_raw, params = _dp_comm(s, cluster, plans, blocks, stage_compute, framework)
     optimizer = _optimizer_time(s, cluster, plans, blocks, params)
     critical = _critical_path(plans, slots, stage_compute, mean_stage)
     compute = _shared_cores_compute(cluster, plans, slots, stage_compute, mean_stage) + optimizer
