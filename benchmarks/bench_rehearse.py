@@ -20,7 +20,9 @@ one JSON object.
 
 The figures: per preset and stage the chosen plan's ranks, and over every rehearsed rank the
 memory model's error against the rehearsal (``memory_error_pct_min``/``_max``, +: the
-model holds more), whether every chosen plan fits by the rehearsal, and ``complete``: the
+model holds more), the worst error of the planner's FLOP and collective counts
+(``count_error_pct_max``, ``model.planner.rank_counts``), the longest rehearsal and the
+largest host RSS, whether every chosen plan fits by the rehearsal, and ``complete``: the
 file is rewritten after every rank, so a run stopped early keeps what it measured.
 """
 from __future__ import annotations
@@ -150,6 +152,13 @@ def figures_of(records: list[dict[str, Any]]) -> dict[str, Any]:
         out["memory_within_5pct"] = all(abs(e) <= 5 for e in errors)
         out["picks_fit_by_rehearsal"] = all(
             r["rehearsed_fits_device"] for r in done if r.get("plan_index", 0) == 0)
+        counted = [r for r in done if "count_errors" in r]
+        if counted:
+            worst = max(abs(e) for r in counted for e in r["count_errors"].values())
+            out["count_error_pct_max"] = round(100 * worst, 3)
+            out["counts_within_2pct"] = worst <= 0.02
+        out["rehearsal_seconds_max"] = round(max(r["rehearsal_seconds"] for r in done), 1)
+        out["host_peak_rss_gb_max"] = round(max(r["host_peak_rss_gb"] for r in done), 3)
     for r in records:
         if r.get("plan_index", 0) != 0:
             continue
@@ -191,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                                         int(args.child[2]))))
         return 0
     records = []
-    jobs = [(preset, index, stage) for preset in args.presets.split(",")
-            for index in range(args.top) for stage in STAGES]
+    # plan by plan across the presets, so that a run stopped early has each preset's best
+    jobs = [(preset, index, stage) for index in range(args.top)
+            for preset in args.presets.split(",") for stage in STAGES]
     t0 = time.perf_counter()
     for n, (preset, index, stage) in enumerate(jobs, 1):
         record = run_child(preset, stage, args.devices, args.timeout, index)
