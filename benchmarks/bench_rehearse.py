@@ -16,7 +16,11 @@ Written to benchmarks/results/bench_rehearse.json; the last line printed is the 
 one JSON object.
 
     .venv/bin/python benchmarks/bench_rehearse.py [--presets frontier-175b,frontier-1t]
-        [--devices N] [--top K] [--timeout 900]
+        [--devices N] [--top K] [--timeout 900] [--study]
+
+``--study`` rehearses instead the Frontier study's own plans (configs/published/
+dash2023.yaml: 22B on 16 GCDs, 175B on 128, 1T on 1,024) on the Frontier cluster file, as
+this trainer would run them, into benchmarks/results/bench_rehearse_study.json.
 
 The figures: per preset and stage the chosen plan's ranks, and over every rehearsed rank the
 memory model's error against the rehearsal (``memory_error_pct_min``/``_max``, +: the
@@ -79,14 +83,48 @@ def ranked_plans(preset: str, devices: int | None, top: int) -> tuple[Any, Any, 
     return model_cfg, train_cfg, cluster, picked, world
 
 
+STUDY = "dash2023"
+"""The Frontier study's published plans (configs/published/dash2023.yaml), rehearsed with
+``--study`` as this trainer would run them."""
+
+
+def study_run(name: str) -> tuple[Any, Any, Any, Any, int]:
+    """(model config, train config, cluster, plan, devices) of the study's run ``name``: its
+    model as a neox GPT with a 4h MLP, its sequence, batch, GCDs and plan."""
+    from model.config import ModelConfig, TrainConfig
+    from model.planner.cluster import load_cluster
+    from model.planner.published import load_published
+
+    rows = [r for r in load_published() if r.source == STUDY and r.name == name]
+    if not rows or rows[0].plan is None:
+        raise SystemExit(f"no {STUDY} run named {name!r} with a plan")
+    row = rows[0]
+    s = row.shapes
+    model_cfg = ModelConfig(family="llama" if s.llama else "neox", n_layers=s.n_layers,
+                            d_model=s.d_model, n_heads=s.n_heads, n_kv_heads=s.kv_heads,
+                            ffn_hidden=s.ffn, vocab_size=s.vocab, max_seq_len=s.seq_len)
+    train_cfg = TrainConfig(seq_len=s.seq_len, global_batch=row.global_batch, dtype=s.dtype)
+    return model_cfg, train_cfg, load_cluster(row.cluster), row.plan, row.devices
+
+
+def study_names() -> list[str]:
+    """The study's runs that have a plan."""
+    from model.planner.published import load_published
+
+    return [r.name for r in load_published() if r.source == STUDY and r.plan is not None]
+
+
 def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0) -> dict[str, Any]:
     """In this process: rehearse the first or last stage's rank of the preset's plan number
     ``index`` (0: the plan the stage chooses)."""
     t0 = time.perf_counter()
     from model.training.rehearse import busiest_ranks
     from stages.plan import rehearsal_records
-    model_cfg, train_cfg, cluster, plans, world = ranked_plans(preset, devices, index + 1)
-    plan = plans[index]
+    if preset.startswith(f"{STUDY}:"):  # index -1: the study's own plan
+        model_cfg, train_cfg, cluster, plan, world = study_run(preset.split(":", 1)[1])
+    else:
+        model_cfg, train_cfg, cluster, plans, world = ranked_plans(preset, devices, index + 1)
+        plan = plans[index]
     ranks = busiest_ranks(plan)
     if stage == "last" and len(ranks) == 1:
         return {"preset": preset, "stage": stage, "plan_index": index, "plan": plan.describe(),
@@ -150,8 +188,9 @@ def figures_of(records: list[dict[str, Any]]) -> dict[str, Any]:
         out["memory_error_pct_min"] = round(min(errors), 2)
         out["memory_error_pct_max"] = round(max(errors), 2)
         out["memory_within_5pct"] = all(abs(e) <= 5 for e in errors)
-        out["picks_fit_by_rehearsal"] = all(
-            r["rehearsed_fits_device"] for r in done if r.get("plan_index", 0) == 0)
+        picks = [r for r in done if r.get("plan_index", 0) == 0]
+        if picks:
+            out["picks_fit_by_rehearsal"] = all(r["rehearsed_fits_device"] for r in picks)
         counted = [r for r in done if "count_errors" in r]
         if counted:
             worst = max(abs(e) for r in counted for e in r["count_errors"].values())
@@ -160,9 +199,10 @@ def figures_of(records: list[dict[str, Any]]) -> dict[str, Any]:
         out["rehearsal_seconds_max"] = round(max(r["rehearsal_seconds"] for r in done), 1)
         out["host_peak_rss_gb_max"] = round(max(r["host_peak_rss_gb"] for r in done), 3)
     for r in records:
-        if r.get("plan_index", 0) != 0:
+        if r.get("plan_index", 0) not in (0, -1):  # the pick, or a study's own plan
             continue
-        key = f"{r['preset'].replace('frontier-', '')}_{r['stage']}"
+        name = r["preset"].replace("frontier-", "").replace(f"{STUDY}:", "")
+        key = f"{name}_{r['stage']}"
         if "error" in r:
             out[f"{key}_error"] = r["error"][:200]
             continue
@@ -192,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=1,
                     help="rehearse the K best plans of each preset that differ in memory "
                          "(1: the chosen plan only)")
+    ap.add_argument("--study", action="store_true",
+                    help=f"rehearse the Frontier study's own plans ({STUDY}) instead")
     ap.add_argument("--child", nargs=3, metavar=("PRESET", "STAGE", "INDEX"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -203,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     # plan by plan across the presets, so that a run stopped early has each preset's best
     jobs = [(preset, index, stage) for index in range(args.top)
             for preset in args.presets.split(",") for stage in STAGES]
+    if args.study:
+        jobs = [(f"{STUDY}:{name}", -1, stage) for name in study_names() for stage in STAGES]
+    name = "bench_rehearse_study" if args.study else "bench_rehearse"
     t0 = time.perf_counter()
     for n, (preset, index, stage) in enumerate(jobs, 1):
         record = run_child(preset, stage, args.devices, args.timeout, index)
@@ -212,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{(time.perf_counter() - t0) / n * (len(jobs) - n) / 60:.0f} min] {preset} "
                   f"#{index} {stage}: {outcome_of(record)}", flush=True)
         # written after every rank, so a run stopped early keeps what it measured
-        write_results("bench_rehearse", {**figures_of(records), "complete": n == len(jobs)},
+        write_results(name, {**figures_of(records), "complete": n == len(jobs)},
                       {"args": vars(args), "ranks": records})
     print(json.dumps({**figures_of(records), "complete": True}))
     return 0
