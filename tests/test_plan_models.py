@@ -14,7 +14,7 @@ from model.planner.memory_model import (
 )
 from model.planner.plan import Plan, stage_layers
 from model.planner.shapes import REC_FULL, REC_NONE, REC_SEL, Shapes, encode
-from model.planner.time_model import bubble_fraction, step_time
+from model.planner.time_model import TRAINER_FRAMEWORK, bubble_fraction, step_time
 
 
 def _mem(shapes: Shapes, **plan) -> dict[str, float]:
@@ -333,7 +333,7 @@ def test_eager_pytorch_moves_the_unfused_elementwise_bytes() -> None:
     loss = {e: float(step_time(replace(s, eager_loss=e), cl, plan)["breakdown"]
                      ["compute_logits"][0]) for e in (False, True)}
     assert loss[True] - loss[False] == pytest.approx(
-        2 * 8192 * 128256 * 24 / 3350e9 / cl.framework_factor(None), rel=1e-9)
+        2 * 8192 * 128256 * 24 / 3350e9 / cl.framework_factor(TRAINER_FRAMEWORK), rel=1e-9)
     # on a CPU cluster (no gemm_sms) the measured block rate covers eager work: nothing added
     cpu = copy.copy(cl)
     cpu.gemm_sms = 0

@@ -203,9 +203,10 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
     return columns(rows), dict(rejected)
 
 
-FRAMEWORK = "pytorch"
-"""The framework this project trains with (PyTorch-native FSDP2 / DTensor / pipelining): the
-cluster's framework_efficiency factor for it applies to every plan the search prices."""
+FRAMEWORK: str | None = None
+"""None: the plans are priced as this project's trainer runs them, with the efficiency
+factor of the published framework it resembles (time_model.TRAINER_FRAMEWORK); a published
+framework's name prices them as that framework would run them."""
 
 
 def evaluate(s: Shapes, cluster: Any, c: dict[str, np.ndarray], world: int, global_batch: int,

@@ -69,6 +69,12 @@ from model.planner.memory_model import stage_layer_counts
 from model.planner.rank_counts import GRADIENT_REDUCE_BYTES, mean_unit_gathers, tp_block_collectives
 from model.planner.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, ZERO2, ZERO3, Shapes
 
+TRAINER_FRAMEWORK = "pytorch"
+"""The published framework whose fitted efficiency factor prices this trainer (framework
+None everywhere in the planner): PyTorch-native FSDP2 / DTensor / pipelining, as in
+torchtitan's and LLM Foundry's runs. Everything else about a step (the gathered logits, the
+tensor-parallel collectives, float32 gradient reductions) is priced as this trainer runs it."""
+
 PIPELINE_P2P_PER_MICROBATCH: dict[str, int] = {"megatron-deepspeed": 4}
 """Blocking point-to-point transfers per micro-batch on a pipeline stage's critical path, by
 framework (2 when not listed). Megatron-LM's (and this project's) 1F1B pairs every send with the
@@ -438,7 +444,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     Returns compute, comm, step (calibrated) and the parts: stage, bubble_frac, tp_comm,
     p2p, dp_exposed, optimizer, and ``breakdown``: a dict of terms (seconds per step) that
     add up to ``step`` (see :func:`breakdown_terms`). ``framework`` picks the cluster's
-    per-framework efficiency factor (compute time is divided by it).
+    per-framework efficiency factor (compute time is divided by it); None is this trainer
+    (``TRAINER_FRAMEWORK``'s factor).
     """
     plans = c
     tp, pp, mb, ga = plans["tp"], plans["pp"], plans["mb"], plans["ga"]
@@ -494,7 +501,8 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     compute = _shared_cores_compute(cluster, plans, slots, stage_compute, mean_stage) + optimizer
     comm = slots * stage_tp + p2p + dp_exposed
     scales = calibration or {}
-    compute_scale = scales.get("compute_scale", 1.0) / cluster.framework_factor(framework)
+    compute_scale = scales.get("compute_scale", 1.0) / cluster.framework_factor(
+        framework or TRAINER_FRAMEWORK)
     comm_scale = scales.get("comm_scale", 1.0)
     step = compute_scale * compute + comm_scale * comm
 
