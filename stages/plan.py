@@ -292,6 +292,12 @@ def rehearsal_text(plan: Plan, records: list[dict[str, Any]], device_gb: float) 
         comm = r["rehearsed_collective_bytes_per_step"]
         lines.append("         collectives per step (GB): "
                      + ", ".join(f"{k} {v / 1e9:.3g}" for k, v in sorted(comm.items())))
+        errors = r.get("count_errors") or {}
+        if errors:
+            worst = max(errors, key=lambda k: abs(errors[k]))
+            lines.append("         planner's counts vs rehearsed: FLOPs "
+                         f"{100 * errors['flops']:+.2f} %, worst {worst} "
+                         f"{100 * errors[worst]:+.2f} %")
     return "\n".join(lines)
 
 

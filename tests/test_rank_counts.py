@@ -111,3 +111,19 @@ def test_count_errors_name_what_one_side_lacks() -> None:
     errors = count_errors(110.0, {"dp": {"all_gather": 1e9}}, 100.0,
                           {"dp": {"all_gather": 1e9, "all_reduce": 12}, "tp": {"send": 5e8}})
     assert errors == pytest.approx({"flops": 0.1, "dp.all_gather": 0.0, "tp.send": -1.0})
+
+
+def test_the_plan_stage_prints_the_counts_beside_the_rehearsal() -> None:
+    """The rehearsal's console lines end with the planner's count errors, the worst named."""
+    from stages.plan import rehearsal_text
+
+    record = {"rank": 0, "stage": "first", "peak_memory_gb": 50.0,
+              "modeled_tensor_memory_gb": 44.0, "rehearsed_peak_memory_gb": 43.0,
+              "rehearsed_over_modeled": 43 / 44, "rehearsed_peak_memory_gb_with_margins": 49.0,
+              "rehearsed_fits_device": True, "rehearsed_memory_gb_by_category": {"temp": 1.0},
+              "rehearsed_flops_per_step": 1e15,
+              "rehearsed_collective_bytes_per_step": {"all_gather": 5e9},
+              "count_errors": {"flops": 0.0001, "dp.all_gather": -0.0312}}
+    text = rehearsal_text(Plan(dp=2), [record], 64.0)
+    assert text.splitlines()[-1].strip() == \
+        "planner's counts vs rehearsed: FLOPs +0.01 %, worst dp.all_gather -3.12 %"
