@@ -108,15 +108,34 @@ def test_pipeline_schedules_in_flight_micro_batches() -> None:
                                        np.array([REC_NONE]))
     out = 256 * 512  # each in-flight chunk keeps its output for the backward
     # GPipe holds all 16 micro-batches of 4 layers, 1F1B pp - rank of them; interleaved
-    # (torch's warm-up) (v - 1) * 4 + 2 * (pp - 1 - rank) + 1 chunks of 2 layers
-    assert gpipe["act_first"] == pytest.approx(16 * (4 * st[0] + out) * 2)
-    assert onef["act_first"] == pytest.approx(4 * (4 * st[0] + out) * 2)
-    assert onef["act_last"] == pytest.approx(1 * (4 * st[0] + out) * 2)
-    assert inter["act_first"] == pytest.approx(11 * (2 * st[0] + out) * 2)
-    assert inter["act_last"] == pytest.approx(5 * (2 * st[0] + out) * 2)
-    # without FSDP2's bf16 parameters the blocks run under autocast and keep more
+    # (torch's warm-up) (v - 1) * 4 + 2 * (pp - 1 - rank) + 1 chunks of 2 layers; and every
+    # rank a receive buffer per micro-batch at each of its 2v - 1 chunk boundaries
+    def recv(v: int, nbytes: int = 2) -> float:
+        return 16 * (2 * v - 1) * out * nbytes
+
+    assert gpipe["act_first"] == pytest.approx(16 * (4 * st[0] + out) * 2 + recv(1))
+    assert onef["act_first"] == pytest.approx(4 * (4 * st[0] + out) * 2 + recv(1))
+    assert onef["act_last"] == pytest.approx(1 * (4 * st[0] + out) * 2 + recv(1))
+    assert inter["act_first"] == pytest.approx(11 * (2 * st[0] + out) * 2 + recv(2))
+    assert inter["act_last"] == pytest.approx(5 * (2 * st[0] + out) * 2 + recv(2))
+    # without FSDP2's bf16 parameters the blocks run under autocast and keep more, and the
+    # residual stream they send is float32
     autocast = _mem(s, schedule="1f1b", **{**base, "dp": 1, "sharding": "none"})
-    assert autocast["act_first"] == pytest.approx(AUTOCAST_ACTIVATION_FACTOR * onef["act_first"])
+    assert autocast["act_first"] == pytest.approx(
+        AUTOCAST_ACTIVATION_FACTOR * 4 * (4 * st[0] + out) * 2 + recv(1, 4))
+
+
+def test_many_chunk_schedules_keep_three_chunks_gathered() -> None:
+    # zero2 under pipelining keeps the stage's parameters gathered and its gradients in
+    # float32; torch's interleaved schedule gathers at most three of a rank's chunks at once
+    s = Shapes(24, 512, 8, 8, 2048, 1000, 256, dtype="bfloat16")
+    base = {"pp": 2, "dp": 4, "micro_batch": 1, "grad_accum": 4, "sharding": "zero2",
+            "schedule": "interleaved_1f1b"}
+    three, six = _mem(s, virtual_stages=3, **base), _mem(s, virtual_stages=6, **base)
+    params = three["params_first"]
+    assert six["params_first"] == pytest.approx(params)
+    assert three["states_first"] == pytest.approx(12 * params / 4 + (2 + 4) * params)
+    assert six["states_first"] == pytest.approx(12 * params / 4 + (2 * 3 / 6 + 4) * params)
 
 
 def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> None:
@@ -138,11 +157,14 @@ def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> N
     # the block recomputed in backward (one block's activations) comes after the three kept
     # ones have freed theirs, so it adds nothing
     assert transient == kept
-    assert partial["act_first"] == pytest.approx((2 * (1 * recomputed + 3 * kept + out)) * 2)
-    assert partial["act_last"] == pytest.approx((1 * (recomputed + 3 * kept + out)) * 2)
+    recv = 4 * out * 2  # a receive buffer per micro-batch at the rank's one boundary
+    assert partial["act_first"] == pytest.approx((2 * (1 * recomputed + 3 * kept + out)) * 2
+                                                 + recv)
+    assert partial["act_last"] == pytest.approx((1 * (recomputed + 3 * kept + out)) * 2 + recv)
     none = _mem(s, recompute="none", **base)
     full = _mem(s, recompute="full", **base)  # every block recomputed: the transient on top
-    assert full["act_first"] == pytest.approx((2 * (4 * recomputed + out) + transient) * 2)
+    assert full["act_first"] == pytest.approx((2 * (4 * recomputed + out) + transient) * 2
+                                              + recv)
     assert full["act_first"] < partial["act_first"] < none["act_first"]
     # without pipelining the chunk is the whole model
     whole = _mem(s, dp=2, micro_batch=1, grad_accum=1, sharding="zero3", recompute="full",

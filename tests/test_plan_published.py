@@ -116,15 +116,17 @@ def test_frontier_study_within_three_points_once_its_stack_is_fitted(rows, loo, 
         factors["pytorch"] * stacks["frontier"], abs=2e-3)
 
 
-def test_planner_pick_beats_the_study_plan_by_dropping_recompute(rows, fitted) -> None:
+def test_planner_pick_beats_the_study_175b_plan_without_its_pipeline(rows, fitted) -> None:
     row = next(r for r in rows if r.source == "dash2023" and r.name == "gpt-175b")
     cmp = pick_versus_source(row, fitted[0], stacks=fitted[1])
     assert cmp["source_plan"] == row.plan.describe() != cmp["pick_plan"]
-    assert 1.2 < cmp["speedup"] < 1.6
-    # the study recomputes every block; the pick fits without (sequence parallelism shrinks
-    # the activations) and that saved forward pass is the largest single gain
-    assert cmp["pick"].recompute != "full" and row.plan.recompute == "full"
-    assert max(cmp["saved_s"], key=cmp["saved_s"].get) == "compute_recompute"
+    assert 1.15 < cmp["speedup"] < 1.6
+    # the study pipelines 640 micro-batches over 16 stages; without recompute no pipelined
+    # plan fits this trainer (torch keeps a receive buffer per micro-batch), so the pick
+    # keeps full recompute and drops the pipeline: its bubble, and half the tp traffic at tp2
+    assert row.plan.pp == 16 and cmp["pick"].pp == 1 and cmp["pick"].recompute == "full"
+    assert max(cmp["saved_s"], key=cmp["saved_s"].get) == "tp_comm_exposed"
+    assert "bubble" in cmp["saved_s"]
 
 
 FULL = ["tp=2", "pp=4", "dp=128", "micro_batch=1", "grad_accum=8", "schedule=1f1b",

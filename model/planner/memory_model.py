@@ -63,7 +63,12 @@ first backward (m_round = m / max(1, m // pp)), at most m v. Each in-flight chun
 keeps its output for the backward (s b h / tp under SP). The rank holding the output head
 keeps, for the micro-batch in its loss, the logits gathered over the vocabulary (this
 trainer computes the loss on full rows on every tp rank) with their float32 copy and
-log-softmax, and in backward their float32 gradients: LOGIT_BYTES per logit.
+log-softmax, and in backward their float32 gradients: LOGIT_BYTES per logit. torch's
+``PipelineStage`` allocates a receive buffer for every micro-batch of the step at each of
+the rank's chunk boundaries (the activation in, the gradient back: 2v - 1 on the first and
+last rank), s b h (/ tp under SP) each in the residual stream's dtype, kept through the step
+(rehearsed: 640 micro-batches of the study's 175B plan hold 32 GB of them). Its multi-chunk
+schedules keep at most three of a rank's chunks' parameters gathered at once.
 
 The peak is the larger of two moments: the loss's backward (states + activations + the
 logits) and the block backward where buffers peak (states + activations + the reduce-scatter
@@ -76,6 +81,7 @@ from typing import Any
 
 import numpy as np
 
+from model.planner.rank_counts import PIPELINE_ACTIVE_CHUNKS
 from model.planner.shapes import (
     DDP,
     GPIPE,
@@ -199,13 +205,17 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     params_last = n_last * layer_p + root_last
     fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
     u = layer_p
+    # torch's multi-chunk schedules keep PIPELINE_ACTIVE_CHUNKS of a rank's chunks gathered
+    many = ~single & (sched == INTERLEAVED) & (v > PIPELINE_ACTIVE_CHUNKS)
+    gathered_share = np.where(many, PIPELINE_ACTIVE_CHUNKS / np.maximum(v, 1), 1.0)
 
     def states(params: np.ndarray, root: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(states kept through the step, buffers at a block's backward peak)."""
         accumulate = ~single | ((shard == ZERO2) & (ga > 1))
         per_block = 4 * params / dp + np.where(shard == ZERO2, cb * params + 4 * root,
                                                 (cb + 4) * root)
-        sharded = 12 * params / dp + np.where(accumulate, (cb + 4) * params, per_block)
+        kept = (cb * gathered_share + 4) * params  # gathered parameters, float32 gradients
+        sharded = 12 * params / dp + np.where(accumulate, kept, per_block)
         pipe_buf = 4 * u  # the last micro-batch's reduce-scatter
         gathered = np.where(shard == ZERO3, 2.5 * cb * u, cb * u)
         flat_buf = np.where((shard == ZERO2) & (ga > 1), 2 * cb * u, gathered) + 4 * u
@@ -228,9 +238,13 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
                                                    layers / np.maximum(v, 1))
         return (chunks * (stored + chunk_out) + transient) * cb * act_factor
 
+    # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
+    # boundary of the rank (activations in, gradients back), kept through the step
+    io_bytes = s.seq_len * mb * s.d_model * spf * np.where(fsdp, cb, 4)
+    recv = np.where(single, 0.0, ga * (2 * v - 1) * io_bytes)
     first_rank = np.zeros_like(pp)
-    act_first = act(first_rank, n_first)
-    act_last = act(pp - 1, n_last)
+    act_first = act(first_rank, n_first) + recv
+    act_last = act(pp - 1, n_last) + recv
     st_first, buf_first = states(params_first, root_first)
     st_last, buf_last = states(params_last, root_last)
     # A pipeline's first stage peaks in a backward with every micro-batch in flight, while a
