@@ -3,6 +3,7 @@ rehearsals of the real trainer (fake tensors, a fake process group of the plan's
 on every layout family, and the schedule replay that counts FSDP2's gathers."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from model.config import ModelConfig, TrainConfig
@@ -127,3 +128,17 @@ def test_the_plan_stage_prints_the_counts_beside_the_rehearsal() -> None:
     text = rehearsal_text(Plan(dp=2), [record], 64.0)
     assert text.splitlines()[-1].strip() == \
         "planner's counts vs rehearsed: FLOPs +0.01 %, worst dp.all_gather -3.12 %"
+
+
+def test_gradients_at_the_peak_follow_the_schedule() -> None:
+    """Held chunk forwards by chunks whose backward has begun: all forwards of an
+    interleaved rank with few micro-batches come before any gradient exists, 1F1B's steady
+    state holds pp - rank of them beside the stage's gradients."""
+    from model.planner.rank_counts import held_by_started
+    from model.planner.shapes import encode
+
+    inter = Plan(pp=2, grad_accum=2, schedule="interleaved_1f1b", virtual_stages=2)
+    onef = Plan(pp=4, grad_accum=8, schedule="1f1b")
+    table = held_by_started(encode([inter, onef]), np.array([0, 0]))
+    assert table[0].tolist() == [4, 4, 2]
+    assert table[1].tolist()[:2] == [4, 4]

@@ -70,6 +70,13 @@ last rank), s b h (/ tp under SP) each in the residual stream's dtype, kept thro
 (rehearsed: 640 micro-batches of the study's 175B plan hold 32 GB of them). Its multi-chunk
 schedules keep at most three of a rank's chunks' parameters gathered at once.
 
+Under pipelining a chunk's float32 gradients exist only from its first backward on: the
+rank's schedule is replayed (``rank_counts.held_by_started``) and the activations and
+gradients are counted at the moment their sum is largest, at chunk granularity (a chunk's
+whole gradient beside all it still holds: conservative within a chunk). A rank whose
+forwards all come first (GPipe, few micro-batches) thus holds its activations or its
+gradients at the peak, not both.
+
 The peak is the larger of two moments: the loss's backward (states + activations + the
 logits) and the block backward where buffers peak (states + activations + the reduce-scatter
 and all-gather buffers above). Everything is multiplied by (1 + fragmentation) and the
@@ -81,7 +88,7 @@ from typing import Any
 
 import numpy as np
 
-from model.planner.rank_counts import PIPELINE_ACTIVE_CHUNKS
+from model.planner.rank_counts import PIPELINE_ACTIVE_CHUNKS, held_by_started
 from model.planner.shapes import (
     DDP,
     GPIPE,
@@ -232,21 +239,41 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     autocast = ~fsdp & mixed  # bf16 autocast over float32 weights (no FSDP2 bf16 params)
     act_factor = np.where(autocast, AUTOCAST_ACTIVATION_FACTOR, 1.0)
 
-    def act(pp_rank: np.ndarray, layers: np.ndarray) -> np.ndarray:
-        chunks = in_flight_chunks(pp, ga, sched, v, pp_rank)
+    def act(pp_rank: np.ndarray, layers: np.ndarray,
+            grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(activations, gradients held at the rank's peak). Under pipelining the schedule
+        is replayed: a chunk's float32 gradients exist from its first backward on, so the
+        peak is the largest (held chunk forwards x their activations + started chunks x
+        their gradients) of the step; without, one chunk and all gradients."""
         stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
                                                    layers / np.maximum(v, 1))
-        return (chunks * (stored + chunk_out) + transient) * cb * act_factor
+        per_chunk = (stored + chunk_out) * cb * act_factor
+        held = held_by_started(c, pp_rank)
+        started = np.arange(held.shape[1])[None, :]
+        moments = np.where(held >= 0, per_chunk[:, None] * held
+                           + (grads / np.maximum(v, 1))[:, None] * started, -np.inf)
+        k = np.argmax(moments, axis=1)
+        rows = np.arange(len(k))
+        acts = np.where(single, per_chunk, per_chunk * held[rows, k])
+        held_grads = np.where(single, grads, grads / np.maximum(v, 1) * k)
+        return acts + transient * cb * act_factor, held_grads
 
     # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
     # boundary of the rank (activations in, gradients back), kept through the step
     io_bytes = s.seq_len * mb * s.d_model * spf * np.where(fsdp, cb, 4)
     recv = np.where(single, 0.0, ga * (2 * v - 1) * io_bytes)
     first_rank = np.zeros_like(pp)
-    act_first = act(first_rank, n_first) + recv
-    act_last = act(pp - 1, n_last) + recv
     st_first, buf_first = states(params_first, root_first)
     st_last, buf_last = states(params_last, root_last)
+    # the float32 gradients the states hold through a pipelined step: accumulated from the
+    # first backward of each chunk on (4 P), counted at the moment of the peak instead
+    grads_first = np.where(single, 0.0, 4 * params_first)
+    grads_last = np.where(single, 0.0, 4 * params_last)
+    act_first, held_first = act(first_rank, n_first, grads_first)
+    act_last, held_last = act(pp - 1, n_last, grads_last)
+    act_first, act_last = act_first + recv, act_last + recv
+    st_first = st_first - grads_first + np.where(single, 0.0, held_first)
+    st_last = st_last - grads_last + np.where(single, 0.0, held_last)
     # A pipeline's first stage peaks in a backward with every micro-batch in flight, while a
     # block's (or the embedding's) new gradient is cast to float32 to be accumulated. The
     # ddp all-reduce copy comes after the schedule, when the activations are gone. Without

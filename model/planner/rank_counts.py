@@ -152,6 +152,37 @@ def unit_gathers(plan: Plan, pp_rank: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
+def _held_by_started(pp: int, v: int, ga: int, schedule: str, pp_rank: int) -> tuple[int, ...]:
+    order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
+                           pp_rank)
+    best, held, started = [-1] * (v + 1), 0, set()
+    for kind, chunk in order:
+        if kind == "F":
+            held += 1
+        else:  # a chunk's gradients are made at its first backward, before it frees anything
+            started.add(chunk)
+        best[len(started)] = max(best[len(started)], held)
+        if kind == "B":
+            held -= 1
+    return tuple(best)
+
+
+def held_by_started(c: dict[str, np.ndarray], pp_rank: np.ndarray) -> np.ndarray:
+    """[candidates, k]: the most chunk forwards pipeline rank ``pp_rank`` holds while k of
+    its chunks have begun their backward (and so hold gradients), k = 0 .. max v; -1 where a
+    schedule never has k (``schedule_order`` replayed once per distinct schedule)."""
+    rank = np.broadcast_to(np.asarray(pp_rank), c["pp"].shape)
+    keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank], axis=1)
+    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    width = int(c["v"].max()) + 1 if len(c["v"]) else 1
+    table = np.full((len(unique), width), -1.0)
+    for i, (pp, v, ga, sched, r) in enumerate(unique):
+        row = _held_by_started(int(pp), int(v), int(ga), SCHEDULES[int(sched)], int(r))
+        table[i, :len(row)] = row
+    return table[np.asarray(inverse).reshape(-1)]
+
+
+@functools.lru_cache(maxsize=4096)
 def _mean_unit_gathers(pp: int, v: int, ga: int, schedule: str, sharding: str) -> float:
     return float(np.mean(unit_gathers(Plan(pp=pp, virtual_stages=v, grad_accum=ga,
                                            schedule=schedule, sharding=sharding), 0)))
