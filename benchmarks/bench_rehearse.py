@@ -21,6 +21,9 @@ one JSON object.
 ``--study`` rehearses instead the Frontier study's own plans (configs/published/
 dash2023.yaml: 22B on 16 GCDs, 175B on 128, 1T on 1,024) on the Frontier cluster file, as
 this trainer would run them, into benchmarks/results/bench_rehearse_study.json.
+``--remodel NAME`` recomputes the model's side of an earlier results file with this
+checkout's memory model (the rehearsals are measurements and stay; the file keeps when and
+where they were rehearsed under ``rehearsed_at``).
 
 The figures: per preset and stage the chosen plan's ranks, and over every rehearsed rank the
 memory model's error against the rehearsal (``memory_error_pct_min``/``_max``, +: the
@@ -139,6 +142,34 @@ def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0)
             "host_peak_rss_before_gb": before, "host_peak_rss_gb": peak_rss_gb()}
 
 
+def remodel(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its model-side figures (``peak_memory_gb``, ``modeled_tensor_memory_gb``,
+    ``rehearsed_over_modeled``) recomputed by this checkout's memory model; the rehearsed
+    figures are measurements and stay."""
+    from model.planner.microbench import load_measured_cluster
+    from model.planner.plan import Plan
+    from model.planner.search import explain
+    from model.planner.shapes import Shapes
+    from stages.plan import load_model_file
+
+    if "error" in record:
+        return record
+    if record["preset"].startswith(f"{STUDY}:"):
+        model_cfg, train_cfg, cluster, plan, world = study_run(record["preset"].split(":", 1)[1])
+    else:
+        model_cfg, train_cfg, full = load_model_file(ROOT / "configs" / f"{record['preset']}.yaml")
+        world = record["devices"]
+        cluster = load_measured_cluster(full.parallel.cluster, world)
+        fields = {k: v for k, v in record["plan_fields"].items() if k != "predictions"}
+        plan = Plan(**fields)
+    mem = explain(Shapes.from_configs(model_cfg, train_cfg, cluster), cluster, plan, world,
+                  train_cfg.global_batch)["memory_gb"]
+    modeled = "last" if record["stage"] == "last" else "first"
+    tensors = mem[f"states_{modeled}"] + mem[f"act_{modeled}"] + mem[f"transient_{modeled}"]
+    return {**record, "peak_memory_gb": mem[modeled], "modeled_tensor_memory_gb": tensors,
+            "rehearsed_over_modeled": record["rehearsed_peak_memory_gb"] / tensors}
+
+
 def run_child(preset: str, stage: str, devices: int | None, timeout: float,
               index: int = 0) -> dict[str, Any]:
     """``rehearse_stage`` in a fresh interpreter; its record, or the reason it has none."""
@@ -234,12 +265,26 @@ def main(argv: list[str] | None = None) -> int:
                          "(1: the chosen plan only)")
     ap.add_argument("--study", action="store_true",
                     help=f"rehearse the Frontier study's own plans ({STUDY}) instead")
+    ap.add_argument("--remodel", metavar="NAME",
+                    help="recompute the model-side figures of benchmarks/results/NAME.json "
+                         "with this checkout's memory model (no rehearsal) and rewrite it")
     ap.add_argument("--child", nargs=3, metavar=("PRESET", "STAGE", "INDEX"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(rehearse_stage(args.child[0], args.child[1], args.devices,
                                         int(args.child[2]))))
+        return 0
+    if args.remodel:
+        path = ROOT / "benchmarks" / "results" / f"{args.remodel}.json"
+        old = json.loads(path.read_text())
+        records = [remodel(r) for r in old["ranks"]]
+        figures = {**figures_of(records), "complete": old["figures"].get("complete", False)}
+        write_results(args.remodel, figures, {
+            "args": old.get("args"), "ranks": records,
+            "rehearsed_at": old.get("rehearsed_at") or {"commit": old.get("commit"),
+                                                         "date": old.get("date")}})
+        print(json.dumps(figures))
         return 0
     records = []
     # plan by plan across the presets, so that a run stopped early has each preset's best
