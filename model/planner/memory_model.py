@@ -59,7 +59,8 @@ block runs and hold full recompute's activations, N = 2's in a kept block's back
 In flight: the pipeline schedule decides how many micro-batches each stage holds. GPipe:
 all m; 1F1B: pp - r on pipeline rank r; interleaved 1F1B (torch's ``_get_warmup_ops``):
 (v - 1) x m_round + 2 (pp - 1 - r) + 1 chunk forwards of L / (pp v) layers before the
-first backward (m_round = m / max(1, m // pp)), at most m v. Each in-flight chunk also
+first backward (m_round = m / max(1, m // pp)), at most m v (``rank_counts.schedule_order``
+replays torch's order). Each in-flight chunk also
 keeps its output for the backward (s b h / tp under SP). The rank holding the output head
 keeps, for the micro-batch in its loss, the logits gathered over the vocabulary (this
 trainer computes the loss on full rows on every tp rank) with their float32 copy and
@@ -91,7 +92,6 @@ import numpy as np
 from model.planner.rank_counts import PIPELINE_ACTIVE_CHUNKS, held_by_started
 from model.planner.shapes import (
     DDP,
-    GPIPE,
     INTERLEAVED,
     REC_FULL,
     REC_NONE,
@@ -131,21 +131,6 @@ def stage_layer_counts(
     # The last rank owns chunks pp-1, 2pp-1, ...; count those below `extra`.
     last = v * base + np.where(extra > pp - 1, (extra - pp) // pp + 1, 0)
     return first, last
-
-
-def in_flight_chunks(pp: np.ndarray, ga: np.ndarray, sched: np.ndarray, v: np.ndarray,
-                     pp_rank: np.ndarray) -> np.ndarray:
-    """Chunk forwards whose activations pipeline rank ``pp_rank`` holds at its peak.
-
-    A chunk is the rank's whole stage except under interleaved 1F1B (v chunks per rank).
-    """
-    gpipe = ga * v
-    onef = np.minimum(pp - pp_rank, ga)
-    rounds = np.maximum(1, ga // np.maximum(pp, 1))
-    per_round = ga // rounds
-    inter = np.minimum(ga * v, (v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1)
-    out = np.where(sched == GPIPE, gpipe, np.where(sched == INTERLEAVED, inter, onef))
-    return np.where(pp == 1, 1, out)
 
 
 def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray,

@@ -44,7 +44,7 @@ count the gathers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -167,19 +167,25 @@ def _held_by_started(pp: int, v: int, ga: int, schedule: str, pp_rank: int) -> t
     return tuple(best)
 
 
+def _per_distinct(keys: np.ndarray, value: Callable[..., Any]) -> tuple[list[Any], np.ndarray]:
+    """``value(*row)`` once per distinct row of ``keys`` (candidates x fields, ints), and the
+    index of each candidate's row: the schedule replays run once per distinct schedule."""
+    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
+    return [value(*(int(x) for x in row)) for row in unique], np.asarray(inverse).reshape(-1)
+
+
 def held_by_started(c: dict[str, np.ndarray], pp_rank: np.ndarray) -> np.ndarray:
     """[candidates, k]: the most chunk forwards pipeline rank ``pp_rank`` holds while k of
     its chunks have begun their backward (and so hold gradients), k = 0 .. max v; -1 where a
-    schedule never has k (``schedule_order`` replayed once per distinct schedule)."""
+    schedule never has k (``schedule_order`` replayed)."""
     rank = np.broadcast_to(np.asarray(pp_rank), c["pp"].shape)
     keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank], axis=1)
-    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
-    width = int(c["v"].max()) + 1 if len(c["v"]) else 1
-    table = np.full((len(unique), width), -1.0)
-    for i, (pp, v, ga, sched, r) in enumerate(unique):
-        row = _held_by_started(int(pp), int(v), int(ga), SCHEDULES[int(sched)], int(r))
+    rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r: _held_by_started(
+        pp, v, ga, SCHEDULES[sched], r))
+    table = np.full((len(rows), int(c["v"].max()) + 1 if len(c["v"]) else 1), -1.0)
+    for i, row in enumerate(rows):
         table[i, :len(row)] = row
-    return table[np.asarray(inverse).reshape(-1)]
+    return table[index]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -190,12 +196,11 @@ def _mean_unit_gathers(pp: int, v: int, ga: int, schedule: str, sharding: str) -
 
 def mean_unit_gathers(c: dict[str, np.ndarray]) -> np.ndarray:
     """Gathers per FSDP unit on the first pipeline rank in one step, the mean over its
-    chunks, for encoded plans ``c`` (``unit_gathers`` once per distinct schedule)."""
+    chunks, for encoded plans ``c`` (``unit_gathers`` replayed)."""
     keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], c["shard"]], axis=1)
-    unique, inverse = np.unique(keys, axis=0, return_inverse=True)
-    means = np.array([_mean_unit_gathers(int(pp), int(v), int(ga), SCHEDULES[int(sc)],
-                                         SHARDINGS[int(sh)]) for pp, v, ga, sc, sh in unique])
-    return means[np.asarray(inverse).reshape(-1)]
+    means, index = _per_distinct(keys, lambda pp, v, ga, sched, shard: _mean_unit_gathers(
+        pp, v, ga, SCHEDULES[sched], SHARDINGS[shard]))
+    return np.array(means)[index]
 
 
 def _block_forward_flops(s: Shapes, plan: Plan) -> tuple[float, float, float]:
