@@ -148,9 +148,7 @@ def remodel(record: dict[str, Any]) -> dict[str, Any]:
     figures are measurements and stay."""
     from model.planner.microbench import load_measured_cluster
     from model.planner.plan import Plan
-    from model.planner.search import explain
-    from model.planner.shapes import Shapes
-    from stages.plan import load_model_file
+    from stages.plan import load_model_file, modeled_rank_memory
 
     if "error" in record:
         return record
@@ -160,13 +158,10 @@ def remodel(record: dict[str, Any]) -> dict[str, Any]:
         model_cfg, train_cfg, full = load_model_file(ROOT / "configs" / f"{record['preset']}.yaml")
         world = record["devices"]
         cluster = load_measured_cluster(full.parallel.cluster, world)
-        fields = {k: v for k, v in record["plan_fields"].items() if k != "predictions"}
-        plan = Plan(**fields)
-    mem = explain(Shapes.from_configs(model_cfg, train_cfg, cluster), cluster, plan, world,
-                  train_cfg.global_batch)["memory_gb"]
-    modeled = "last" if record["stage"] == "last" else "first"
-    tensors = mem[f"states_{modeled}"] + mem[f"act_{modeled}"] + mem[f"transient_{modeled}"]
-    return {**record, "peak_memory_gb": mem[modeled], "modeled_tensor_memory_gb": tensors,
+        plan = Plan.from_dict(record["plan_fields"])
+    peak, tensors = modeled_rank_memory(model_cfg, train_cfg, plan, cluster, world,
+                                        record["stage"])
+    return {**record, "peak_memory_gb": peak, "modeled_tensor_memory_gb": tensors,
             "rehearsed_over_modeled": record["rehearsed_peak_memory_gb"] / tensors}
 
 

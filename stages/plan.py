@@ -212,6 +212,18 @@ def refine(cfg: Any, plans: list[Plan], out_dir: Path, cluster: Cluster,
 
 # --- rehearsal ---------------------------------------------------------------------------
 
+def modeled_rank_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
+                        cluster: Cluster, world: int, stage: str,
+                        calibration: dict[str, float] | None = None) -> tuple[float, float]:
+    """(peak GB with the cluster's margins, tensor GB without) the memory model gives a rank
+    of ``stage`` (first, middle or last; a middle stage is priced as the first)."""
+    mem = explain(Shapes.from_configs(model_cfg, train_cfg, cluster), cluster, plan, world,
+                  train_cfg.global_batch, calibration)["memory_gb"]
+    modeled = "last" if stage == "last" else "first"  # the model bounds others by the first
+    tensors = mem[f"states_{modeled}"] + mem[f"act_{modeled}"] + mem[f"transient_{modeled}"]
+    return mem[modeled], tensors
+
+
 def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
                       cluster: Cluster, world: int,
                       calibration: dict[str, float] | None = None,
@@ -234,7 +246,6 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     from model.training.rehearse import busiest_ranks, rehearse_isolated  # torch: when asked
 
     shapes = Shapes.from_configs(model_cfg, train_cfg, cluster)
-    mem = explain(shapes, cluster, plan, world, train_cfg.global_batch, calibration)["memory_gb"]
     model_flops = (flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.global_batch
                    * train_cfg.seq_len / world)
     margin = 1 + cluster.fragmentation
@@ -242,17 +253,16 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     for rank in ranks if ranks is not None else busiest_ranks(plan):
         pp_rank = rank // (plan.dp * plan.tp)
         stage = "first" if pp_rank == 0 else "last" if pp_rank == plan.pp - 1 else "middle"
-        modeled = "last" if stage == "last" else "first"  # the model bounds others by the first
+        peak, tensors = modeled_rank_memory(model_cfg, train_cfg, plan, cluster, world, stage,
+                                            calibration)
         result = rehearse_isolated(model_cfg, train_cfg, plan, rank,
                                    initializer=launch.die_with_parent)
-        tensors = (mem[f"states_{modeled}"] + mem[f"act_{modeled}"]
-                   + mem[f"transient_{modeled}"])
         with_margins = result.peak_memory_gb * margin + cluster.reserved_gb
         flops = rank_flops(shapes, plan, pp_rank)
         comm = rank_collective_bytes(shapes, plan, pp_rank)
         records.append({
             "rank": rank, "stage": stage, "coords": result.coords,
-            "peak_memory_gb": mem[modeled],
+            "peak_memory_gb": peak,
             "modeled_tensor_memory_gb": tensors,
             "rehearsed_peak_memory_gb": result.peak_memory_gb,
             "rehearsed_over_modeled": result.peak_memory_gb / tensors if tensors else None,
