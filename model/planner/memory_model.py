@@ -89,7 +89,7 @@ from typing import Any
 
 import numpy as np
 
-from model.planner.rank_counts import PIPELINE_ACTIVE_CHUNKS, held_by_started
+from model.planner.rank_counts import PIPELINE_ACTIVE_CHUNKS, chunk_boundaries, held_by_started
 from model.planner.shapes import (
     DDP,
     INTERLEAVED,
@@ -246,7 +246,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
     # boundary of the rank (activations in, gradients back), kept through the step
     io_bytes = s.seq_len * mb * s.d_model * spf * np.where(fsdp, cb, 4)
-    recv = np.where(single, 0.0, ga * (2 * v - 1) * io_bytes)
+    recv = np.where(single, 0.0, ga * chunk_boundaries(v, True, False) * io_bytes)
     first_rank = np.zeros_like(pp)
     st_first, buf_first = states(params_first, root_first)
     st_last, buf_last = states(params_last, root_last)

@@ -271,6 +271,13 @@ def _tp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     return {k: plan.grad_accum * v for k, v in out.items() if v}
 
 
+def chunk_boundaries(v: Any, first: Any, last: Any) -> Any:
+    """Chunk boundaries a pipeline rank of ``v`` chunks sends and receives across per
+    micro-batch (activations in or out, gradients back): two a chunk, less the model's
+    input on the first rank and its output on the last."""
+    return 2 * v - np.asarray(first, dtype=int) - np.asarray(last, dtype=int)
+
+
 def _pp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     """Pipeline sends and receives of one step (each is the other's mirror)."""
     if plan.pp == 1:
@@ -279,8 +286,7 @@ def _pp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     c = s.act_bytes if fsdp else 4
     tokens = s.seq_len // plan.tp if plan.sequence_parallel else s.seq_len
     one = tokens * plan.micro_batch * s.d_model * c
-    v = plan.virtual_stages
-    boundaries = 2 * v - (pp_rank == 0) - (pp_rank == plan.pp - 1)
+    boundaries = chunk_boundaries(plan.virtual_stages, pp_rank == 0, pp_rank == plan.pp - 1)
     return {"send": plan.grad_accum * boundaries * one, "recv": plan.grad_accum * boundaries * one}
 
 
