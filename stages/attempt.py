@@ -95,6 +95,8 @@ def _log_stage_params(
 ) -> None:
     tracker.log_params({section: dataclasses.asdict(getattr(cfg, section)) for section in sections})
     tracker.set_tags({f"input.{name}.run_id": res.producer_run_id for name, res in inputs.items()})
+    tracker.set_tags({f"input.{name}.tracking_uri": res.producer_tracking_uri
+                      for name, res in inputs.items() if res.producer_tracking_uri})
     tracker.set_tags({f"input.{name}.key": res.key for name, res in inputs.items()})
     tracker.log_dict(cfg.to_dict(), "config.yaml")
 
@@ -103,18 +105,23 @@ def reuse(
     ctx: PipelineContext, found: StageResult, cfg: PipelineConfig, sections: tuple[str, ...],
     inputs: dict[str, StageResult],
 ) -> StageResult:
-    """Record a reused stage: a child run tagged ``reused`` that points at its producer."""
+    """Record a reused stage: a child run tagged ``reused`` that points at its producer (its
+    run id and the store holding it, which may be another than this pipeline's)."""
     run_id = _child_run(
         ctx,
         found.name,
         found.key,
-        {"reused": "true", "producer_run_id": found.producer_run_id, "out_dir": found.out_dir},
+        {"reused": "true", "producer_run_id": found.producer_run_id, "out_dir": found.out_dir,
+         "producer_tracking_uri": found.producer_tracking_uri or "unknown"},
     )
     tracker = tracking.Tracker(ctx.tracking_uri, run_id)
     _log_stage_params(tracker, cfg, sections, inputs)
-    # Copy the producer's latest metric values so the reused run reads the same in the UI.
-    producer = tracking.get_run(ctx.tracking_uri, found.producer_run_id)
-    tracker.log_metrics(dict(producer.data.metrics))
+    # The producer's latest metric values, so the reused run reads the same in the UI; only
+    # from this store (another one's run ids mean nothing here), and never fatal.
+    if found.producer_tracking_uri == ctx.tracking_uri:
+        metrics = tracking.run_metrics_or_none(ctx.tracking_uri, found.producer_run_id)
+        if metrics:
+            tracker.log_metrics(metrics)
     tracker.flush()
     tracking.end_run(ctx.tracking_uri, run_id)
     return dataclasses.replace(found, run_id=run_id)
@@ -190,7 +197,8 @@ def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> Stag
     outs = outputs.relocate(outs, str(work), str(final))
     outputs.write_outputs(work, outs)
     outputs.write_status(work, outputs.status_record(
-        "succeeded", attempt.run_id, key=attempt.key, ingredients=attempt.ingredients))
+        "succeeded", attempt.run_id, key=attempt.key, ingredients=attempt.ingredients,
+        tracking_uri=ctx.tracking_uri))
     attempt.tracker(ctx).log_artifact(work / outputs.OUTPUTS_FILE)
     outputs.publish(work, final, attempt.key)
     locks.release(outputs.lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
@@ -203,6 +211,7 @@ def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> Stag
         run_id=attempt.run_id,
         producer_run_id=attempt.run_id,
         reused=False,
+        producer_tracking_uri=ctx.tracking_uri,
     )
 
 

@@ -144,13 +144,21 @@ def _write_text(path: Path, text: str) -> Path:
 
 
 def _train_histories(tracker) -> tuple[str | None, dict[str, list[tuple[int, float]]]]:
-    """The train run id (from this run's input tags) and its loss/lr/tokens_per_s history."""
+    """The train run id (from this run's input tags) and its loss/lr/tokens_per_s history,
+    read from the store that holds that run (a reused training may have been tracked in
+    another); no history where that store cannot be read (the console says so)."""
     tags = tracking.get_run(tracker.uri, tracker.run_id).data.tags
     run_id = tags.get("input.train.run_id")
     if not run_id:
         return None, {}
+    uri = tags.get("input.train.tracking_uri", tracker.uri)
     keys = ("loss", "lr", "tokens_per_s")
-    return run_id, {k: tracking.metric_history(tracker.uri, run_id, k) for k in keys}
+    try:
+        return run_id, {k: tracking.metric_history(uri, run_id, k) for k in keys}
+    except Exception as error:  # noqa: BLE001 - the plots are extra; the evaluation stands
+        print(f"[evaluate] no training history for the plots: run {run_id} is not readable "
+              f"in {uri} ({type(error).__name__})", flush=True)
+        return run_id, {}
 
 
 def _lm_eval(cfg, model, tokenizer, eos_id, reader, out_dir: Path) -> dict[str, dict[str, float]]:

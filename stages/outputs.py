@@ -37,6 +37,8 @@ class StageResult:
     run_id: str
     producer_run_id: str
     reused: bool
+    producer_tracking_uri: str = ""
+    """The MLflow store holding ``producer_run_id`` ("" where an older status does not say)."""
 
 
 def stage_dir(runs_dir: str | Path, name: str, key: str) -> Path:
@@ -78,6 +80,7 @@ def find_succeeded(runs_dir: str | Path, name: str, key: str) -> StageResult | N
         run_id=status["run_id"],
         producer_run_id=status["run_id"],
         reused=True,
+        producer_tracking_uri=status.get("tracking_uri", ""),
     )
 
 

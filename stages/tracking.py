@@ -74,10 +74,22 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+STORE_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "mssql",
+                 "databricks")
+"""URI schemes of the stores MLflow's tracking client opens (the database ones may carry a
+driver: ``postgresql+psycopg2://``)."""
+
+
 def check_store(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
-    """Fail fast, with one line naming ``uri``, when the store cannot be used: an http(s)
-    server that does not answer within ``timeout_s``, or a SQLite file whose directory
-    cannot be created or written."""
+    """Fail fast, with one line naming ``uri``, when the store cannot be used: a scheme
+    MLflow has no store for, an http(s) server that does not answer within ``timeout_s``,
+    or a SQLite file whose directory cannot be created or written."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else uri
+    if scheme not in STORE_SCHEMES:
+        raise TrackingError(
+            f"tracking URI {uri!r} names no MLflow store: use sqlite:///PATH, http(s)://HOST:PORT "
+            f"(an MLflow server), file:///PATH or a database URI ({', '.join(STORE_SCHEMES)}); "
+            "without --tracking-uri the store is SQLite in the runs dir")
     if uri.startswith(("http://", "https://")):
         try:
             with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
@@ -254,6 +266,15 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def get_run(uri: str, run_id: str):
     """The MLflow run object (info, data) for inspection."""
     return MlflowClient(uri).get_run(run_id)
+
+
+def run_metrics_or_none(uri: str, run_id: str) -> dict[str, float] | None:
+    """A run's latest metric values, or None where the store does not have the run (or
+    cannot be read): for looks back at other runs that must not fail the caller."""
+    try:
+        return dict(get_run(uri, run_id).data.metrics)
+    except Exception:  # noqa: BLE001 - MlflowException or a store error: nothing to copy
+        return None
 
 
 def search_runs(uri: str, experiment_name: str, filter_string: str = "") -> list:

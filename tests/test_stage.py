@@ -77,6 +77,34 @@ def test_run_publishes_then_reuses_then_forces(tmp_path):
     assert json.loads((out / "status.json").read_text())["run_id"] == third.run_id
 
 
+def test_reuse_from_another_tracking_store_records_the_producer_and_looks_nothing_up(tmp_path):
+    """A runs dir whose stage was tracked in one store, rerun with another --tracking-uri:
+    the stage is reused; its run in the new store names the producer's run and store."""
+    ctx, cfg, calls = _context(tmp_path), load_config(), []
+    module = _counting_stage(calls)
+    first = run_stage(ctx, COUNTING, cfg, {}, work=module)
+    assert first.producer_tracking_uri == ctx.tracking_uri
+    other_uri = f"sqlite:///{tmp_path / 'other' / 'mlflow.db'}"
+    experiment = tracking.ensure_experiment(other_uri, "test", tmp_path / "other")
+    other = PipelineContext(str(tmp_path), other_uri, experiment,
+                            tracking.start_run(other_uri, experiment, "pipeline-test"), "1.0")
+    second = run_stage(other, COUNTING, cfg, {}, work=module)
+    assert second.reused and len(calls) == 1
+    assert (second.producer_run_id, second.producer_tracking_uri) == (first.run_id,
+                                                                      ctx.tracking_uri)
+    reused_run = tracking.get_run(other_uri, second.run_id)
+    assert reused_run.info.status == "FINISHED"
+    assert reused_run.data.tags["producer_run_id"] == first.run_id
+    assert reused_run.data.tags["producer_tracking_uri"] == ctx.tracking_uri
+    assert "value" not in reused_run.data.metrics  # another store's run is not looked up
+    # A consumer of the reused stage tags where its input's run lives.
+    made = run_stage(other, declare("consumer", ("eval",)), cfg, {"counting": second},
+                     work=_counting_stage(calls))
+    tags = tracking.get_run(other_uri, made.run_id).data.tags
+    assert tags["input.counting.run_id"] == first.run_id
+    assert tags["input.counting.tracking_uri"] == ctx.tracking_uri
+
+
 def test_failure_leaves_nothing_that_looks_done(tmp_path):
     ctx, cfg, calls = _context(tmp_path), load_config(), []
     with pytest.raises(RuntimeError, match="boom"):

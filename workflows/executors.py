@@ -45,6 +45,7 @@ from typing import Any
 
 from parsl.config import Config
 from parsl.executors import HighThroughputExecutor, MPIExecutor
+from parsl.jobs.states import JobState
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
@@ -101,10 +102,10 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
         executors=executors,
         run_dir=str(parsl_dir or Path(run_dir) / "parsl"),
         retries=cfg.site.retries,
-        # User errors fail at once; lost workers and killed ranks are retried.
-        # Ranks out of time cost nothing: they resume in a new block (``end_blocks``).
+        # User errors fail at once; lost workers and killed ranks are retried, in a new
+        # block (``end_blocks``). Ranks out of time cost nothing.
         retry_handler=functools.partial(retry_cost, budget=cfg.site.retries,
-                                        stopping=threading.Event(), out_of_time=end_blocks),
+                                        stopping=threading.Event(), hand_back=end_blocks),
         # Frequent strategy passes: first app starts sooner, lost blocks are replaced sooner.
         strategy_period=0.5 if site == "local" else 1,
         initialize_logging=True,
@@ -186,18 +187,20 @@ to 10 s to exit) and after an interrupt (the user waits for the prompt)."""
 
 
 def end_blocks(task_record: dict[str, Any]) -> None:
-    """Hand back the Slurm blocks of the executor a task ran on (the ranks ended out of
-    time): the rest of their walltime holds no further job, and the resumed ranks must not
-    start there. Parsl holds the block's workers first (no task reaches them) and cancels
-    the job; a new block is submitted for the retried task. Local blocks are kept."""
+    """Hand back the Slurm block of the ranks' executor a retried task ran on (its ranks
+    ended out of time, or failed: ``workflows.failures``): the rest of its walltime holds no
+    further job, and the retry must not start there. Parsl holds the block's workers first
+    (no task reaches them) and cancels the job; a new block is submitted for the retry.
+    Local blocks, and those of executors shared by many apps, are kept."""
     dfk, label = task_record.get("dfk"), task_record.get("executor")
     executor = getattr(dfk, "executors", {}).get(label)
-    if executor is None or not isinstance(getattr(executor, "provider", None), SlurmProvider):
+    if not isinstance(executor, MPIExecutor) or not isinstance(executor.provider, SlurmProvider):
         return
-    active = [block for block, status in executor.status_facade.items()
-              if not status.terminal]
-    if active:
-        executor.scale_in_facade(len(active))
+    # Only running blocks: a pending one is the replacement Parsl already asked for.
+    running = [block for block, status in executor.status_facade.items()
+               if status.state == JobState.RUNNING]
+    if running:
+        executor.scale_in_facade(len(running))
 
 
 def _cancel_blocks(executor: Any) -> None:

@@ -8,10 +8,18 @@ to ``site.retries`` times; the console names the attempt and the cause.
 
 Ranks that stopped out of time (``OUT_OF_TIME_EXIT``: Slurm's signal ahead of the walltime,
 or a SIGTERM, after the ranks wrote the checkpoint of the step they stopped at) are neither:
-the app is run again at no cost to ``site.retries``, in a new job (the handler's
-``out_of_time`` hands the old block back), and resumes from that checkpoint. So a training
-longer than one walltime runs as a chain of jobs until its steps are done; every job
-advances at least one step (the ranks stop only after a step), so the chain ends.
+the app is run again at no cost to ``site.retries``, in a new job, and resumes from that
+checkpoint. So a training longer than one walltime runs as a chain of jobs until its steps
+are done; every job advances at least one step (the ranks stop only after a step), so the
+chain ends.
+
+Every retry of a ranks app runs in a new job. A failed try of ranks on a Slurm site is
+most often its job dying (a lost node, a cancel, a preemption); when the ranks fail first,
+their worker still answers, and a retry given that block would start in the dying job,
+fail with it and spend a second try on one loss. So the handler's ``hand_back`` returns
+the failed try's block before the retry. A lost manager (``ManagerLost``) needs no hand
+back: its block is gone, and Parsl may already be starting the next one. So one lost node
+costs one retry, and the default ``site.retries=1`` survives it.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from typing import Any
 
 from parsl.app.errors import BashExitFailure
 from parsl.dataflow.errors import DependencyError
+from parsl.executors.high_throughput.errors import ManagerLost
 
 from stages.launch import OUT_OF_TIME_EXIT, STORAGE_ERRNOS, USER_ERROR_EXIT, read_out_of_time
 
@@ -54,10 +63,10 @@ def is_user_error(error: BaseException) -> bool:
 
 def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0,
                stopping: threading.Event | None = None,
-               out_of_time: Callable[[dict[str, Any]], None] | None = None) -> float:
+               hand_back: Callable[[dict[str, Any]], None] | None = None) -> float:
     """Parsl retry handler: user errors cost more than the budget; ranks out of time cost
-    nothing (``out_of_time(task_record)`` first hands their block back, so the next job
-    runs in a new one); others cost one try.
+    nothing; others cost one try. Before any retry, ``hand_back(task_record)`` returns the
+    block the task ran in, so the retry runs in a new one (module docstring).
 
     ``budget`` is ``site.retries``: the console says "retrying" only when a retry follows.
     Nothing is retried once ``stopping`` is set (the driver is shutting Parsl down, and the
@@ -76,19 +85,28 @@ def retry_cost(error: Exception, task_record: dict[str, Any], budget: int = 0,
               f"{attempt}{job} after step {record.get('step', '?')}, its checkpoint saved; "
               f"resuming from it on attempt {attempt + 1} in a new job (no retry spent)",
               file=sys.stderr, flush=True)
-        if out_of_time is not None:
-            try:
-                out_of_time(task_record)
-            except Exception as problem:  # noqa: BLE001 - the resume goes on; say what failed
-                print(f"[pipeline] could not hand back the out-of-time block: {problem}",
-                      file=sys.stderr, flush=True)
+        _hand_back(hand_back, task_record)
         return 0.0
     if task_record.get("fail_cost", 0) + 1 <= budget:
         attempt = task_record.get("fail_count", 1)
         name = task_record.get("func_name", "app")
         print(f"[pipeline] {name} failed on attempt {attempt} ({type(error).__name__}: "
               f"{_first_line(error)}); retrying", file=sys.stderr, flush=True)
+        if not isinstance(error, ManagerLost):
+            _hand_back(hand_back, task_record)
     return 1.0
+
+
+def _hand_back(hand_back: Callable[[dict[str, Any]], None] | None,
+               task_record: dict[str, Any]) -> None:
+    """Return a retried task's block (``retry_cost``); the retry goes on if that fails."""
+    if hand_back is None:
+        return
+    try:
+        hand_back(task_record)
+    except Exception as problem:  # noqa: BLE001 - the retry goes on; say what failed
+        print(f"[pipeline] could not hand back the block of the failed try: {problem}",
+              file=sys.stderr, flush=True)
 
 
 def own_failure(futures: list[Any]) -> BaseException | None:

@@ -341,7 +341,7 @@ def rank_collective_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, dict
     all-reduces (loss, norms) are left out."""
     dims = {"dp": _dp_bytes(s, plan, pp_rank), "tp": _tp_bytes(s, plan, pp_rank),
             "pp": _pp_bytes(s, plan, pp_rank)}
-    return {d: k for d, k in dims.items() if k}
+    return {d: {kind: float(v) for kind, v in k.items()} for d, k in dims.items() if k}
 
 
 def count_errors(flops: float, comm: dict[str, dict[str, float]], rehearsed_flops: float,

@@ -81,8 +81,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_unreachable_server_fails_fast_with_one_line(tmp_path: Path):
-    uri = f"http://127.0.0.1:{_free_port()}"
+@pytest.mark.parametrize("kind", ["unreachable server", "no store's scheme"])
+def test_unusable_tracking_uri_fails_fast_with_one_line(tmp_path: Path, kind: str):
+    uri, says = ((f"http://127.0.0.1:{_free_port()}", "not reachable") if kind.startswith("un")
+                 else ("foo://bar", "names no MLflow store"))
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     env.pop("MLFLOW_TRACKING_URI", None)
     started = time.monotonic()
@@ -95,7 +97,7 @@ def test_unreachable_server_fails_fast_with_one_line(tmp_path: Path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
-    assert uri in lines[0] and "not reachable" in lines[0]
+    assert uri in lines[0] and says in lines[0]
     assert not (tmp_path / "runs" / "stages").exists()  # no work started
 
 
@@ -110,3 +112,8 @@ def test_check_store_names_what_cannot_be_used(tmp_path: Path):
         tracking.check_store(bad)
     assert bad in str(info.value) and "\n" not in str(info.value)
     tracking.check_store(tracking.default_tracking_uri(tmp_path))  # a writable one passes
+    for nonsense in ("foo://bar", "runs/mlflow.db", "sqlite3:///x.db"):
+        with pytest.raises(tracking.TrackingError, match="names no MLflow store") as info:
+            tracking.check_store(nonsense)
+        assert repr(nonsense) in str(info.value) and "\n" not in str(info.value)
+    tracking.check_store("postgresql+psycopg2://user@db.example/mlflow")  # no connection made
