@@ -126,7 +126,11 @@ class SiteConfig:
     qos: str | None = None
     """Slurm QOS."""
     walltime: str = "00:30:00"
-    """Slurm walltime per block, HH:MM:SS."""
+    """Slurm walltime of the training block (the allocation), HH:MM:SS; also of the compute
+    block unless ``compute_walltime`` is set."""
+    compute_walltime: str | None = None
+    """Slurm walltime of the compute (tokenize) block, HH:MM:SS; None: ``walltime``. On
+    Frontier a small job's bin allows less than a large one's (2 h below 92 nodes)."""
     worker_init: str = ""
     """Shell lines run before workers start (module loads, conda activate)."""
     conda_env: str | None = None
@@ -205,9 +209,12 @@ class SiteConfig:
         if self.save_before_end_s is not None and self.save_before_end_s < 0:
             raise ValueError(f"site.save_before_end_s must be >= 0 seconds, got "
                              f"{self.save_before_end_s}")
+        for name in ("walltime", "compute_walltime"):
+            value = getattr(self, name)
+            parts = str(value).split(":")
+            if value is not None and (len(parts) != 3 or not all(p.isdigit() for p in parts)):
+                raise ValueError(f"site.{name} must be HH:MM:SS, got {value!r}")
         parts = self.walltime.split(":")
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"site.walltime must be HH:MM:SS, got {self.walltime!r}")
         wall = int(parts[0]) * 3600 + int(parts[1]) * 60 + int(parts[2])
         if self.save_before_end_s and self.save_before_end_s >= wall:
             raise ValueError(
@@ -222,8 +229,8 @@ _SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9_.,+-]+")
 _ADDRESS = re.compile(r"[A-Za-z0-9.:_-]+")
 _OPTION_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")  # the words shlex.quote leaves bare
-_ONE_LINE_FIELDS = ("account", "partition", "qos", "walltime", "conda_env", "rccl_plugin_path",
-                    "node_local_env", "srun_options", "address")
+_ONE_LINE_FIELDS = ("account", "partition", "qos", "walltime", "compute_walltime", "conda_env",
+                    "rccl_plugin_path", "node_local_env", "srun_options", "address")
 _MULTI_LINE_FIELDS = ("worker_init", "scheduler_options")
 _TARBALL = re.compile(r".+\.(tar|tgz|tar\.[A-Za-z0-9]+)")
 
@@ -434,14 +441,21 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """Parse ``section.key=value``; the value is read as YAML (so 3, 0.1, true, null work)."""
+    """Parse ``section.key=value``; the value is read as YAML (so 3, 0.1, true, null work),
+    except a clock time such as ``12:00:00``, which stays a string (YAML 1.1 would read it
+    as a base-60 integer, 43200)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw_value = text.split("=", 1)
     key = key.strip()
     if not key:
         raise ConfigError(f"override {text!r} has no key")
+    if _CLOCK.fullmatch(raw_value.strip()):
+        return key, raw_value.strip()
     return key, yaml.safe_load(raw_value) if raw_value.strip() else ""
+
+
+_CLOCK = re.compile(r"\d+(:\d\d)+")
 
 
 def resolve_preset(path: str | Path) -> Path:

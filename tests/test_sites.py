@@ -10,6 +10,7 @@ intended change, regenerate them and review the diff:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -606,7 +607,10 @@ def test_the_driver_refuses_an_off_lustre_runs_dir_before_any_work(tmp_path, mon
                  "--set", "site.account=abc123", "--runs-dir", str(tmp_path / "runs"),
                  "--dry-run"])
     out = capsys.readouterr().out
-    assert code == 0 and "# warning: a run refuses this: site.name=frontier" in out
+    # The dry run still shows everything, and its readiness report counts the runs dir as
+    # an error: exit 2.
+    assert code == 2 and "# warning: a run refuses this: site.name=frontier" in out
+    assert re.search(r"#   runs dir +error ", out) and "1 error(s)" in out
 
 
 def test_slurm_sites_refuse_runs_dir_characters_their_scripts_cannot_carry():

@@ -138,7 +138,8 @@ def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
     and each ranks app's srun line.
 
     A Frontier runs dir that a run would refuse (not on Lustre: a dry run on a laptop) is
-    shown as a warning at the top, not refused; every other site rule refuses as a run does.
+    shown as a warning at the top, not refused (the readiness report after it counts it as an
+    error); every other site rule refuses as a run does.
     """
     stages = ranks_stages(cfg)
     if cfg.site.name == "local":

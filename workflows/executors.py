@@ -349,17 +349,19 @@ def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) 
 
 
 def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
-                    launcher: Any, stop_signal: bool = False) -> SlurmProvider:
-    """A block of ``nodes`` nodes (``cores`` CPUs per node when not exclusive), submitted
-    only when an app needs it (init_blocks=0), at most one at a time, polled as often as
-    the heartbeat threshold; ``stop_signal``: with the training block's ``--signal``."""
+                    launcher: Any, stop_signal: bool = False,
+                    walltime: str | None = None) -> SlurmProvider:
+    """A block of ``nodes`` nodes (``cores`` CPUs per node when not exclusive) for
+    ``walltime`` (default ``site.walltime``), submitted only when an app needs it
+    (init_blocks=0), at most one at a time, polled as often as the heartbeat threshold;
+    ``stop_signal``: with the training block's ``--signal``."""
     site = cfg.site
     return PolledSlurmProvider(
         poll_seconds=min(60, site.heartbeat_threshold),
         account=site.account,
         partition=site.partition,
         qos=site.qos,
-        walltime=site.walltime,
+        walltime=walltime or site.walltime,
         nodes_per_block=nodes,
         cores_per_node=cores,
         scheduler_options=scheduler_options(cfg, stop_signal),
@@ -407,7 +409,8 @@ def compute_provider(cfg: PipelineConfig) -> SlurmProvider:
     cores = cfg.site.max_workers
     launcher = SrunLauncher(overrides=f"--ntasks-per-node=1 --cpus-per-task={cores}")
     return _block_provider(cfg, cfg.site.tokenize_nodes,
-                           None if _exclusive(cfg) else cores, launcher)
+                           None if _exclusive(cfg) else cores, launcher,
+                           walltime=cfg.site.compute_walltime or cfg.site.walltime)
 
 
 def compute_executor(cfg: PipelineConfig) -> HighThroughputExecutor:

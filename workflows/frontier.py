@@ -68,6 +68,20 @@ FRONTIER_CORES_PER_NODE = 56
 FRONTIER_CORES_PER_RANK = FRONTIER_CORES_PER_NODE // FRONTIER_GCDS_PER_NODE
 """Cores (and OpenMP threads) of one Frontier rank: 7."""
 
+FRONTIER_NODE_MEMORY_GB = 512
+"""Host (DDR4) memory of a Frontier compute node."""
+
+FRONTIER_WALLTIME_BINS = ((1, 5645, 12.0), (2, 1882, 12.0), (3, 184, 12.0), (4, 92, 6.0),
+                          (5, 1, 2.0))
+"""Frontier's job-size bins: (bin, fewest nodes, longest walltime in hours), largest first.
+A job of N nodes falls in the first bin whose fewest nodes is at most N."""
+
+
+def walltime_bin(nodes: int) -> tuple[int, int, float]:
+    """The Frontier job-size bin (bin, fewest nodes, longest walltime h) of a job of
+    ``nodes`` nodes."""
+    return next(b for b in FRONTIER_WALLTIME_BINS if nodes >= b[1])
+
 
 class SiteError(ConfigError):
     """A site setting that cannot be used; the message names the key to change."""

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--site", choices=["local", "slurm", "frontier"], help="where to run")
     parser.add_argument("--force", action="store_true", help="recompute every selected stage")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the DAG and keys, run nothing")
+                        help="print the DAG and keys, run nothing; on a Slurm site also the "
+                             "batch scripts and the readiness report (exit 2 on its errors)")
     parser.add_argument("--tracking-uri",
                         help="MLflow tracking URI (default: SQLite in the runs dir)")
     parser.add_argument("--runs-dir", help="where stage outputs and the default MLflow store live")
@@ -117,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe(decide_stages(cfg, args.only, args.start, args.force), cfg))
             print(dry_run_text(cfg, cfg.runs_dir))
-            return 0
+            if cfg.site.name == "local":
+                return 0
+            from workflows.readiness import readiness, readiness_text
+
+            rows = readiness(cfg)
+            print(readiness_text(rows))
+            return 2 if any(r.verdict == "error" for r in rows) else 0
         from stages.preflight import preflight
         from workflows.frontier import check_site
 

@@ -1,0 +1,261 @@
+"""The readiness report: a Slurm run checked against the site's limits before the first
+allocation, as one table (``--dry-run`` prints it on slurm and frontier sites).
+
+One row per check: the jobs (nodes x walltime, and on Frontier the job-size bin and its
+walltime limit), the plan (its predicted step time and device memory: rehearsed where the
+plan stage has rehearsed it, else modeled), when the first checkpoint lands, host memory of
+the evaluation, the Hugging Face export, the corpus, the runs dir's file system, and the
+whole run's time, jobs and node-hours. A row is ``ok``, ``warning`` (it cannot be checked
+from here: said why) or ``error`` (a run would be refused, or fail, or waste its
+allocation: said how to fix it). Nothing is submitted, and nothing heavy is imported: the
+plan comes from the plan stage's output when it exists, else from the planner's search (a
+few seconds on the login node, as the plan stage's own search).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.planner.scaling import FRONTIER_NODES
+from stages.checks import checkpoint_cadence_problem, predicted_step_time, walltime_seconds
+from stages.config import PipelineConfig
+from workflows.frontier import FRONTIER_NODE_MEMORY_GB, runs_dir_problem, walltime_bin
+
+FP32_BYTES = 4
+"""Bytes per parameter of a model loaded for evaluation in one process (float32 on CPU)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One row of the report."""
+
+    check: str
+    value: str
+    verdict: str = "ok"  # "ok", "warning" or "error"
+    fix: str = ""
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.3g} h" if seconds >= 3600 else f"{seconds / 60:.3g} min"
+
+
+def job_finding(what: str, cfg: PipelineConfig, nodes: int, walltime: str,
+                setting: str = "site.walltime") -> Finding:
+    """A block's nodes x walltime; on Frontier its job-size bin, an error beyond its limit
+    (``setting`` names the walltime's field in the fix)."""
+    wall = walltime_seconds(walltime)
+    value = f"{nodes} node(s) x {walltime}"
+    if cfg.site.name != "frontier":
+        return Finding(what, value, "warning", "the site's job limits are not known here")
+    if nodes > FRONTIER_NODES:
+        return Finding(what, value, "error", f"Frontier jobs take at most {FRONTIER_NODES} "
+                       "nodes: lower parallel.nproc")
+    number, _, limit_h = walltime_bin(nodes)
+    value += f" (bin {number}: up to {limit_h:g} h)"
+    if wall > limit_h * 3600:
+        return Finding(what, value, "error", f"set {setting} <= {int(limit_h):02d}:00:00, "
+                       f"the limit of bin {number} at {nodes} node(s)")
+    return Finding(what, value)
+
+
+def _plan_of(cfg: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """(plan fields with predictions, rehearsal records or None, where they came from): the
+    plan stage's published output for this config, else the planner's search."""
+    from stages import outputs
+    from stages.selection import stage_keys
+
+    found = outputs.find_succeeded(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
+    if found is not None:
+        out = found.outputs
+        rehearsal = out.get("rehearsal")
+        records = json.loads(Path(rehearsal).read_text()) if rehearsal else None
+        return out, records, "the plan stage's output"
+    from model.planner.cluster import load_cluster
+    from stages import plan as plan_stage
+
+    cluster = load_cluster(cfg.parallel.cluster)  # a cluster measured at plan time refuses
+    plan, _ = plan_stage.choose(cfg.model, cfg.train, cluster, cfg.parallel.nproc,
+                                plan_stage.fixed_fields(cfg.parallel))
+    fields = {**plan.to_dict(), "cluster": cluster.name, "describe": plan.describe(),
+              "device_gb": cluster.memory_gb}
+    return fields, None, "the planner's search (not yet rehearsed)"
+
+
+def plan_findings(cfg: PipelineConfig) -> tuple[list[Finding], float | None]:
+    """The plan's rows (its layout and step time, its device memory) and its step time."""
+    from model.planner.cluster import ClusterError
+
+    try:
+        plan, records, source = _plan_of(cfg)
+    except ClusterError:  # measured by a microbenchmark when the plan stage runs
+        return [Finding("plan", f"parallel.cluster={cfg.parallel.cluster}", "warning",
+                        "this cluster is measured where the plan stage runs: run it "
+                        "(--only plan) to see the plan")], None
+    except ValueError as error:  # no plan fits, or a bad plan setting: the plan stage says so
+        return [Finding("plan", "none", "error", str(error))], None
+    predictions = plan.get("predictions") or {}
+    step = predicted_step_time(predictions)
+    layout = plan.get("describe") or " ".join(
+        f"{k}{plan[k]}" for k in ("tp", "pp", "dp") if k in plan)
+    rows = [Finding("plan", f"{layout}: {step:.4g} s/step, MFU {predictions.get('mfu', 0):.0%} "
+                    f"(from {source})" if step else f"{layout} (from {source})")]
+    device = plan.get("device_gb")
+    modeled = predictions.get("memory_gb_per_device")
+    if records:
+        worst = max(records, key=lambda r: r["rehearsed_peak_memory_gb_with_margins"])
+        fits = all(r["rehearsed_fits_device"] for r in records)
+        rows.append(Finding(
+            "device memory", f"{worst['rehearsed_peak_memory_gb_with_margins']:.3g} GB rehearsed "
+            f"(rank {worst['rank']}, with margins), modeled {worst['peak_memory_gb']:.3g} GB",
+            "ok" if fits else "error",
+            "" if fits else "the rehearsed rank does not fit: rerun the plan stage "
+            "(it plans only what fits) or fix fewer plan fields (parallel.*)"))
+    elif modeled is not None:
+        over = device is not None and modeled > device
+        rows.append(Finding(
+            "device memory", f"{modeled:.3g} GB modeled" + (f" of {device:g} GB" if device else ""),
+            "error" if over else "warning",
+            "the plan does not fit: fix fewer plan fields (parallel.*)" if over else
+            "modeled only: the plan stage rehearses the rank on fake tensors (parallel.rehearse)"))
+    return rows, step
+
+
+def checkpoint_finding(cfg: PipelineConfig, step: float | None) -> Finding:
+    """When the first checkpoint lands, and an error when none can land within one job."""
+    if step is None:
+        return Finding("first checkpoint", "unknown", "warning", "no predicted step time")
+    train = cfg.train
+    by_steps = min(train.checkpoint_every or train.steps, train.steps) * step
+    by_clock = train.checkpoint_minutes * 60 if train.checkpoint_minutes else math.inf
+    save = cfg.site.save_before_end()
+    before_end = walltime_seconds(cfg.site.walltime) - save if save > step else math.inf
+    first = min(by_steps, by_clock, before_end)
+    problem = checkpoint_cadence_problem(train, cfg.site, step)
+    return Finding("first checkpoint", f"after {_hours(first)} of training",
+                   "error" if problem else "ok", problem or "")
+
+
+def evaluation_findings(cfg: PipelineConfig) -> list[Finding]:
+    """Host memory of the evaluation (the whole model in float32 per process with
+    ``eval.layout=replicas``) against a node's, and the streamed Hugging Face export."""
+    from model.planner.shapes import Shapes
+
+    shapes = Shapes.from_configs(cfg.model, cfg.train)  # parameter counts need no cluster
+    params = shapes.total_params
+    node_gb = FRONTIER_NODE_MEMORY_GB if cfg.site.name == "frontier" else None
+    rows = []
+    if cfg.eval.layout == "training":
+        rows.append(Finding("evaluation", f"{cfg.eval.ranks} ranks in the training layout: no "
+                            "process holds the whole model"))
+    else:
+        need = params * FP32_BYTES * cfg.eval.ranks / 1e9  # the ranks share one node
+        value = (f"{cfg.eval.ranks} process(es) x {params * FP32_BYTES / 1e9:.3g} GB (the whole "
+                 "model in float32)")
+        if node_gb is None:
+            rows.append(Finding("evaluation", value, "warning", "the node's memory is not known"))
+        elif need > node_gb:
+            rows.append(Finding("evaluation", f"{value} > {node_gb} GB of a node", "error",
+                                f"set eval.layout=training eval.ranks={cfg.parallel.nproc} (the "
+                                "model spread over the training plan's ranks)"))
+        else:
+            rows.append(Finding("evaluation", f"{value} of {node_gb} GB of a node"))
+    largest = shapes.vocab * shapes.d_model * FP32_BYTES / 1e9
+    rows.append(Finding("export", f"streamed from the checkpoint's shards: peak about the "
+                        f"largest tensor, {largest:.3g} GB"))
+    return rows
+
+
+def corpus_finding(cfg: PipelineConfig) -> Finding:
+    """The corpus: its size on disk, or for a hub source the budget that bounds it."""
+    data = cfg.data
+    need = cfg.train.steps * cfg.train.global_batch * cfg.train.seq_len
+    value = f"training reads {need:.3g} tokens"
+    sources = [data.source] if data.source else list(data.sources.values())
+    hub = [s for s in sources if s.startswith("hf:")]
+    if hub:
+        if data.max_documents or data.max_document_bytes:
+            budget = (f"data.max_documents={data.max_documents}" if data.max_documents
+                      else f"data.max_document_bytes={data.max_document_bytes}")
+            return Finding("corpus", f"{', '.join(hub)} streamed within {budget}; {value}",
+                           "warning", "the hub's size is not checked from here")
+        return Finding("corpus", f"{', '.join(hub)} streamed whole; {value}", "warning",
+                       "no budget: tokenize reads the whole split inside one compute job; set "
+                       "data.max_documents (or data.max_document_bytes)")
+    sizes = []
+    for source in sources or ["stdlib"]:
+        if source == "stdlib":  # the built-in corpus: this interpreter's standard library
+            continue
+        path = Path(source)
+        if not path.exists():
+            return Finding("corpus", f"{source} is not here; {value}", "warning",
+                           "not visible from this machine: checked when tokenize starts")
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        sizes.append(sum(p.stat().st_size for p in files))
+    return Finding("corpus", f"{sum(sizes) / 1e9:.3g} GB on disk; {value}")
+
+
+def runs_dir_finding(cfg: PipelineConfig) -> Finding:
+    """Where outputs, checkpoints and the MLflow store go: on Frontier, Lustre."""
+    problem = runs_dir_problem(cfg) if cfg.site.name == "frontier" else None
+    if problem:
+        return Finding("runs dir", str(cfg.tracking.runs_dir), "error", problem)
+    if cfg.site.name == "frontier":
+        return Finding("runs dir", f"{cfg.runs_dir} (Lustre)")
+    return Finding("runs dir", str(cfg.runs_dir), "warning",
+                   "that the compute nodes share it is not checked from here")
+
+
+def whole_run_finding(cfg: PipelineConfig, step: float | None) -> Finding:
+    """The whole training's time, the jobs it chains and its node-hours."""
+    if step is None:
+        return Finding("whole run", "unknown", "warning", "no predicted step time")
+    total = cfg.train.steps * step
+    jobs = _jobs(total, walltime_seconds(cfg.site.walltime), cfg.site.save_before_end(), step)
+    node_hours = cfg.parallel.nodes * total / 3600
+    value = (f"{cfg.train.steps} steps: {_hours(total)} of training in at least {jobs} job(s) "
+             f"of {cfg.site.walltime}, {node_hours:,.0f} node-hours")
+    if cfg.site.name == "frontier" and cfg.parallel.nodes <= FRONTIER_NODES:
+        number, _, limit_h = walltime_bin(cfg.parallel.nodes)
+        fewest = _jobs(total, int(limit_h * 3600), cfg.site.save_before_end(), step)
+        if fewest < jobs:  # every job waits in the queue and pays its start-up again
+            return Finding("whole run", value, "warning",
+                           f"site.walltime={int(limit_h):02d}:00:00 (bin {number}'s limit) "
+                           f"needs {fewest} job(s)")
+    return Finding("whole run", value)
+
+
+def _jobs(total_s: float, walltime_s: int, save_before_end_s: int, step_s: float) -> int:
+    """Jobs a training of ``total_s`` seconds chains at ``walltime_s`` per job: each stops
+    ``save_before_end_s`` before its end, and advances at least one step."""
+    return math.ceil(total_s / max(walltime_s - save_before_end_s, step_s))
+
+
+def readiness(cfg: PipelineConfig) -> list[Finding]:
+    """Every row of the report for ``cfg`` on its Slurm site."""
+    site = cfg.site
+    rows = [job_finding("training job", cfg, cfg.parallel.nodes, site.walltime),
+            job_finding("tokenize job", cfg, site.tokenize_nodes,
+                        site.compute_walltime or site.walltime, "site.compute_walltime")]
+    plan_rows, step = plan_findings(cfg)
+    rows += plan_rows
+    rows.append(checkpoint_finding(cfg, step))
+    rows += evaluation_findings(cfg)
+    rows += [corpus_finding(cfg), runs_dir_finding(cfg), whole_run_finding(cfg, step)]
+    return rows
+
+
+def readiness_text(rows: list[Finding]) -> str:
+    """The report as a table, then each warning's and error's reason or fix."""
+    width = max(len(r.check) for r in rows)
+    lines = ["# --- readiness ---"]
+    for r in rows:
+        lines.append(f"#   {r.check:<{width}}  {r.verdict:<7}  {r.value}")
+        if r.fix:
+            lines.append(f"#   {'':<{width}}  {'':<7}  -> {r.fix}")
+    errors = sum(r.verdict == "error" for r in rows)
+    warnings = sum(r.verdict == "warning" for r in rows)
+    lines.append(f"#   {errors} error(s), {warnings} warning(s)")
+    return "\n".join(lines)
