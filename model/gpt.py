@@ -234,7 +234,9 @@ class GPT(nn.Module):
 
     With ``tie_embeddings`` ``output.weight`` is the very Parameter ``tok_embeddings.weight``
     (``named_parameters`` lists it once, as ``tok_embeddings.weight``; ``state_dict`` holds
-    it under both names, so checkpoints keep the full model's keys).
+    it under both names, so checkpoints keep the full model's keys). Split into pipeline
+    stages, the last stage's ``output.weight`` is a copy kept equal by the trainer
+    (``model.parallel.pipeline``).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -296,14 +298,20 @@ class GPT(nn.Module):
         scaled by 1/sqrt(2*n_layers) (GPT-2); zeros for biases, ones for norm weights.
         Each tensor is drawn over its full shape from a CPU generator seeded by
         (seed, name), then the local shard of a DTensor parameter is kept. A tied head is
-        not drawn: it is ``tok_embeddings.weight``.
+        not drawn: it is ``tok_embeddings.weight``, and on a last pipeline stage without the
+        embedding its copy is drawn as ``tok_embeddings.weight`` (the same values).
         """
         cos, sin = rope_tables(self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, param in self.named_parameters():
-            full = _initial_value(name, tuple(param.shape), self.cfg, seed)
+            drawn = TIED_NAME if self.cfg.tie_embeddings and name == HEAD_NAME else name
+            full = _initial_value(drawn, tuple(param.shape), self.cfg, seed)
             _copy_full_into(param, full)
+
+
+TIED_NAME, HEAD_NAME = "tok_embeddings.weight", "output.weight"
+"""The tied matrix's name, and its name on a last pipeline stage that holds the copy."""
 
 
 def _initial_value(name: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int) -> torch.Tensor:

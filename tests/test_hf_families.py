@@ -5,8 +5,10 @@ tied), Mistral (no sliding window).
 
 Each is imported (weights equal bit for bit, logits within 1e-5 in float32), exported back
 (transformers' own class, logits within 1e-5), continued-pretrained one step (the first loss is
-transformers' loss on that batch); the slow tests run them under tp2 x pp2 (tp2 x dp2 for the
-tied ones, which refuse pipelining) on 4 gloo ranks.
+transformers' loss on that batch); the slow tests run them under tp2 x pp2 on 4 gloo ranks.
+Tied embeddings split into pipeline stages as two copies kept equal (the first stage's
+embedding, the last stage's head): a pp2 run equals one process and leaves the copies bitwise
+equal.
 """
 from __future__ import annotations
 
@@ -180,6 +182,16 @@ def _safetensors_names(out: Path) -> list[str]:
     return names
 
 
+def _safetensors_tensor(out: Path, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    for path in out.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            if name in handle.keys():
+                return handle.get_tensor(name)
+    raise KeyError(name)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_continued_pretraining_starts_from_the_imported_weights(imported, family, tmp_path):
     """One rank, one step from the import: the first loss is transformers' loss on that batch."""
@@ -334,15 +346,87 @@ def test_linear_rope_scaling_imports_and_matches(tmp_path):
     assert hf_config(cfg).to_dict()["rope_parameters"]["factor"] == 4.0
 
 
-def test_tied_embeddings_refuse_pipeline_stages_by_name():
+def test_tied_embeddings_split_into_two_equal_copies():
+    """One chunk keeps the tie (one Parameter); two chunks give the first the embedding and
+    the last its own ``output.weight``, initialised with the embedding's values."""
     from model.parallel.pipeline import build_chunk
 
     cfg = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=384, max_seq_len=32,
                       tie_embeddings=True)
-    assert build_chunk(cfg, 0, 1).output.weight is not None  # one stage: fine
-    with pytest.raises(ValueError, match=r"model.tie_embeddings=true cannot be split into 2 "
-                                         r"pipeline chunks.*parallel.pp=1"):
-        build_chunk(cfg, 1, 2)
+    whole = build_chunk(cfg, 0, 1)
+    assert whole.output.weight is whole.tok_embeddings.weight
+    first, last = build_chunk(cfg, 0, 2), build_chunk(cfg, 1, 2)
+    for chunk in (first, last):
+        chunk.to_empty(device="cpu")
+        chunk.init_weights(7)
+    assert first.output is None and last.tok_embeddings is None
+    assert set(dict(last.named_parameters())) >= {"output.weight"}
+    assert torch.equal(last.output.weight, first.tok_embeddings.weight)
+
+
+def tied_copies(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """A tied checkpoint's two copies of the matrix, each weight and AdamW moment by key."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from model.evaluation.dcp_io import CheckpointTensors
+
+    names = ("tok_embeddings.weight", "output.weight")
+    out = CheckpointTensors(ckpt).load(names)
+    optim = {f"state.{n}.{k}": torch.empty(384, 32) for n in names
+             for k in ("exp_avg", "exp_avg_sq")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"optim": optim}, checkpoint_id=str(ckpt), no_dist=True)
+    return {**out, **optim}
+
+
+def assert_equal_copies(ckpt: str | Path) -> None:
+    """The embedding and the head copy of a pipelined tied run: bitwise equal weights and
+    AdamW moments."""
+    copies = tied_copies(ckpt)
+    pairs = [("tok_embeddings.weight", "output.weight")] + [
+        (f"state.tok_embeddings.weight.{m}", f"state.output.weight.{m}")
+        for m in ("exp_avg", "exp_avg_sq")]
+    for a, b in pairs:
+        assert torch.equal(copies[a], copies[b]), b
+
+
+def test_tied_llama_pipeline_equals_one_process(imported, tmp_path):
+    """Llama 3.2 (tied) on 2 pipeline ranks from the import: the first stage's embedding and
+    the last stage's head copy have their gradients summed over the embedding group, so the
+    losses equal one process's with clipping at work (the matrix counted once in the norm)
+    and the two copies (weights, AdamW moments) are bitwise equal in the checkpoint. A
+    one-process checkpoint resumes under interleaved pp2 (the copy's optimizer state read
+    from the embedding's) as the uninterrupted run."""
+    from tests.train_helpers import run_worker
+
+    _, _, ckpt = imported("llama32")
+    init = (f"train.init_from={ckpt}", "train.steps=3", "train.grad_clip=0.05")
+    single = {"micro_batch": 4, "grad_accum": 2, "sharding": "none"}
+    one = run_worker(tmp_path / "one", single, 1, *init)
+    two = run_worker(tmp_path / "pp2", {"pp": 2, "micro_batch": 4, "grad_accum": 2,
+                                        "schedule": "gpipe", "sharding": "none"}, 2, *init)
+    print(f"llama32 pp2 {two['losses']}, one process {one['losses']}")
+    for a, b in zip(two["losses"], one["losses"], strict=True):
+        assert abs(a - b) < TOL
+    assert_equal_copies(two["checkpoint"])
+    trained = tied_copies(two["checkpoint"])["output.weight"]
+    assert not torch.equal(trained, load_for_inference(ckpt, checkpoint_model_config(ckpt))
+                           .output.weight)
+    out = export_checkpoint(two["checkpoint"], None, tmp_path / "hf")  # one matrix, no lm_head
+    names = set(_safetensors_names(out))
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    exported = _safetensors_tensor(out, "model.embed_tokens.weight")
+    assert torch.equal(exported, trained)
+    run_worker(tmp_path / "split", single, 1, *init, steps=1)
+    resumed = run_worker(tmp_path / "split", {"pp": 2, "micro_batch": 2, "grad_accum": 4,
+                                              "schedule": "interleaved_1f1b",
+                                              "virtual_stages": 2, "sharding": "none"}, 2, *init)
+    assert resumed["steps_done"] == 3
+    for a, b in zip(resumed["losses"], one["losses"], strict=True):
+        assert abs(a - b) < TOL
 
 
 def test_qkv_bias_with_qk_norm_has_no_export_class(tmp_path):
@@ -411,13 +495,12 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_training_layout_tp2_pp2_computes_transformers_logits(imported, tmp_path):
-    """Every family's import spread over 4 gloo ranks as LayoutModel (tp2 x pp2; the tied ones
-    tp2 x dp2, since they refuse pipelining): per-token losses and last-position logits equal
-    transformers' within 1e-5 (one torchrun for all of them)."""
+    """Every family's import spread over 4 gloo ranks as LayoutModel (tp2 x pp2; the tied
+    ones with the head copy on the last stage): per-token losses and last-position logits
+    equal transformers' within 1e-5 (one torchrun for all of them)."""
     from stages.launch import rank_environment
 
-    cases = {f: (str(imported(f)[2]), 2, 1 if FAMILIES[f][1]["tie_word_embeddings"] else 2)
-             for f in sorted(FAMILIES)}
+    cases = {f: (str(imported(f)[2]), 2, 2) for f in sorted(FAMILIES)}
     (tmp_path / "worker.py").write_text(LAYOUT_WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", "4", str(tmp_path / "worker.py"), json.dumps(cases),
@@ -450,6 +533,10 @@ def test_training_layout_tp2_pp2_computes_transformers_logits(imported, tmp_path
     # Qwen2 (q/k/v biases, column-sharded with their weights) through a 1F1B pipeline.
     ("qwen2", {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "grad_accum": 4,
                "schedule": "1f1b", "sharding": "none"}),
+    # Llama 3.2 (tied) through a 1F1B pipeline: the vocabulary-parallel embedding on the
+    # first stage, its copy as the head on the last, gradients summed between them.
+    ("llama32", {"tp": 2, "pp": 2, "dp": 1, "micro_batch": 2, "grad_accum": 4,
+                 "schedule": "1f1b", "sharding": "none"}),
 ])
 def test_continued_pretraining_on_4_ranks_equals_one_process(imported, family, plan, tmp_path):
     """Two steps on 4 gloo ranks from the import: both losses equal one process's within
@@ -482,6 +569,8 @@ def test_continued_pretraining_on_4_ranks_equals_one_process(imported, family, p
         assert (tensor - reference[name]).abs().max().item() <= 0.05 * moved, name
     if cfg.tie_embeddings:
         assert trained.output.weight is trained.tok_embeddings.weight
+        if plan["pp"] > 1:
+            assert_equal_copies(four["checkpoint"])
     out = export_checkpoint(four["checkpoint"], None, tmp_path / "hf", shard_bytes=50_000)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     assert max_diff(trained, reloaded.eval()) < TOL

@@ -1,8 +1,9 @@
-"""The (pp, dp, tp) factorisation of the world and its DeviceMesh."""
+"""The (pp, dp, tp) factorisation of the world, its DeviceMesh and the embedding groups."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -42,3 +43,28 @@ class ParallelDims:
         dp_rank = (rank // self.tp) % self.dp
         pp_rank = rank // (self.tp * self.dp)
         return pp_rank, dp_rank, tp_rank
+
+    def embedding_group_ranks(self) -> list[list[int]]:
+        """Global ranks of each embedding group: for every (dp, tp) coordinate the rank on
+        pipeline rank 0 (the first chunk: the input embedding) and the one on pp - 1 (the
+        last chunk: the tied head's copy); none without pipelining."""
+        if self.pp == 1:
+            return []
+        block = self.dp * self.tp  # ranks per pipeline rank
+        return [[j, (self.pp - 1) * block + j] for j in range(block)]
+
+    def tied_embedding_group(self, mesh: DeviceMesh) -> dist.ProcessGroup | None:
+        """This rank's embedding group (over which the tied weight's two gradients are
+        summed), or None on a rank in no group. Collective over all ranks (every group is
+        created everywhere, in one order); call it once, after ``build_mesh``. With pp = 2
+        the groups are the mesh's pp groups themselves, which are reused."""
+        if self.pp == 1:
+            return None
+        if self.pp == 2:
+            return mesh["pp"].get_group()
+        rank, mine = dist.get_rank(), None
+        for ranks in self.embedding_group_ranks():
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        return mine

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -179,3 +179,30 @@ def allreduce_gradients(params: list[torch.Tensor], dp_mesh: DeviceMesh) -> None
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+@torch.no_grad()
+def allreduce_tied_gradient(param: torch.Tensor, group: torch.distributed.ProcessGroup) -> None:
+    """Sum the gradient of the tied embedding / head weight over its embedding group.
+
+    Under pipelining with tied embeddings the first chunk's ``tok_embeddings.weight`` and
+    the last chunk's ``output.weight`` are copies placed alike (vocab-parallel Shard(0) over
+    tp, FSDP2 Shard(0) over dp), so the two holders of one (dp, tp) coordinate hold the same
+    shard: summing their local gradients gives both the one-weight gradient, and both take
+    the same optimizer step. The vocab-parallel embedding's backward leaves a Replicate
+    gradient on a Shard(0) weight; it is first cut to the weight's placements (a local
+    slice, no communication), so both holders reduce the same shard. A rank whose copy got
+    no gradient contributes zeros, so the collective always matches.
+    """
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    if local.is_contiguous():
+        torch.distributed.all_reduce(local, group=group)
+    else:
+        flat = local.contiguous()
+        torch.distributed.all_reduce(flat, group=group)
+        local.copy_(flat)

@@ -5,6 +5,13 @@ The model is cut into ``pp * virtual_stages`` chunks of contiguous layers
 as ScheduleInterleaved1F1B expects). Each chunk is a ``GPT`` with the other layers removed;
 the first chunk keeps the embedding, the last the final norm and head, so parameter
 names stay those of the full model.
+
+Tied embeddings (``model.tie_embeddings``) over several chunks are kept as Megatron-LM keeps
+them: the first chunk (pipeline rank 0) owns ``tok_embeddings.weight`` and the last one
+(pipeline rank pp - 1) holds its own copy as ``output.weight``, initialised and loaded with
+the same values and placed alike by TP and FSDP. The trainer sums the two gradients over
+an embedding group (``model.parallel.dims.ParallelDims.tied_embedding_group``) before
+clipping and the optimizer step, so both copies take identical updates and stay equal.
 """
 from __future__ import annotations
 
@@ -32,16 +39,10 @@ def chunk_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
 def build_chunk(cfg: ModelConfig, chunk: int, n_chunks: int) -> GPT:
     """A meta-device GPT holding only chunk ``chunk``'s layers.
 
-    The first chunk also holds the embedding and the last one the head. Tied embeddings
-    (``model.tie_embeddings``) are refused over several chunks: the first and last stage
-    would hold two copies of one weight, which the training step does not keep in sync.
+    The first chunk also holds the embedding and the last one the head. With tied
+    embeddings and several chunks the last chunk's head is a separate Parameter, the copy
+    of the first chunk's embedding (module docstring); with one chunk it is the embedding.
     """
-    if cfg.tie_embeddings and n_chunks > 1:
-        raise ValueError(
-            f"model.tie_embeddings=true cannot be split into {n_chunks} pipeline chunks "
-            "(parallel.pp x parallel.virtual_stages): the input embedding and the output head "
-            "are one weight, and pipeline stages would hold two unsynchronised copies. Use "
-            "parallel.pp=1 (tensor and data parallelism keep the tie)")
     keep = {str(i) for i in stage_layers(cfg.n_layers, n_chunks)[chunk]}
     with torch.device("meta"):
         model = GPT(cfg)

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from data_prep.atomic import atomic_path, write_json_atomic, write_text_atomic
 from model.config import ModelConfig
-from model.gpt import GPT
+from model.gpt import GPT, HEAD_NAME, TIED_NAME
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 # What a crashed save or an interrupted deletion leaves: never resumed from, removed by pruning.
@@ -484,22 +484,45 @@ def agree(decider: bool, *each: bool, device: torch.device | str = "cpu",
     return tuple(bool(flag) for flag in flags.tolist())
 
 
+def _renamed_head_state(optim: dict[str, Any], source: str, target: str) -> dict[str, Any]:
+    """Flattened optimizer state with the entries of parameter ``source`` keyed as
+    ``target``'s (``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``)."""
+    out = {}
+    for key, value in optim.items():
+        for part in ("state.", "param_groups."):
+            if key.startswith(f"{part}{source}."):
+                key = f"{part}{target}." + key[len(part) + len(source) + 1:]
+        out[key] = value
+    return out
+
+
 def load_checkpoint(
-    ckpt_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ckpt_dir: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    tied_head: bool = False,
 ) -> dict[str, Any]:
     """Collectively load a checkpoint into this rank's (sharded) model/optimizer; return extra.
 
     ``extra.pt`` is read first (``load_extra``: weights_only), so an unsafe one stops the
     load before any state changes.
+
+    ``tied_head``: this rank holds the last pipeline stage's copy of a tied embedding
+    (``output.weight``) and not the embedding. Its optimizer state is read from the
+    embedding's entries, which every tied checkpoint has (one without pipelining keeps the
+    one Parameter's state only under ``tok_embeddings.weight``; with pipelining both copies
+    are saved, equal); its weights from ``output.weight``, which every checkpoint holds.
     """
     ckpt_dir = Path(ckpt_dir)
     extra = load_extra(ckpt_dir)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+        if tied_head:
+            state["optim"] = _renamed_head_state(state["optim"], HEAD_NAME, TIED_NAME)
     dcp.load(state, checkpoint_id=str(ckpt_dir))
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
+        if tied_head:
+            state["optim"] = _renamed_head_state(state["optim"], TIED_NAME, HEAD_NAME)
         set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
     return extra
 

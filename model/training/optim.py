@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,18 +54,22 @@ def build_scheduler(
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+    params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+    uncounted: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients by the global L2 norm over every mesh dimension; return the norm.
 
     DTensor gradients are grouped by (mesh, placements) and reduced with DTensor ops, so
     shards over dp/tp are summed and replicas are not; plain tensors are local (replicated
     over dp by DDP or unsharded). Pipeline stages hold disjoint parameters, so their
-    squared norms are summed over ``pp_group``. ``max_norm <= 0`` only measures.
+    squared norms are summed over ``pp_group``. ``uncounted`` parameters (of ``params``)
+    are clipped but left out of the norm: the last stage's copy of a tied embedding, whose
+    gradient the first stage's weight already counts. ``max_norm <= 0`` only measures.
     """
     grads = [p.grad for p in params if p.grad is not None]
+    skip = {id(p) for p in uncounted}
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
+    for g in (p.grad for p in params if p.grad is not None and id(p) not in skip):
         key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
         groups[key].append(g)
     device = grads[0].device if grads else torch.device("cpu")

@@ -4,7 +4,10 @@
 on the meta device, applies the plan (pipeline split -> TP -> activation checkpointing ->
 FSDP2, or DDP), initialises identical weights in every layout, then runs optimizer steps
 of ``global_batch`` sequences. Metrics come from one rank (last pipeline stage, dp 0,
-tp 0). Checkpoints go to ``out_dir/checkpoints`` (every ``checkpoint_every`` steps or
+tp 0). With tied embeddings under pipelining the first stage's embedding and the last stage's
+head copy have their gradients summed over their embedding group before clipping (which
+counts the matrix once), so the copies stay equal (``model.parallel.pipeline``). Checkpoints
+go to ``out_dir/checkpoints`` (every ``checkpoint_every`` steps or
 ``checkpoint_minutes`` minutes, whichever comes first; optionally written in the background;
 older ones pruned by ``keep_last``/``keep_every``) and training resumes from the latest
 complete one.
@@ -39,9 +42,14 @@ from torch.distributed.tensor import DTensor
 from data_prep.atomic import write_json_atomic
 from model.config import ModelConfig, TrainConfig
 from model.flops import default_peak_tflops, flops_per_token
-from model.gpt import GPT
+from model.gpt import GPT, HEAD_NAME, TIED_NAME
 from model.parallel.dims import ParallelDims
-from model.parallel.parallelize import allreduce_gradients, apply_ddp, parallelize_chunk
+from model.parallel.parallelize import (
+    allreduce_gradients,
+    allreduce_tied_gradient,
+    apply_ddp,
+    parallelize_chunk,
+)
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.planner.plan import Plan
 from model.training import checkpoint as ckpt
@@ -155,6 +163,10 @@ class Trainer:
             mesh[d].get_local_rank() for d in ("pp", "dp", "tp")
         )
         self.dp_group, self.pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+        # Tied embeddings under pipelining: the first chunk's embedding and the last chunk's
+        # head copy have their gradients summed over this group (model.parallel.pipeline).
+        self.tied_split = model_cfg.tie_embeddings and plan.pp > 1
+        self.tied_group = self.dims.tied_embedding_group(mesh) if self.tied_split else None
         self.param_dtype = torch.bfloat16 if train_cfg.dtype == "bfloat16" else None
         self.fsdp = plan.sharding in ("zero2", "zero3") and plan.dp > 1
         # DDP wraps the model without pipelining; under pipelining gradients are averaged
@@ -175,6 +187,14 @@ class Trainer:
                 chunk.init_weights(train_cfg.seed)
         self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
         self.has_first, self.has_last = 0 in ids, n_chunks - 1 in ids
+        # This rank's copy of the tied matrix (pp rank 0: the embedding; pp - 1: the head),
+        # and whether it is the head copy (clipped, not counted in the norm; resumed from
+        # the embedding's optimizer state)
+        self.tied_param: torch.Tensor | None = None
+        self.tied_head = self.tied_split and self.has_last and not self.has_first
+        if self.tied_split and (self.has_first or self.has_last):
+            self.tied_param = dict(self.model.named_parameters())[
+                HEAD_NAME if self.tied_head else TIED_NAME]
         self.schedule = None
         with materialize():
             self.runners = [apply_ddp(c, mesh["dp"]) if self.ddp else c for c in self.chunks]
@@ -248,10 +268,13 @@ class Trainer:
             loss = self._pipeline(inputs, targets)
             if self.grad_allreduce:
                 allreduce_gradients(self.params, self.dp_mesh)
+            if self.tied_param is not None:  # both copies get the one weight's gradient
+                allreduce_tied_gradient(self.tied_param, self.tied_group)
         else:
             loss = self._accumulate(inputs, targets)
         norm = clip_grad_norm_(self.params, self.cfg.grad_clip,
-                               self.pp_group if self.plan.pp > 1 else None)
+                               self.pp_group if self.plan.pp > 1 else None,
+                               uncounted=[self.tied_param] if self.tied_head else ())
         self.optimizer.step()
         self.scheduler.step()
         if loss is not None and self.plan.dp > 1:
@@ -312,7 +335,8 @@ class Trainer:
         if latest is None:
             return None
         ckpt.check_model_shape(latest, self.model_cfg)
-        extra = ckpt.load_checkpoint(latest, self.model, self.optimizer)
+        extra = ckpt.load_checkpoint(latest, self.model, self.optimizer,
+                                     tied_head=self.tied_head)
         self.scheduler.load_state_dict(extra["scheduler"])
         self.batches.load_state_dict(extra["loader"])
         torch.set_rng_state(extra["rng"])
