@@ -1,6 +1,7 @@
 """Plan search, plan.json, the command line and bad inputs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -249,16 +250,29 @@ def test_when_more_devices_cannot_help_the_error_says_so() -> None:
     assert "tp can be at most 1" in msg and "pp at most model.n_layers=1" in msg
 
 
-def test_tied_embeddings_are_planned_without_pipeline_stages():
-    # The trainer keeps a tied embedding and head as one weight only without pipeline stages.
+def test_tied_embeddings_are_planned_with_pipeline_stages():
+    # The last stage holds a copy of the tied embedding (gradients summed with the first
+    # stage's): a tied model splits into pipeline stages like an untied one, and its last
+    # stage carries the head's parameters and the embedding group's all-reduce.
+    from model.planner.rank_counts import rank_collective_bytes, rank_params
+
     model_cfg = ModelConfig(n_layers=8, d_model=512, n_heads=8, vocab_size=8192,
-                            tie_embeddings=True)
+                            max_seq_len=512, tie_embeddings=True)
     train_cfg = TrainConfig(global_batch=64, seq_len=512)
     shapes = Shapes.from_configs(model_cfg, train_cfg)
-    result = search(shapes, load_cluster("frontier"), 16, 64)
-    assert result.best is not None and result.best.pp == 1
-    assert all(p.pp == 1 for p in result.plans)
-    with pytest.raises(PlanError, match="tied embeddings need pp=1"):
-        Plan(tp=1, pp=2, dp=8, micro_batch=4, grad_accum=2).check(model_cfg, train_cfg, 16)
-    with pytest.raises(PlanError, match="tied embeddings need pp=1"):
-        search(shapes, load_cluster("frontier"), 16, 64, fixed={"pp": 2})
+    plan = Plan(tp=1, pp=2, dp=8, micro_batch=4, grad_accum=2)
+    plan.check(model_cfg, train_cfg, 16)
+    result = search(shapes, load_cluster("frontier"), 16, 64, fixed={"pp": 2})
+    assert result.best is not None and all(p.pp == 2 for p in result.plans)
+    untied = dataclasses.replace(shapes, tied=False)
+    head = -(-8192 // 8) * 8 * 512  # the head copy, FSDP-padded
+    assert rank_params(shapes, plan, 1) == rank_params(untied, plan, 1)
+    assert rank_params(shapes, Plan(dp=16, micro_batch=4), 0)[0] == rank_params(
+        untied, Plan(dp=16, micro_batch=4), 0)[0] - -(-8192 // 16) * 16 * 512
+    for pp_rank in (0, 1):
+        tied_bytes = rank_collective_bytes(shapes, plan, pp_rank)["pp"]
+        plain = rank_collective_bytes(untied, plan, pp_rank)["pp"]
+        assert tied_bytes["all_reduce"] == 4 * head / 8  # float32, this dp rank's rows
+        assert {k: v for k, v in tied_bytes.items() if k != "all_reduce"} == plain
+    middle = Plan(tp=1, pp=4, dp=4, micro_batch=4, grad_accum=4)
+    assert "all_reduce" not in rank_collective_bytes(shapes, middle, 1)["pp"]

@@ -21,6 +21,8 @@ LLAMA = ModelConfig(family="llama", n_layers=8, d_model=256, n_heads=4, n_kv_hea
                     vocab_size=1024, max_seq_len=64)
 NEOX = ModelConfig(family="neox", n_layers=4, d_model=256, n_heads=4, vocab_size=1024,
                    max_seq_len=64)
+TIED = ModelConfig(family="llama", n_layers=8, d_model=256, n_heads=4, n_kv_heads=2,
+                   vocab_size=1024, max_seq_len=64, tie_embeddings=True)
 
 LAYOUTS: dict[str, tuple[ModelConfig, dict, str]] = {
     # name: (model, plan fields, which rank: first or last pipeline stage)
@@ -45,6 +47,14 @@ LAYOUTS: dict[str, tuple[ModelConfig, dict, str]] = {
         virtual_stages=2, recompute="full", recompute_layers=1, sequence_parallel=True),
         "first"),
     "neox_tp2_dp2_zero2": (NEOX, dict(tp=2, dp=2, grad_accum=2, sharding="zero2"), "first"),
+    # tied embeddings under pipelining: the last stage's head copy (FSDP-sharded like the
+    # embedding) and the gradient all-reduce over the embedding group (its own group at
+    # pp 4, the pp group at pp 2), counted under pp
+    "tied_pp4_dp2_zero3_1f1b_last": (TIED, dict(
+        pp=4, dp=2, grad_accum=4, sharding="zero3", schedule="1f1b"), "last"),
+    "tied_tp2_sp_pp2_dp2_zero2_gpipe_first": (TIED, dict(
+        tp=2, pp=2, dp=2, grad_accum=2, sharding="zero2", sequence_parallel=True,
+        schedule="gpipe"), "first"),
 }
 
 

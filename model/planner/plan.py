@@ -157,8 +157,7 @@ class Plan:
         return [
             *world_problems(self.tp, self.pp, self.dp, world_size, **dims),
             *tp_problems(self.tp, **dims),
-            *pipeline_problems(self.pp, self.virtual_stages, model_cfg.n_layers,
-                               bool(getattr(model_cfg, "tie_embeddings", False))),
+            *pipeline_problems(self.pp, self.virtual_stages, model_cfg.n_layers),
             *batch_problems(self.micro_batch, self.grad_accum, self.dp, train_cfg.global_batch),
             *schedule_problems(self.schedule, self.pp, self.grad_accum, self.virtual_stages),
             *sharding_problems(self.sharding, self.dp, self.tp),
@@ -217,17 +216,13 @@ def world_problems(tp: int, pp: int, dp: int, world: int, n_heads: int, kv_heads
     return [msg]
 
 
-def pipeline_problems(pp: int, virtual_stages: int, n_layers: int,
-                      tied: bool = False) -> list[str]:
-    """Every pipeline chunk needs at least one layer; tied embeddings need one chunk (this
-    trainer does not keep a weight shared by the first and the last stage in sync)."""
+def pipeline_problems(pp: int, virtual_stages: int, n_layers: int) -> list[str]:
+    """Every pipeline chunk needs at least one layer. (Tied embeddings split too: the last
+    stage holds a copy of the embedding kept equal by the trainer, model.parallel.pipeline.)"""
     chunks = pp * virtual_stages
     if chunks > n_layers:
         return [(f"pp*virtual_stages = {pp}*{virtual_stages} = {chunks} must be at most "
                  f"model.n_layers={n_layers} (one layer per stage at least)")]
-    if tied and chunks > 1:
-        return [(f"pp*virtual_stages = {pp}*{virtual_stages} = {chunks} with "
-                 "model.tie_embeddings=true: tied embeddings need pp=1")]
     return []
 
 

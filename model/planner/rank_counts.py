@@ -30,6 +30,11 @@ Pipeline: each micro-batch's activation (sequence-sharded under sequence paralle
 sent forward and its gradient back at every chunk boundary; in the compute dtype under
 FSDP2, in float32 otherwise (autocast keeps the residual stream in float32).
 
+Tied embeddings under pipelining: the first and the last pipeline rank each all-reduce
+their local float32 shard of the tied matrix's gradient once a step over the embedding
+group (``model.parallel.dims.ParallelDims.tied_embedding_group``), counted under pp with
+the pipeline's sends and receives (the rehearsal files that group under pp).
+
 Data parallelism (FSDP2: parameters gathered in the compute dtype, gradients
 reduce-scattered in float32; DDP: one float32 all-reduce): each FSDP unit (a block, and
 the chunk's root) is gathered whenever a forward or backward finds it sharded. zero3
@@ -290,6 +295,18 @@ def _pp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     return {"send": plan.grad_accum * boundaries * one, "recv": plan.grad_accum * boundaries * one}
 
 
+def _tied_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
+    """The tied embedding's gradient all-reduce over its embedding group (pipeline ranks 0
+    and pp - 1): the local float32 shard of the [V, D] gradient, V / tp rows, and of those
+    the first dp rank's FSDP2 share (dim 0 split in ceil(rows / dp) pieces)."""
+    if not s.tied or plan.pp == 1 or pp_rank not in (0, plan.pp - 1):
+        return {}
+    rows = s.vocab / plan.tp
+    if plan.sharding in ("zero2", "zero3") and plan.dp > 1:
+        rows = -(-int(rows) // plan.dp)
+    return {"all_reduce": GRADIENT_REDUCE_BYTES * rows * s.d_model}
+
+
 def _padded(rows: float, cols: float, dp: int) -> float:
     """Elements FSDP2 gathers for one parameter: dim 0 padded to a multiple of dp."""
     return -(-int(rows) // dp) * dp * cols
@@ -299,8 +316,9 @@ def rank_params(s: Shapes, plan: Plan, pp_rank: int) -> list[float]:
     """Elements of each local chunk's parameters on one tp rank, as FSDP2 holds them
     unsharded (each parameter's dim 0 padded to a multiple of dp): a block's matrices split
     over tp (column-parallel by rows, row-parallel by columns), its norms whole; the
-    embedding on the first chunk, the final norm and head on the last. The neox biases are
-    left out, as everywhere in the planner (``Shapes.layer_matrix_params``)."""
+    embedding on the first chunk, the final norm and head on the last (a tied head too, as
+    its own copy, when the last chunk is not the first). The neox biases are left out, as
+    everywhere in the planner (``Shapes.layer_matrix_params``)."""
     tp, dp, h = plan.tp, plan.dp, s.d_model
     q, kv = s.n_heads * s.head_dim / tp, s.kv_heads * s.head_dim / tp
     f = s.ffn / tp
@@ -316,8 +334,9 @@ def rank_params(s: Shapes, plan: Plan, pp_rank: int) -> list[float]:
         params = len(layers) * layer
         if index == 0:
             params += _padded(s.vocab / tp, h, dp)
-        if index == n_chunks - 1:
-            params += _padded(*vector, dp) + (0 if s.tied else _padded(s.vocab / tp, h, dp))
+        if index == n_chunks - 1:  # a tied head is the embedding, or (pipelined) its copy
+            params += _padded(*vector, dp) + (
+                0 if s.tied and index == 0 else _padded(s.vocab / tp, h, dp))
         out.append(params)
     return out
 
@@ -340,7 +359,7 @@ def rank_collective_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, dict
     (dp, tp, pp) and kind, as the rehearsal counts them (module docstring); the scalar
     all-reduces (loss, norms) are left out."""
     dims = {"dp": _dp_bytes(s, plan, pp_rank), "tp": _tp_bytes(s, plan, pp_rank),
-            "pp": _pp_bytes(s, plan, pp_rank)}
+            "pp": {**_pp_bytes(s, plan, pp_rank), **_tied_bytes(s, plan, pp_rank)}}
     return {d: {kind: float(v) for kind, v in k.items()} for d, k in dims.items() if k}
 
 

@@ -146,11 +146,8 @@ def enumerate_plans(s: Shapes, world: int, global_batch: int, fixed: dict[str, A
             dp = world // (tp * pp)
             if not _fixed_ok(fixed, "dp", dp):
                 continue
-            if pipeline_problems(pp, 1, s.n_layers, s.tied):
-                why = ("tied embeddings need pp=1 (model.tie_embeddings)" if s.tied and pp > 1
-                       and pp <= s.n_layers else f"pp exceeds the {s.n_layers} layers "
-                       "(model.n_layers)")
-                rejected[why].append(fam)
+            if pipeline_problems(pp, 1, s.n_layers):
+                rejected[f"pp exceeds the {s.n_layers} layers (model.n_layers)"].append(fam)
                 continue
             if global_batch % dp:
                 rejected[f"dp does not divide train.global_batch={global_batch}"].append(
@@ -283,7 +280,7 @@ def _no_candidates_message(s: Shapes, world: int, global_batch: int, fixed: dict
     """Why no plan can be formed at all, and which tp / pp / dp / batch would work."""
     tps = tp_choices(world, *_tp_dims(s))
     layouts = [(tp, pp) for tp in tps for pp in divisors(world // tp)
-               if not pipeline_problems(pp, 1, s.n_layers, s.tied)]
+               if not pipeline_problems(pp, 1, s.n_layers)]
     hints = []
     if fixed.get("tp") is not None and fixed["tp"] not in tps:
         tp = fixed["tp"]

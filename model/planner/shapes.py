@@ -48,7 +48,8 @@ class Shapes:
     ``time_model.EAGER_LOSS_BYTES``."""
     tied: bool = False
     """The input embedding and the output head are one weight (``model.tie_embeddings``):
-    this trainer keeps the tie only without pipeline stages."""
+    one parameter without pipeline stages; with them the last stage holds a copy whose
+    gradient is summed with the embedding's over an embedding group."""
 
     @classmethod
     def from_configs(cls, model_cfg: Any, train_cfg: Any, cluster: Any = None) -> Shapes:

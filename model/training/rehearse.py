@@ -393,10 +393,14 @@ class StepCounter(TorchDispatchMode):
 
 
 def mesh_group_dims(trainer: Trainer) -> dict[str, str]:
-    """Process-group name -> mesh dimension for a trainer's pp, dp and tp groups."""
+    """Process-group name -> mesh dimension for a trainer's pp, dp and tp groups. The
+    embedding group of tied embeddings under pipelining (pipeline ranks 0 and pp - 1 of one
+    (dp, tp) coordinate; the pp group itself at pp = 2) counts as pp."""
     out = {}
     for dim in ("pp", "dp", "tp"):
         out[trainer.mesh[dim].get_group().group_name] = dim
+    if trainer.tied_group is not None:
+        out.setdefault(trainer.tied_group.group_name, "pp")
     return out
 
 
