@@ -146,6 +146,34 @@ def check_evaluate(cfg: PipelineConfig) -> None:
             f"multiple of {par.ranks_per_node} or at most {par.ranks_per_node}")
 
 
+EVAL_BYTES_PER_PARAM = 4
+"""Host bytes per parameter of a model loaded whole for evaluation (float32, on CPU:
+``model.training.checkpoint.load_for_inference``)."""
+
+
+def evaluation_host_gb(cfg: PipelineConfig) -> float:
+    """Host memory, GB, of one process holding the whole model for evaluation."""
+    from model.flops import GPTParams
+
+    return GPTParams.from_config(cfg.model).total() * EVAL_BYTES_PER_PARAM / 1e9
+
+
+def evaluation_memory_problem(cfg: PipelineConfig, node_memory_gb: float) -> str | None:
+    """Why ``eval.layout=replicas`` cannot evaluate on a node of ``node_memory_gb``: each
+    of its ``eval.ranks`` processes (all on one node) holds the whole model in float32; None
+    when it fits, or with ``eval.layout=training`` (the model spread over the training
+    plan's ranks)."""
+    if cfg.eval.layout == "training":
+        return None
+    need = evaluation_host_gb(cfg) * cfg.eval.ranks
+    if need <= node_memory_gb:
+        return None
+    return (f"eval.layout=replicas: {cfg.eval.ranks} evaluation process(es) each hold the whole "
+            f"model in float32, {need:.4g} GB on one node of {node_memory_gb:g} GB: set "
+            f"eval.layout=training eval.ranks={cfg.parallel.nproc} (the model spread over the "
+            "training plan's ranks, in the training allocation)")
+
+
 def ranks_problem(ranks: int, tp: int, pp: int, nproc: int, where: str) -> str:
     """Why ``ranks`` evaluation ranks cannot take a tp x pp layout (``where`` names it)."""
     size = tp * pp

@@ -8,7 +8,7 @@ import pytest
 
 from stages.config import load_config
 from workflows.dry_run import batch_script
-from workflows.frontier import walltime_bin
+from workflows.frontier import SiteError, check_site, walltime_bin
 from workflows.pipeline import main
 from workflows.readiness import readiness, readiness_text
 
@@ -53,6 +53,13 @@ def test_each_broken_rule_is_an_error_with_its_fix() -> None:
     rows = report("frontier-175b", "eval.layout=replicas", "eval.ranks=1")
     assert rows["evaluation"].verdict == "error" and "> 512 GB" in rows["evaluation"].value
     assert "eval.layout=training eval.ranks=3072" in rows["evaluation"].fix
+    # A run refuses it before any work, with the same words (the dry run shows them as a row).
+    cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"),
+                      ["site.account=abc123", f"tracking.runs_dir={LUSTRE}",
+                       "eval.layout=replicas", "eval.ranks=1"])
+    with pytest.raises(SiteError, match="eval.layout=training eval.ranks=3072") as refused:
+        check_site(cfg)
+    assert str(refused.value) == rows["evaluation"].fix
 
     # No checkpoint by steps or by the clock before the job ends, and no save at its end.
     rows = report("frontier-175b", "train.checkpoint_every=5000", "train.checkpoint_minutes=null",
@@ -93,7 +100,7 @@ def test_dry_run_prints_the_report_and_exits_2_on_its_errors(
     assert "# --- readiness ---" in out and "0 error(s)" in out
     assert main([*args, "eval.layout=replicas", "eval.ranks=1"]) == 2
     text = capsys.readouterr().out
-    assert "1 error(s)" in text and "-> set eval.layout=training" in text
+    assert "1 error(s)" in text and "set eval.layout=training eval.ranks=3072" in text
     # The table is the report's own text.
     cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"),
                       ["site.account=abc123", f"tracking.runs_dir={LUSTRE}"])

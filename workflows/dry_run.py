@@ -151,7 +151,7 @@ def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
             f"site local: light stages on {cfg.site.max_workers} local Parsl workers; "
             f"{launches}; outputs in {run_dir}"
         )
-    check_site(cfg, runs_dir_location=False)
+    check_site(cfg, readiness_rules=False)
     site = cfg.site
     problem = runs_dir_problem(cfg)
     parts = [f"# warning: a run refuses this: {problem}"] if problem else []

@@ -10,8 +10,9 @@ NVMe and runs from there (``node_local_env_lines``).
 ``check_site`` holds every rule a site's settings must meet (Slurm sites: a runs dir whose
 characters survive Parsl's unquoted scripts; Frontier: an account, a runs dir on Lustre,
 at most 8 ranks of any stage per node, at most one tokenize worker per core, one of
-site.conda_env and site.node_local_env); the driver calls it before any run is opened, and
-the Parsl configuration and the dry run call it too. Every site rule raises ``SiteError``.
+site.conda_env and site.node_local_env, an evaluation that fits a node's memory); the
+driver calls it before any run is opened, and the Parsl configuration and the dry run call
+it too. Every site rule raises ``SiteError``.
 Nothing here imports Parsl, so a pre-flight error costs only the configuration.
 
 The sources of the Frontier settings (OLCF's user guide) are listed in docs/frontier.md.
@@ -23,6 +24,7 @@ import shlex
 from collections.abc import Collection
 from pathlib import PurePosixPath
 
+from stages.checks import evaluation_memory_problem
 from stages.config import ConfigError, PipelineConfig
 from stages.registry import STAGE_ORDER, declaration
 from stages.shape import RANKS, StageShape
@@ -99,12 +101,13 @@ def ranks_stages(cfg: PipelineConfig) -> list[tuple[str, StageShape]]:
     return [(name, shape) for name, shape in stage_shapes(cfg) if shape.kind == RANKS]
 
 
-def check_site(cfg: PipelineConfig, *, runs_dir_location: bool = True) -> None:
+def check_site(cfg: PipelineConfig, *, readiness_rules: bool = True) -> None:
     """The site settings' checks, before any work (the driver calls it first).
 
-    ``runs_dir_location``: also Frontier's rule on where the runs dir lives (on Lustre). The
-    dry run, which may run on a laptop, passes False and shows the problem as a warning
-    (``runs_dir_problem``).
+    ``readiness_rules``: also the Frontier rules the dry run's readiness report shows as
+    its rows instead of refusing at the first (``workflows.readiness``): where the runs dir
+    lives (on Lustre: ``runs_dir_problem``) and the evaluation's host memory
+    (``evaluation_memory_problem``). The dry run, which may run on a laptop, passes False.
     """
     site = cfg.site
     if site.node_local_env and site.name != "frontier":
@@ -114,7 +117,7 @@ def check_site(cfg: PipelineConfig, *, runs_dir_location: bool = True) -> None:
             "unpack it in site.worker_init"
         )
     if site.name in SLURM_SITES:
-        _check_slurm_site(cfg, runs_dir_location)
+        _check_slurm_site(cfg, readiness_rules)
 
 
 def runs_dir_problem(cfg: PipelineConfig) -> str | None:
@@ -175,21 +178,21 @@ def node_local_env_lines(tarball: str) -> list[str]:
     ]
 
 
-def _check_slurm_site(cfg: PipelineConfig, runs_dir_location: bool) -> None:
+def _check_slurm_site(cfg: PipelineConfig, readiness_rules: bool) -> None:
     if cfg.site.name == "frontier":
-        _check_frontier(cfg, runs_dir_location)
+        _check_frontier(cfg, readiness_rules)
     problem = runs_dir_chars_problem(cfg)
     if problem:
         raise SiteError(problem)
 
 
-def _check_frontier(cfg: PipelineConfig, runs_dir_location: bool) -> None:
+def _check_frontier(cfg: PipelineConfig, readiness_rules: bool) -> None:
     site = cfg.site
     if not site.account:
         raise SiteError(
             "site.account is required on Frontier: add --set site.account=<project id>"
         )
-    problem = runs_dir_problem(cfg) if runs_dir_location else None
+    problem = runs_dir_problem(cfg) if readiness_rules else None
     if problem:
         raise SiteError(problem)
     if site.conda_env and site.node_local_env:
@@ -209,6 +212,9 @@ def _check_frontier(cfg: PipelineConfig, runs_dir_location: bool) -> None:
             f"gets a core and a node has {FRONTIER_CORES_PER_NODE}: set site.max_workers <= "
             f"{FRONTIER_CORES_PER_NODE}"
         )
+    problem = evaluation_memory_problem(cfg, FRONTIER_NODE_MEMORY_GB) if readiness_rules else None
+    if problem:
+        raise SiteError(problem)
     for name, shape in ranks_stages(cfg):
         per_node = shape.ranks_per_node
         if per_node > FRONTIER_GCDS_PER_NODE:

@@ -20,12 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from model.planner.scaling import FRONTIER_NODES
-from stages.checks import checkpoint_cadence_problem, predicted_step_time, walltime_seconds
+from stages.checks import (
+    EVAL_BYTES_PER_PARAM,
+    checkpoint_cadence_problem,
+    evaluation_host_gb,
+    evaluation_memory_problem,
+    predicted_step_time,
+    walltime_seconds,
+)
 from stages.config import PipelineConfig
 from workflows.frontier import FRONTIER_NODE_MEMORY_GB, runs_dir_problem, walltime_bin
-
-FP32_BYTES = 4
-"""Bytes per parameter of a model loaded for evaluation in one process (float32 on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -141,28 +145,23 @@ def checkpoint_finding(cfg: PipelineConfig, step: float | None) -> Finding:
 def evaluation_findings(cfg: PipelineConfig) -> list[Finding]:
     """Host memory of the evaluation (the whole model in float32 per process with
     ``eval.layout=replicas``) against a node's, and the streamed Hugging Face export."""
-    from model.planner.shapes import Shapes
-
-    shapes = Shapes.from_configs(cfg.model, cfg.train)  # parameter counts need no cluster
-    params = shapes.total_params
     node_gb = FRONTIER_NODE_MEMORY_GB if cfg.site.name == "frontier" else None
     rows = []
     if cfg.eval.layout == "training":
         rows.append(Finding("evaluation", f"{cfg.eval.ranks} ranks in the training layout: no "
                             "process holds the whole model"))
     else:
-        need = params * FP32_BYTES * cfg.eval.ranks / 1e9  # the ranks share one node
-        value = (f"{cfg.eval.ranks} process(es) x {params * FP32_BYTES / 1e9:.3g} GB (the whole "
+        value = (f"{cfg.eval.ranks} process(es) x {evaluation_host_gb(cfg):.3g} GB (the whole "
                  "model in float32)")
+        problem = evaluation_memory_problem(cfg, node_gb) if node_gb else None
         if node_gb is None:
             rows.append(Finding("evaluation", value, "warning", "the node's memory is not known"))
-        elif need > node_gb:
+        elif problem:
             rows.append(Finding("evaluation", f"{value} > {node_gb} GB of a node", "error",
-                                f"set eval.layout=training eval.ranks={cfg.parallel.nproc} (the "
-                                "model spread over the training plan's ranks)"))
+                                problem))
         else:
             rows.append(Finding("evaluation", f"{value} of {node_gb} GB of a node"))
-    largest = shapes.vocab * shapes.d_model * FP32_BYTES / 1e9
+    largest = cfg.model.vocab_size * cfg.model.d_model * EVAL_BYTES_PER_PARAM / 1e9
     rows.append(Finding("export", f"streamed from the checkpoint's shards: peak about the "
                         f"largest tensor, {largest:.3g} GB"))
     return rows
