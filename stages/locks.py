@@ -7,9 +7,19 @@ holder recognises its own lock from any process), ``started`` and ``heartbeat`` 
 times at creation). The live heartbeat is the file's modification time: the holder sets it
 to its own clock with ``os.utime`` (``refresh``), which never recreates a lock someone broke.
 
-A lock is stale when its host is this host and its pid is dead, or else when its heartbeat
-is older than ``stale_after`` seconds. A stale lock is broken by renaming it aside (one
-breaker wins the rename), checking it is still the lock judged stale, and removing it.
+A pipeline driver's lock also names its ``run``: the marker ``<host>:<pid>:<start time>``
+that the driver exports as ``FRONTIER_LLM_RUN`` (``RUN_ENV``) and every process it starts
+inherits (Parsl's interchanges and workers, the launcher, torchrun, the ranks). A driver
+killed with ``kill -9`` may leave such processes writing into the stage's ``.partial``
+directory for a while (until the driver's watchdog, ``workflows.watchdog``, has stopped
+them), so its pid alone does not say the attempt is over.
+
+A lock of this host is stale when no process of its run is alive here (neither the driver,
+same pid and start time, nor any process carrying the run's marker); a lock of this host
+without a run, when its pid is dead or its heartbeat is older than ``stale_after`` seconds;
+a lock of another host, when its heartbeat is older than ``stale_after`` seconds. A stale
+lock is broken by renaming it aside (one breaker wins the rename), checking it is still the
+lock judged stale, and removing it; a lock that is not stale is waited for.
 """
 from __future__ import annotations
 
@@ -25,17 +35,60 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+RUN_ENV = "FRONTIER_LLM_RUN"  # the driver's run marker, inherited by every process it starts
 STALE_AFTER_S = 600.0  # a holder that has not refreshed for this long is taken as gone
 POLL_S = 0.5
 
 
+def run_marker(pid: int | None = None) -> str:
+    """``<host>:<pid>:<start time>`` of a live process (default: this one): names one driver's
+    run, and no other process even when the pid is reused later."""
+    process = psutil.Process(os.getpid() if pid is None else pid)
+    return f"{socket.gethostname()}:{process.pid}:{process.create_time():.2f}"
+
+
+def run_processes(run: str, exclude: tuple[int, ...] = ()) -> list[psutil.Process]:
+    """The live processes of this host (not zombies) whose environment carries ``run`` as
+    ``RUN_ENV``: everything a driver started, and what those started in turn."""
+    found = []
+    for process in psutil.process_iter():
+        if process.pid in exclude:
+            continue
+        try:
+            if process.environ().get(RUN_ENV) == run and \
+                    process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def run_alive(run: str) -> bool:
+    """Whether a process of ``run`` lives on this host: its driver (same pid and start time)
+    or a process that inherited its marker. False for a run of another host (unknowable)."""
+    host, _, rest = run.partition(":")
+    pid, _, started = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        if f"{psutil.Process(int(pid)).create_time():.2f}" == started:
+            return True
+    except psutil.NoSuchProcess:
+        pass
+    return bool(run_processes(run))
+
+
 @dataclass(frozen=True)
 class Owner:
-    """Who holds a lock: a process on a host, and a token unique to that holder."""
+    """Who holds a lock: a process on a host, a token unique to that holder, and the run it
+    belongs to (``RUN_ENV`` where a driver exported one, else empty: liveness by pid)."""
 
     host: str = field(default_factory=socket.gethostname)
     pid: int = field(default_factory=os.getpid)
     token: str = field(default_factory=lambda: uuid.uuid4().hex)
+    run: str = field(default_factory=lambda: os.environ.get(RUN_ENV, ""))
 
     def __str__(self) -> str:
         return f"{self.host}:{self.pid}"
@@ -68,9 +121,14 @@ def _pid_alive(pid: int) -> bool:
 
 def is_stale(info: dict[str, Any], heartbeat: float, stale_after: float = STALE_AFTER_S,
              now: float | None = None) -> bool:
-    """Same host and pid dead, or heartbeat older than ``stale_after`` seconds."""
-    if info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1))):
-        return True
+    """On this host: no process of the holder's run is alive (a lock without a run: its pid
+    is dead); the heartbeat is not asked, since a driver killed with ``kill -9`` stops beating
+    while its ranks may train on. Another host's lock: heartbeat older than ``stale_after``."""
+    if info.get("host") == socket.gethostname():
+        if info.get("run"):
+            return not run_alive(str(info["run"]))
+        if not _pid_alive(int(info.get("pid", -1))):
+            return True
     return (time.time() if now is None else now) - heartbeat > stale_after
 
 

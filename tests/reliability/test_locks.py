@@ -9,6 +9,8 @@ import json
 import multiprocessing
 import os
 import socket
+import subprocess
+import threading
 import time
 import types
 from pathlib import Path
@@ -169,3 +171,47 @@ def test_a_failed_stage_releases_its_lock(tmp_path: Path, seed_store):
     with pytest.raises(RuntimeError, match="boom"):
         run_stage(ctx, declare("broken"), cfg, {}, work=module)
     assert not list(runs.glob("stages/*/*.lock"))
+
+
+def test_a_dead_drivers_lock_is_kept_while_a_process_of_its_run_lives(tmp_path: Path):
+    # A driver killed with kill -9 leaves its pid dead but its ranks (which inherited its
+    # run marker) maybe still writing its .partial dir: the lock holds until they are gone.
+    host, dead = socket.gethostname(), _dead_pid()
+    run = f"{host}:{dead}:12345.00"  # the dead driver's marker (its start time is gone too)
+    path = tmp_path / "stages" / "train" / "k.lock"
+    _lock_file(path, host, dead)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "run": run}))
+    orphan = subprocess.Popen(["sleep", "30"], env={**os.environ, locks.RUN_ENV: run})
+    try:
+        assert [p.pid for p in locks.run_processes(run)] == [orphan.pid]
+        holder = locks.try_acquire(path, locks.Owner(), stale_after=0)  # heartbeat: no say
+        assert holder is not None and holder["run"] == run
+
+        owner, told = locks.Owner(), []
+        waiter = threading.Thread(target=locks.acquire, args=(path, owner),
+                                  kwargs={"poll_s": 0.1, "wait_s": 20, "on_wait": told.append},
+                                  daemon=True)
+        waiter.start()
+        time.sleep(1.0)
+        assert waiter.is_alive() and told and told[0]["pid"] == dead  # it waits, and says so
+    finally:
+        orphan.kill()
+        orphan.wait()
+    waiter.join(10)
+    assert not waiter.is_alive() and locks.holds(path, owner)  # broken once the orphan died
+
+
+def test_a_run_marker_names_one_process_and_its_lock_keeps_its_run(tmp_path: Path):
+    marker = locks.run_marker()
+    assert marker == locks.run_marker(os.getpid()) and marker.startswith(socket.gethostname())
+    assert locks.run_alive(marker)  # the driver itself
+    assert not locks.run_alive(f"{socket.gethostname()}:{_dead_pid()}:1.00")
+    assert not locks.run_alive(f"elsewhere:{os.getpid()}:1.00")  # another host: unknown here
+    owner = locks.Owner(run=marker)
+    path = tmp_path / "x.lock"
+    locks.acquire(path, owner)
+    assert json.loads(path.read_text())["run"] == marker
+    # The holder lives (same pid and start time): an old heartbeat does not make it stale.
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    assert locks.try_acquire(path, locks.Owner(), stale_after=60) is not None
