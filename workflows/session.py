@@ -4,8 +4,9 @@
 and the scaling studies (``workflows.scaling``) drive their stages through:
 
 - on entry: the MLflow parent run, the heartbeat that keeps this driver's stage locks
-  fresh, SIGTERM and SIGINT turned into ``KeyboardInterrupt``, a Parsl run dir and a log
-  dir of its own;
+  fresh, the driver's run marker exported for everything it starts and the watchdog that
+  stops all of it should the driver be killed outright (``workflows.watchdog``), SIGTERM
+  and SIGINT turned into ``KeyboardInterrupt``, a Parsl run dir and a log dir of its own;
 - ``start_parsl(cfg)``: load the site's Parsl configuration (a study restarts it when the
   next point needs another block);
 - ``run_stages(cfg, plans, ctx, log_dir)``: submit every stage's apps by its declared
@@ -14,7 +15,7 @@ and the scaling studies (``workflows.scaling``) drive their stages through:
 - on exit, whatever happened: stop Parsl (within deadlines, also after a group signal),
   give the signal handlers back, mark this invocation's still-running stages failed,
   stop the heartbeat, release the locks of stages that never finished, close the parent
-  run (FINISHED, or FAILED on any exception).
+  run (FINISHED, or FAILED on any exception), and last stop the watchdog.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from stages.registry import declaration
 from stages.selection import StageDecision
 from stages.shape import FAN_OUT, SINGLE
 from workflows import failures as failures_mod
+from workflows import watchdog
 
 
 def check_runs_dir(runs_dir: Path) -> None:
@@ -273,7 +275,7 @@ class PipelineSession:
         self.uri = tracking.default_tracking_uri(self.runs_dir, cfg.tracking.uri)
         self.run_name, self.tags, self.label = run_name, tags, label
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.driver = locks.Owner()
+        self.driver = locks.Owner(run=locks.run_marker())  # this process's run, not an outer one
         self.started = time.time()
         self.dfk: Any = None
         self._watched: list[tuple[attempts.PipelineContext, dict[str, StageRun]]] = []
@@ -291,6 +293,10 @@ class PipelineSession:
         self.log_root.mkdir(parents=True, exist_ok=True)
         self.heartbeat = locks.Heartbeat(self.runs_dir, self.driver,
                                          locks.STALE_AFTER_S / 10).start()
+        # Before Parsl starts: every process of the run inherits the marker.
+        self._outer_run = os.environ.get(locks.RUN_ENV)
+        os.environ[locks.RUN_ENV] = self.driver.run
+        self.watchdog = watchdog.start(self.runs_dir, self.uri, self.parent_id)
         self._handlers = {sig: signal.signal(sig, _interrupt)
                           for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
@@ -342,7 +348,15 @@ class PipelineSession:
                 except Exception as error:  # noqa: BLE001 - must not hide the stage's own error
                     print(f"[{self.label}] could not mark running stages failed: {error}",
                           file=sys.stderr)
-            self.heartbeat.stop()
-            locks.release_all(self.runs_dir, self.driver)  # locks of stages that never finished
-            self.parent.set_tags({"wall_seconds": f"{time.time() - self.started:.1f}"})
-            tracking.end_run(self.uri, self.parent_id, "FINISHED" if exc_type is None else "FAILED")
+            try:
+                self.heartbeat.stop()
+                locks.release_all(self.runs_dir, self.driver)  # stages that never finished
+                self.parent.set_tags({"wall_seconds": f"{time.time() - self.started:.1f}"})
+                tracking.end_run(self.uri, self.parent_id,
+                                 "FINISHED" if exc_type is None else "FAILED")
+            finally:
+                watchdog.stop(self.watchdog)
+                if self._outer_run is None:
+                    os.environ.pop(locks.RUN_ENV, None)
+                else:
+                    os.environ[locks.RUN_ENV] = self._outer_run

@@ -1,0 +1,104 @@
+"""Nothing outlives a driver killed with ``kill -9``; the next run resumes its training.
+
+The pipeline CLI runs for real (Parsl's interchanges and worker pools, ``stages.launch``,
+torchrun, gloo ranks, the SQLite MLflow store). Once training has a checkpoint the driver
+gets SIGKILL, so none of its own shutdown runs: its watchdog (``workflows.watchdog``) must
+stop every process of the run within ``GONE_WITHIN_S`` and mark the run's MLflow runs
+KILLED and the running train attempt failed. The same command then resumes the training
+from the checkpoint, after breaking the dead driver's stale lock.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stages import locks, tracking
+from tests.reliability.test_interrupt import alive, process_tree
+from tests.reliability.test_resume import (
+    KILL_AFTER,
+    STEPS,
+    TRAINING,
+    Driver,
+    checkpoints,
+    poll,
+    processes_of,
+    published_summary,
+    ranks_of,
+    resumed_step,
+    start_pipeline,
+    stop,
+    train_key,
+)
+
+GONE_WITHIN_S = 30.0  # after the kill, no process of the run may be left
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def drivers() -> Iterator[list[Driver]]:
+    """Drivers a test starts; any still running at its end are stopped with their processes."""
+    started: list[Driver] = []
+    yield started
+    stop(started)
+
+
+def statuses_of(runs: Path, prefix: str) -> list[str]:
+    """The sorted statuses of the MLflow runs of ``runs``'s micro experiment whose name
+    starts with ``prefix`` (``pipeline-``: parent runs; ``train-``: train stage runs)."""
+    found = tracking.search_runs(tracking.default_tracking_uri(runs), "micro")
+    return sorted(r.info.status for r in found if r.info.run_name.startswith(prefix))
+
+
+def test_kill_9_of_the_driver_leaves_no_process_and_the_rerun_resumes(
+    runs_dir: Path, drivers: list[Driver]
+) -> None:
+    overrides = (*TRAINING, "site.retries=0")
+    drivers.append(start_pipeline(runs_dir, *overrides))
+    first = drivers[-1]
+    poll(f"a checkpoint at step >= {KILL_AFTER}",
+         lambda: ranks_of(runs_dir) and max(checkpoints(runs_dir), default=0) >= KILL_AFTER,
+         first)
+    run = locks.run_marker(first.proc.pid)
+    tree = process_tree(first)
+    marked = {p.pid for p in locks.run_processes(run)}
+    assert {p.pid for p in ranks_of(runs_dir)} <= marked, "the ranks do not carry the marker"
+    assert len(marked) >= 6, f"too few processes carry the run marker: {tree}"
+
+    first.proc.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    first.proc.wait()
+    while (alive(tree) or locks.run_processes(run) or processes_of(runs_dir)) and \
+            time.monotonic() - killed < GONE_WITHIN_S:
+        time.sleep(0.2)
+    assert not alive(tree), f"processes outlived the killed driver: {alive(tree)}"
+    assert not locks.run_processes(run), [p.cmdline() for p in locks.run_processes(run)]
+    assert not processes_of(runs_dir), [p.cmdline() for p in processes_of(runs_dir)]
+    console = first.console()
+    assert "[watchdog] stopped" in console, console[-3000:]
+
+    assert statuses_of(runs_dir, "pipeline-") == ["KILLED"]
+    assert statuses_of(runs_dir, "train-") == ["KILLED"]
+    assert "RUNNING" not in statuses_of(runs_dir, "")
+    (status_file,) = (runs_dir / "stages" / "train").glob("*.partial/status.json")
+    status = json.loads(status_file.read_text())
+    assert status["state"] == "failed" and "killed" in status["error"], status
+    kept = max(checkpoints(runs_dir))
+    assert kept >= KILL_AFTER
+
+    drivers.append(start_pipeline(runs_dir, *overrides))
+    second = drivers[-1]
+    code = second.wait()
+    console = second.console()
+    assert code == 0, f"the rerun failed ({code}):\n{console[-4000:]}"
+    assert train_key(console) == train_key(first.console())
+    assert "breaking stale lock" in console, console[-4000:]
+    assert resumed_step(console) >= KILL_AFTER
+    assert len(published_summary(runs_dir)["losses"]) == STEPS
+    assert statuses_of(runs_dir, "pipeline-") == ["FINISHED", "KILLED"]
+    assert statuses_of(runs_dir, "train-") == ["FINISHED", "KILLED"]
