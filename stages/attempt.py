@@ -13,6 +13,13 @@ the name of the pipeline driver (``PipelineContext.driver``), waiting while anot
 driver holds it, and looks for a succeeded output again once it has it (so a pipeline that
 waited reuses what the other one made). The driver keeps its locks fresh with
 ``stages.locks.Heartbeat``.
+
+One MLflow run per stage key holds a resumable stage's whole history: an attempt that
+continues an unfinished ``<key>.partial`` (a rerun of the pipeline after a failure, a kill
+or an interrupt) reopens the run that ``.partial/status.json`` names instead of starting
+another, moves it under the current pipeline run and counts the attempts in its tags
+(``attempts``, ``attempt.<n>.parent_run_id``, ``attempt.<n>.error``). A Parsl retry of the
+ranks within one pipeline run is a try of the same attempt: it keeps the attempt's run.
 """
 from __future__ import annotations
 
@@ -77,6 +84,16 @@ class Attempt:
         return tracking.Tracker(ctx.tracking_uri, self.run_id)
 
 
+ATTEMPTS_TAG = "attempts"
+"""How many attempts (pipeline runs) a stage run holds; ``attempt.<n>.parent_run_id`` names
+the pipeline run of attempt ``n`` and ``attempt.<n>.error`` the error that ended it."""
+ERROR_TAG = "error"  # the error of a failed run (``fail``)
+
+
+def _attempt_tags(n: int, parent_run_id: str) -> dict[str, str]:
+    return {ATTEMPTS_TAG: str(n), f"attempt.{n}.parent_run_id": parent_run_id}
+
+
 def _child_run(ctx: PipelineContext, name: str, key: str, tags: dict[str, str]) -> str:
     return tracking.start_run(
         ctx.tracking_uri,
@@ -133,6 +150,44 @@ def _reused(ctx: PipelineContext, found: StageResult, cfg: PipelineConfig,
     return Attempt(stage.name, found.key, result.run_id, found.out_dir, reused=result)
 
 
+def _continued_run(ctx: PipelineContext, name: str, key: str,
+                   status: dict[str, Any] | None) -> str | None:
+    """Reopen the MLflow run of the unfinished attempt whose ``.partial`` work this attempt
+    continues (``status``: its status.json); return its id, or None to start a new run.
+
+    The run is reused only where this store holds it, live, as the run of (name, key); a
+    status written beside another store, or a run deleted since, starts a new one. The run is
+    set back to RUNNING and its ``mlflow.parentRunId`` moved to this pipeline run, so it shows
+    under the run that finishes it and the earlier pipeline run keeps no competing child for
+    the key; the attempts are counted in its tags, and the ``error`` of the attempt that
+    failed is kept as ``attempt.<n>.error``."""
+    run_id = (status or {}).get("run_id")
+    if not run_id or status.get("key", key) != key:
+        return None
+    if status.get("tracking_uri", ctx.tracking_uri) != ctx.tracking_uri:
+        return None  # its run id means nothing in this store
+    run = tracking.find_run(ctx.tracking_uri, run_id)
+    if run is None:
+        return None
+    tags = run.data.tags
+    if tags.get("stage") != name or tags.get("stage_key") != key:
+        return None
+    done = int(tags.get(ATTEMPTS_TAG) or 1)  # a run from before attempts were counted: one
+    moved = {**_attempt_tags(done + 1, ctx.parent_run_id),
+             tracking.MLFLOW_PARENT_RUN_ID: ctx.parent_run_id}
+    earlier = f"attempt.{done}.parent_run_id"
+    if earlier not in tags and tags.get(tracking.MLFLOW_PARENT_RUN_ID):
+        moved[earlier] = tags[tracking.MLFLOW_PARENT_RUN_ID]
+    if tags.get(ERROR_TAG):
+        moved[f"attempt.{done}.error"] = tags[ERROR_TAG]
+    tracking.Tracker(ctx.tracking_uri, run_id).set_tags(moved)
+    if ERROR_TAG in tags:
+        tracking.delete_tags(ctx.tracking_uri, run_id, [ERROR_TAG])
+    tracking.reopen_run(ctx.tracking_uri, run_id)
+    print(f"[stage] {name} {key}: attempt {done + 1} continues MLflow run {run_id}", flush=True)
+    return run_id
+
+
 def _take_lock(ctx: PipelineContext, name: str, key: str) -> None:
     """Take (name, key)'s lock for the driver, saying whom it waits for while it waits."""
 
@@ -154,7 +209,8 @@ def begin(
     """Reuse a succeeded output with the stage's key, or open an attempt to compute it.
 
     Resumable stages (``stage.resumable``: tokenize, train) keep an earlier attempt's
-    ``.partial`` directory so they can continue from it; the others start from an empty one.
+    ``.partial`` directory so they can continue from it, and its MLflow run
+    (``_continued_run``); the others start from an empty one and a new run.
     """
     name = stage.name
     ingredients = keys.key_ingredients(
@@ -178,9 +234,13 @@ def begin(
         if work_dir.exists() and not stage.resumable:
             shutil.rmtree(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
-        run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir)})
+        run_id = _continued_run(ctx, name, key, outputs.read_status(work_dir)) if \
+            stage.resumable else None
+        if run_id is None:
+            run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir),
+                                                 **_attempt_tags(1, ctx.parent_run_id)})
         outputs.write_status(work_dir, outputs.status_record(
-            "running", run_id, key=key, ingredients=ingredients))
+            "running", run_id, key=key, ingredients=ingredients, tracking_uri=ctx.tracking_uri))
         attempt = Attempt(name, key, run_id, str(final_dir),
                           inputs={n: r.outputs for n, r in inputs.items()},
                           ingredients=ingredients)
@@ -221,7 +281,8 @@ def fail(ctx: PipelineContext, attempt: Attempt, error: BaseException) -> None:
     if work.exists():
         detail = "".join(traceback.format_exception(error))
         status = outputs.status_record("failed", attempt.run_id, key=attempt.key, error=detail,
-                                       ingredients=attempt.ingredients)
+                                       ingredients=attempt.ingredients,
+                                       tracking_uri=ctx.tracking_uri)
         try:
             outputs.write_status(work, status)
         except OSError:
@@ -232,7 +293,8 @@ def fail(ctx: PipelineContext, attempt: Attempt, error: BaseException) -> None:
         print(f"[stage] could not release the lock of {attempt.name} {attempt.key}: {lock_error}",
               file=sys.stderr, flush=True)
     try:
-        tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags({"error": str(error)[:4000]})
+        tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags(
+            {ERROR_TAG: str(error)[:4000]})
         tracking.end_run(ctx.tracking_uri, attempt.run_id, "FAILED")
     except Exception as tracking_error:  # noqa: BLE001 - tracking must not hide the original error
         print(f"[stage] could not mark MLflow run {attempt.run_id} FAILED: {tracking_error}",

@@ -176,6 +176,35 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     MlflowClient(uri).set_terminated(run_id, status)
 
 
+def find_run(uri: str, run_id: str):
+    """Run ``run_id`` of this store (info, data), or None where the store has no such run or
+    it was deleted: a run id recorded beside another store, or by a run since removed."""
+    try:
+        run = get_run(uri, run_id)
+    except Exception:  # noqa: BLE001 - MlflowException (no such run) or a store error
+        return None
+    return run if run.info.lifecycle_stage == "active" else None
+
+
+def reopen_run(uri: str, run_id: str) -> None:
+    """Set an ended run back to RUNNING, so that a resumed attempt writes on into it."""
+    MlflowClient(uri).update_run(run_id, status="RUNNING")
+
+
+def delete_tags(uri: str, run_id: str, keys: list[str]) -> None:
+    """Remove tags ``keys`` from a run (each must exist)."""
+    client = MlflowClient(uri)
+    for key in keys:
+        client.delete_tag(run_id, key)
+
+
+def last_step(uri: str, run_id: str, key: str) -> int:
+    """The highest step at which run ``run_id`` holds metric ``key`` (0 when it holds none).
+
+    Raises when the store cannot be read."""
+    return max((m.step for m in MlflowClient(uri).get_metric_history(run_id, key)), default=0)
+
+
 class Tracker:
     """Writes params, metrics, tags and artifacts to one MLflow run.
 

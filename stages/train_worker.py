@@ -13,9 +13,14 @@ The ranks vote after every step, all stop after the same one with its checkpoint
 the logger rank writes ``out-of-time.json`` and every rank ends with the out-of-time exit
 (``stages.launch.OutOfTime``). A rank stuck in a collective still ends: Slurm sends
 SIGKILL ``KillWait`` seconds after its SIGTERM, torchrun 30 s after its own.
+
+Each step is logged once in the stage's MLflow run, however often the ranks were started:
+before training, the logger rank asks which steps the run already holds (``logged_through``)
+and the trainer logs only the steps after them.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -50,7 +55,7 @@ from data_prep.atomic import write_json_atomic  # noqa: E402
 from model.parallel.dist_env import from_environ, init_distributed  # noqa: E402
 from model.planner.plan import Plan  # noqa: E402
 from model.training.batches import SyntheticBatches  # noqa: E402
-from model.training.metrics import SPOOL_FILE, BackgroundSink  # noqa: E402
+from model.training.metrics import SPOOL_FILE, BackgroundSink, spool_lines  # noqa: E402
 from model.training.trainer import Trainer  # noqa: E402
 from stages.config import config_from_dict  # noqa: E402
 from stages.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
@@ -102,6 +107,37 @@ def _slurm_start(job_id: str) -> float | None:
         return None
 
 
+LOGGED_METRIC = "loss"  # logged at every logged step: its last step is the run's
+
+
+def logged_through(uri: str, run_id: str, spool: Path) -> int:
+    """The last step of run ``run_id`` whose metrics are already logged: the highest step at
+    which the store holds ``loss``, or at which the metrics spool (records kept while the
+    store was away, which the sink sends before anything new) holds it for this run.
+
+    A resumed training recomputes the steps after its checkpoint bitwise, so the steps up to
+    this one are not logged again (``Trainer.logged_through``). The logger rank asks at its
+    own start rather than the driver writing it into the rank spec: the spec is written once
+    per attempt (``stages.train.prepare``), before Parsl retries the ranks within the same
+    pipeline run, so only a rank that asks when it starts sees what the try before it
+    logged; one rule then covers a rerun of the pipeline and a retry. Where the store cannot
+    be read the spool alone decides, and one line says so (steps already in the store may
+    then be logged twice)."""
+    from stages.tracking import last_step
+
+    spooled = [record["step"] for record in map(json.loads, spool_lines(spool))
+               if record.get("run_id") == run_id and LOGGED_METRIC in record.get("metrics", {})]
+    try:
+        stored = last_step(uri, run_id, LOGGED_METRIC)
+    except Exception as error:  # noqa: BLE001 - the store's errors vary; training goes on
+        from model.training.metrics import short_reason
+
+        print(f"[train] could not read which steps MLflow run {run_id} holds "
+              f"({short_reason(error)}); going by the metrics spool", flush=True)
+        stored = 0
+    return max([stored, *spooled])
+
+
 def run_spec(spec: RankSpec) -> dict[str, Any] | None:
     """Train as described by ``spec`` in this (already launched) rank; ``OutOfTime`` when
     the ranks stopped at a checkpoint before their steps were done."""
@@ -125,9 +161,11 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             # retries for minutes by default); what fails is spooled and sent later.
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+            spool = Path(spec.out_dir) / SPOOL_FILE
+            trainer.logged_through = logged_through(tracking["uri"], tracking["run_id"], spool)
             # Metric writes happen on a background thread, off the training step.
             trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]),
-                                             spool=Path(spec.out_dir) / SPOOL_FILE)
+                                             spool=spool)
         summary = trainer.fit(spec.steps)
         if trainer.out_of_time is not None and trainer.is_logger:
             write_json_atomic(Path(spec.out_dir) / OUT_OF_TIME_FILE,

@@ -222,6 +222,11 @@ class Trainer:
         self._clock = time.monotonic()  # when the last save gave training back (or the start)
         self.stop_requested, self.job = stop_requested, job
         self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
+        # The last step whose metrics the tracking run already holds (set by the logger
+        # rank's launcher, ``stages.train_worker.logged_through``): a resumed training
+        # recomputes the steps after its checkpoint bitwise, so those up to here are not
+        # logged again and each step is in the run once (``_log_step``).
+        self.logged_through = 0
         self._stopping = False
 
     # ---------------------------------------------------------------- one optimizer step
@@ -436,13 +441,15 @@ class Trainer:
             due, finished = due or late or stop, self.pending is not None and not writing
         if not (due or finished):
             return None
+        if due and self.is_logger and self.tracker is not None:
+            # Before the save, so that a checkpoint on disk implies every metric up to it is in
+            # the store (or the spool): a training resumed from it leaves no gap in the run.
+            self.tracker.flush()
         started = time.perf_counter()
         saved = self.save() if due else self.publish()
         self.checkpoint_seconds.append(time.perf_counter() - started)  # training held up
         if due:
             self._clock = time.monotonic()  # minutes count from when the save gave training back
-            if self.is_logger and self.tracker is not None:
-                self.tracker.flush()  # every metric up to this checkpoint is in the store
             self._record_job(last_step=self.step)
         return saved
 
@@ -466,7 +473,9 @@ class Trainer:
               f"{dt:.3f} s/step ETA {dt * (steps - self.step):.0f} s", flush=True)
 
     def _log_step(self, loss: float, norm: float, lr: float, dt: float, tokens: int) -> None:
-        if self.tracker is None:
+        """Send this step's metrics, unless the run already holds them (``logged_through``:
+        an earlier try logged them before it was killed, and this one recomputed them)."""
+        if self.tracker is None or self.step <= self.logged_through:
             return
         metrics = {"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": dt,
                    **self._throughput(dt, tokens), "peak_memory_gb": peak_memory_gb(self.device)}

@@ -3,7 +3,8 @@
 The whole pipeline runs as the command-line user runs it (``python -m workflows.pipeline``
 with Parsl, torchrun's gloo ranks and the SQLite MLflow store), each in a runs dir of its
 own. One training rank is killed with SIGKILL once a checkpoint at step >= KILL_AFTER is on
-disk; the resumed training must end with exactly the losses of an uninterrupted run.
+disk; the resumed training must end with exactly the losses of an uninterrupted run, and its
+whole history must be in one MLflow run: each step's loss once, the attempts in its tags.
 
 The helpers here (starting the driver, finding its ranks, reading checkpoints) are shared
 with ``test_interrupt``.
@@ -179,6 +180,33 @@ def published_summary(runs: Path) -> dict:
     return json.loads(found[0].read_text())
 
 
+def assert_one_train_run(runs: Path, key: str, losses: list[float]) -> None:
+    """The store of ``runs`` holds one train run for ``key``, FINISHED under the newest
+    pipeline run, whose "loss" history has each step 1..len(losses) once with ``losses``; its
+    ``attempts`` tags name each pipeline run (oldest first) that worked on it."""
+    from stages import tracking
+
+    uri = tracking.default_tracking_uri(runs)
+    every = tracking.search_runs(uri, "micro")
+    parents = [r.info.run_id for r in reversed(every)
+               if tracking.MLFLOW_PARENT_RUN_ID not in r.data.tags]  # oldest first
+    trains = [r for r in every if r.data.tags.get("stage") == "train"]
+    assert [r.data.tags.get("stage_key") for r in trains] == [key], (
+        f"expected one train run for {key}, found "
+        f"{[(r.info.run_id, r.info.status, r.data.tags.get('stage_key')) for r in trains]}")
+    (run,) = trains
+    tags = run.data.tags
+    assert run.info.status == "FINISHED", run.info.status
+    assert tags[tracking.MLFLOW_PARENT_RUN_ID] == parents[-1], "not under the run that finished it"
+    assert tags["attempts"] == str(len(parents)), tags
+    assert [tags[f"attempt.{n}.parent_run_id"] for n in range(1, len(parents) + 1)] == parents
+    assert "error" not in tags, tags["error"]
+    history = sorted(tracking.metric_history(uri, run.info.run_id, "loss"))
+    assert [step for step, _ in history] == list(range(1, len(losses) + 1)), (
+        "the loss history misses or repeats steps")
+    assert [value for _, value in history] == losses
+
+
 def train_key(console: str) -> str:
     """The train stage's key in the DAG the driver printed."""
     match = re.search(r"^  train +key ([0-9a-f]+)", console, re.MULTILINE)
@@ -248,6 +276,8 @@ def test_rerun_resumes_a_killed_training_with_identical_losses(
     losses = published_summary(runs_dir)["losses"]
     assert len(losses) == STEPS
     assert losses == reference(), "the resumed training's losses differ from an uninterrupted run"
+    assert "attempt 2 continues MLflow run" in console, console[-4000:]
+    assert_one_train_run(runs_dir, train_key(console), reference())
 
 
 def test_retry_resumes_a_killed_rank_within_the_run(
@@ -263,3 +293,44 @@ def test_retry_resumes_a_killed_rank_within_the_run(
                      re.MULTILINE), console[-4000:]
     assert resumed_step(console) >= KILL_AFTER
     assert published_summary(runs_dir)["losses"] == reference()
+    assert_one_train_run(runs_dir, train_key(console), reference())
+
+
+def test_a_resumable_stage_continues_its_run_and_counts_the_attempts(tmp_path: Path) -> None:
+    """The stage mechanism alone (no ranks): a resumable stage that failed is continued by
+    the next pipeline run in the same MLflow run, which moves under it and keeps the error."""
+    from stages import tracking
+    from stages.attempt import PipelineContext
+    from stages.config import load_config
+    from stages.inline import run_stage
+    from tests.stagekit import declare
+
+    uri = tracking.default_tracking_uri(tmp_path)
+    experiment = tracking.ensure_experiment(uri, "test", tmp_path)
+    stage, cfg = declare("resumable", resumable=True), load_config()
+
+    def pipeline(fail: bool) -> PipelineContext:
+        ctx = PipelineContext(str(tmp_path), uri, experiment,
+                              tracking.start_run(uri, experiment, "pipeline"), "1.0")
+
+        def run(cfg, inputs, out_dir, tracker):
+            if fail:
+                raise RuntimeError("boom")
+            return {}
+
+        work = type("Work", (), {"run": staticmethod(run)})
+        try:
+            run_stage(ctx, stage, cfg, {}, work=work)
+        except RuntimeError:
+            assert fail
+        return ctx
+
+    first, second = pipeline(fail=True), pipeline(fail=False)
+    (run,) = [r for r in tracking.search_runs(uri, "test")
+              if r.data.tags.get("stage") == "resumable"]
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert tags[tracking.MLFLOW_PARENT_RUN_ID] == second.parent_run_id
+    assert (tags["attempts"], tags["attempt.1.parent_run_id"], tags["attempt.2.parent_run_id"]) \
+        == ("2", first.parent_run_id, second.parent_run_id)
+    assert "boom" in tags["attempt.1.error"] and "error" not in tags
