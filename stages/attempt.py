@@ -44,7 +44,10 @@ class PipelineContext:
     ``code`` is the per-stage code hash (``stages.keys.code_hashes``, computed once by the
     driver), or one string used for every stage. ``driver`` owns the stage locks this
     pipeline takes, whichever process takes them; ``lock_stale_s`` is how old a lock's
-    heartbeat may get before another pipeline takes it as abandoned.
+    heartbeat may get before another pipeline takes it as abandoned. ``tracking_uri`` is
+    what stages talk to; ``store_uri`` names the store behind it when that differs (the
+    driver's tracking server over the runs dir's SQLite file, at a new address each run):
+    statuses record the store, so runs ids match across runs that reach it differently.
     """
 
     runs_dir: str
@@ -54,6 +57,12 @@ class PipelineContext:
     code: dict[str, str] | str = field(default_factory=keys.code_hashes)
     driver: locks.Owner = field(default_factory=locks.Owner)
     lock_stale_s: float = locks.STALE_AFTER_S
+    store_uri: str = ""
+
+    @property
+    def store(self) -> str:
+        """The store's identity: ``store_uri``, else ``tracking_uri``."""
+        return self.store_uri or self.tracking_uri
 
     def code_for(self, name: str) -> str:
         """The code hash that goes into stage ``name``'s key."""
@@ -109,11 +118,14 @@ def _log_stage_params(
     cfg: PipelineConfig,
     sections: tuple[str, ...],
     inputs: dict[str, StageResult],
+    store: str,
 ) -> None:
     tracker.log_params({section: dataclasses.asdict(getattr(cfg, section)) for section in sections})
     tracker.set_tags({f"input.{name}.run_id": res.producer_run_id for name, res in inputs.items()})
+    # Where an input's run lives, when that is another store than this one (``store``).
     tracker.set_tags({f"input.{name}.tracking_uri": res.producer_tracking_uri
-                      for name, res in inputs.items() if res.producer_tracking_uri})
+                      for name, res in inputs.items()
+                      if res.producer_tracking_uri and res.producer_tracking_uri != store})
     tracker.set_tags({f"input.{name}.key": res.key for name, res in inputs.items()})
     tracker.log_dict(cfg.to_dict(), "config.yaml")
 
@@ -132,10 +144,10 @@ def reuse(
          "producer_tracking_uri": found.producer_tracking_uri or "unknown"},
     )
     tracker = tracking.Tracker(ctx.tracking_uri, run_id)
-    _log_stage_params(tracker, cfg, sections, inputs)
+    _log_stage_params(tracker, cfg, sections, inputs, ctx.store)
     # The producer's latest metric values, so the reused run reads the same in the UI; only
     # from this store (another one's run ids mean nothing here), and never fatal.
-    if found.producer_tracking_uri == ctx.tracking_uri:
+    if found.producer_tracking_uri == ctx.store:
         metrics = tracking.run_metrics_or_none(ctx.tracking_uri, found.producer_run_id)
         if metrics:
             tracker.log_metrics(metrics)
@@ -164,7 +176,7 @@ def _continued_run(ctx: PipelineContext, name: str, key: str,
     run_id = (status or {}).get("run_id")
     if not run_id or status.get("key", key) != key:
         return None
-    if status.get("tracking_uri", ctx.tracking_uri) != ctx.tracking_uri:
+    if status.get("tracking_uri", ctx.store) != ctx.store:
         return None  # its run id means nothing in this store
     run = tracking.find_run(ctx.tracking_uri, run_id)
     if run is None:
@@ -240,11 +252,11 @@ def begin(
             run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir),
                                                  **_attempt_tags(1, ctx.parent_run_id)})
         outputs.write_status(work_dir, outputs.status_record(
-            "running", run_id, key=key, ingredients=ingredients, tracking_uri=ctx.tracking_uri))
+            "running", run_id, key=key, ingredients=ingredients, tracking_uri=ctx.store))
         attempt = Attempt(name, key, run_id, str(final_dir),
                           inputs={n: r.outputs for n, r in inputs.items()},
                           ingredients=ingredients)
-        _log_stage_params(attempt.tracker(ctx), cfg, stage.sections, inputs)
+        _log_stage_params(attempt.tracker(ctx), cfg, stage.sections, inputs, ctx.store)
     except BaseException:
         locks.release(lock, ctx.driver)
         raise
@@ -258,7 +270,7 @@ def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> Stag
     outputs.write_outputs(work, outs)
     outputs.write_status(work, outputs.status_record(
         "succeeded", attempt.run_id, key=attempt.key, ingredients=attempt.ingredients,
-        tracking_uri=ctx.tracking_uri))
+        tracking_uri=ctx.store))
     attempt.tracker(ctx).log_artifact(work / outputs.OUTPUTS_FILE)
     outputs.publish(work, final, attempt.key)
     locks.release(outputs.lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
@@ -271,7 +283,7 @@ def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> Stag
         run_id=attempt.run_id,
         producer_run_id=attempt.run_id,
         reused=False,
-        producer_tracking_uri=ctx.tracking_uri,
+        producer_tracking_uri=ctx.store,
     )
 
 
@@ -282,7 +294,7 @@ def fail(ctx: PipelineContext, attempt: Attempt, error: BaseException) -> None:
         detail = "".join(traceback.format_exception(error))
         status = outputs.status_record("failed", attempt.run_id, key=attempt.key, error=detail,
                                        ingredients=attempt.ingredients,
-                                       tracking_uri=ctx.tracking_uri)
+                                       tracking_uri=ctx.store)
         try:
             outputs.write_status(work, status)
         except OSError:

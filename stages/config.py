@@ -105,6 +105,10 @@ class TrackingConfig:
     """MLflow tracking URI; None means MLFLOW_TRACKING_URI or sqlite:///<runs_dir>/mlflow.db."""
     experiment: str | None = None
     """MLflow experiment name; None means the config's name."""
+    server: bool | None = None
+    """Without ``uri`` on a Slurm site: the driver starts an MLflow server over the runs
+    dir's SQLite file and everything logs through it (``workflows.tracking_server``), so no
+    compute node writes the file over the shared file system. None: on Frontier only."""
 
 
 @dataclass

@@ -47,6 +47,21 @@ def default_tracking_uri(runs_dir: Path, uri: str | None = None) -> str:
     return f"sqlite:///{Path(runs_dir).resolve() / 'mlflow.db'}"
 
 
+def server_command(store_uri: str, runs_dir: Path, host: str, port: int,
+                   allowed_hosts: tuple[str, ...] = ()) -> list[str]:
+    """``mlflow server`` over ``store_uri`` with artifacts in ``runs_dir/mlartifacts``,
+    listening on ``host:port`` with one worker; ``allowed_hosts``: the Host headers it
+    answers besides localhost and private addresses (MLflow's guard against DNS
+    rebinding)."""
+    cmd = [str(Path(sys.executable).parent / "mlflow"), "server",
+           "--backend-store-uri", store_uri,
+           "--default-artifact-root", str(Path(runs_dir).resolve() / "mlartifacts"),
+           "--host", host, "--port", str(port), "--workers", "1"]
+    if allowed_hosts:
+        cmd += ["--allowed-hosts", ",".join(("localhost", "127.0.0.1", *allowed_hosts))]
+    return cmd
+
+
 def ui_command(uri: str, runs_dir: Path) -> str:
     """The shell command that opens the MLflow UI on this store."""
     if uri.startswith("sqlite:///"):

@@ -14,9 +14,7 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -36,33 +34,11 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 STAGES = ("tokenize", "plan", "train", "evaluate")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, payload: dict | None = None, timeout: float = 30) -> dict:
     data = json.dumps(payload).encode() if payload is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read() or b"{}")
-
-
-def _wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> float:
-    """Poll /health until the server answers; fail early if it exits."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            pytest.fail(f"mlflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                if response.status == 200:
-                    return time.monotonic() - start
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"mlflow server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
 def _page(url: str, work: Path, screenshot: Path | None = None, window: str = "1600,1000",
@@ -108,36 +84,24 @@ def pipeline(micro_cli_history: History) -> tuple:
 
 @pytest.fixture(scope="module")
 def server(pipeline, tmp_path_factory):
-    """`mlflow server` over the pipeline's SQLite store; stopped (with its children) after."""
+    """The driver's ``mlflow server`` (``workflows.tracking_server``) over the pipeline's
+    SQLite store; stopped (with its worker) after."""
+    from workflows.tracking_server import TrackingServer
+
     ctx, results = pipeline
     work = tmp_path_factory.mktemp("mlflow-ui")
-    port = _free_port()
-    log = work / "server.log"
-    # The UI needs no background job runner (huey consumers): fewer processes.
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    cmd = [str(Path(sys.executable).parent / "mlflow"), "server",
-           "--backend-store-uri", ctx.tracking_uri,
-           "--default-artifact-root", str(Path(ctx.runs_dir) / "mlartifacts"),
-           "--workers", "1", "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=work)
-    base = f"http://127.0.0.1:{port}"
+    srv = TrackingServer(ctx.tracking_uri, Path(ctx.runs_dir), "127.0.0.1", work / "server.log")
+    started = time.monotonic()
+    base = srv.start(timeout_s=300)
+    group = [srv.proc.pid, *(c.pid for c in psutil.Process(srv.proc.pid).children(recursive=True))]
     try:
-        ready_s = _wait_ready(base, proc, log)
-        print(f"mlflow server ready in {ready_s:.1f}s at {base}")
+        print(f"mlflow server ready in {time.monotonic() - started:.1f}s at {base}")
         yield base, work, ctx, results
     finally:
-        children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        _, alive = psutil.wait_procs(children, timeout=60)
-        for child in alive:
-            child.kill()
-        assert not alive, f"server children still running after 60 s: {[c.pid for c in alive]}"
+        srv.stop(timeout_s=60)
+    alive = [pid for pid in group if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"server processes still running after stop: {alive}"
 
 
 def _search(base: str, experiment_id: str) -> dict[str, dict]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from stages import tracking
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_pipeline import start_cli, wait_cli
 
@@ -95,10 +96,16 @@ def test_training_across_two_nodes_equals_one_node(multinode, shared_runs_dir, t
     # not this machine's: the ranks meet across the bridge.
     assert socket.gethostbyname(first) == node_addr(first) != multinode["login_addr"]
 
-    # Two evaluation ranks in the training allocation: a step on one node of the two.
+    # Two evaluation ranks in the training allocation: a step on one node of the two. The
+    # pipeline layout logs through the driver's MLflow server (tracking.server), reached
+    # from the nodes at site.address; the other writes the runs dir's SQLite file directly.
+    served = layout == "pp_across_nodes"
     proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}", "eval.ranks=2",
-                     "parallel.nproc=4", "parallel.nodes=2", *FIXED, *LAYOUTS[layout])
-    wait_cli(proc, runs_dir, timeout=1200)
+                     "parallel.nproc=4", "parallel.nodes=2", *FIXED, *LAYOUTS[layout],
+                     f"tracking.server={str(served).lower()}")
+    output = wait_cli(proc, runs_dir, timeout=1200)
+    server_line = f"[tracking] MLflow server at http://{multinode['login_addr']}:"
+    assert (server_line in output) == served, output[-3000:]
     train_dirs = sorted(runs_dir.glob("stages/train/*/summary.json"))
     summary_path = max(train_dirs, key=lambda p: p.stat().st_mtime)
     summary = json.loads(summary_path.read_text())
@@ -110,6 +117,12 @@ def test_training_across_two_nodes_equals_one_node(multinode, shared_runs_dir, t
     assert summary["world_size"] == 4
     assert summary["hosts"] == [first, first, second, second]
     assert summary["steps_done"] == 6 and len(summary["losses"]) == 6
+    # Every step reached the store (through the server or not), in the train run the
+    # stage's status names.
+    store = tracking.default_tracking_uri(runs_dir)
+    run_id = json.loads((summary_path.parent / "status.json").read_text())["run_id"]
+    losses = tracking.metric_history(store, run_id, "loss")
+    assert sorted(step for step, _ in losses) == list(range(1, 7))
     reports = sorted(runs_dir.glob("stages/evaluate/*/report.json"),
                      key=lambda p: p.stat().st_mtime)
     report = json.loads(reports[-1].read_text())

@@ -302,7 +302,7 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
                 print(f"[scaling] {point.devices} devices{where}, global batch "
                       f"{point.global_batch}: {actions}", flush=True)
                 point_ids[point.devices] = tracking.start_run(
-                    uri, session.experiment_id, f"{first.name}-{mode}-{point.devices}",
+                    session.uri, session.experiment_id, f"{first.name}-{mode}-{point.devices}",
                     parent_run_id=session.parent_id,
                     tags={"scaling_point": "true", "devices": str(point.devices), "mode": mode})
                 ctx = session.context(code, parent_run_id=point_ids[point.devices])
@@ -313,11 +313,11 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
             out_dir = out_dir or runs_dir / "scaling" / f"{first.name}-{mode}-{session.stamp}"
             files = write_report([p.row for p in points], out_dir, f"{first.name}, {mode} scaling")
             for point in points:
-                log_point(tracking.Tracker(uri, point_ids[point.devices]), point.row)
+                log_point(tracking.Tracker(session.uri, point_ids[point.devices]), point.row)
             for path in files:
                 session.parent.log_artifact(path)
             status = "FINISHED"
-    finally:
+    finally:  # the session is closed: its tracking server too, so straight to the store
         for run_id in point_ids.values():
             tracking.end_run(uri, run_id, status)
     print(table_text([p.row for p in points]), flush=True)

@@ -37,7 +37,7 @@ from stages.registry import declaration
 from stages.selection import StageDecision
 from stages.shape import FAN_OUT, SINGLE
 from workflows import failures as failures_mod
-from workflows import watchdog
+from workflows import tracking_server, watchdog
 
 
 def check_runs_dir(runs_dir: Path) -> None:
@@ -272,7 +272,10 @@ class PipelineSession:
                  label: str = "pipeline") -> None:
         self.cfg = cfg
         self.runs_dir = cfg.runs_dir
-        self.uri = tracking.default_tracking_uri(self.runs_dir, cfg.tracking.uri)
+        # The store; what the run talks to is the driver's server over it, if it runs one.
+        self.store_uri = tracking.default_tracking_uri(self.runs_dir, cfg.tracking.uri)
+        self.uri = self.store_uri
+        self.server: tracking_server.TrackingServer | None = None
         self.run_name, self.tags, self.label = run_name, tags, label
         self.stamp = time.strftime("%Y%m%d-%H%M%S")
         self.driver = locks.Owner(run=locks.run_marker())  # this process's run, not an outer one
@@ -283,6 +286,24 @@ class PipelineSession:
     def __enter__(self) -> PipelineSession:
         # A log handler that cannot write (a full disk) must not print a traceback per record.
         logging.raiseExceptions = False
+        # Before Parsl and the tracking server start: every process of the run inherits the
+        # marker, so the watchdog can stop them all.
+        self._outer_run = os.environ.get(locks.RUN_ENV)
+        os.environ[locks.RUN_ENV] = self.driver.run
+        if tracking_server.wanted(self.cfg):
+            self.server = tracking_server.TrackingServer(
+                self.store_uri, self.runs_dir, tracking_server.advertised_host(self.cfg),
+                self.runs_dir / "logs" / f"mlflow-server-{self.stamp}-{os.getpid()}.log")
+            self.uri = self.server.start()
+        try:
+            return self._open()
+        except BaseException:
+            if self.server is not None:
+                self.server.stop()
+            raise
+
+    def _open(self) -> PipelineSession:
+        """The parent run, the heartbeat, the watchdog and the signal handlers."""
         self.experiment_id = tracking.ensure_experiment(
             self.uri, self.cfg.tracking.experiment or self.cfg.name, self.runs_dir)
         self.parent_id = tracking.start_run(self.uri, self.experiment_id,
@@ -293,10 +314,8 @@ class PipelineSession:
         self.log_root.mkdir(parents=True, exist_ok=True)
         self.heartbeat = locks.Heartbeat(self.runs_dir, self.driver,
                                          locks.STALE_AFTER_S / 10).start()
-        # Before Parsl starts: every process of the run inherits the marker.
-        self._outer_run = os.environ.get(locks.RUN_ENV)
-        os.environ[locks.RUN_ENV] = self.driver.run
-        self.watchdog = watchdog.start(self.runs_dir, self.uri, self.parent_id)
+        # The store itself: after a kill -9 the watchdog stops the server before it marks.
+        self.watchdog = watchdog.start(self.runs_dir, self.store_uri, self.parent_id)
         self._handlers = {sig: signal.signal(sig, _interrupt)
                           for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
@@ -307,7 +326,7 @@ class PipelineSession:
         ``parent_run_id`` (default: the session's parent run)."""
         return attempts.PipelineContext(str(self.runs_dir), self.uri, self.experiment_id,
                                         parent_run_id or self.parent_id, code,
-                                        driver=self.driver)
+                                        driver=self.driver, store_uri=self.store_uri)
 
     def start_parsl(self, cfg: PipelineConfig, running: list[str] | None = None) -> None:
         """Load ``cfg``'s site (stopping a Parsl this session started before)."""
@@ -355,6 +374,8 @@ class PipelineSession:
                 tracking.end_run(self.uri, self.parent_id,
                                  "FINISHED" if exc_type is None else "FAILED")
             finally:
+                if self.server is not None:
+                    self.server.stop()
                 watchdog.stop(self.watchdog)
                 if self._outer_run is None:
                     os.environ.pop(locks.RUN_ENV, None)

@@ -16,8 +16,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -79,59 +77,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
-    """``mlflow server`` over a SQLite store in ``work``, on a fixed port; stop and restart."""
-
-    def __init__(self, work: Path, port: int) -> None:
-        self.work, self.port = work, port
-        self.uri = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 90) -> None:
-        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-        cmd = [sys.executable, "-m", "mlflow", "server",
-               "--backend-store-uri", f"sqlite:///{self.work / 'db'}",
-               "--artifacts-destination", str(self.work / "artifacts"),
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
-        log = open(self.work / "server.log", "a")  # noqa: SIM115 - the server writes it
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=self.work, start_new_session=True)
-        log.close()
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if self.proc.poll() is not None:
-                pytest.fail(f"mlflow server exited:\n{(self.work / 'server.log').read_text()}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
-                    print(f"mlflow server ready in {time.monotonic() - start:.1f} s")
-                    return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.3)
-        pytest.fail(f"mlflow server not ready after {timeout} s")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)  # the server and its uvicorn worker
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        # Nothing answers on the port any more (a worker may outlive the parent briefly).
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) != 0:
-                    return
-            time.sleep(0.1)
-        pytest.fail(f"port {self.port} still answers after the server stopped")
-
-
 @pytest.fixture
 def server(tmp_path):
-    (tmp_path / "mlflow").mkdir()
-    srv = Server(tmp_path / "mlflow", _free_port())
+    """The driver's ``mlflow server`` (``workflows.tracking_server``) over a SQLite store
+    on a free localhost port, stopped and restarted by the test."""
+    from workflows.tracking_server import TrackingServer
+
+    work = tmp_path / "mlflow"
+    work.mkdir()
+    srv = TrackingServer(f"sqlite:///{work / 'db'}", work, "127.0.0.1", work / "server.log")
     yield srv
     srv.stop()
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from stages import locks, tracking
-from tests.reliability.test_interrupt import alive, process_tree
+from tests.reliability.test_interrupt import alive, drivers, process_tree  # noqa: F401 - fixture
 from tests.reliability.test_resume import (
     KILL_AFTER,
     STEPS,
@@ -31,21 +30,12 @@ from tests.reliability.test_resume import (
     ranks_of,
     resumed_step,
     start_pipeline,
-    stop,
     train_key,
 )
 
 GONE_WITHIN_S = 30.0  # after the kill, no process of the run may be left
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def drivers() -> Iterator[list[Driver]]:
-    """Drivers a test starts; any still running at its end are stopped with their processes."""
-    started: list[Driver] = []
-    yield started
-    stop(started)
 
 
 def statuses_of(runs: Path, prefix: str) -> list[str]:
@@ -56,7 +46,7 @@ def statuses_of(runs: Path, prefix: str) -> list[str]:
 
 
 def test_kill_9_of_the_driver_leaves_no_process_and_the_rerun_resumes(
-    runs_dir: Path, drivers: list[Driver]
+    runs_dir: Path, drivers: list[Driver]  # noqa: F811 - the fixture
 ) -> None:
     overrides = (*TRAINING, "site.retries=0")
     drivers.append(start_pipeline(runs_dir, *overrides))
@@ -101,4 +91,9 @@ def test_kill_9_of_the_driver_leaves_no_process_and_the_rerun_resumes(
     assert resumed_step(console) >= KILL_AFTER
     assert len(published_summary(runs_dir)["losses"]) == STEPS
     assert statuses_of(runs_dir, "pipeline-") == ["FINISHED", "KILLED"]
-    assert statuses_of(runs_dir, "train-") == ["FINISHED", "KILLED"]
+    # The rerun continued the killed attempt's train run: one run for the key, finished.
+    assert statuses_of(runs_dir, "train-") == ["FINISHED"]
+    (train_run,) = [r for r in tracking.search_runs(tracking.default_tracking_uri(runs_dir),
+                                                    "micro")
+                    if r.info.run_name.startswith("train-")]
+    assert train_run.data.tags["attempts"] == "2"

@@ -117,3 +117,34 @@ def test_check_store_names_what_cannot_be_used(tmp_path: Path):
             tracking.check_store(nonsense)
         assert repr(nonsense) in str(info.value) and "\n" not in str(info.value)
     tracking.check_store("postgresql+psycopg2://user@db.example/mlflow")  # no connection made
+
+
+@pytest.mark.slow
+def test_the_drivers_tracking_server_serves_the_runs_dir_store(tmp_path: Path):
+    """workflows.tracking_server: ``mlflow server`` over the runs dir's SQLite file, reached
+    at the advertised host; what is logged through it lands in the file; stop() leaves no
+    process of it."""
+    import psutil
+
+    from workflows.tracking_server import TrackingServer
+
+    runs = tmp_path / "runs"
+    store = tracking.default_tracking_uri(runs)
+    server = TrackingServer(store, runs, "127.0.0.1", runs / "logs" / "mlflow-server.log")
+    uri = server.start()
+    try:
+        assert uri == f"http://127.0.0.1:{server.port}"
+        experiment = tracking.ensure_experiment(uri, "served", runs)
+        run_id = tracking.start_run(uri, experiment, "through-the-server")
+        tracker = tracking.Tracker(uri, run_id)
+        tracker.log_metrics({"loss": 2.5}, step=1)
+        tracker.flush()
+        tracking.end_run(uri, run_id)
+        group = [server.proc.pid, *(c.pid for c in psutil.Process(server.proc.pid).children(
+            recursive=True))]
+    finally:
+        server.stop()
+    assert tracking.metric_history(store, run_id, "loss") == [(1, 2.5)]  # in the SQLite file
+    assert tracking.get_run(store, run_id).info.status == "FINISHED"
+    assert not [pid for pid in group if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
