@@ -127,6 +127,12 @@ def expand_files(source: str, key: str) -> list[Path]:
                        if Path(p).is_file())
         if not files:
             raise DataError(f"{key} glob {source!r} matched no files: fix the pattern")
+    elif path.exists():  # a device, FIFO or socket: no end, or no size to plan by
+        raise DataError(
+            f"{key} {source!r} is not a regular file or directory: give 'stdlib', a file, "
+            "directory or glob of .txt/.jsonl/.json/.parquet files, a save_to_disk "
+            "directory, or 'hf:<id>'"
+        )
     else:
         raise DataError(
             f"{key} {source!r} does not exist: give 'stdlib', a file, directory or glob "

@@ -10,6 +10,7 @@ MLflow), so a bad input costs a second.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from model.config import TrainConfig
@@ -102,15 +103,30 @@ def checkpoint_cadence_problem(train: TrainConfig, site: SiteConfig,
             "(site.save_before_end_s longer than a step)")
 
 
-def check_train(cfg: PipelineConfig) -> None:
-    """Some checkpoint can land within one Slurm job (``checkpoint_cadence_problem``).
+LOCAL_RANKS_PER_CORE = 8
+"""The most training ranks per core the local site starts: gloo ranks on CPU run one thread
+each, and beyond a few per core a step is mostly context switches while each rank's
+interpreter and torch (about 0.3 GB) add up."""
 
-    Needs the plan's predicted step time, so it applies only when the plan stage's output
-    for this config already exists (a reused plan); otherwise the train stage makes the
-    same check before its ranks start. Raises ``ConfigError`` naming the settings and the
-    fix.
+
+def check_train(cfg: PipelineConfig) -> None:
+    """On the local site, ``parallel.nproc`` fits this machine's cores (at most
+    ``LOCAL_RANKS_PER_CORE`` ranks per core); on Slurm sites some checkpoint can land
+    within one job (``checkpoint_cadence_problem``).
+
+    The checkpoint check needs the plan's predicted step time, so it applies only when the
+    plan stage's output for this config already exists (a reused plan); otherwise the train
+    stage makes the same check before its ranks start. Raises ``ConfigError`` naming the
+    settings and the fix.
     """
     if cfg.site.name == "local":
+        cores = len(os.sched_getaffinity(0))
+        if cfg.parallel.nproc > LOCAL_RANKS_PER_CORE * cores:
+            raise ConfigError(
+                f"parallel.nproc={cfg.parallel.nproc} on the local site starts that many "
+                f"training ranks on this machine's {cores} core(s); at most "
+                f"{LOCAL_RANKS_PER_CORE * cores} ({LOCAL_RANKS_PER_CORE} per core) run here: "
+                "lower parallel.nproc, or run on a Slurm site (--site slurm or frontier)")
         return
     from stages import outputs
     from stages.selection import stage_keys

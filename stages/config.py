@@ -479,9 +479,12 @@ def load_config(
     """Load a YAML preset (default configs/tiny.yaml), apply overrides, validate."""
     preset = resolve_preset(path) if path is not None else DEFAULT_CONFIG
     try:
-        raw = yaml.safe_load(preset.read_text()) or {}
+        raw = yaml.safe_load(preset.read_text())
     except yaml.YAMLError as err:
         raise ConfigError(f"{preset}: not valid YAML: {err}") from None
+    if raw is None:  # taken silently as all defaults, it would train the tiny preset
+        raise ConfigError(f"{preset} is empty: give it the sections to set (configs/tiny.yaml "
+                          "shows them all), or leave out --config for the defaults")
     if not isinstance(raw, dict):
         raise ConfigError(f"{preset}: top level must be a mapping of sections")
     for text in overrides or []:

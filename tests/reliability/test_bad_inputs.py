@@ -92,6 +92,11 @@ CONFIG_CASES = [
     Case("broken-preset", ("--config", f"{DATA}/broken.yaml"),
          ("broken.yaml: not valid YAML", "line 2, column 7"), config=None,
          one_line=False),  # the YAML parser's own lines point at the error
+    Case("empty-preset", ("--config", f"{DATA}/empty.yaml"),
+         ("empty.yaml is empty", "leave out --config for the defaults"), config=None),
+    Case("more-ranks-than-the-machine-runs", sets("parallel.nproc=4096"),
+         ("parallel.nproc=4096 on the local site starts that many training ranks",
+          "8 per core", "lower parallel.nproc")),
     Case("source-and-sources", sets(f"data.sources={{web: {DATA}/ok.txt}}"),
          ("data.source='stdlib' and data.sources are both set", "data.source=null")),
     Case("sources-not-a-mapping", sets("data.source=null", "data.sources=[web, code]"),
@@ -104,6 +109,8 @@ CONFIG_CASES = [
 DATA_CASES = [
     Case("missing-path", sets(f"data.source={DATA}/nope"),
          ("input error: data.source", "nope' does not exist", "give 'stdlib', a file")),
+    Case("not-a-regular-file", sets("data.source=/dev/zero"),
+         ("data.source '/dev/zero' is not a regular file or directory", "give 'stdlib'")),
     Case("empty-directory", sets(f"data.source={DATA}/empty_dir"),
          ("has no .txt/.jsonl/.json/.parquet files", "point data.source at a directory")),
     Case("unsupported-files-only", sets(f"data.source={DATA}/other_types"),
@@ -170,6 +177,7 @@ def bad_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory of broken inputs (and a few good ones they are made from)."""
     root = tmp_path_factory.mktemp("bad_data")
     (root / "broken.yaml").write_text("name: micro\ndata: {source: stdlib\n")
+    (root / "empty.yaml").write_text("")
     (root / "ok.txt").write_text("def main():\n    return 0\n")
     (root / "empty_dir").mkdir()
     (root / "not_a_checkpoint").mkdir()
