@@ -236,7 +236,7 @@ class GPT(nn.Module):
     (``named_parameters`` lists it once, as ``tok_embeddings.weight``; ``state_dict`` holds
     it under both names, so checkpoints keep the full model's keys). Split into pipeline
     stages, the last stage's ``output.weight`` is a copy kept equal by the trainer
-    (``model.parallel.pipeline``).
+    (model/parallel/pipeline.py).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
