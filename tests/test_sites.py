@@ -265,6 +265,22 @@ def test_the_allocation_is_sized_for_the_stages_that_run(tmp_path):
     assert (provider.nodes_per_block, provider.cores_per_node) == (1, 1)
 
 
+def test_only_the_executors_the_running_stages_use_are_made(tmp_path):
+    """--only tokenize starts no training executor (no interchange, no local worker pool);
+    on Slurm sites the compute block's executor exists only for the stages placed there."""
+    def labels(site: str, running: list[str] | None) -> list[str]:
+        cfg = load_config("micro", [f"site.name={site}"])
+        return [e.label for e in make_parsl_config(cfg, tmp_path, running=running).executors]
+
+    assert labels("local", None) == labels("local", ["train"]) == ["cpu", "train"]
+    assert labels("local", ["tokenize"]) == labels("local", ["tokenize", "plan"]) == ["cpu"]
+    assert labels("local", ["evaluate"]) == ["cpu", "train"]
+    assert labels("slurm", None) == ["cpu", "compute", "train"]
+    assert labels("slurm", ["tokenize"]) == ["cpu", "compute"]
+    assert labels("slurm", ["plan"]) == ["cpu"]
+    assert labels("slurm", ["evaluate"]) == ["cpu", "train"]
+
+
 def test_slurm_ranks_command_turns_a_rank_refusal_into_the_user_error_exit(tmp_path):
     """The command's exit code, run by a real shell: a rank's rank-error.json means no retry."""
     cfg = load_config(None, ["site.name=slurm"])

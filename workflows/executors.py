@@ -79,9 +79,9 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
     """Build the Parsl config for ``cfg.site.name``: executors "cpu" and "train", and under
     slurm/frontier "compute".
 
-    ``running`` names the stages this invocation runs (default: all): the "train" block is
-    sized for those of them that use it, so ``--only evaluate`` asks for the evaluation's
-    nodes, not the training's.
+    ``running`` names the stages this invocation runs (default: all): only the executors
+    they use are made, and the "train" block is sized for those of them that use it, so
+    ``--only evaluate`` asks for the evaluation's nodes, not the training's.
 
     Parsl's own logs and submit scripts go under ``parsl_dir`` (default ``run_dir/parsl``);
     every driver passes its own, since two drivers sharing one mix them. Stage reuse is keyed by
@@ -90,12 +90,16 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
     training resumes from its last complete checkpoint.
     """
     site = cfg.site.name
+    # Only the executors the running stages use: --only tokenize starts no training
+    # executor (no interchange, no local worker pool).
+    ranks = bool(_allocation_stages(cfg, running))
     if site == "local":
-        executors = [cpu_executor(cfg), local_train_executor()]
+        executors = [cpu_executor(cfg), *([local_train_executor()] if ranks else [])]
     elif site in SLURM_SITES:
         check_site(cfg)
-        executors = [cpu_executor(cfg), compute_executor(cfg),
-                     slurm_train_executor(cfg, running)]
+        compute = any(shape.placement == COMPUTE for _, shape in stage_shapes(cfg, running))
+        executors = [cpu_executor(cfg), *([compute_executor(cfg)] if compute else []),
+                     *([slurm_train_executor(cfg, running)] if ranks else [])]
     else:  # SiteConfig already restricts the names; kept for a clear message.
         raise SiteError(f"site.name={site!r} is not one of local, slurm, frontier")
     return Config(
