@@ -135,13 +135,20 @@ class RankSpec:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def project_environment(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default this process's environment) with the project first on PYTHONPATH,
+    for a child started as ``python -m <project module>`` from any directory."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
 def rank_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     """The ranks' environment: one thread per rank, the project importable, no stale identity."""
-    env = dict(os.environ if base is None else base)
+    env = project_environment(base)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     env.update(rank_threads_env())
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model.planner.plan import Plan
 from model.planner.scaling import FRONTIER_NODES
 from stages.checks import (
     EVAL_BYTES_PER_PARAM,
@@ -65,27 +66,24 @@ def job_finding(what: str, cfg: PipelineConfig, nodes: int, walltime: str,
     return Finding(what, value)
 
 
-def _plan_of(cfg: PipelineConfig) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
-    """(plan fields with predictions, rehearsal records or None, where they came from): the
-    plan stage's published output for this config, else the planner's search."""
+def _plan_of(cfg: PipelineConfig) -> tuple[Plan, list[dict[str, Any]] | None, float | None, str]:
+    """(the plan, its rehearsal records or None, the device's GB or None, where it came
+    from): the plan stage's published output for this config, else the planner's search."""
     from stages import outputs
     from stages.selection import stage_keys
 
     found = outputs.find_succeeded(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
     if found is not None:
-        out = found.outputs
-        rehearsal = out.get("rehearsal")
+        rehearsal = found.outputs.get("rehearsal")
         records = json.loads(Path(rehearsal).read_text()) if rehearsal else None
-        return out, records, "the plan stage's output"
+        return Plan.from_json(found.outputs["plan"]), records, None, "the plan stage's output"
     from model.planner.cluster import load_cluster
     from stages import plan as plan_stage
 
     cluster = load_cluster(cfg.parallel.cluster)  # a cluster measured at plan time refuses
     plan, _ = plan_stage.choose(cfg.model, cfg.train, cluster, cfg.parallel.nproc,
                                 plan_stage.fixed_fields(cfg.parallel))
-    fields = {**plan.to_dict(), "cluster": cluster.name, "describe": plan.describe(),
-              "device_gb": cluster.memory_gb}
-    return fields, None, "the planner's search (not yet rehearsed)"
+    return plan, None, cluster.memory_gb, "the planner's search (not yet rehearsed)"
 
 
 def plan_findings(cfg: PipelineConfig) -> tuple[list[Finding], float | None]:
@@ -93,20 +91,18 @@ def plan_findings(cfg: PipelineConfig) -> tuple[list[Finding], float | None]:
     from model.planner.cluster import ClusterError
 
     try:
-        plan, records, source = _plan_of(cfg)
+        plan, records, device, source = _plan_of(cfg)
     except ClusterError:  # measured by a microbenchmark when the plan stage runs
         return [Finding("plan", f"parallel.cluster={cfg.parallel.cluster}", "warning",
                         "this cluster is measured where the plan stage runs: run it "
                         "(--only plan) to see the plan")], None
     except ValueError as error:  # no plan fits, or a bad plan setting: the plan stage says so
         return [Finding("plan", "none", "error", str(error))], None
-    predictions = plan.get("predictions") or {}
+    predictions = plan.predictions
     step = predicted_step_time(predictions)
-    layout = plan.get("describe") or " ".join(
-        f"{k}{plan[k]}" for k in ("tp", "pp", "dp") if k in plan)
+    layout = plan.describe()
     rows = [Finding("plan", f"{layout}: {step:.4g} s/step, MFU {predictions.get('mfu', 0):.0%} "
                     f"(from {source})" if step else f"{layout} (from {source})")]
-    device = plan.get("device_gb")
     modeled = predictions.get("memory_gb_per_device")
     if records:
         worst = max(records, key=lambda r: r["rehearsed_peak_memory_gb_with_margins"])

@@ -49,13 +49,13 @@ from typing import Any
 import psutil
 
 from stages import locks
+from stages.launch import project_environment
 
 POLL_S = 0.5  # how often the watchdog looks for its driver
 SNAPSHOT_S = 2.0  # how often it notes the driver's descendants
 GRACE_S = 5.0  # between SIGTERM and SIGKILL to the run's processes
 ROUNDS = 5  # sweeps at most, for processes started while the previous ones were stopped
 STOP_WAIT_S = 5.0  # a driver waits this long for its watchdog to exit
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(runs_dir: Path, tracking_uri: str, parent_run_id: str) -> subprocess.Popen:
@@ -64,9 +64,7 @@ def start(runs_dir: Path, tracking_uri: str, parent_run_id: str) -> subprocess.P
     command = [sys.executable, "-m", "workflows.watchdog", "--driver", str(os.getpid()),
                "--run", os.environ[locks.RUN_ENV], "--runs-dir", str(Path(runs_dir).resolve()),
                "--tracking-uri", tracking_uri, "--parent-run", parent_run_id]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+    return subprocess.Popen(command, env=project_environment(), stdin=subprocess.DEVNULL,
                             start_new_session=True)
 
 
