@@ -172,12 +172,25 @@ def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def read_rank_error(out_dir: str | Path) -> str | None:
-    """The message a rank left when it refused its input, or None."""
+def read_rank_error(out_dir: str | Path, log: str | Path | None = None) -> str | None:
+    """The message a rank left when it refused its input, or None.
+
+    From ``RANK_ERROR_FILE``; failing that (a full disk took no file), from the last line a
+    rank said it on in the ranks' ``log``.
+    """
     try:
         return str(json.loads((Path(out_dir) / RANK_ERROR_FILE).read_text())["message"])
     except (OSError, ValueError, KeyError):
+        pass
+    if log is None:
         return None
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    said = [line[len(RANK_MESSAGE_PREFIX):].strip() for line in lines
+            if line.startswith(RANK_MESSAGE_PREFIX)]
+    return said[-1] if said else None
 
 
 def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: str = "stage",

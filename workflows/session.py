@@ -205,7 +205,7 @@ def wait_for_stages(runs: dict[str, StageRun], ctx: attempts.PipelineContext, lo
         error = failures_mod.own_failure(run.futures)
         if error is None:  # only upstream stages failed: this one never ran
             continue
-        _fail_open_attempt(ctx, run.attempt, error)
+        _fail_open_attempt(ctx, run.attempt, error, run.ranks_log)
         failures.append(_describe_failure(run, error, runs_dir))
     if failures:
         raise PipelineFailed(failures)
@@ -221,7 +221,7 @@ def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> St
     if isinstance(error, BashExitFailure):
         from stages.launch import read_rank_error
 
-        rank_message = read_rank_error(work_dir)
+        rank_message = read_rank_error(work_dir, run.ranks_log)
         message = rank_message or f"the ranks exited with code {error.exitcode}"
     if isinstance(error, OSError) and error.errno in failures_mod.STORAGE_ERRNOS:
         message += (
@@ -233,7 +233,7 @@ def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> St
 
 
 def _fail_open_attempt(ctx: attempts.PipelineContext, begun: concurrent.futures.Future | None,
-                       error: BaseException) -> None:
+                       error: BaseException, ranks_log: str | None = None) -> None:
     """A multi-part stage whose ranks or parts failed: record it as failed."""
     if begun is None or not begun.done() or begun.exception() is not None:
         return
@@ -244,7 +244,7 @@ def _fail_open_attempt(ctx: attempts.PipelineContext, begun: concurrent.futures.
     if status and status["state"] == "running":
         from stages.launch import read_rank_error
 
-        said = read_rank_error(attempt.work_dir)
+        said = read_rank_error(attempt.work_dir, ranks_log)
         if said is not None:  # the rank's own reason, not only the launcher's exit code
             cause, error = error, RuntimeError(f"a rank failed: {said}")
             error.__cause__ = cause
