@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -353,6 +354,10 @@ def log_hf_model(
     import transformers
     from mlflow.models import infer_signature
 
+    # A local export has no hub model card or license to look up, and its loading and
+    # writing progress bars only repeat the stage's own lines: keep both off the console.
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("mlflow.transformers").setLevel(logging.ERROR)
     pipe = transformers.pipeline("text-generation", model=str(hf_dir), device="cpu")
     signature = infer_signature(
         ["def main("],

@@ -169,8 +169,14 @@ def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts
                                 [begun, *parts, result])
 
 
-def _tail_logs(log_dir: Path, offsets: dict[Path, int]) -> None:
-    """Print new lines of the apps' log files, prefixed with the log's name."""
+# Parsl's bash apps write their command line into their log between these two lines: it
+# stays in the log (what ran, for a post-mortem), not on the console.
+_COMMAND_ECHO = ("--> executable follows <--", "--> end executable <--")
+
+
+def _tail_logs(log_dir: Path, offsets: dict[Path, int], hiding: set[Path]) -> None:
+    """Print new lines of the apps' log files, prefixed with the log's name (``hiding``: the
+    logs inside a bash app's command echo)."""
     for path in sorted(log_dir.glob("*.log")):
         with open(path, "rb") as handle:
             handle.seek(offsets.get(path, 0))
@@ -180,22 +186,28 @@ def _tail_logs(log_dir: Path, offsets: dict[Path, int]) -> None:
             continue
         offsets[path] = offsets.get(path, 0) + complete
         for line in data[:complete].decode(errors="replace").splitlines():
-            print(f"[{path.stem}] {line}", flush=True)
+            if line.strip() == _COMMAND_ECHO[0]:
+                hiding.add(path)
+            elif line.strip() == _COMMAND_ECHO[1]:
+                hiding.discard(path)
+            elif path not in hiding:
+                print(f"[{path.stem}] {line}", flush=True)
 
 
 def wait_for_stages(runs: dict[str, StageRun], ctx: attempts.PipelineContext, log_dir: Path,
                     runs_dir: Path) -> dict[str, StageResult]:
     """Wait for every stage, tailing logs; report each failed stage's own error."""
     offsets: dict[Path, int] = {}
+    hiding: set[Path] = set()
     pending = {name: run.result for name, run in runs.items() if run.futures}
     started = time.time()
     while pending:
-        _tail_logs(log_dir, offsets)
+        _tail_logs(log_dir, offsets, hiding)
         for name in [n for n, f in pending.items() if f.done()]:
             outcome = "failed" if pending.pop(name).exception() else "done"
             print(f"[pipeline] {name} {outcome} at +{time.time() - started:.1f}s", flush=True)
         time.sleep(0.5)
-    _tail_logs(log_dir, offsets)
+    _tail_logs(log_dir, offsets, hiding)
     done: dict[str, StageResult] = {}
     failures: list[StageFailure] = []
     for name, run in runs.items():
