@@ -130,11 +130,12 @@ class SiteConfig:
     qos: str | None = None
     """Slurm QOS."""
     walltime: str = "00:30:00"
-    """Slurm walltime of the training block (the allocation), HH:MM:SS; also of the compute
-    block unless ``compute_walltime`` is set."""
+    """Slurm walltime of the training block (its allocation), HH:MM:SS; also of the other
+    blocks unless ``compute_walltime`` is set."""
     compute_walltime: str | None = None
-    """Slurm walltime of the compute (tokenize) block, HH:MM:SS; None: ``walltime``. On
-    Frontier a small job's bin allows less than a large one's (2 h below 92 nodes)."""
+    """Slurm walltime of the compute (tokenize) block and of the evaluation's allocation,
+    HH:MM:SS; None: ``walltime``. On Frontier a small job's bin allows less than a large
+    one's (2 h below 92 nodes)."""
     worker_init: str = ""
     """Shell lines run before workers start (module loads, conda activate)."""
     conda_env: str | None = None

@@ -35,6 +35,9 @@ def test_the_frontier_presets_have_no_errors(preset: str) -> None:
     assert [name for name, row in rows.items() if row.verdict == "error"] == []
     assert rows["evaluation"].value.endswith("no process holds the whole model")
     assert "bin 3" in rows["training job"].value or "bin 4" in rows["training job"].value
+    # the evaluation, in the training layout, asks for the training's nodes in a job of its own
+    cfg = load_config(f"configs/{preset}.yaml")
+    assert rows["evaluation job"].value.startswith(f"{cfg.parallel.nodes} node(s) x 02:00:00")
     assert "s/step" in rows["plan"].value
     # The hub corpus has no budget in the presets: a warning that names the setting.
     assert rows["corpus"].verdict == "warning" and "data.max_documents" in rows["corpus"].fix

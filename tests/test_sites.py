@@ -28,12 +28,13 @@ from stages.shape import RANKS, StageShape
 from workflows.dry_run import batch_script, dry_run_text, srun_line
 from workflows.executors import (
     BIN_DIR,
+    allocation_label,
+    allocation_provider,
     app_resource_spec,
     compute_provider,
     executor_label,
     interchange_command,
     make_parsl_config,
-    slurm_provider,
     worker_init,
 )
 from workflows.frontier import SiteError, check_site
@@ -142,7 +143,11 @@ def test_dry_run_shows_the_blocks_and_each_ranks_stage():
     assert f"3 node(s) x {workers} workers" in where["tokenize"]
     assert where["plan"] == "one app: login node ('cpu' executor)"
     assert where["train"].startswith("prepare, finalize: login node")
-    assert where["evaluate"].startswith("prepare, finalize: allocation ('train' executor")
+    assert where["evaluate"].startswith("prepare, finalize: its allocation ('evaluate' "
+                                        "executor")
+    assert "#SBATCH --job-name=parsl.evaluate.block-0\n" in text  # its own block, one node
+    evaluate_script = text[text.index("# --- batch script for the evaluate allocation"):]
+    assert "#SBATCH --nodes=1\n" in evaluate_script.split("# --- batch script for")[1]
     local = dry_run_text(load_config(None), RUN_DIR)
     assert "train runs torchrun --nproc-per-node 2" in local and "\n" not in local
     assert "evaluate" not in local  # one evaluation rank runs inside its Python app
@@ -221,7 +226,7 @@ def test_slurm_config(tmp_path):
     ])
     config = make_parsl_config(cfg, tmp_path)
     by_label = {e.label: e for e in config.executors}
-    assert set(by_label) == {"cpu", "compute", "train"}
+    assert set(by_label) == {"cpu", "compute", "train", "evaluate"}
     assert type(by_label["cpu"]) is HighThroughputExecutor
     assert isinstance(by_label["cpu"].provider, LocalProvider)
     assert by_label["cpu"].address == "127.0.0.1"
@@ -247,22 +252,32 @@ def test_slurm_config(tmp_path):
         ranks_resource_spec(cfg, StageShape(RANKS, nproc=3, nodes=2, worker=TRAIN.worker))
 
 
-def test_the_allocation_is_sized_for_the_stages_that_run(tmp_path):
-    """Evaluating alone asks for the evaluation's node and ranks, not the training's."""
+def test_each_allocation_is_sized_for_its_stage(tmp_path):
+    """Training and evaluation each get a block of their own size: an evaluation on one node
+    never holds the training's nodes, and evaluating alone asks for its node only. Only the
+    training's block has Slurm's signal ahead of the end; the evaluation's runs for
+    site.compute_walltime."""
     cfg = load_config(None, ["site.name=slurm", "parallel.nproc=8", "parallel.nodes=4",
-                             "eval.ranks=3"])
+                             "eval.ranks=3", "site.walltime=04:00:00",
+                             "site.compute_walltime=00:20:00"])
 
-    def block(running):
+    def blocks(running):
         config = make_parsl_config(cfg, tmp_path, running=running)
-        provider = next(e for e in config.executors if e.label == "train").provider
-        return provider.nodes_per_block, provider.cores_per_node
+        return {e.label: (e.provider.nodes_per_block, e.provider.cores_per_node)
+                for e in config.executors if e.label in ("train", "evaluate")}
 
-    assert block(None) == (4, 3)  # training: 4 nodes x 2 ranks; evaluation: 3 on one node
-    assert block(["plan", "train"]) == (4, 2)
-    assert block(["evaluate"]) == (1, 3)
+    # training: 4 nodes x 2 ranks; evaluation: 3 ranks on one node
+    assert blocks(None) == {"train": (4, 2), "evaluate": (1, 3)}
+    assert blocks(["plan", "train"]) == {"train": (4, 2)}
+    assert blocks(["evaluate"]) == {"evaluate": (1, 3)}
+    train, evaluate = allocation_provider(cfg, "train"), allocation_provider(cfg, "evaluate")
+    assert (train.walltime, evaluate.walltime) == ("04:00:00", "00:20:00")
+    assert "#SBATCH --signal=USR1@" in train.scheduler_options
+    assert "--signal" not in evaluate.scheduler_options
     single = load_config(None, ["site.name=slurm", "parallel.nproc=8", "parallel.nodes=4"])
-    provider = slurm_provider(single, ["evaluate"])  # one process, in the allocation
+    provider = allocation_provider(single, "evaluate")  # one process, in its own allocation
     assert (provider.nodes_per_block, provider.cores_per_node) == (1, 1)
+    assert provider.walltime == single.site.walltime  # no compute_walltime: the site's
 
 
 def test_only_the_executors_the_running_stages_use_are_made(tmp_path):
@@ -275,10 +290,10 @@ def test_only_the_executors_the_running_stages_use_are_made(tmp_path):
     assert labels("local", None) == labels("local", ["train"]) == ["cpu", "train"]
     assert labels("local", ["tokenize"]) == labels("local", ["tokenize", "plan"]) == ["cpu"]
     assert labels("local", ["evaluate"]) == ["cpu", "train"]
-    assert labels("slurm", None) == ["cpu", "compute", "train"]
+    assert labels("slurm", None) == ["cpu", "compute", "train", "evaluate"]
     assert labels("slurm", ["tokenize"]) == ["cpu", "compute"]
     assert labels("slurm", ["plan"]) == ["cpu"]
-    assert labels("slurm", ["evaluate"]) == ["cpu", "train"]
+    assert labels("slurm", ["evaluate"]) == ["cpu", "evaluate"]
 
 
 def test_slurm_ranks_command_turns_a_rank_refusal_into_the_user_error_exit(tmp_path):
@@ -347,8 +362,9 @@ def test_eval_ranks_use_the_same_launch_lines():
         "num_nodes": 1, "ranks_per_node": 3, "num_ranks": 3,
         "launcher_options": "--cpus-per-task=1",
     }
-    # A non-exclusive job asks for enough CPUs per node for either set of ranks.
-    assert slurm_provider(slurm).cores_per_node == 3
+    # A non-exclusive job asks for a CPU per rank on a node, each for its own ranks.
+    assert allocation_provider(slurm, "evaluate").cores_per_node == 3
+    assert allocation_provider(slurm, "train").cores_per_node == 2
     command = ranks_command(slurm, _spec(3, worker=EVALUATE.worker), "/r/spec.json")
     assert _launch(command) == (
         f"$PARSL_MPI_PREFIX {sys.executable} -m stages.eval_worker --spec /r/spec.json"
@@ -401,20 +417,25 @@ def test_compute_block_is_a_slurm_job_of_tokenize_nodes_with_a_pool_per_node(tmp
 
 def test_each_stage_runs_where_its_placement_says():
     """Locally every Python app is on "cpu"; under Slurm tokenize fans out on the compute
-    block, evaluation runs in the allocation, plan and train's own apps on the login node."""
+    block, evaluation runs in its own allocation, plan and train's own apps on the login
+    node. The ranks of both run locally on the one "train" worker, under Slurm each in its
+    stage's allocation."""
     stages = {"tokenize": TOKENIZE, "plan": PLAN, "train": TRAIN, "evaluate": EVALUATE}
     expected = {"local": dict.fromkeys(stages, "cpu"),
                 "slurm": {"tokenize": "compute", "plan": "cpu", "train": "cpu",
-                          "evaluate": "train"}}
+                          "evaluate": "evaluate"}}
     expected["frontier"] = expected["slurm"]
     for site, labels in expected.items():
         for ranks in (1, 2):
             cfg = load_config(None, [f"site.name={site}", f"eval.ranks={ranks}"])
-            got = {name: executor_label(cfg, stage.shape(cfg).placement)
+            got = {name: executor_label(cfg, name, stage.shape(cfg).placement)
                    for name, stage in stages.items()}
             assert got == labels, (site, ranks)
+            ranks_on = {name: allocation_label(cfg, name) for name in ("train", "evaluate")}
+            assert ranks_on == ({"train": "train", "evaluate": "train"} if site == "local"
+                                else {"train": "train", "evaluate": "evaluate"}), site
     with pytest.raises(SiteError, match="unknown stage placement 'gpu'"):
-        executor_label(load_config(None), "gpu")
+        executor_label(load_config(None), "evaluate", "gpu")
     with pytest.raises(ValueError, match="unknown stage placement"):
         StageShape("single", placement="anywhere")
 
@@ -422,12 +443,13 @@ def test_each_stage_runs_where_its_placement_says():
 def test_python_apps_in_the_allocation_carry_the_resource_spec_the_mpi_executor_needs(tmp_path):
     cfg = load_config(None, ["site.name=slurm", "site.address=10.1.2.3"])
     by_label = {e.label: e for e in make_parsl_config(cfg, tmp_path).executors}
-    mpi = by_label["train"]
-    with pytest.raises(InvalidResourceSpecification):
-        mpi.validate_resource_spec({})  # a Python app without one would be refused
-    spec = app_resource_spec(cfg, "train")
-    mpi.validate_resource_spec(dict(spec))
-    assert spec["num_nodes"] == 1  # one node of the block: the app runs on its first node
+    for label in ("train", "evaluate"):
+        mpi = by_label[label]
+        with pytest.raises(InvalidResourceSpecification):
+            mpi.validate_resource_spec({})  # a Python app without one would be refused
+        spec = app_resource_spec(cfg, label)
+        mpi.validate_resource_spec(dict(spec))
+        assert spec["num_nodes"] == 1  # one node of the block: the app runs on its first node
     for label in ("cpu", "compute"):
         assert app_resource_spec(cfg, label) == {}
         by_label[label].validate_resource_spec({})
@@ -457,13 +479,14 @@ def test_frontier_compute_batch_script_golden():
 
 
 def test_frontier_two_node_dry_run_golden():
-    """The whole Slurm part of a 2-node Frontier dry run: where each stage runs, both
-    blocks' scripts, the training and evaluation ranks' srun lines."""
+    """The whole Slurm part of a 2-node Frontier dry run: where each stage runs, the three
+    blocks' scripts (training, evaluation, compute), the training and evaluation ranks'
+    srun lines."""
     cfg = load_config(None, FRONTIER_OVERRIDES + ["site.tokenize_nodes=4", "eval.ranks=8"])
     assert cfg.parallel.nodes == 2
     text = _normalise(dry_run_text(cfg, RUN_DIR))
     _check_golden("frontier_dry_run.txt", text)
-    assert text.count("#!/bin/bash") == 2 and "#SBATCH --nodes=2\n" in text
+    assert text.count("#!/bin/bash") == 3 and "#SBATCH --nodes=2\n" in text
     assert "--nodelist <node0>,<node1> --nodes 2" in text
 
 

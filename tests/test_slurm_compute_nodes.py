@@ -1,10 +1,10 @@
-"""Tokenization on the compute nodes and evaluation in the training allocation, on the
+"""Tokenization on the compute nodes and evaluation in an allocation of its own, on the
 multi-node test cluster (``.ci/start_slurm.sh --nodes 2``).
 
 One micro pipeline with ``--site slurm site.tokenize_nodes=2`` and 4 input shards: the
 tokenize stage's apps run on the "compute" executor, a Slurm job of both nodes with one
 Parsl worker pool per node, and each shard records the host that encoded it; evaluation
-runs on the "train" executor, in the training block. Checked: both nodes encoded shards and
+runs on the "evaluate" executor, in a block of its own. Checked: both nodes encoded shards and
 the login node none (part records and manifest agree), the store's tokens equal the same
 configuration tokenized in this process, the compute block was one Slurm job, and the
 evaluation report was written on a compute node.
@@ -14,7 +14,6 @@ Skipped, with the reason, unless the cluster has two or more nodes.
 from __future__ import annotations
 
 import json
-import re
 import socket
 from collections import Counter
 from pathlib import Path
@@ -30,6 +29,7 @@ from tests.test_data_common import make_tracker
 from tests.test_slurm_launch import slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import multinode  # noqa: F401 - fixture
 from tests.test_slurm_pipeline import (
+    block_jobs,
     jobcomp_states,
     start_cli,
     wait_cli,
@@ -52,13 +52,6 @@ def stage_dir(runs_dir: Path, name: str) -> Path:
     return dirs[0]
 
 
-def block_jobs(runs_dir: Path, label: str) -> list[str]:
-    """Slurm job ids of an executor's blocks in this run (from Parsl's log)."""
-    pattern = rf"\[Scaling executor {label}\] Launched block \d+ with job ID (\d+)"
-    return [job for log in runs_dir.glob("parsl/**/parsl.log")
-            for job in re.findall(pattern, log.read_text())]
-
-
 def split_tokens(store_path: Path) -> dict[str, np.ndarray]:
     """Every token of each split, in order."""
     info = open_store(store_path)
@@ -67,7 +60,7 @@ def split_tokens(store_path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.timeout(1200)
-def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_the_allocation(
+def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_its_allocation(
         multinode, tmp_path, seed_microbench, seed_store):  # noqa: F811
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()
@@ -96,7 +89,7 @@ def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_the_allocation(
         f"{host} ({counts[host]})" for host in sorted(counts)) in output
 
     # The compute block was one Slurm job of both nodes, named after its executor.
-    jobs = block_jobs(runs_dir, "compute")
+    jobs = list(block_jobs(runs_dir, "compute").values())
     assert len(jobs) == 1, jobs
     wait_for_slurm_to_finish(jobs)
     name, _ = jobcomp_states().get(jobs[0], ("?", "?"))
@@ -119,7 +112,7 @@ def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_the_allocation(
                           for p in manifest["splits"][split]["parts"]]
         assert {p["host"] for p in local_manifest["splits"][split]["parts"]} == {login}
 
-    # Evaluation ran in the allocation: its report was written on a compute node.
+    # Evaluation ran in its allocation: its report was written on a compute node.
     report = json.loads((stage_dir(runs_dir, "evaluate") / "report.json").read_text())
     assert report["host"] in nodes, report["host"]
     assert report["tokens"] > 0

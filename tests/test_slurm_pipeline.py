@@ -80,23 +80,35 @@ def wait_cli(proc: subprocess.Popen, runs_dir: Path, timeout: float) -> str:
     return output
 
 
-def train_block_jobs(runs_dir: Path) -> dict[str, str]:
-    """Slurm job name -> job id of this run's training blocks (from Parsl's log)."""
+def block_jobs(runs_dir: Path, label: str) -> dict[str, str]:
+    """Block number -> Slurm job id of this run's blocks of executor ``label`` (from Parsl's
+    log)."""
     jobs = {}
+    pattern = rf"\[Scaling executor {label}\] Launched block (\d+) with job ID (\d+)"
     for log in runs_dir.glob("parsl/**/parsl.log"):  # parsl/<driver>/<run>/parsl.log
-        for block, job in re.findall(
-            r"\[Scaling executor train\] Launched block (\d+) with job ID (\d+)", log.read_text()
-        ):
+        for block, job in re.findall(pattern, log.read_text()):
             jobs[block] = job
     return jobs
 
 
+def train_block_jobs(runs_dir: Path) -> dict[str, str]:
+    """Block number -> Slurm job id of this run's training blocks."""
+    return block_jobs(runs_dir, "train")
+
+
 def jobcomp_states() -> dict[str, tuple[str, str]]:
     """Job id -> (name, state) for every finished job, as recorded by slurmctld."""
-    out = subprocess.run(["sacct", "-c", "--noheader", "-P", "-o", "JobID,JobName,State"],
+    return {job: (name, state) for job, (name, state, _, _) in jobcomp_records().items()}
+
+
+def jobcomp_records() -> dict[str, tuple[str, str, str, str]]:
+    """Job id -> (name, state, start, end) for every finished job, as recorded by slurmctld
+    (times as ISO 8601 text, which sorts in time order)."""
+    out = subprocess.run(["sacct", "-c", "--noheader", "-P", "-o",
+                          "JobID,JobName,State,Start,End"],
                          capture_output=True, text=True, timeout=30, check=True).stdout
     rows = [line.split("|") for line in out.splitlines() if line.strip()]
-    return {row[0]: (row[1], row[2]) for row in rows}
+    return {row[0]: (row[1], row[2], row[3], row[4]) for row in rows}
 
 
 def srun_steps(job_id: str) -> list[str]:
@@ -143,15 +155,21 @@ def test_micro_pipeline_trains_through_srun(slurm_runs_dir):
     for name, run in children.items():
         assert run.info.status == "FINISHED", (name, output[-3000:])
 
-    # Slurm ran the training block as a batch job, and the ranks as an srun step in it.
-    jobs = train_block_jobs(runs_dir)
-    assert list(jobs) == ["0"], jobs
-    job_id = jobs["0"]
-    wait_for_slurm_to_finish([job_id])
-    name, _ = jobcomp_states()[job_id]
-    assert name.startswith("parsl.train.block-0"), name
-    # Two srun steps: the training ranks, then the evaluation ranks.
-    assert len(set(srun_steps(job_id))) == 2, f"job {job_id}: steps {srun_steps(job_id)}"
+    # Slurm ran the training block as a batch job, and the ranks as an srun step in it; the
+    # evaluation ran in a job of its own, with its ranks as its one srun step, and the
+    # training's job was handed back when training was done, not held through evaluation.
+    jobs, evaluation = train_block_jobs(runs_dir), block_jobs(runs_dir, "evaluate")
+    assert list(jobs) == ["0"] and list(evaluation) == ["0"], (jobs, evaluation)
+    job_id, eval_id = jobs["0"], evaluation["0"]
+    wait_for_slurm_to_finish([job_id, eval_id])
+    records = jobcomp_records()
+    name, state, _, train_end = records[job_id]
+    assert name.startswith("parsl.train.block-0") and state == "CANCELLED", records[job_id]
+    eval_name, _, eval_start, _ = records[eval_id]
+    assert eval_name.startswith("parsl.evaluate.block-0"), eval_name
+    assert train_end <= eval_start, (records[job_id], records[eval_id])
+    assert srun_steps(job_id) == ["0"] and srun_steps(eval_id) == ["0"], (
+        srun_steps(job_id), srun_steps(eval_id))
     assert children["evaluate"].data.metrics["eval_ranks"] == 2
     evaluate_dir = Path(children["evaluate"].data.tags["out_dir"])
     report = json.loads((evaluate_dir / "report.json").read_text())

@@ -40,7 +40,7 @@ CHAIN_SETTINGS = [
     "parallel.tp=1", "parallel.pp=1", "parallel.sharding=ddp",
     f"train.steps={STEPS}", "train.checkpoint_every=0", "train.log_every=20",
     "site.walltime=00:02:00", "site.save_before_end_s=40", "site.heartbeat_threshold=30",
-    # One retry: an evaluation that starts in the last training job may meet its walltime;
+    # One retry: the evaluation's own job may meet its 2-minute walltime on a busy box;
     # the chain itself spends none (checked below).
     "site.retries=1", "eval.max_tokens=256",
 ]

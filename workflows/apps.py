@@ -2,10 +2,11 @@
 
 Single-app stages, and the prepare / part / finalize steps of multi-part stages, run as
 Python apps on the executor of the stage's placement (``workflows.executors.executor_label``:
-"cpu" locally; "cpu", "compute" or "train" under Slurm); the ranks of a ranks stage run as
-one bash app on the "train" executor (``stages.launch`` locally, ``$PARSL_MPI_PREFIX``
-under Slurm). Parsl fixes an app's executors when the app is made, so each Python app is
-made once per executor label here (``apps_on``), from one plain function. Every python app
+"cpu" locally; "cpu", "compute" or the stage's own allocation under Slurm); the ranks of a
+ranks stage run as one bash app on the executor of its allocation
+(``workflows.executors.allocation_label``: ``stages.launch`` locally, ``$PARSL_MPI_PREFIX``
+under Slurm). Parsl fixes an app's executors when the app is made, so each app is made once
+per executor label here (``apps_on``, ``ranks_app_on``), from one plain function. Every python app
 sends its prints to a log file that the driver tails, since worker output is otherwise only
 in Parsl's worker logs. No app knows a stage by name.
 """
@@ -104,7 +105,6 @@ def finish_app(ctx, name: str, cfg, attempt, log_path: str, *parts, after=None,
         return attempts.finish(ctx, attempt, outputs)
 
 
-@bash_app(executors=["train"])
 def ranks_app(cfg, attempt, stdout=None, stderr=None, parsl_resource_specification=None):
     """The shell command that starts every rank from the spec the stage's ``prepare`` wrote
     (``true`` when the stage is reused)."""
@@ -133,6 +133,14 @@ _APPS = {
 }
 
 
+_RANKS_APPS = {label: bash_app(ranks_app, executors=[label]) for label in EXECUTOR_LABELS}
+
+
 def apps_on(label: str) -> StageApps:
     """The Python apps bound to executor ``label`` (made once, at import)."""
     return _APPS[label]
+
+
+def ranks_app_on(label: str) -> Any:
+    """The bash app that starts a stage's ranks on executor ``label`` (made once, at import)."""
+    return _RANKS_APPS[label]

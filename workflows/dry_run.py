@@ -21,8 +21,19 @@ from parsl.utils import wtime_to_minutes
 from stages.config import PipelineConfig
 from stages.launch import RankSpec
 from stages.shape import RANKS, StageShape
-from workflows.executors import compute_executor, executor_label, slurm_train_executor
-from workflows.frontier import check_site, ranks_stages, runs_dir_problem, stage_shapes
+from workflows.executors import (
+    allocation_label,
+    compute_executor,
+    executor_label,
+    slurm_allocation_executor,
+)
+from workflows.frontier import (
+    allocation_stages,
+    check_site,
+    ranks_stages,
+    runs_dir_problem,
+    stage_shapes,
+)
 from workflows.ranks import ranks_command, ranks_layout, ranks_resource_spec
 
 
@@ -56,16 +67,19 @@ def _worker_pool_command(executor: HighThroughputExecutor) -> str:
 
 
 def batch_script(cfg: PipelineConfig, run_dir: Path, label: str = "train") -> str:
-    """The sbatch script Parsl's SlurmProvider writes for a block (not submitted): the
-    "train" block (the ranks' allocation) or the "compute" block.
+    """The sbatch script Parsl's SlurmProvider writes for a block (not submitted): a stage's
+    allocation ("train", "evaluate") or the "compute" block.
 
     Rendered from the provider's own template, #SBATCH options, worker_init and launcher,
     exactly as ``SlurmProvider.submit`` fills them, with the job name's timestamp left out.
     """
-    executor = slurm_train_executor(cfg) if label == "train" else compute_executor(cfg)
+    if label == "compute":
+        executor = compute_executor(cfg)
+    else:
+        executor = slurm_allocation_executor(cfg, label)
     provider = executor.provider
     assert isinstance(provider, SlurmProvider)
-    # One worker pool per node: the train block's on its first node (ranks come from srun
+    # One worker pool per node: an allocation's on its first node (ranks come from srun
     # inside it), the compute block's on every node (srun starts one per node).
     tasks_per_node = 1
     scheduler_options = provider.scheduler_options
@@ -110,8 +124,8 @@ def _where(cfg: PipelineConfig, label: str) -> str:
     if label == "compute":
         return (f"compute block ('compute' executor, {cfg.site.tokenize_nodes} node(s) x "
                 f"{cfg.site.max_workers} workers)")
-    if label == "train":
-        return "allocation ('train' executor, first node of the ranks' block)"
+    if label != "cpu":
+        return f"its allocation ('{label}' executor, the block's first node)"
     return "login node ('cpu' executor)"
 
 
@@ -119,11 +133,11 @@ def placement_lines(cfg: PipelineConfig) -> list[str]:
     """Where each stage's apps run under ``cfg``'s site, one line per stage."""
     lines = []
     for name, shape in stage_shapes(cfg):
-        where = _where(cfg, executor_label(cfg, shape.placement))
+        where = _where(cfg, executor_label(cfg, name, shape.placement))
         if shape.kind == RANKS:
             nodes, per_node = ranks_layout(shape)
             line = (f"prepare, finalize: {where}; ranks: {nodes} node(s) x {per_node}, "
-                    "allocation ('train' executor)")
+                    f"its allocation ('{allocation_label(cfg, name)}' executor)")
         elif shape.parts:
             line = f"prepare, {shape.parts} parts, finalize: {where}"
         else:
@@ -155,14 +169,13 @@ def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
     site = cfg.site
     problem = runs_dir_problem(cfg)
     parts = [f"# warning: a run refuses this: {problem}"] if problem else []
-    parts += [
-        "# --- where each stage's apps run ---",
-        *placement_lines(cfg),
-        f"# --- batch script for the allocation, the ranks block (sbatch, {cfg.parallel.nodes} "
-        f"node(s)) ---\n{batch_script(cfg, run_dir, 'train')}",
-        f"# --- batch script for the compute block (sbatch, {site.tokenize_nodes} node(s) x "
-        f"{site.max_workers} workers) ---\n{batch_script(cfg, run_dir, 'compute')}",
-    ]
+    parts += ["# --- where each stage's apps run ---", *placement_lines(cfg)]
+    for name, shape in allocation_stages(cfg):
+        parts.append(f"# --- batch script for the {name} allocation (sbatch, {shape.nodes} "
+                     f"node(s)) ---\n{batch_script(cfg, run_dir, name)}")
+    parts.append(f"# --- batch script for the compute block (sbatch, {site.tokenize_nodes} "
+                 f"node(s) x {site.max_workers} workers) ---\n"
+                 f"{batch_script(cfg, run_dir, 'compute')}")
     for name, shape in stages:
         nodes, per_node = ranks_layout(shape)
         parts.append(

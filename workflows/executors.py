@@ -11,20 +11,26 @@ The executors:
   (``SrunLauncher``), for the stages placed on compute nodes (tokenize: prepare, every
   shard, finalize). Its workers connect back to the interchange on the login node at
   ``site.address``, encrypted.
-- ``train``: where the multi-rank apps run (the training ranks, then the evaluation
-  ranks when eval.ranks > 1). Locally a one-worker HTEX whose bash app calls ``torchrun``;
-  on Slurm sites an ``MPIExecutor`` whose block is a Slurm job and whose apps launch the
-  ranks with ``$PARSL_MPI_PREFIX`` (an ``srun`` line Parsl composes from the task's resource
-  specification). Under Slurm the stages placed in the allocation (evaluate: prepare,
-  ranks, finalize with generations, export, lm-eval and plots) run their Python apps here
-  too, on the block's first node, one app at a time (``max_workers_per_block=1``; each
-  stage's apps depend on each other, so they never wait for a worker they hold). Both
-  stages' ranks are launched by one command builder (``workflows.ranks.ranks_command``),
-  so they start the same way on every site.
+- the allocations, where the multi-rank apps run. Locally one executor, ``train``: a
+  one-worker HTEX whose bash app calls ``torchrun`` for every ranks stage. On Slurm sites
+  each stage with ranks or placed in an allocation has a block of its own, sized for it and
+  labelled with the stage's name: ``train`` (the training ranks; ``parallel.nodes`` nodes,
+  ``site.walltime``, Slurm's signal ahead of the end) and ``evaluate`` (its ranks, or its one
+  process, and its Python apps: prepare, finalize with generations, export, lm-eval and
+  plots; the evaluation's nodes, ``site.compute_walltime``). Each is an ``MPIExecutor`` whose
+  block is a Slurm job and whose apps launch the ranks with ``$PARSL_MPI_PREFIX`` (an
+  ``srun`` line Parsl composes from the task's resource specification); Python apps run on
+  the block's first node, one at a time (``max_workers_per_block=1``; a stage's apps depend
+  on each other, so they never wait for a worker they hold). A block is submitted when its
+  stage's first app is ready and handed back as soon as the stage is done
+  (``hand_back_allocation``), so an evaluation on one node never holds the training's
+  nodes. Every stage's ranks are launched by one command builder
+  (``workflows.ranks.ranks_command``), so they start the same way on every site.
 
 A stage says where its Python apps run by its shape's ``placement`` (stages.shape:
-login, compute, allocation); ``executor_label`` is the one place that maps a placement to
-an executor for a site. Only the driver, the plan stage, train's prepare / finalize and
+login, compute, allocation); ``executor_label`` is the one place that maps a stage's
+placement to an executor for a site, ``allocation_label`` the one that names the executor of
+its ranks. Only the driver, the plan stage, train's prepare / finalize and
 MLflow's SQLite writes of those stay on the login node.
 
 All site settings come from ``cfg.site`` (stages/config.py SiteConfig), so moving between a
@@ -50,7 +56,8 @@ from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
 from stages.config import PipelineConfig
-from stages.shape import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS, RANKS, StageShape
+from stages.registry import STAGES, declaration
+from stages.shape import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS
 from workflows.failures import retry_cost
 from workflows.frontier import (
     FRONTIER_MODULES,
@@ -58,6 +65,7 @@ from workflows.frontier import (
     NODE_LOCAL_CONSTRAINT,
     SLURM_SITES,
     SiteError,
+    allocation_stages,
     check_site,
     node_local_env_lines,
     stage_shapes,
@@ -67,21 +75,25 @@ from workflows.ranks import project_pythonpath
 BIN_DIR = Path(sys.executable).parent
 """The interpreter's bin/: holds Parsl's interchange.py and process_worker_pool.py, torchrun."""
 
-SLURM_PLACEMENT_EXECUTORS = {LOGIN: "cpu", COMPUTE: "compute", ALLOCATION: "train"}
-"""Under slurm/frontier: a stage's placement -> the executor its Python apps run on."""
+LOCAL_RANKS_LABEL = "train"
+"""Locally, the one executor that starts every ranks stage's torchrun."""
 
-EXECUTOR_LABELS = ("cpu", "compute", "train")
-"""Every executor label a site may have ("compute" only under slurm/frontier)."""
+ALLOCATION_LABELS = tuple(stage.name for stage in STAGES if stage.worker)
+"""Under slurm/frontier: the executors of the stages that may run ranks or apps in an
+allocation, each labelled with its stage's name ("train", "evaluate")."""
+
+EXECUTOR_LABELS = ("cpu", "compute", *dict.fromkeys((LOCAL_RANKS_LABEL, *ALLOCATION_LABELS)))
+"""Every executor label a site may have ("compute" and "evaluate" only under slurm/frontier)."""
 
 
 def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None = None,
                       running: Collection[str] | None = None) -> Config:
-    """Build the Parsl config for ``cfg.site.name``: executors "cpu" and "train", and under
-    slurm/frontier "compute".
+    """Build the Parsl config for ``cfg.site.name``: executor "cpu", locally "train" for
+    every stage's ranks, under slurm/frontier "compute" and one block per allocation stage
+    ("train", "evaluate").
 
     ``running`` names the stages this invocation runs (default: all): only the executors
-    they use are made, and the "train" block is sized for those of them that use it, so
-    ``--only evaluate`` asks for the evaluation's nodes, not the training's.
+    they use are made, so ``--only evaluate`` asks for the evaluation's block alone.
 
     Parsl's own logs and submit scripts go under ``parsl_dir`` (default ``run_dir/parsl``);
     every driver passes its own, since two drivers sharing one mix them. Stage reuse is keyed by
@@ -92,14 +104,14 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
     site = cfg.site.name
     # Only the executors the running stages use: --only tokenize starts no training
     # executor (no interchange, no local worker pool).
-    ranks = bool(_allocation_stages(cfg, running))
+    allocations = allocation_stages(cfg, running)
     if site == "local":
-        executors = [cpu_executor(cfg), *([local_train_executor()] if ranks else [])]
+        executors = [cpu_executor(cfg), *([local_train_executor()] if allocations else [])]
     elif site in SLURM_SITES:
         check_site(cfg)
         compute = any(shape.placement == COMPUTE for _, shape in stage_shapes(cfg, running))
         executors = [cpu_executor(cfg), *([compute_executor(cfg)] if compute else []),
-                     *([slurm_train_executor(cfg, running)] if ranks else [])]
+                     *(slurm_allocation_executor(cfg, name) for name, _ in allocations)]
     else:  # SiteConfig already restricts the names; kept for a clear message.
         raise SiteError(f"site.name={site!r} is not one of local, slurm, frontier")
     return Config(
@@ -197,7 +209,25 @@ def end_blocks(task_record: dict[str, Any]) -> None:
     (no task reaches them) and cancels the job; a new block is submitted for the retry.
     Local blocks, and those of executors shared by many apps, are kept."""
     dfk, label = task_record.get("dfk"), task_record.get("executor")
-    executor = getattr(dfk, "executors", {}).get(label)
+    _scale_in_running(getattr(dfk, "executors", {}).get(label))
+
+
+def hand_back_allocation(label: str) -> None:
+    """Hand back the Slurm block of allocation ``label`` once its stage is done: nothing
+    else runs there, and Parsl would hold it until its idle timeout (two minutes of every
+    node of the allocation). Locally nothing is handed back."""
+    import parsl
+    from parsl.errors import NoDataFlowKernelError
+
+    try:
+        dfk = parsl.dfk()
+    except NoDataFlowKernelError:  # the driver is shutting Parsl down
+        return
+    _scale_in_running(dfk.executors.get(label))
+
+
+def _scale_in_running(executor: Any) -> None:
+    """Cancel the running blocks of a Slurm-backed MPIExecutor (others are left alone)."""
     if not isinstance(executor, MPIExecutor) or not isinstance(executor.provider, SlurmProvider):
         return
     # Only running blocks: a pending one is the replacement Parsl already asked for.
@@ -325,31 +355,25 @@ def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
     return lines
 
 
-def _allocation_stages(cfg: PipelineConfig,
-                       running: Collection[str] | None) -> list[StageShape]:
-    """Shapes of the stages in ``running`` (None: all) that use the "train" block: ranks
-    stages and stages placed in the allocation."""
-    return [shape for _, shape in stage_shapes(cfg, running)
-            if shape.kind == RANKS or shape.placement == ALLOCATION]
+def allocation_provider(cfg: PipelineConfig, stage: str) -> SlurmProvider:
+    """The SlurmProvider whose blocks (one Slurm job each) are stage ``stage``'s allocation.
 
-
-def slurm_provider(cfg: PipelineConfig, running: Collection[str] | None = None) -> SlurmProvider:
-    """The SlurmProvider whose blocks (one Slurm job each) host the training worker.
-
-    No block is submitted until the training app is ready (init_blocks=0), so the allocation
-    is not held while the light stages run. A block spans the most nodes that any stage of
-    ``running`` (None: all) run in it needs. A non-exclusive job asks for one CPU per rank
-    (or site.cores_per_node) so srun can place the ranks inside it: per node, the most ranks
-    any of those stages (training, evaluation) puts on one node.
+    No block is submitted until the stage's first app there is ready (init_blocks=0), so the
+    allocation is not held while other stages run. A block spans the stage's nodes; a
+    non-exclusive job asks for one CPU per rank on a node (or site.cores_per_node) so srun
+    can place the ranks inside it. A resumable stage (training) runs for ``site.walltime``
+    and gets Slurm's signal ahead of the end, to checkpoint and go on in the next job;
+    others (evaluation) run for ``site.compute_walltime`` when set.
     """
     site = cfg.site
-    exclusive = _exclusive(cfg)
-    shapes = _allocation_stages(cfg, running)
-    nodes = max([shape.nodes for shape in shapes], default=1)
+    shape = declaration(stage).shape(cfg)
     cores = site.cores_per_node
-    if cores is None and not exclusive:
-        cores = max([shape.ranks_per_node for shape in shapes], default=1)
-    return _block_provider(cfg, nodes, cores, SimpleLauncher(), stop_signal=True)
+    if cores is None and not _exclusive(cfg):
+        cores = shape.ranks_per_node
+    resumable = declaration(stage).resumable
+    walltime = site.walltime if resumable else (site.compute_walltime or site.walltime)
+    return _block_provider(cfg, shape.nodes, cores, SimpleLauncher(), stop_signal=resumable,
+                           walltime=walltime)
 
 
 def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
@@ -382,15 +406,14 @@ def _block_provider(cfg: PipelineConfig, nodes: int, cores: int | None,
     )
 
 
-def slurm_train_executor(cfg: PipelineConfig,
-                         running: Collection[str] | None = None) -> MPIExecutor:
-    """The ranks' executor on a Slurm site: one worker in a block of ``slurm_provider``
-    whose apps start the ranks with ``$PARSL_MPI_PREFIX`` (srun)."""
+def slurm_allocation_executor(cfg: PipelineConfig, stage: str) -> MPIExecutor:
+    """Stage ``stage``'s allocation on a Slurm site: one worker in a block of
+    ``allocation_provider``, whose apps start the ranks with ``$PARSL_MPI_PREFIX`` (srun)."""
     return MPIExecutor(
-        label="train",
+        label=stage,
         mpi_launcher="srun",
         max_workers_per_block=1,
-        provider=slurm_provider(cfg, running),
+        provider=allocation_provider(cfg, stage),
         address=cfg.site.address,
         interchange_launch_cmd=interchange_command(),
         **_heartbeat(cfg),
@@ -433,17 +456,25 @@ def compute_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
     )
 
 
-def executor_label(cfg: PipelineConfig, placement: str) -> str:
-    """The executor that runs the Python apps of a stage placed at ``placement``.
+def executor_label(cfg: PipelineConfig, stage: str, placement: str) -> str:
+    """The executor that runs the Python apps of stage ``stage`` placed at ``placement``.
 
     local: "cpu" for every placement (this machine); slurm/frontier: login -> "cpu",
-    compute -> "compute", allocation -> "train" (``SLURM_PLACEMENT_EXECUTORS``).
+    compute -> "compute", allocation -> the stage's own allocation (``allocation_label``).
     """
     if placement not in PLACEMENTS:
         raise SiteError(f"unknown stage placement {placement!r}; one of {PLACEMENTS}")
     if cfg.site.name == "local":
         return "cpu"
-    return SLURM_PLACEMENT_EXECUTORS[placement]
+    if placement == ALLOCATION:
+        return allocation_label(cfg, stage)
+    return {LOGIN: "cpu", COMPUTE: "compute"}[placement]
+
+
+def allocation_label(cfg: PipelineConfig, stage: str) -> str:
+    """The executor of stage ``stage``'s ranks: locally the one "train" worker that starts
+    every torchrun; under Slurm the stage's own block, labelled with its name."""
+    return LOCAL_RANKS_LABEL if cfg.site.name == "local" else stage
 
 
 def app_resource_spec(cfg: PipelineConfig, label: str) -> dict[str, Any]:
@@ -452,7 +483,7 @@ def app_resource_spec(cfg: PipelineConfig, label: str) -> dict[str, Any]:
     The MPIExecutor refuses a task without one: a Python app there claims one node of the
     block and runs in the worker on the block's first node. Other executors take none.
     """
-    if label == "train" and cfg.site.name != "local":
+    if label in ALLOCATION_LABELS and cfg.site.name != "local":
         return {"num_nodes": 1, "ranks_per_node": 1, "num_ranks": 1}
     return {}
 

@@ -27,7 +27,7 @@ from pathlib import PurePosixPath
 from stages.checks import evaluation_memory_problem
 from stages.config import ConfigError, PipelineConfig
 from stages.registry import STAGE_ORDER, declaration
-from stages.shape import RANKS, StageShape
+from stages.shape import ALLOCATION, RANKS, StageShape
 
 SLURM_SITES = ("slurm", "frontier")
 """The sites whose stages run in Slurm jobs Parsl submits (the other one: local)."""
@@ -99,6 +99,14 @@ def stage_shapes(cfg: PipelineConfig,
 def ranks_stages(cfg: PipelineConfig) -> list[tuple[str, StageShape]]:
     """(name, shape) of every stage that runs as ranks under this config."""
     return [(name, shape) for name, shape in stage_shapes(cfg) if shape.kind == RANKS]
+
+
+def allocation_stages(cfg: PipelineConfig,
+                      running: Collection[str] | None = None) -> list[tuple[str, StageShape]]:
+    """(name, shape) of the stages in ``running`` (None: all) that need an allocation of
+    their own under Slurm: ranks stages and stages placed in one."""
+    return [(name, shape) for name, shape in stage_shapes(cfg, running)
+            if shape.kind == RANKS or shape.placement == ALLOCATION]
 
 
 def check_site(cfg: PipelineConfig, *, readiness_rules: bool = True) -> None:

@@ -30,6 +30,7 @@ from stages.checks import (
     walltime_seconds,
 )
 from stages.config import PipelineConfig
+from stages.registry import declaration
 from workflows.frontier import FRONTIER_NODE_MEMORY_GB, runs_dir_problem, walltime_bin
 
 
@@ -231,9 +232,11 @@ def _jobs(total_s: float, walltime_s: int, save_before_end_s: int, step_s: float
 def readiness(cfg: PipelineConfig) -> list[Finding]:
     """Every row of the report for ``cfg`` on its Slurm site."""
     site = cfg.site
+    short = site.compute_walltime or site.walltime
     rows = [job_finding("training job", cfg, cfg.parallel.nodes, site.walltime),
-            job_finding("tokenize job", cfg, site.tokenize_nodes,
-                        site.compute_walltime or site.walltime, "site.compute_walltime")]
+            job_finding("tokenize job", cfg, site.tokenize_nodes, short, "site.compute_walltime"),
+            job_finding("evaluation job", cfg, declaration("evaluate").shape(cfg).nodes, short,
+                        "site.compute_walltime")]
     plan_rows, step = plan_findings(cfg)
     rows += plan_rows
     rows.append(checkpoint_finding(cfg, step))

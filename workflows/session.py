@@ -35,7 +35,7 @@ from stages.config import ConfigError, PipelineConfig
 from stages.outputs import StageResult
 from stages.registry import declaration
 from stages.selection import StageDecision
-from stages.shape import FAN_OUT, SINGLE
+from stages.shape import ALLOCATION, FAN_OUT, RANKS, SINGLE, StageShape
 from workflows import failures as failures_mod
 from workflows import tracking_server, watchdog
 
@@ -119,7 +119,8 @@ def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts
     as each stage is submitted, so an interrupt mid-way knows what runs).
 
     A stage's Python apps go to the executor of its shape's placement for this site
-    (``executors.executor_label``); the ranks of a ranks stage always go to "train".
+    (``executors.executor_label``); the ranks of a ranks stage go to its allocation
+    (``executors.allocation_label``), which is handed back once the stage is done.
     """
     from workflows import apps, executors, ranks
 
@@ -137,12 +138,13 @@ def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts
             continue
         force = p.action == "force"
         shape = stage.shape(cfg)
-        label = executors.executor_label(cfg, shape.placement)
+        label = executors.executor_label(cfg, p.name, shape.placement)
         on = apps.apps_on(label)
         spec = executors.app_resource_spec(cfg, label)
         if shape.kind == SINGLE:
             result = on.single(ctx, p.name, cfg, force, log,
                                parsl_resource_specification=spec, **inputs)
+            _hand_back_when_done(cfg, p.name, shape, result)
             runs[p.name] = StageRun(p.name, p.key, log, result, futures=[result])
             continue
         begun = on.begin(ctx, p.name, cfg, force, log, parsl_resource_specification=spec,
@@ -157,16 +159,30 @@ def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts
             result = on.finish(ctx, p.name, cfg, begun, log, *parts,
                                parsl_resource_specification=spec)
         else:
-            # RANKS: prepare (checks, rank spec) -> every rank on the "train" executor -> finalize
+            # RANKS: prepare (checks, rank spec) -> every rank in the stage's allocation ->
+            # finalize; then the allocation goes back
             ranks_log = str(log_dir / f"{p.name}-ranks.log")
-            parts = [apps.ranks_app(
+            allocation = executors.allocation_label(cfg, p.name)
+            parts = [apps.ranks_app_on(allocation)(
                 cfg, begun, stdout=ranks_log, stderr=ranks_log,
                 parsl_resource_specification=ranks.ranks_resource_spec(cfg, shape) or {},
             )]
             result = on.finish(ctx, p.name, cfg, begun, log, after=parts[0],
                                parsl_resource_specification=spec)
+
+        _hand_back_when_done(cfg, p.name, shape, result)
         runs[p.name] = StageRun(p.name, p.key, log, result, ranks_log, begun,
                                 [begun, *parts, result])
+
+
+def _hand_back_when_done(cfg: PipelineConfig, name: str, shape: StageShape,
+                         result: concurrent.futures.Future) -> None:
+    """Once a stage with an allocation of its own is done, hand that allocation back."""
+    from workflows import executors
+
+    if shape.kind == RANKS or shape.placement == ALLOCATION:
+        label = executors.allocation_label(cfg, name)
+        result.add_done_callback(lambda _: executors.hand_back_allocation(label))
 
 
 # Parsl's bash apps write their command line into their log between these two lines: it
