@@ -32,9 +32,10 @@ class StageShape:
     ``placement`` says where the stage's Python apps (the single app; prepare, parts and
     finalize) run on a Slurm site; locally they all run on this machine. ``login``: the
     submitting node, for light work; ``compute``: a block of compute nodes of their own
-    (``site.tokenize_nodes``), for work that spreads over nodes; ``allocation``: the block
-    that runs the ranks stages, for work that needs a compute node after training. A ranks
-    stage's ranks always run in that block, wherever its prepare and finalize run.
+    (``site.tokenize_nodes``), for work that spreads over nodes; ``allocation``: the stage's
+    own allocation, the block sized for its ranks (or its one process), for work that needs
+    a compute node. A ranks stage's ranks always run in its allocation, wherever its prepare
+    and finalize run; the allocation is handed back once the stage is done.
     """
 
     kind: str
