@@ -146,3 +146,20 @@ def test_config_error_stops_before_any_work(tmp_path: Path,
     assert proc.returncode == 2
     assert "unknown key 'train.stepz'" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_published_outputs_name_only_published_paths(history: History) -> None:
+    """Work happens in <key>.partial, renamed when done: no published stage's outputs.json
+    still names a path in the work directory (the loss curve, the summary, checkpoints),
+    and every path it names under the runs dir exists."""
+    runs_dir = history.runs_dir
+    named = []
+    for outputs_file in (runs_dir / "stages").glob("*/*/outputs.json"):
+        if outputs_file.parent.name.endswith(".partial"):
+            continue
+        text = outputs_file.read_text()
+        assert ".partial" not in text, (outputs_file, text)
+        named += [Path(p) for p in re.findall(rf'"({re.escape(str(runs_dir))}[^"]*)"', text)]
+    assert any(p.name == "loss_curve.png" for p in named), named
+    assert all(p.exists() for p in named), [p for p in named if not p.exists()]
