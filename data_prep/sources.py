@@ -12,8 +12,9 @@ Supported sources:
   ``.parquet`` files, taken in sorted path order; text and JSON files may be compressed
   (``.txt.gz``, ``.jsonl.zst``, ...);
 - a directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict`` with a ``train`` split);
-- ``hf:<dataset id>``: the ``train`` split of a hub dataset (needs internet), saved once
-  under the stage directory (streamed, and only ``data.max_documents`` rows, when that is set).
+- ``hf:<dataset id>``: the ``train`` split of a hub dataset (needs internet), streamed row by
+  row and saved once under the stage directory (the first ``data.max_documents`` documents
+  when set; on Slurm sites a budget is required, ``stages.checks.check_tokenize``).
 
 ``describe_source`` looks only at metadata (sizes, mtimes, parquet footers, dataset row
 counts) and a few sampled blocks of each file (``SourceFile.sample``, for the fingerprint);
@@ -32,6 +33,7 @@ import hashlib
 import os
 import shutil
 import sysconfig
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -61,6 +63,7 @@ SUPPORTED = tuple([*KINDS, *(f"{s}{c}" for s in (".txt", ".jsonl", ".json")
                              for c in COMPRESSIONS)])
 """File name endings a source may hold."""
 SAMPLE_BLOCK = 4096
+HUB_PROGRESS_S = 30.0  # a progress line while a hub dataset streams
 SAMPLE_BLOCKS = 16
 """A file's sample: its first and last ``SAMPLE_BLOCK`` bytes and ``SAMPLE_BLOCKS`` evenly
 spaced blocks between (a file up to that size is hashed whole)."""
@@ -218,8 +221,11 @@ def describe_dataset(path: Path, key: str) -> SourceFile:
 
 
 def _hub_dataset(source: str, cfg: DataConfig, stage_dir: Path, slot: str, key: str) -> Path:
-    """Save the hub dataset's train split (only ``data.max_documents`` rows, streamed, when
-    that is set) as ``<stage_dir>/corpus/<slot>``; kept when an earlier attempt saved it."""
+    """Stream the hub dataset's train split, row by row (the first ``data.max_documents``
+    documents when set, else all of it), into ``<stage_dir>/corpus/<slot>``; kept when an
+    earlier attempt saved it. Never a whole-split download: memory stays bounded, and a line
+    every ``HUB_PROGRESS_S`` seconds gives the documents, the rate and, with a budget, the
+    ETA."""
     import datasets
 
     target = stage_dir / "corpus" / slot
@@ -229,29 +235,30 @@ def _hub_dataset(source: str, cfg: DataConfig, stage_dir: Path, slot: str, key: 
     tmp = target.with_name(f".{slot}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     name = source[3:]
-    if cfg.max_documents is not None:
-        # A document budget: stream rows instead of downloading the whole split.
-        stream = datasets.load_dataset(name, split="train", streaming=True,
-                                       cache_dir=str(cache))
-        budget = cfg.max_documents
+    stream = datasets.load_dataset(name, split="train", streaming=True, cache_dir=str(cache))
+    budget = cfg.max_documents
 
-        def rows() -> Iterator[dict[str, str]]:
-            kept = 0
-            for row in stream:
-                text = row.get(cfg.text_field)
-                if not isinstance(text, str):
-                    raise DataError(f"{key}: hub dataset {name!r}: field {cfg.text_field!r} is "
-                                    f"{type(text).__name__}, expected a string; set "
-                                    "data.text_field")
-                yield {cfg.text_field: text}
-                kept += bool(text)
-                if kept >= budget:
-                    return
+    def rows() -> Iterator[dict[str, str]]:
+        kept, started, said = 0, time.monotonic(), time.monotonic()
+        for row in stream:
+            text = row.get(cfg.text_field)
+            if not isinstance(text, str):
+                raise DataError(f"{key}: hub dataset {name!r}: field {cfg.text_field!r} is "
+                                f"{type(text).__name__}, expected a string; set "
+                                "data.text_field")
+            yield {cfg.text_field: text}
+            kept += bool(text)
+            if budget is not None and kept >= budget:
+                return
+            if time.monotonic() - said >= HUB_PROGRESS_S:
+                said = time.monotonic()
+                rate = kept / (said - started)
+                eta = f", ETA {(budget - kept) / rate:.0f} s" if budget and rate else ""
+                print(f"[tokenize] {name}: {kept:,} documents streamed ({rate:,.0f}/s{eta})",
+                      flush=True)
 
-        features = datasets.Features({cfg.text_field: datasets.Value("string")})
-        ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache))
-    else:
-        ds = datasets.load_dataset(name, split="train", cache_dir=str(cache))
+    features = datasets.Features({cfg.text_field: datasets.Value("string")})
+    ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=str(cache))
     ds.save_to_disk(str(tmp))
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, target)

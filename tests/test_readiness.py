@@ -39,8 +39,9 @@ def test_the_frontier_presets_have_no_errors(preset: str) -> None:
     cfg = load_config(f"configs/{preset}.yaml")
     assert rows["evaluation job"].value.startswith(f"{cfg.parallel.nodes} node(s) x 02:00:00")
     assert "s/step" in rows["plan"].value
-    # The hub corpus has no budget in the presets: a warning that names the setting.
-    assert rows["corpus"].verdict == "warning" and "data.max_documents" in rows["corpus"].fix
+    # The hub corpus streams within the preset's document budget; its size is not checked.
+    assert rows["corpus"].verdict == "warning"
+    assert "streamed within data.max_documents=" in rows["corpus"].value
 
 
 def test_each_broken_rule_is_an_error_with_its_fix() -> None:
@@ -114,3 +115,19 @@ def test_dry_run_prints_the_report_and_exits_2_on_its_errors(
     cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"),
                       ["site.account=abc123", f"tracking.runs_dir={LUSTRE}"])
     assert readiness_text(readiness(cfg)) in out
+
+
+def test_a_hub_corpus_without_a_budget_is_refused_on_slurm_sites() -> None:
+    """Tokenize would stream the whole split inside one compute job: an error with the fix
+    in the report, and a refusal before any work; locally it streams the whole split."""
+    from data_prep.errors import DataError
+    from stages.checks import check_tokenize, hub_budget_problem
+
+    rows = report("frontier-175b", "data.max_documents=null")
+    assert rows["corpus"].verdict == "error" and "set data.max_documents=N" in rows["corpus"].fix
+    cfg = load_config("configs/frontier-175b.yaml", ["data.max_documents=null"])
+    with pytest.raises(DataError, match="needs a budget.*data.max_documents=N"):
+        check_tokenize(cfg)
+    local = load_config("micro", ["data.source=hf:org/corpus"])
+    assert hub_budget_problem(local) is None
+    assert hub_budget_problem(load_config("configs/frontier-175b.yaml")) is None

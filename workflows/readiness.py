@@ -26,6 +26,7 @@ from stages.checks import (
     checkpoint_cadence_problem,
     evaluation_host_gb,
     evaluation_memory_problem,
+    hub_budget_problem,
     predicted_step_time,
     walltime_seconds,
 )
@@ -172,14 +173,13 @@ def corpus_finding(cfg: PipelineConfig) -> Finding:
     sources = [data.source] if data.source else list(data.sources.values())
     hub = [s for s in sources if s.startswith("hf:")]
     if hub:
-        if data.max_documents or data.max_document_bytes:
-            budget = (f"data.max_documents={data.max_documents}" if data.max_documents
-                      else f"data.max_document_bytes={data.max_document_bytes}")
-            return Finding("corpus", f"{', '.join(hub)} streamed within {budget}; {value}",
-                           "warning", "the hub's size is not checked from here")
-        return Finding("corpus", f"{', '.join(hub)} streamed whole; {value}", "warning",
-                       "no budget: tokenize reads the whole split inside one compute job; set "
-                       "data.max_documents (or data.max_document_bytes)")
+        problem = hub_budget_problem(cfg)
+        if problem:
+            return Finding("corpus", f"{', '.join(hub)} streamed whole; {value}", "error",
+                           problem)
+        budget = f"data.max_documents={data.max_documents:,}"
+        return Finding("corpus", f"{', '.join(hub)} streamed within {budget}; {value}",
+                       "warning", "the hub's size is not checked from here")
     sizes = []
     for source in sources or ["stdlib"]:
         if source == "stdlib":  # the built-in corpus: this interpreter's standard library
