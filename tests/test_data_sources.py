@@ -143,3 +143,29 @@ def test_unusable_sources(tmp_path: Path) -> None:
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(DataError, match="unsupported file type '.csv'"):
         texts(tmp_path / "x.csv", tmp_path)
+
+
+def test_a_hub_source_streams_only_its_budget(tmp_path: Path, monkeypatch) -> None:
+    """``hf:`` sources are always streamed, never downloaded whole: with
+    ``data.max_documents`` only that many documents are read from the stream (the hub, which
+    tests cannot reach, is stood in for by a local stream of 1,000 rows)."""
+    from data_prep import sources
+
+    pulled = []
+
+    def rows():
+        for i in range(1000):
+            pulled.append(i)
+            yield {"text": f"document {i}", "other": i}
+
+    def load_dataset(name, split, streaming=False, cache_dir=None):
+        assert (name, split, streaming) == ("org/corpus", "train", True)
+        return datasets.IterableDataset.from_generator(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    saved = sources._hub_dataset("hf:org/corpus", DataConfig(max_documents=5), tmp_path,
+                                 "source", "data.source")
+    ds = datasets.load_from_disk(str(saved))
+    assert ds["text"] == [f"document {i}" for i in range(5)] and ds.column_names == ["text"]
+    assert len(pulled) < 50  # the stream stopped at the budget (plus its read-ahead)
+    assert not (tmp_path / "hf_cache").exists()
