@@ -535,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokens is not None or train_cfg is not None:
             cost = plan_run_cost(plan.predictions, model_cfg, args.global_batch, seq, cluster,
                                  args.devices, tokens=args.tokens,
-                                 steps=None if args.tokens is not None else train_cfg.steps)
+                                 steps=None if args.tokens is not None else train_cfg.steps,
+                                 checkpoint_every=train_cfg.checkpoint_every if train_cfg else 0)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import pytest
 
 from model.flops import GPTParams
 from model.planner.cluster import load_cluster
-from model.planner.run_cost import plan_run_cost, run_cost
+from model.planner.run_cost import checkpoint_seconds, plan_run_cost, run_cost
 from stages import plan as plan_stage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,14 +77,38 @@ def test_cli_tokens_and_train_steps(capsys: pytest.CaptureFixture[str]) -> None:
     cost = data["run_cost"]
     assert cost["steps"] == 6_357_829 and cost["devices"] == 3072 and cost["nodes"] == 384
     assert cost["step_time_s"] == pytest.approx(data["step_time_s"])
-    assert cost["wall_s"] == pytest.approx(6_357_829 * data["step_time_s"])
+    # one checkpoint every train.checkpoint_every=500 steps, priced from Orion's figures
+    assert cost["checkpoints"] == 6_357_829 // 500 and cost["checkpoint_s"] > 0
+    assert cost["wall_s"] == pytest.approx(6_357_829 * data["step_time_s"]
+                                           + cost["checkpoints"] * cost["checkpoint_s"])
     assert cost["train_flops"] == pytest.approx(1.2e26, rel=0.02)
     assert cost["machine_days"] == pytest.approx(cost["wall_days"] * 3072 / 75_264)
 
     assert plan_stage.main(["--model", PRESET_175B, *base, "--top", "1"]) == 0
     text = capsys.readouterr().out
     assert "run cost:" in text and "10,000 steps x 3,145,728 tokens/step" in text
+    assert "20 checkpoints x " in text and "s per step, in the wall-clock" in text
     assert "node-hours" in text and "days on the whole machine" in text
 
     with pytest.raises(SystemExit):
         plan_stage.main(["--model", PRESET_1T, *base, "--tokens", "-5"])
+
+
+def test_a_checkpoint_is_priced_from_the_file_systems_write_bandwidth() -> None:
+    """Its bytes (float32 weights and two AdamW moments) over the nodes' write bandwidth,
+    capped by the whole file system's; amortized over the steps between checkpoints."""
+    frontier = load_cluster("frontier")
+    params = 175_000_000_000
+    nodes_bound = checkpoint_seconds(params, 4, frontier)  # 4 nodes x 5 GB/s
+    assert nodes_bound == pytest.approx(12 * params / (4 * 5e9))
+    whole = checkpoint_seconds(params, 9408, frontier)  # capped by Orion's 4.6 TB/s
+    assert whole == pytest.approx(12 * params / 4.6e12)
+    assert checkpoint_seconds(params, 4, load_cluster("h100")) is None  # no file-system figures
+    common = dict(step_time_s=10.0, tokens_per_s=1.0, global_batch=2, seq_len=4, devices=8,
+                  devices_per_node=8, params=GPTParams.from_config(
+                      plan_stage.load_model_file(PRESET_175B)[0]))
+    cost = run_cost(steps=1000, checkpoint_s=50.0, checkpoint_every=100, **common)
+    assert cost.checkpoints == 10 and cost.checkpoint_s_per_step == pytest.approx(0.5)
+    assert cost.wall_s == pytest.approx(1000 * 10.0 + 10 * 50.0)
+    unpriced = run_cost(steps=1000, **common)
+    assert unpriced.checkpoints == 0 and unpriced.wall_s == pytest.approx(10_000.0)

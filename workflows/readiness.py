@@ -136,8 +136,26 @@ def checkpoint_finding(cfg: PipelineConfig, step: float | None) -> Finding:
     before_end = walltime_seconds(cfg.site.walltime) - save if save > step else math.inf
     first = min(by_steps, by_clock, before_end)
     problem = checkpoint_cadence_problem(train, cfg.site, step)
-    return Finding("first checkpoint", f"after {_hours(first)} of training",
-                   "error" if problem else "ok", problem or "")
+    value = f"after {_hours(first)} of training" + _checkpoint_write(cfg)
+    return Finding("first checkpoint", value, "error" if problem else "ok", problem or "")
+
+
+def _checkpoint_write(cfg: PipelineConfig) -> str:
+    """``; each written in ...`` from the cluster file's write bandwidth, or nothing."""
+    from model.flops import GPTParams
+    from model.planner.cluster import ClusterError, load_cluster
+    from model.planner.run_cost import CHECKPOINT_BYTES_PER_PARAM, checkpoint_seconds
+
+    try:
+        cluster = load_cluster(cfg.parallel.cluster)
+    except ClusterError:  # measured where the plan stage runs: no file-system figures
+        return ""
+    params = GPTParams.from_config(cfg.model).total()
+    seconds = checkpoint_seconds(params, cfg.parallel.nodes, cluster)
+    if seconds is None:
+        return ""
+    return (f"; each {CHECKPOINT_BYTES_PER_PARAM * params / 1e12:.3g} TB, written in "
+            f"{seconds:.3g} s")
 
 
 def evaluation_findings(cfg: PipelineConfig) -> list[Finding]:

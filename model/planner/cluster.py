@@ -115,6 +115,12 @@ class Cluster:
     tp=2 block against the model, ``model.planner.microbench.tp_comm_scale``), 1 elsewhere."""
     tp_comm_overlap: float = 0.0
     """Fraction of tensor-parallel communication hidden under GEMMs (0: all exposed)."""
+    node_write_gbps: float = 0.0
+    """GB/s one node writes to the shared file system a checkpoint goes to (0: not known,
+    checkpoints are not priced). With ``filesystem_write_gbps`` it prices a checkpoint
+    (``model.planner.run_cost.checkpoint_seconds``)."""
+    filesystem_write_gbps: float = 0.0
+    """GB/s the whole shared file system writes (0: no cap beyond the nodes')."""
     framework_efficiency: dict[str, float] = field(default_factory=dict)
     """Per-framework efficiency factor (e.g. megatron, pytorch): the compute time the model
     predicts is divided by it. Fitted to published measurements
@@ -220,7 +226,8 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
                 "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
                 "cores_per_node", "alone_speedup", "gemm_tile", "attention_efficiency",
-                "tp_comm_overlap", "tp_comm_scale"):
+                "tp_comm_overlap", "tp_comm_scale", "node_write_gbps",
+                "filesystem_write_gbps"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
     if "attention_kernel" in raw:

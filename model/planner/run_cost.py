@@ -17,7 +17,13 @@ number of optimizer steps:
   cost 1.21e26 FLOPs, the Frontier study's 1.2e26 (120 million exaflops).
 - where the machine's size is known (``MACHINE_NODES``), the days on the whole machine at
   the plan's predicted tokens/s per device: linear scaling from the plan's devices, a lower
-  bound (a larger dp needs a larger global batch, and communication grows).
+  bound (a larger dp needs a larger global batch, and communication grows);
+- checkpoints, where the cluster file gives the file system's write bandwidth
+  (``checkpoint_seconds``): ``CHECKPOINT_BYTES_PER_PARAM`` bytes per parameter (what the
+  trainer saves: float32 weights and AdamW's two float32 moments) over
+  ``min(nodes x node_write_gbps, filesystem_write_gbps)``, once every ``checkpoint_every``
+  steps; the wall-clock includes them (written synchronously, the trainer's default) and
+  ``checkpoint_s_per_step`` is their cost amortized over the steps.
 
 No torch: this is arithmetic on the planner's figures.
 """
@@ -34,6 +40,23 @@ EXA = 1e18
 
 MACHINE_NODES = {"frontier": 9408}
 """Compute nodes of a whole machine by cluster name (OLCF Frontier User Guide: 9,408 nodes)."""
+
+CHECKPOINT_BYTES_PER_PARAM = 12
+"""Bytes a checkpoint holds per parameter: float32 weights and AdamW's exp_avg and
+exp_avg_sq, float32 each (model.training.checkpoint saves the model and optimizer state)."""
+
+
+def checkpoint_seconds(params: int, nodes: int, cluster: Any) -> float | None:
+    """Seconds to write one checkpoint of ``params`` parameters from ``nodes`` nodes: its
+    bytes over ``min(nodes x node_write_gbps, filesystem_write_gbps)``; None when the
+    cluster file gives no write bandwidth."""
+    per_node = getattr(cluster, "node_write_gbps", 0.0)
+    if not per_node:
+        return None
+    bandwidth = nodes * per_node
+    if getattr(cluster, "filesystem_write_gbps", 0.0):
+        bandwidth = min(bandwidth, cluster.filesystem_write_gbps)
+    return CHECKPOINT_BYTES_PER_PARAM * params / (bandwidth * 1e9)
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,12 @@ class RunCost:
     """Devices of the whole machine (None: not known for this cluster)."""
     machine_days: float | None = None
     """Days on the whole machine at the plan's tokens/s per device (linear scaling)."""
+    checkpoint_s: float | None = None
+    """Seconds to write one checkpoint (None: the cluster's file system is not known)."""
+    checkpoints: int = 0
+    """Checkpoints written: one every ``checkpoint_every`` steps (0 when not priced)."""
+    checkpoint_s_per_step: float = 0.0
+    """Checkpoint writing amortized per step (included in ``wall_s``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready."""
@@ -100,6 +129,9 @@ class RunCost:
             f"{self.params_with_embedding:,} with the embedding); with attention "
             f"{self.model_flops:.4g} FLOPs",
         ]
+        if self.checkpoint_s is not None:
+            out.append(f"  {self.checkpoints:,} checkpoints x {self.checkpoint_s:.4g} s "
+                       f"({self.checkpoint_s_per_step:.3g} s per step, in the wall-clock)")
         if self.machine_days is not None:
             out.append(f"  {self.machine_days:,.4g} days on the whole machine "
                        f"({self.machine_devices:,} devices) at the same tokens/s per device "
@@ -110,11 +142,13 @@ class RunCost:
 def run_cost(*, step_time_s: float, tokens_per_s: float, global_batch: int, seq_len: int,
              devices: int, devices_per_node: int, params: GPTParams,
              tokens: float | None = None, steps: int | None = None,
-             machine_nodes: int | None = None) -> RunCost:
+             machine_nodes: int | None = None, checkpoint_s: float | None = None,
+             checkpoint_every: int = 0) -> RunCost:
     """The cost of training ``tokens`` tokens (or ``steps`` steps, when tokens is None).
 
-    ``params`` gives P (non-embedding) and the planner's per-token FLOPs at ``seq_len``.
-    Raises ValueError for a non-positive budget or a missing one.
+    ``params`` gives P (non-embedding) and the planner's per-token FLOPs at ``seq_len``;
+    ``checkpoint_s`` the seconds of one checkpoint, written every ``checkpoint_every``
+    steps (0: none). Raises ValueError for a non-positive budget or a missing one.
     """
     per_step = global_batch * seq_len
     if tokens is None:
@@ -126,7 +160,8 @@ def run_cost(*, step_time_s: float, tokens_per_s: float, global_batch: int, seq_
     if not math.isfinite(tokens) or tokens <= 0:
         raise ValueError(f"the token budget must be a positive number, got {tokens}")
     n_steps = math.ceil(tokens / per_step)
-    wall = n_steps * step_time_s
+    checkpoints = n_steps // checkpoint_every if checkpoint_s and checkpoint_every > 0 else 0
+    wall = n_steps * step_time_s + checkpoints * (checkpoint_s or 0.0)
     hours = wall / 3600.0
     nodes = math.ceil(devices / devices_per_node)
     p = params.total(include_embedding=False)
@@ -144,19 +179,26 @@ def run_cost(*, step_time_s: float, tokens_per_s: float, global_batch: int, seq_
         params_counted="non-embedding", params_with_embedding=params.total(),
         train_flops=flops, train_exaflops=flops / EXA,
         model_flops=params.flops_per_token(seq_len) * tokens,
-        machine_devices=machine_devices, machine_days=machine_days)
+        machine_devices=machine_devices, machine_days=machine_days,
+        checkpoint_s=checkpoint_s, checkpoints=checkpoints,
+        checkpoint_s_per_step=checkpoints * (checkpoint_s or 0.0) / n_steps)
 
 
 def plan_run_cost(predictions: dict[str, Any], model_cfg: Any, global_batch: int, seq_len: int,
                   cluster: Any, devices: int, tokens: float | None = None,
-                  steps: int | None = None) -> RunCost:
-    """``run_cost`` for a plan's ``predictions`` (``Plan.predictions``) on ``cluster``."""
+                  steps: int | None = None, checkpoint_every: int = 0) -> RunCost:
+    """``run_cost`` for a plan's ``predictions`` (``Plan.predictions``) on ``cluster``, with
+    a checkpoint every ``checkpoint_every`` steps priced from the cluster's file system."""
+    params = GPTParams.from_config(model_cfg)
+    nodes = math.ceil(devices / cluster.ranks_per_node)
     return run_cost(step_time_s=float(predictions["step_time_s"]),
                     tokens_per_s=float(predictions["tokens_per_s"]),
                     global_batch=global_batch, seq_len=seq_len, devices=devices,
-                    devices_per_node=cluster.ranks_per_node,
-                    params=GPTParams.from_config(model_cfg), tokens=tokens, steps=steps,
-                    machine_nodes=MACHINE_NODES.get(cluster.name))
+                    devices_per_node=cluster.ranks_per_node, params=params, tokens=tokens,
+                    steps=steps, machine_nodes=MACHINE_NODES.get(cluster.name),
+                    checkpoint_s=checkpoint_seconds(params.total(), nodes, cluster),
+                    checkpoint_every=checkpoint_every)
 
 
-__all__ = ["EXA", "MACHINE_NODES", "RunCost", "plan_run_cost", "run_cost"]
+__all__ = ["CHECKPOINT_BYTES_PER_PARAM", "EXA", "MACHINE_NODES", "RunCost",
+           "checkpoint_seconds", "plan_run_cost", "run_cost"]
