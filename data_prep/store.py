@@ -180,7 +180,14 @@ class SplitReader:
             return cached
         start = index * self.chunk_tokens
         stop = min(start + self.chunk_tokens, self.parts[part]["tokens"])
-        data = self._array(part)[start:stop]
+        try:
+            data = self._array(part)[start:stop]
+        except ValueError as error:  # Zarr's CRC32C check (or a chunk that does not decode)
+            where = Path(self.info.path) / self.parts[part]["path"]
+            raise StoreError(
+                f"{where}/tokens: chunk {index} (tokens {start}-{stop} of the part) is damaged "
+                f"({error}); remove {where} and rerun tokenize (--only tokenize --force), or "
+                "restore the store from a copy") from error
         self.chunk_reads += 1
         self._cache[key] = data
         if len(self._cache) > self.cache_chunks:

@@ -2,9 +2,11 @@
 
 A part is a Zarr group ``<store>/<split>/<shard:05d>`` with arrays ``tokens`` (1-D, chunked,
 Blosc-zstd with byte shuffle, Zarr-sharded) and ``doc_offsets`` (int64, documents + 1
-entries). Each part has exactly one writer, which writes it under a temporary name and
-renames it into place when complete, so parallel shard tasks never touch each other's
-files (Zarr loses updates when two processes write chunks of the same shard file).
+entries). Every chunk carries a CRC32C of its compressed bytes, which Zarr checks on each
+read, so a damaged chunk is an error, never silently wrong tokens. Each part has exactly
+one writer, which writes it under a temporary name and renames it into place when
+complete, so parallel shard tasks never touch each other's files (Zarr loses updates when
+two processes write chunks of the same shard file).
 Tokens are buffered and written one whole storage shard at a time, so each shard file is
 written once.
 """
@@ -18,9 +20,11 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, BloscShuffle
+from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec
 
 COMPRESSOR = BloscCodec(cname="zstd", clevel=3, shuffle=BloscShuffle.shuffle)
+CODECS = (COMPRESSOR, Crc32cCodec())
+"""Compressed, then checksummed: the checksum covers the bytes on disk."""
 OFFSETS_CHUNK = 65536
 
 
@@ -44,7 +48,7 @@ class PartWriter:
         group = zarr.open_group(str(self.tmp), mode="w", zarr_format=3)
         self.tokens = group.create_array(
             "tokens", shape=(0,), chunks=(chunk_tokens,), shards=(self.shard_tokens,),
-            dtype=self.dtype, compressors=COMPRESSOR, fill_value=0,
+            dtype=self.dtype, compressors=CODECS, fill_value=0,
         )
         self.group = group
         self.written = 0  # tokens already in the array (a multiple of shard_tokens until close)
@@ -82,7 +86,7 @@ class PartWriter:
         np.cumsum(self.doc_lengths, out=offsets[1:])
         arr = self.group.create_array(
             "doc_offsets", shape=offsets.shape, chunks=(OFFSETS_CHUNK,), dtype="int64",
-            compressors=COMPRESSOR, fill_value=0,
+            compressors=CODECS, fill_value=0,
         )
         arr[:] = offsets
         summary = {"tokens": int(self.written), "documents": len(self.doc_lengths),

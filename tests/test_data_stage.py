@@ -214,6 +214,26 @@ def test_incomplete_store_and_other_tokenizer_are_refused(
     assert open_store(outputs["store"]).documents == N_DOCS
 
 
+def test_a_damaged_chunk_is_an_error_naming_the_part_not_silent_tokens(
+    built: dict, tmp_path: Path
+) -> None:
+    """Five flipped bytes in a chunk file: the chunk's CRC32C fails on read, and the error
+    names the part and the fix; the same read from the intact store gives the tokens."""
+    copy = tmp_path / "store.zarr"
+    shutil.copytree(built["outputs"]["store"], copy)
+    intact = SplitReader(open_store(copy), "train").read(0, 64)
+    shard_file = next(p for p in sorted((copy / "train" / "00000" / "tokens").rglob("*"))
+                      if p.is_file() and p.name != "zarr.json")
+    data = bytearray(shard_file.read_bytes())
+    for i in range(40, 45):  # inside the first chunk's compressed bytes
+        data[i] ^= 0xFF
+    shard_file.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"train/00000/tokens: chunk 0 .* is damaged .* remove"):
+        SplitReader(open_store(copy), "train").read(0, 64)
+    assert np.array_equal(SplitReader(open_store(built["outputs"]["store"]), "train").read(0, 64),
+                          intact)
+
+
 def test_shard_refuses_a_tokenizer_replaced_after_prepare(built: dict, tmp_path: Path,
                                                           tracker) -> None:
     cfg = make_cfg(tmp_path, built["tmp"] / "corpus")
