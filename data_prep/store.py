@@ -186,8 +186,8 @@ class SplitReader:
             where = Path(self.info.path) / self.parts[part]["path"]
             raise StoreError(
                 f"{where}/tokens: chunk {index} (tokens {start}-{stop} of the part) is damaged "
-                f"({error}); remove {where} and rerun tokenize (--only tokenize --force), or "
-                "restore the store from a copy") from error
+                f"({error}); remove {where} and rerun the pipeline: tokenize encodes that part "
+                "again and keeps the others") from error
         self.chunk_reads += 1
         self._cache[key] = data
         if len(self._cache) > self.cache_chunks:

@@ -24,6 +24,7 @@ ranks within one pipeline run is a try of the same attempt: it keeps the attempt
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 import traceback
@@ -231,18 +232,25 @@ def begin(
     key = keys.key_of(ingredients)
     if not force:
         found = outputs.find_succeeded(ctx.runs_dir, name, key)
-        if found is not None:
+        if found is not None and not stage.output_problem(found.outputs):
             return _reused(ctx, found, cfg, stage, inputs)
     final_dir = outputs.stage_dir(ctx.runs_dir, name, key)
     lock = outputs.lock_path(ctx.runs_dir, name, key)
     _take_lock(ctx, name, key)
     try:
+        work_dir = outputs.work_dir(ctx.runs_dir, name, key)
         if not force:  # another pipeline may have made it while this one waited
             found = outputs.find_succeeded(ctx.runs_dir, name, key)
-            if found is not None:
+            problem = stage.output_problem(found.outputs) if found is not None else None
+            if found is not None and not problem:
                 locks.release(lock, ctx.driver)
                 return _reused(ctx, found, cfg, stage, inputs)
-        work_dir = outputs.work_dir(ctx.runs_dir, name, key)
+            if problem and stage.resumable:
+                # A damaged output: continue from it, so only what is damaged is redone.
+                print(f"[stage] {name} {key}: its output is damaged ({problem}); "
+                      "continuing from what is whole", flush=True)
+                shutil.rmtree(work_dir, ignore_errors=True)
+                os.replace(final_dir, work_dir)
         if work_dir.exists() and not stage.resumable:
             shutil.rmtree(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)

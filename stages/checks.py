@@ -45,6 +45,25 @@ def check_tokenize(cfg: PipelineConfig) -> None:
         raise DataError(f"{where}{problem}")
 
 
+def token_store_problem(outputs: dict[str, Any]) -> str | None:
+    """What makes a published tokenize output unusable, from its manifest and part
+    directories alone (no chunk is read): a missing manifest or part; None when whole.
+
+    A part removed after its chunk failed its checksum is found here, so the next run
+    re-encodes just that part (``stages.attempt.begin``)."""
+    from data_prep.errors import StoreError
+    from data_prep.store import open_store
+
+    store = outputs.get("store")
+    if not store:
+        return None
+    try:
+        open_store(store)
+    except StoreError as error:
+        return str(error)
+    return None
+
+
 def hub_budget_problem(cfg: PipelineConfig) -> str | None:
     """A hub source (``hf:``) with no document budget on a Slurm site, or None.
 

@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from stages import checks
 from stages.config import PipelineConfig
@@ -32,6 +33,9 @@ class StageDeclaration:
     - ``module``: the work module; ``worker``: the rank worker module of a ranks stage (both
       named so the key's code hash follows them);
     - ``check``: a cheap pre-flight of its inputs, run before any work (``stages.checks``);
+    - ``verify``: a cheap check of a published output before it is reused (``stages.checks``):
+      a problem it names makes the stage run again, a resumable one continuing from that
+      output (``stages.attempt.begin``), so only what is damaged is redone;
     - ``ranks_log``, ``activity``: where a local run of its ranks logs and what it is called.
     """
 
@@ -43,12 +47,17 @@ class StageDeclaration:
     resumable: bool = False
     worker: str = ""
     check: Callable[[PipelineConfig], None] | None = None
+    verify: Callable[[dict[str, Any]], str | None] | None = None
     ranks_log: str = "ranks.log"
     activity: str = ""
 
     def work(self) -> ModuleType:
         """Import the work module (lazily: training pulls in torch)."""
         return importlib.import_module(self.module)
+
+    def output_problem(self, outputs: dict[str, Any]) -> str | None:
+        """What is wrong with a published output of this stage (``verify``), or None."""
+        return self.verify(outputs) if self.verify is not None else None
 
 
 TRAIN_WORKER = "stages.train_worker"
@@ -98,7 +107,7 @@ STAGES: tuple[StageDeclaration, ...] = (
     StageDeclaration("tokenize", sections=("data", "tokenizer"), upstream=(),
                      shape=_tokenize_shape, module="stages.tokenize",
                      resumable=True,  # finished shards are kept and not encoded again
-                     check=checks.check_tokenize),
+                     check=checks.check_tokenize, verify=checks.token_store_problem),
     StageDeclaration("plan", sections=("model", "parallel", "train"),
                      upstream=("tokenize",),  # checks that the store's vocabulary fits the model
                      shape=_plan_shape, module="stages.plan"),

@@ -71,15 +71,19 @@ def decide_stages(
     plans = []
     for name in STAGE_ORDER:
         existing = outputs.find_succeeded(runs_dir, name, stage_keys[name])
+        damage = declaration(name).output_problem(existing.outputs) if existing else None
+        if damage:  # run again, a resumable stage from what is whole (stages.attempt.begin)
+            existing = None
         if only and STAGE_ORDER.index(name) > STAGE_ORDER.index(only):
             plans.append(StageDecision(name, stage_keys[name], "skip", existing))
             continue
         if name not in selected:
             if existing is None:
                 flag = f"--only {only}" if only else f"--from {start}"
+                what = f"it is damaged ({damage})" if damage else "there is none"
                 raise ConfigError(
                     f"{flag} needs the '{name}' stage's output for the current config "
-                    f"(key {stage_keys[name]}), and there is none: "
+                    f"(key {stage_keys[name]}), and {what}: "
                     f"run the pipeline without {flag.split()[0]} first"
                 )
             action = "reuse"
@@ -88,5 +92,7 @@ def decide_stages(
         else:
             action = "reuse" if existing is not None else "run"
         reason = keys.rerun_reason(runs_dir, ingredients[name]) if action == "run" else ""
+        if damage and action == "run":
+            reason = f"its output is damaged: {damage}"
         plans.append(StageDecision(name, stage_keys[name], action, existing, reason))
     return plans

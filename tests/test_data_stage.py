@@ -302,3 +302,35 @@ def test_more_shards_than_documents(tmp_path: Path, tracker) -> None:
     docs = [tok.decode(d[:-1].tolist())
             for s in ("train", "validation") for d in split_docs(out["store"], s)]
     assert sorted(docs) == sorted(texts)
+
+
+def test_a_removed_part_is_encoded_again_and_only_it(tmp_path: Path, seed_store,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """The fix a damaged chunk names: remove its part and rerun. The published store no
+    longer passes tokenize's reuse check, so the stage continues from it (same directory,
+    same MLflow run): the removed part is encoded again, the others are kept, and the store
+    holds the same tokens as before."""
+    from stages.selection import decide_stages
+    from tests.evalkit import micro_config, open_pipeline, run_stages
+
+    seed_store(tmp_path)
+    cfg = micro_config(tmp_path)
+    first = run_stages(cfg, open_pipeline(cfg), ("tokenize",))["tokenize"]
+    store = Path(first.outputs["store"])
+    before = {s: SplitReader(open_store(store), s).read(0, 256) for s in ("train", "validation")}
+    shutil.rmtree(store / "train" / "00000")  # the shard that holds the documents
+    (decision,) = [d for d in decide_stages(cfg, None, None, False) if d.name == "tokenize"]
+    assert decision.action == "run" and "its output is damaged" in decision.reason
+    assert "train/00000 listed in manifest.json is missing" in decision.reason
+    capsys.readouterr()
+    again = run_stages(cfg, open_pipeline(cfg), ("tokenize",))["tokenize"]
+    out = capsys.readouterr().out
+    assert again.key == first.key and again.outputs["store"] == str(store)
+    assert "its output is damaged" in out
+    kept = [line for line in out.splitlines() if "finished by an earlier attempt" in line]
+    assert len(kept) == 1 and kept[0].startswith("tokenize shard 2/2: "), kept
+    assert any(line.startswith("tokenize shard 1/2: ") and "done in" in line
+               for line in out.splitlines()), out
+    after = {s: SplitReader(open_store(store), s).read(0, 256) for s in ("train", "validation")}
+    assert all(np.array_equal(before[s], after[s]) for s in before)
+    assert again.run_id == first.run_id  # the same stage run, continued
