@@ -28,6 +28,7 @@ Stores made from nothing are still tested: ``tests/reliability/test_tracking_sta
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -93,6 +94,55 @@ def pytest_configure(config: pytest.Config) -> None:
     _apply(session_dir)
 
 
+# The suite runs on N workers (``pytest -n N``, the README's test command) in groups that a
+# worker runs in turn, each group a module, except that the Slurm tests, which share the
+# test cluster's two nodes and assert on its job accounting, are one group (the modules
+# with "slurm" in their name), and the modules that share the micro pipeline's CLI session
+# (``micro_cli_history``, minutes) are one.
+SLURM_GROUP = "slurm-cluster"
+SHARED_SESSION_MODULES = {"test_pipeline.py": "micro-cli", "test_mlflow_ui.py": "micro-cli"}
+SLURM_LAST_MODULE = "test_slurm_launch.py"  # seconds: the lane's worker then takes other work
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The group of a test, by its node id: the scheduler sees ids only."""
+    module = nodeid.split("::", 1)[0]
+    name = Path(module).name
+    if "slurm" in name:
+        return SLURM_GROUP
+    return SHARED_SESSION_MODULES.get(name, module)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's type
+    """Schedule groups (``xdist_group_of``) in collection order: the Slurm lane first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order below
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Check the Slurm marker against the Slurm group; put the Slurm lane first, its quick
+    launch checks last, since the lane takes longest."""
+    for item in items:
+        marked = item.get_closest_marker("slurm") is not None
+        if marked != (xdist_group_of(item.nodeid) == SLURM_GROUP):
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests marked slurm, and only they, belong in a module with "
+                "'slurm' in its name (they run in turn on one worker)")
+
+    def order(item: pytest.Item) -> int:
+        if xdist_group_of(item.nodeid) != SLURM_GROUP:
+            return 2
+        return 1 if Path(item.nodeid.split("::", 1)[0]).name == SLURM_LAST_MODULE else 0
+
+    items.sort(key=order)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session if a test wrote an MLflow store into the repository root."""
     if "stores_before" not in _state:
@@ -143,14 +193,22 @@ def microbench_cache(isolated_session: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def seed_microbench(microbench_cache: Path) -> Callable[[Path], Path]:
+def seed_microbench(microbench_cache: Path) -> Callable[..., Path]:
     """A function that puts the session's measurement where the plan stage of a runs dir
-    looks first (``<runs dir>/cache/microbench/``); it returns the copied file."""
+    looks first (``<runs dir>/cache/microbench/``); it returns the copied file.
 
-    def seed(runs_dir: Path) -> Path:
+    ``seed(runs_dir, 3, 4)`` also files it as the measurement of 3 and 4 ranks, so a test
+    planning other rank counts measures nothing (a minute each); the plans it picks may
+    differ from a fresh measurement's, which no test depends on."""
+
+    def seed(runs_dir: Path, *rank_counts: int) -> Path:
         target = Path(runs_dir) / "cache" / "microbench" / microbench_cache.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(microbench_cache, target)
+        measured = json.loads(microbench_cache.read_text())
+        for nproc in rank_counts:
+            name = microbench_cache.name.replace(f"-n{MICROBENCH_NPROC}-", f"-n{nproc}-")
+            (target.parent / name).write_text(json.dumps(measured | {"nproc": nproc}))
         return target
 
     return seed

@@ -30,7 +30,7 @@ def trained(tmp_path_factory, seed_microbench, seed_store):
     from tests.evalkit import micro_config, open_pipeline, run_stages
 
     runs_dir = tmp_path_factory.mktemp("eval-layout")
-    seed_microbench(runs_dir)
+    seed_microbench(runs_dir, 4)
     seed_store(runs_dir)
     cfg = micro_config(runs_dir, *TRAINED)
     ctx = open_pipeline(cfg)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -22,22 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from model.planner.microbench import cache_file
 from model.planner.scaling import FRONTIER_NODES, efficiencies, frontier_ladder, point_batch
 from stages import tracking
 from workflows import scaling
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICES = (1, 2)  # ranks of the local studies: no more than the CI machine's 2 cores
-
-
-def seed_rank_counts(runs_dir: Path, seeded: Path) -> None:
-    """The seeded 2-rank measurement, also as the one of every other rank count in DEVICES."""
-    data = json.loads(seeded.read_text())
-    for n in DEVICES:
-        target = cache_file(n, runs_dir / "cache" / "microbench")
-        if not target.exists():
-            target.write_text(json.dumps({**data, "nproc": n}))
 
 
 def run_study(runs_dir: Path, out: Path, mode: str) -> subprocess.CompletedProcess:
@@ -77,7 +66,7 @@ def point_runs(runs_dir: Path, parent_name: str) -> tuple[object, list]:
 @pytest.mark.slow
 def test_weak_and_strong_studies_run_track_and_rerun_from_reuse(
         tmp_path: Path, runs_dir: Path, seed_microbench: Callable[[Path], Path]) -> None:
-    seed_rank_counts(runs_dir, seed_microbench(runs_dir))
+    seed_microbench(runs_dir, *DEVICES)
     tables = {}
     for mode in ("weak", "strong"):
         out = tmp_path / mode

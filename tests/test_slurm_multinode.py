@@ -56,11 +56,11 @@ def multinode(slurm_env) -> dict[str, str]:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def shared_runs_dir(multinode, tmp_path_factory, seed_microbench) -> Path:
-    """One runs dir for both layouts: the second reuses the tokenized store and the
-    4-rank microbenchmark the first one measured."""
+    """One runs dir for both layouts: the second reuses the tokenized store the first one
+    made."""
     runs_dir = tmp_path_factory.mktemp("multinode") / "runs"
     runs_dir.mkdir()
-    seed_microbench(runs_dir)
+    seed_microbench(runs_dir, 4)
     return runs_dir
 
 

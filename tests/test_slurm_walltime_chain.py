@@ -1,12 +1,12 @@
 """A training longer than its walltime runs as a chain of Slurm jobs and ends bitwise.
 
 The micro pipeline trains on 2 nodes x 1 rank of the multi-node test cluster through the
-slurm site with a 2-minute walltime; the training needs several minutes. Each training job
+slurm site with a 2-minute walltime; the training needs more than one job's time. Each training job
 asks Slurm for SIGUSR1 40 s before its end (``site.save_before_end_s``): the ranks stop
 after the same step with its checkpoint, the ranks' command exits out of time, the driver
 hands the job back (it ends CANCELLED, not TIMEOUT) and runs the ranks again in a new job,
-which resumes there, at no cost to ``site.retries`` (no "failed on attempt" line). At least
-three jobs run; the train stage's summary.json and its MLflow run count them and the
+which resumes there, at no cost to ``site.retries`` (no "failed on attempt" line). Two or
+more jobs run; the train stage's summary.json and its MLflow run count them and the
 node-hours they spent, and the losses equal, bitwise, the same rank spec run uninterrupted
 on one node.
 
@@ -34,7 +34,9 @@ from tests.test_slurm_pipeline import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-STEPS = 6000  # about 4-5 minutes of stepping on the 2-core box: more than two jobs' worth
+# About 1.5-2 minutes of stepping on the 2-core box; a job trains for about 50 s of its 2
+# minutes (the rest: start-up and the save ahead of the end), so two or three jobs run.
+STEPS = 2000
 CHAIN_SETTINGS = [
     "parallel.nproc=2", "parallel.nodes=2", *FIXED,
     "parallel.tp=1", "parallel.pp=1", "parallel.sharding=ddp",
@@ -67,7 +69,7 @@ def test_training_chains_jobs_across_walltimes_bitwise(multinode, slurm_env, tmp
     ledger = summary["job_ledger"]
     print(json.dumps(ledger, indent=1))
     assert summary["steps_done"] == STEPS and len(summary["losses"]) == STEPS
-    assert summary["jobs"] == len(ledger) >= 3, ledger
+    assert summary["jobs"] == len(ledger) >= 2, ledger
     assert [e["outcome"] for e in ledger] == ["out of time"] * (len(ledger) - 1) + ["completed"]
     for before, after in zip(ledger, ledger[1:]):  # each job resumes where the last stopped
         assert after["first_step"] == before["last_step"] > before["first_step"], ledger

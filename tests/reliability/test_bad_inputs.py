@@ -34,7 +34,7 @@ from data_prep.config import TokenizerConfig
 from data_prep.sources import stdlib_files
 from data_prep.tokenizer import save_tokenizer, train_tokenizer
 from stages.registry import STAGE_ORDER
-from tests.conftest import MICROBENCH_NPROC, Console
+from tests.conftest import Console
 
 REPO = Path(__file__).resolve().parents[2]
 # Every cluster file the project ships, as the error lists them.
@@ -342,15 +342,6 @@ SLOW_PLAN_CASES = [
 ]
 
 
-def _seed_measurement_for(source: Path, nproc: int) -> None:
-    """The plan stage measures this machine per rank count: give it the session's 2-rank
-    measurement (``source``, already in the runs dir) under the ``nproc`` name too, so a
-    case with other ranks measures nothing."""
-    data = json.loads(source.read_text()) | {"nproc": nproc}
-    name = source.name.replace(f"-n{MICROBENCH_NPROC}-", f"-n{nproc}-")
-    (source.parent / name).write_text(json.dumps(data))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_PLAN_CASES, ids=[c.name for c in SLOW_PLAN_CASES])
 def test_parallel_settings_that_cannot_work(case: Case, tokenized, bad_data: Path,
@@ -358,7 +349,7 @@ def test_parallel_settings_that_cannot_work(case: Case, tokenized, bad_data: Pat
     source, first, _ = tokenized
     assert published(source).get("tokenize") == ["succeeded"], first.stdout + first.stderr
     shutil.copytree(source, tmp_path / "runs")
-    _seed_measurement_for(seed_microbench(tmp_path / "runs"), 3)
+    seed_microbench(tmp_path / "runs", 3)
     proc, runs = run_cli(case, bad_data, tmp_path, SLOW_TIMEOUT)
     console = assert_refused(proc, case, runs, failed_stage="plan")
     assert re.search(r"tokenize\s+key \w+\s+reuse", console), console[-3000:]
