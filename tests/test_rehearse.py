@@ -292,14 +292,15 @@ def test_plan_cli_prints_the_rehearsal_beside_the_model(tmp_path: Path,
         assert record["modeled_tensor_memory_gb"] < record["peak_memory_gb"]  # margins
 
 
-def test_plan_stage_rehearses_by_default_off_the_local_cluster(tmp_path: Path) -> None:
+def test_plan_stage_rehearses_by_default_off_the_local_cluster(tmp_path: Path,
+                                                              runs_dir: Path) -> None:
     from model.config import ParallelConfig
     from stages import plan as plan_stage
     from stages import tracking
     from stages.config import load_config
 
     assert ParallelConfig().rehearse is None
-    runs = tmp_path / "runs"
+    runs = runs_dir  # the session's measurement and migrated store
     uri = tracking.default_tracking_uri(runs)
     experiment = tracking.ensure_experiment(uri, "rehearse-test", runs)
     # (parallel.rehearse, cluster, rehearsed?): None rehearses on frontier, not on local
@@ -326,7 +327,8 @@ def test_plan_stage_rehearses_by_default_off_the_local_cluster(tmp_path: Path) -
 
 
 @pytest.mark.slow  # six rehearsals, each in a process of its own: ~1 minute
-def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(tmp_path: Path) -> None:
+def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(tmp_path: Path,
+                                                                       runs_dir: Path) -> None:
     """Two plans of one model, the first holding far more activations (no recompute, a
     large micro-batch); on a device sized between their rehearsed peaks the stage keeps the
     second and records why the first gave way; below both it refuses with the figures."""
@@ -337,7 +339,7 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(tmp_path:
     from stages import tracking
     from stages.config import load_config
 
-    runs = tmp_path / "runs"
+    runs = runs_dir  # the session's measurement and migrated store
     cfg = load_config("tiny", [f"tracking.runs_dir={runs}", "parallel.nproc=2",
                                "train.global_batch=16", "train.seq_len=256",
                                "model.max_seq_len=256"])

@@ -71,8 +71,10 @@ def _keys(children: list, parent_id: str) -> dict[str, str]:
             for r in children if r.data.tags["mlflow.parentRunId"] == parent_id}
 
 
-def test_two_pipelines_share_one_runs_dir(tmp_path: Path):
-    runs_dir, code = tmp_path / "runs", _snapshot(tmp_path / "code")
+def test_two_pipelines_share_one_runs_dir(tmp_path: Path, runs_dir: Path):
+    # runs_dir: the session's measurement and migrated store; two drivers making a store
+    # from nothing at once are tested in test_tracking_start.py.
+    code = _snapshot(tmp_path / "code")
     # The same config: the second waits for (or reuses) every stage the first computes.
     outputs = _together(code, runs_dir, (), ())
     parents, children = _stage_runs(runs_dir)
