@@ -47,12 +47,14 @@ def micro_pipeline(tmp_path_factory, seed_microbench: Callable[[Path], Path],
                    seed_store: Callable[[Path], str]):
     """tokenize -> plan -> train -> evaluate of the micro preset, once per test session.
 
-    The evaluation also runs the local lm-eval task (if lm-eval is installed)."""
+    The evaluation also runs the local lm-eval task (if lm-eval is installed) and logs the
+    export as an MLflow model (off in the preset)."""
     runs_dir = tmp_path_factory.mktemp("eval-pipeline")
     seed_microbench(runs_dir)
     seed_store(runs_dir)
     tasks = "[heldout_perplexity]" if importlib.util.find_spec("lm_eval") else "[]"
-    cfg = micro_config(runs_dir, f"eval.tasks={tasks}", "eval.task_limit=6")
+    cfg = micro_config(runs_dir, f"eval.tasks={tasks}", "eval.task_limit=6",
+                       "eval.log_model=true")
     ctx = open_pipeline(cfg)
     results = run_stages(cfg, ctx)
     tracking.end_run(ctx.tracking_uri, ctx.parent_run_id)

@@ -6,7 +6,8 @@
 on SQLite). Each step's state (the pipeline runs it opened, every status.json, its console)
 is recorded when the step ends, so tests read records and do not depend on each other's
 order. Every run evaluates on 2 ranks (eval.ranks=2), so the evaluate stage's ranks app is
-exercised through Parsl as well as the training ranks.
+exercised through Parsl as well as the training ranks, and logs the export as an MLflow
+model (eval.log_model=true, off in the preset), which the UI test looks for.
 
 The session runs once per test session (``conftest.micro_cli_history``); the tests of
 ``test_pipeline.py`` and ``test_mlflow_ui.py`` only read it.
@@ -26,14 +27,14 @@ from stages.outputs import OUTPUTS_FILE, stage_dir
 from tests.evalkit import StageRun, driver_records
 
 REPO = Path(__file__).resolve().parent.parent
-EVAL_RANKS = ("--set", "eval.ranks=2")
+SESSION_SETTINGS = ("--set", "eval.ranks=2", "eval.log_model=true")
 
 
 def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python -m workflows.pipeline --config micro`` on ``runs_dir``; it must succeed."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-           "--runs-dir", str(runs_dir), *EVAL_RANKS, *args]
+           "--runs-dir", str(runs_dir), *SESSION_SETTINGS, *args]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, (f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
