@@ -12,14 +12,13 @@ from typing import Any
 
 from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan
-from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
+from model.training.files import CHECKPOINTS_DIR, LOSS_CURVE_FILE, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.checks import checkpoint_cadence_problem, predicted_step_time
 from stages.config import PipelineConfig
 from stages.launch import OUT_OF_TIME_FILE, RANK_ERROR_FILE, SPEC_FILE, RankSpec
 from stages.registry import declaration
 
-LOSS_CURVE_FILE = "loss_curve.png"
 INIT_DIR = "init"  # train.init_from imported from Hugging Face
 
 

@@ -5,5 +5,8 @@ so readers that never train pay no torch."""
 SUMMARY_FILE = "summary.json"
 """Written once by rank 0 at the end: losses, throughput, memory, the plan, the hosts."""
 
+LOSS_CURVE_FILE = "loss_curve.png"
+"""The loss curve rank 0 plots at the end (logged to MLflow by the train stage)."""
+
 CHECKPOINTS_DIR = "checkpoints"
 """Holds one ``step-N/`` directory per checkpoint (torch.distributed.checkpoint)."""

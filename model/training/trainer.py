@@ -53,7 +53,7 @@ from model.parallel.parallelize import (
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.planner.plan import Plan
 from model.training import checkpoint as ckpt
-from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
+from model.training.files import CHECKPOINTS_DIR, LOSS_CURVE_FILE, SUMMARY_FILE
 from model.training.metrics import median_step_time, peak_memory_gb, plot_losses
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
@@ -502,7 +502,7 @@ class Trainer:
                    "hosts": hosts, **self._job_summary()}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.losses:
-            png = plot_losses(self.losses, 0, self.out_dir / "loss_curve.png")
+            png = plot_losses(self.losses, 0, self.out_dir / LOSS_CURVE_FILE)
             if self.tracker is not None:
                 self.tracker.log_artifact(png)
         if self.tracker is not None:
