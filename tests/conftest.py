@@ -260,6 +260,41 @@ def runs_dir(tmp_path: Path, seed_microbench: Callable[[Path], Path],
 
 
 @pytest.fixture(scope="session")
+def micro_tokenize_output(tmp_path_factory: pytest.TempPathFactory,
+                          seed_microbench: Callable[..., Path],
+                          seed_store: Callable[[Path], str]) -> Path:
+    """The micro preset's published tokenize output, made once per session by the pipeline's
+    command line (``--only tokenize``); its stage directory."""
+    import subprocess
+    import sys
+
+    runs = tmp_path_factory.mktemp("micro-tokenized") / "runs"
+    seed_microbench(runs)
+    seed_store(runs)
+    proc = subprocess.run([sys.executable, "-m", "workflows.pipeline", "--config", "micro",
+                           "--runs-dir", str(runs), "--only", "tokenize"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (published,) = [p for p in (runs / "stages" / "tokenize").iterdir()
+                    if p.is_dir() and "." not in p.name]
+    return published
+
+
+@pytest.fixture
+def tokenized_runs_dir(runs_dir: Path, micro_tokenize_output: Path) -> Path:
+    """``runs_dir`` holding a copy of the micro preset's tokenize output (its paths rewritten
+    to the copy), which a micro pipeline reuses: for tests about the stages after it, which
+    then reach training sooner. Tokenizing itself is tested where it is asserted."""
+    from stages.outputs import OUTPUTS_FILE, relocate, write_outputs
+
+    target = runs_dir / "stages" / "tokenize" / micro_tokenize_output.name
+    shutil.copytree(micro_tokenize_output, target)
+    outputs = json.loads((target / OUTPUTS_FILE).read_text())
+    write_outputs(target, relocate(outputs, str(micro_tokenize_output), str(target)))
+    return runs_dir
+
+
+@pytest.fixture(scope="session")
 def micro_cli_history(tmp_path_factory: pytest.TempPathFactory,
                       seed_microbench: Callable[[Path], Path],
                       seed_store: Callable[[Path], str]):

@@ -91,8 +91,9 @@ def train_status(runs: Path) -> dict:
 @pytest.mark.parametrize("how", ["SIGTERM to the driver", "SIGINT to its process group",
                                  "SIGTERM to its process group"])
 def test_a_signal_stops_every_process_and_marks_training_failed(
-    how: str, runs_dir: Path, drivers: list[Driver]
+    how: str, tokenized_runs_dir: Path, drivers: list[Driver]
 ) -> None:
+    runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
     # Ctrl-C in a terminal signals the whole foreground group with SIGINT; timeout, scancel
     # and a closed terminal signal it with SIGTERM, which kills Parsl's interchanges too.
     group = "group" in how
@@ -137,8 +138,9 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
 
 @pytest.mark.parametrize("module", ["stages.launch", "torch.distributed.run"])
 def test_ranks_die_with_a_killed_launcher(
-    module: str, runs_dir: Path, drivers: list[Driver]
+    module: str, tokenized_runs_dir: Path, drivers: list[Driver]
 ) -> None:
+    runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
     drivers.append(start_pipeline(runs_dir, *LONG_TRAINING))
     driver = drivers[-1]
     training_under_way(driver)

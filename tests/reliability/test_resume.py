@@ -249,8 +249,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory,
 
 
 def test_rerun_resumes_a_killed_training_with_identical_losses(
-    runs_dir: Path, drivers: list[Driver], reference: Callable[[], list[float]]
+    tokenized_runs_dir: Path, drivers: list[Driver], reference: Callable[[], list[float]]
 ) -> None:
+    runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
     overrides = (*TRAINING, "site.retries=0")
     drivers.append(start_pipeline(runs_dir, *overrides))
     first = drivers[-1]
@@ -281,8 +282,9 @@ def test_rerun_resumes_a_killed_training_with_identical_losses(
 
 
 def test_retry_resumes_a_killed_rank_within_the_run(
-    runs_dir: Path, drivers: list[Driver], reference: Callable[[], list[float]]
+    tokenized_runs_dir: Path, drivers: list[Driver], reference: Callable[[], list[float]]
 ) -> None:
+    runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
     drivers.append(start_pipeline(runs_dir, *TRAINING))  # site.retries: the default, 1
     driver = drivers[-1]
     kill_rank_after_checkpoint(driver)
