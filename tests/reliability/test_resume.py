@@ -27,7 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/micro.yaml"
-STEPS = 200  # long enough that a kill after step KILL_AFTER lands well before the end
+STEPS = 80  # long enough that a kill after step KILL_AFTER lands well before the end
 CHECKPOINT_EVERY = 10
 KILL_AFTER = 20
 TRAINING = (f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}")
