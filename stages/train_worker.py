@@ -179,8 +179,17 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: ``--spec PATH``."""
-    return rank_main(__doc__.splitlines()[0], run_spec, argv)
+    """Command-line entry: ``--spec PATH``.
+
+    Once the rank's work is over, a stop signal has nothing left to stop and is ignored:
+    Slurm's signal ahead of the walltime can land after the last step, while the
+    interpreter shuts down, and by then Python has put the default handlers back, which
+    would end a finished rank by the signal (a failed attempt, a spent retry)."""
+    try:
+        return rank_main(__doc__.splitlines()[0], run_spec, argv)
+    finally:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)  # Python leaves SIG_IGN in place at exit
 
 
 if __name__ == "__main__":

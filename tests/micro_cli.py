@@ -27,14 +27,14 @@ from stages.outputs import OUTPUTS_FILE, stage_dir
 from tests.evalkit import StageRun, driver_records
 
 REPO = Path(__file__).resolve().parent.parent
-SESSION_SETTINGS = ("--set", "eval.ranks=2", "eval.log_model=true")
+SESSION_OVERRIDES = ("eval.ranks=2", "eval.log_model=true")  # every step's --set
 
 
 def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python -m workflows.pipeline --config micro`` on ``runs_dir``; it must succeed."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-           "--runs-dir", str(runs_dir), *SESSION_SETTINGS, *args]
+           "--runs-dir", str(runs_dir), "--set", *SESSION_OVERRIDES, *args]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, (f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}"

@@ -21,7 +21,7 @@ from stages import keys, tracking
 from stages.config import ConfigError, load_config
 from stages.registry import STAGE_ORDER
 from tests.conftest import Console
-from tests.micro_cli import History, children
+from tests.micro_cli import SESSION_OVERRIDES, History, children
 from workflows.pipeline import decide_stages
 
 MICRO_STEPS = 6  # train.steps of configs/micro.yaml
@@ -57,7 +57,7 @@ def test_first_run_logs_one_parent_and_four_finished_stage_runs(history: History
     parent = tracking.get_run(uri, first.parent)
     config_yaml = Path(parent.info.artifact_uri.replace("file://", "")) / "config.yaml"
     assert load_config(config_yaml) == load_config("micro", [f"tracking.runs_dir={runs_dir}",
-                                                             "eval.ranks=2"])
+                                                             *SESSION_OVERRIDES])
     # The report on disk is what the evaluate run logged, split over both ranks.
     report = history.report
     assert report["perplexity"] == pytest.approx(evaluate["perplexity"], rel=1e-6)
@@ -119,7 +119,7 @@ def test_dry_run_prints_keys_and_runs_nothing(history: History) -> None:
 
 @pytest.mark.slow
 def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_path) -> None:
-    cfg = load_config("micro", [f"tracking.runs_dir={history.runs_dir}", "eval.ranks=2"])
+    cfg = load_config("micro", [f"tracking.runs_dir={history.runs_dir}", *SESSION_OVERRIDES])
     code = keys.code_hashes()
 
     def actions(only=None, start=None, force=False) -> list[str]:
@@ -132,7 +132,7 @@ def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_p
     assert [p.key for p in decide_stages(cfg, None, None, False, code)] == [
         history.only_evaluate.stages[n][0] for n in STAGE_ORDER]
     # An empty runs dir: everything runs, and a selection that needs upstream output is refused.
-    empty = load_config("micro", [f"tracking.runs_dir={tmp_path}", "eval.ranks=2"])
+    empty = load_config("micro", [f"tracking.runs_dir={tmp_path}", *SESSION_OVERRIDES])
     assert [p.action for p in decide_stages(empty, None, None, False, code)] == ["run"] * 4
     with pytest.raises(ConfigError, match="--only evaluate needs the 'tokenize' stage's output"):
         decide_stages(empty, "evaluate", None, False, code)

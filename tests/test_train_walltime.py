@@ -23,7 +23,13 @@ import psutil
 import pytest
 
 from model.training.checkpoint import latest_checkpoint
-from stages.launch import OUT_OF_TIME_EXIT, OUT_OF_TIME_FILE, RankSpec, rank_environment
+from stages.launch import (
+    OUT_OF_TIME_EXIT,
+    OUT_OF_TIME_FILE,
+    USER_ERROR_EXIT,
+    RankSpec,
+    rank_environment,
+)
 from tests.train_helpers import REPO, run_worker, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -122,3 +128,23 @@ def test_walltime_signal_stops_at_a_checkpoint_and_resumes_bitwise(tmp_path: Pat
     assert summary["node_hours"] == pytest.approx(
         sum(e["ended"] - e["started"] for e in ledger) / 3600)
     assert 0 < summary["node_hours"] < 0.1
+
+
+def test_a_stop_signal_after_the_ranks_work_is_ignored(tmp_path: Path) -> None:
+    """Slurm's signal ahead of the walltime may land once the rank's work is over, while the
+    interpreter shuts down, when Python has put back the default (fatal) handlers: the rank
+    ignores both stop signals from the end of its work on, and exits with its own code."""
+    spec = json.loads(write_spec(tmp_path / "rank").read_text())
+    spec["plan"] = None  # refused at once: the rank's work ends before torch.distributed starts
+    spec_path = tmp_path / "rank" / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    script = ("import signal, sys\n"
+              "import stages.train_worker as worker\n"
+              "code = worker.main(['--spec', sys.argv[1]])\n"
+              "print([signal.getsignal(s) == signal.SIG_IGN for s in worker.STOP_SIGNALS])\n"
+              "signal.raise_signal(signal.SIGUSR1)\n"
+              "sys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(spec_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == USER_ERROR_EXIT, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[True, True]", proc.stdout + proc.stderr

@@ -35,7 +35,7 @@ from tests.reliability.test_resume import (
 )
 
 LONG_TRAINING = ("train.steps=100000", "train.checkpoint_every=10", "site.retries=0")
-EXIT_WITHIN_S = 10.0  # the driver exits this soon after the signal
+EXIT_WITHIN_S = 20.0  # the driver exits this soon after the signal (on a CPU-starved box too)
 SETTLE_S = 10.0  # after which no process of the runs dir may be left
 RANKS_GONE_WITHIN_S = 5.0  # after the launcher was killed
 
