@@ -113,6 +113,7 @@ def xdist_group_of(nodeid: str) -> str:
     return SHARED_SESSION_MODULES.get(name, module)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's type
     """Schedule groups (``xdist_group_of``) in collection order: the Slurm lane first."""
     from xdist.scheduler import LoadScopeScheduling
