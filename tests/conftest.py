@@ -202,14 +202,15 @@ def seed_microbench(microbench_cache: Path) -> Callable[..., Path]:
     planning other rank counts measures nothing (a minute each); the plans it picks may
     differ from a fresh measurement's, which no test depends on."""
 
+    from model.planner.microbench import cache_file
+
     def seed(runs_dir: Path, *rank_counts: int) -> Path:
         target = Path(runs_dir) / "cache" / "microbench" / microbench_cache.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(microbench_cache, target)
         measured = json.loads(microbench_cache.read_text())
         for nproc in rank_counts:
-            name = microbench_cache.name.replace(f"-n{MICROBENCH_NPROC}-", f"-n{nproc}-")
-            (target.parent / name).write_text(json.dumps(measured | {"nproc": nproc}))
+            cache_file(nproc, target.parent).write_text(json.dumps(measured | {"nproc": nproc}))
         return target
 
     return seed
