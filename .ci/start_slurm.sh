@@ -283,6 +283,9 @@ hosts_block() {
     local i
     echo "# BEGIN frontier-llm-slurm $PREFIX"
     for i in $(seq "$NODES"); do echo "$(node_addr "$i") $(node_name "$i")"; done
+    # The login side of the bridge too: a reverse lookup of an address no file names goes to
+    # DNS, which this machine may not answer (c10d's lookup of a peer then waits 10 s).
+    echo "$LOGIN_ADDR $PREFIX-login"
     echo "# END frontier-llm-slurm $PREFIX"
 }
 
