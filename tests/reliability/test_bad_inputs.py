@@ -308,6 +308,22 @@ def test_bad_line_past_the_first_record_fails_in_the_stage(bad_data: Path, tmp_p
     assert status["state"] == "failed", status
 
 
+@pytest.mark.slow
+def test_unreachable_hub_corpus_fails_in_the_stage_with_its_cause(bad_data: Path,
+                                                                  tmp_path: Path,
+                                                                  seed_store) -> None:
+    """An ``hf:`` corpus the hub cannot serve (the tests run offline): the tokenize stage
+    fails with the hub's own reason and the driver exits, rather than hanging after the
+    error."""
+    seed_store(tmp_path / "runs")
+    case = Case("offline-hub", (*sets("data.source=hf:someorg/nocorpus"), "--only", "tokenize"),
+                ("pipeline failed:", "tokenize failed: ConnectionError",
+                 "Couldn't reach 'someorg/nocorpus' on the Hub (OfflineModeIsEnabled)"), code=1)
+    proc, runs = run_cli(case, bad_data, tmp_path, SLOW_TIMEOUT)
+    console = assert_refused(proc, case, runs)
+    assert _status_of_attempt(console)["state"] == "failed"
+
+
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory: pytest.TempPathFactory, bad_data: Path, seed_store
               ) -> tuple[Path, subprocess.CompletedProcess, Case]:
