@@ -7,16 +7,22 @@ first is a prediction target exactly once per epoch (the targets never overlap).
 
 Shuffle (``shuffle=True``). Windows are grouped into blocks of about ``chunk_tokens``
 tokens (one Zarr chunk's worth). Each epoch permutes the blocks (seeded by seed and
-epoch), takes them ``group_blocks`` at a time, and permutes the windows inside each group.
-Reading a group decompresses each of its chunks once (an LRU cache of decoded chunks holds
-them) and serves every window from memory.
+epoch) and takes them ``group_blocks`` at a time; each block's windows are permuted and
+the group's blocks are interleaved evenly (round robin for equal blocks), so any run of
+consecutive windows draws the same share from every block of its group. Reading a group
+decompresses each of its chunks once and serves every window from memory.
 
 Global order. The window sequence depends only on the store, split, seq_len, seed and
 group_blocks, never on dp_size: global batch ``s`` is the windows at positions
-``[s*global_batch, (s+1)*global_batch)`` of that sequence, and rank ``r`` of ``dp_size``
-reads only its rows ``[r*b, (r+1)*b)`` with ``b = global_batch // dp_size``. The state is the
-number of windows consumed globally, so a checkpoint taken with one dp degree resumes with
-another (or with another global_batch) and continues the same sequence.
+``[s*global_batch, (s+1)*global_batch)`` of that sequence. Its rows are ordered by block
+(the block's place in the epoch's order, then sequence position), a function of the global
+batch alone, and rank ``r`` of ``dp_size`` reads only rows ``[r*b, (r+1)*b)`` with
+``b = global_batch // dp_size``. With the even interleave those rows come from about
+``group_blocks / dp_size`` blocks, so a rank decompresses its share of the chunks, not all
+of them: the decode cost per window stays flat as dp grows while ``dp_size <= group_blocks``
+(beyond that each rank still decodes one block per group). The state is the number of
+windows consumed globally, so a checkpoint taken with one dp degree resumes with another
+(or with another global_batch) and continues the same sequence.
 """
 from __future__ import annotations
 
@@ -76,27 +82,37 @@ class TokenWindowLoader:
     def epoch(self) -> int:
         return self.consumed // self.num_windows
 
-    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(block order, end position of each group) for ``epoch``."""
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(block order, end position of each group, each block's place in the order) for
+        ``epoch``."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
             sizes = np.full(self.num_blocks, self.block_windows, dtype=np.int64)
             last = self.num_windows - (self.num_blocks - 1) * self.block_windows
             sizes[order == self.num_blocks - 1] = last
             per_group = np.add.reduceat(sizes, np.arange(0, self.num_blocks, self.group_blocks))
-            self._epoch_cache = (epoch, order, np.cumsum(per_group))
-        return self._epoch_cache[1], self._epoch_cache[2]
+            place = np.empty(self.num_blocks, dtype=np.int64)
+            place[order] = np.arange(self.num_blocks)
+            self._epoch_cache = (epoch, order, np.cumsum(per_group), place)
+        return self._epoch_cache[1], self._epoch_cache[2], self._epoch_cache[3]
 
     def _group_windows(self, epoch: int, group: int, order: np.ndarray) -> np.ndarray:
-        """The shuffled window indices of one group of blocks."""
+        """The window sequence of one group of blocks: each block's windows permuted, the
+        blocks interleaved evenly (window ``i`` of a block of ``n`` sits at fraction
+        ``(i + 0.5) / n`` of the group; ties go to the block's place in the group)."""
         if self._group_cache is None or self._group_cache[:2] != (epoch, group):
             blocks = order[group * self.group_blocks : (group + 1) * self.group_blocks]
             bw = self.block_windows
-            windows = np.concatenate([
-                np.arange(b * bw, min((b + 1) * bw, self.num_windows)) for b in blocks
-            ])
-            rng = np.random.default_rng([self.seed, epoch, group + 1])
-            self._group_cache = (epoch, group, windows[rng.permutation(len(windows))])
+            windows, spread, slot = [], [], []
+            for k, block in enumerate(blocks.tolist()):
+                first, stop = block * bw, min((block + 1) * bw, self.num_windows)
+                n = stop - first
+                rng = np.random.default_rng([self.seed, epoch, group + 1, k])
+                windows.append(first + rng.permutation(n))
+                spread.append((np.arange(n) + 0.5) / n)
+                slot.append(np.full(n, k))
+            sequence = np.lexsort((np.concatenate(slot), np.concatenate(spread)))
+            self._group_cache = (epoch, group, np.concatenate(windows)[sequence])
         return self._group_cache[2]
 
     def window_indices(self, first: int, count: int) -> np.ndarray:
@@ -108,7 +124,7 @@ class TokenWindowLoader:
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            order, group_ends = self._epoch_order(int(epoch))
+            order, group_ends, _ = self._epoch_order(int(epoch))
             pos = within[mask]
             groups = np.searchsorted(group_ends, pos, side="right")
             starts = np.where(groups > 0, group_ends[np.maximum(groups - 1, 0)], 0)
@@ -119,6 +135,21 @@ class TokenWindowLoader:
                 result[sel] = group_windows[pos[sel] - starts[sel]]
             out[mask] = result
         return out
+
+    def batch_windows(self, first: int) -> np.ndarray:
+        """The windows of the global batch at sequence position ``first``, in row order:
+        by block (its place in the epoch's block order), then by sequence position, so that
+        each dp rank's contiguous rows come from as few blocks as the batch allows."""
+        windows = self.window_indices(first, self.global_batch)
+        if not self.shuffle:
+            return windows
+        positions = np.arange(first, first + self.global_batch, dtype=np.int64)
+        epochs = positions // self.num_windows
+        place = np.empty(self.global_batch, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            place[mask] = self._epoch_order(int(epoch))[2][windows[mask] // self.block_windows]
+        return windows[np.lexsort((positions, place, epochs))]
 
     def window_index(self, position: int) -> int:
         """Window served at global sequence ``position``."""
@@ -144,19 +175,16 @@ class TokenWindowLoader:
         start = k * self.seq_len
         return self._block(block)[start : start + self.seq_len + 1]
 
-    def _batch(self, first: int, count: int) -> torch.Tensor:
-        rows = [self.window(w) for w in self.window_indices(first, count).tolist()]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
-
     def next_batch(self) -> torch.Tensor:
         """This rank's rows of the next global batch.
 
         A LongTensor [global_batch // dp_size, seq_len + 1].
         """
-        first = self.consumed + self.dp_rank * self.rows
-        batch = self._batch(first, self.rows)
+        mine = self.batch_windows(self.consumed)[self.dp_rank * self.rows:
+                                                 (self.dp_rank + 1) * self.rows]
         self.consumed += self.global_batch
-        return batch
+        rows = [self.window(w) for w in mine.tolist()]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:

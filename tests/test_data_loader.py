@@ -36,10 +36,14 @@ def test_batches_are_packed_windows(store: str) -> None:
     tokens = reader.read(0, reader.num_tokens)
     loader = TokenWindowLoader(store, "train", SEQ, global_batch=8, seed=0)
     assert loader.num_windows == (len(tokens) - 1) // SEQ > 4 * loader.block_windows
+    rows = loader.batch_windows(0)
+    # The batch holds the sequence's first 8 windows, its rows grouped by block.
+    assert sorted(rows.tolist()) == sorted(loader.window_indices(0, 8).tolist())
+    places = loader._epoch_order(0)[2][rows // loader.block_windows]
+    assert np.all(np.diff(places) >= 0)
     batch = loader.next_batch()
     assert batch.dtype == torch.long and batch.shape == (8, SEQ + 1)
-    for pos, row in enumerate(batch):
-        w = loader.window_index(pos)
+    for w, row in zip(rows.tolist(), batch, strict=True):
         assert np.array_equal(row.numpy(), tokens[w * SEQ : w * SEQ + SEQ + 1])
     assert (tokens == 0).sum() > 10  # eos (id 0) separates the packed documents
 
@@ -80,6 +84,40 @@ def test_ranks_read_disjoint_slices_covering_the_global_batch(store: str) -> Non
     seen = [ranks[r].window_indices(r * 4 + 8 * s, 4) for s in range(n // 8) for r in range(dp)]
     seen = np.concatenate(seen)
     assert len(set(seen.tolist())) == len(seen) == (n // 8) * 8
+
+
+def test_every_run_of_windows_draws_evenly_from_its_group(store: str) -> None:
+    loader = TokenWindowLoader(store, "train", SEQ, 8, seed=3, group_blocks=4)
+    bw = loader.block_windows
+    ends = np.concatenate([[0], loader._epoch_order(0)[1]])
+    g = next(g for g in range(len(ends) - 1) if ends[g + 1] - ends[g] == 4 * bw)  # 4 whole blocks
+    group = loader.window_indices(int(ends[g]), 4 * bw) // bw
+    assert len(set(group.tolist())) == 4
+    for start in range(0, 4 * bw - 8, 8):  # any 8 consecutive windows: 2 from each block
+        assert np.bincount(group[start : start + 8], minlength=loader.num_blocks).max() == 2
+
+
+def test_a_rank_decodes_its_share_of_the_chunks_whatever_the_dp_degree(
+        tmp_path_factory: pytest.TempPathFactory, seed_store) -> None:
+    """Chunks decompressed per window by one rank at dp=8 over dp=1: 1.0 here (the bound is
+    1.2), where a rank that decoded its whole group would read 8 times as many."""
+    tmp = tmp_path_factory.mktemp("dp_reads")
+    make_corpus(tmp / "corpus", n_docs=240, seed=5)
+    cfg = make_cfg(tmp, tmp / "corpus", "data.validation_fraction=0.05", "data.num_shards=1",
+                   "data.chunks_per_shard=64")
+    out = tmp / "out"
+    out.mkdir()
+    big = run_work(TOKENIZE, cfg, {}, out, make_tracker(tmp / "ml", seed_store)[0])["store"]
+    reads = {}
+    for dp in (1, 8):
+        loader = TokenWindowLoader(big, "train", SEQ, 64, dp_rank=dp - 1, dp_size=dp, seed=1)
+        assert loader.num_blocks >= 16, loader.num_blocks
+        steps = 2 * loader.group_blocks * loader.block_windows // 64  # two whole groups
+        run_steps(loader, steps)
+        reads[dp] = loader.reader.chunk_reads / (steps * loader.rows)
+    ratio = reads[8] / reads[1]
+    print(f"dp8_over_dp1_chunk_reads {ratio:.3f} ({reads})")
+    assert ratio <= 1.2, reads
 
 
 def test_resume_continues_exactly(store: str) -> None:
