@@ -169,6 +169,10 @@ def test_frontier_settings_come_from_config():
     assert "export OMP_NUM_THREADS=3" in launch and "OMP_NUM_THREADS=7" not in launch
     assert "export LD_LIBRARY_PATH=/opt/aws-ofi-rccl/lib${LD_LIBRARY_PATH:+:" in launch
     assert "rccl-net-plugin" not in script  # a plugin path replaces OLCF's module
+    # ... and the allocation flag that the module's alt_read rendezvous needs
+    assert "disable_rdzv_get" not in script
+    assert "#SBATCH --network=disable_rdzv_get\n" in batch_script(
+        load_config(None, FRONTIER_OVERRIDES), RUN_DIR)
     assert "--gpu-bind" not in launch
 
 
@@ -371,6 +375,20 @@ def test_eval_ranks_use_the_same_launch_lines():
     )
 
 
+def test_frontier_forces_the_plugin_only_across_nodes():
+    # OLCF: the libfabric plugin does not initialise in a one-node job, so NCCL_NET names
+    # the plugin only when the ranks span nodes; site.env still overrides it.
+    cfg = load_config(None, FRONTIER_OVERRIDES)
+    one = ranks_command(cfg, _spec(8, nodes=1), "/r/spec.json")
+    two = ranks_command(cfg, _spec(16, nodes=2), "/r/spec.json")
+    assert "export NCCL_NET=Socket\n" in one and "Libfabric" not in one
+    assert "export NCCL_NET='AWS Libfabric'\n" in two
+    own = load_config(None, FRONTIER_OVERRIDES + ["site.env=[NCCL_NET=OFI]"])
+    assert "export NCCL_NET=OFI\n" in ranks_command(own, _spec(8, nodes=1), "/r/spec.json")
+    slurm = load_config(None, ["site.name=slurm"])
+    assert "NCCL_NET" not in ranks_command(slurm, _spec(2, nodes=2), "/r/spec.json")
+
+
 def test_frontier_eval_srun_line_golden():
     cfg = load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=8"])
     text = _normalise(_srun(cfg, EVALUATE))
@@ -379,10 +397,15 @@ def test_frontier_eval_srun_line_golden():
     assert launch.startswith("srun --ntasks 8 --ntasks-per-node 8 --nodelist <node0> --nodes 1 ")
     assert "-c7 --gpus-per-task=1 --gpu-bind=closest" in launch
     assert "stages.eval_worker --spec" in launch
-    # Same environment as the training ranks.
+    # Same environment as the training ranks, but for NCCL_NET: this evaluation runs on one
+    # node, where the plugin does not initialise, so RCCL is pointed at its sockets.
     train_text = _normalise(_srun(cfg))
-    assert [ln for ln in text.splitlines() if ln.startswith("export")] == [
-        ln for ln in train_text.splitlines() if ln.startswith("export")]
+    assert "export NCCL_NET=Socket\n" in text
+    assert "export NCCL_NET='AWS Libfabric'\n" in train_text
+    assert [ln for ln in text.splitlines()
+            if ln.startswith("export") and not ln.startswith("export NCCL_NET=")] == [
+        ln for ln in train_text.splitlines()
+        if ln.startswith("export") and not ln.startswith("export NCCL_NET=")]
     with pytest.raises(SiteError, match="evaluate runs 9 ranks on 1 node.*8 GCDs"):
         dry_run_text(load_config(None, FRONTIER_OVERRIDES + ["eval.ranks=9"]), RUN_DIR)
     with pytest.raises(ConfigError, match="eval.ranks must be >= 1"):

@@ -332,8 +332,9 @@ class PolledSlurmProvider(SlurmProvider):
 
 
 def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
-    """The #SBATCH lines of a block: ``--no-requeue``, the training block's ``--signal``,
-    then ``site.scheduler_options``.
+    """The #SBATCH lines of a block: ``--no-requeue``, on Frontier with OLCF's RCCL plugin
+    module ``--network=disable_rdzv_get``, the training block's ``--signal``, then
+    ``site.scheduler_options``.
 
     Parsl owns retries: a block that loses a node must end, so that Parsl submits a new one
     and the retried app resumes from its checkpoint. A job Slurm requeued instead
@@ -347,6 +348,10 @@ def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
     the job (``stages.train_worker``); the driver resumes them in a new job.
     """
     lines = "#SBATCH --no-requeue\n"
+    if cfg.site.name == "frontier" and not cfg.site.rccl_plugin_path:
+        # OLCF's rccl-net-plugin module selects libfabric's alt_read rendezvous, which
+        # needs this allocation flag (docs/frontier.md).
+        lines += "#SBATCH --network=disable_rdzv_get\n"
     ahead = cfg.site.save_before_end() if stop_signal else 0
     if ahead:
         lines += f"#SBATCH --signal=USR1@{ahead}\n"
@@ -504,7 +509,7 @@ def worker_init(cfg: PipelineConfig) -> str:
     if modules:
         lines.append("module load " + " ".join(shlex.quote(module) for module in modules))
     if site.name == "frontier" and not site.rccl_plugin_path:
-        # After rocm: the plugin module matches the loaded ROCm and sets its library path.
+        # After rocm, as OLCF loads it: the plugin and its recommended Slingshot settings.
         lines.append(f"module load {FRONTIER_RCCL_PLUGIN_MODULE}")
     if site.node_local_env:
         lines.extend(node_local_env_lines(site.node_local_env))

@@ -34,15 +34,22 @@ SLURM_SITES = ("slurm", "frontier")
 
 FRONTIER_MODULES = ("PrgEnv-gnu", "rocm/6.4.1", "craype-accel-amd-gfx90a", "miniforge3/23.11.0-0")
 """Modules loaded on Frontier compute nodes unless site.modules says otherwise (the rocm
-module matches the torch ROCm 6.4 wheel of docs/frontier.md)."""
+module matches the torch ROCm 6.4 wheel of docs/frontier.md; it is not the site default)."""
 
 FRONTIER_RCCL_PLUGIN_MODULE = "rccl-net-plugin"
-"""OLCF's module of the aws-ofi-rccl plugin (RCCL over Slingshot through libfabric): loaded
-after FRONTIER_MODULES unless site.rccl_plugin_path names a build of one's own."""
+"""OLCF's module of the libfabric network plugin for RCCL (aws-ofi-nccl built for ROCm) and
+of the Slingshot settings recommended with it; OLCF loads it after rocm. Loaded after
+FRONTIER_MODULES unless site.rccl_plugin_path names a build of one's own."""
 
 FRONTIER_NCCL_NET = "AWS Libfabric"
-"""The network name the aws-ofi-rccl plugin registers with RCCL. NCCL_NET set to it makes a
-missing plugin fail at communicator start instead of falling back to TCP sockets."""
+"""NCCL_NET of a multi-node ranks step: the plugin's network name, so a plugin that did not
+load fails the first communicator instead of RCCL falling back to TCP sockets. aws-ofi-nccl
+answers to it (and to "OFI", OLCF's spelling); aws-ofi-rccl builds register only it."""
+
+FRONTIER_NCCL_NET_SINGLE_NODE = "Socket"
+"""NCCL_NET of a one-node ranks step: OLCF notes that the plugin does not initialise in a
+single-node job, so forcing it there would stop RCCL; inside a node RCCL does not use the
+network for data anyway."""
 
 FRONTIER_LUSTRE = PurePosixPath("/lustre/orion")
 """Orion, Frontier's Lustre filesystem: the one the compute nodes write at scale."""
@@ -133,8 +140,9 @@ def runs_dir_problem(cfg: PipelineConfig) -> str | None:
     (or the site is not Frontier).
 
     It must be absolute (a relative one lands wherever the driver starts, usually the NFS
-    home, which the compute nodes cannot write) and on Orion, /lustre/orion, where the
-    compute nodes write stage outputs, checkpoints and logs.
+    home) and on Orion, /lustre/orion, where the compute nodes write stage outputs,
+    checkpoints and logs: the NFS home and project areas hold 50 GB each and OLCF recommends
+    running jobs from Orion.
     """
     if cfg.site.name != "frontier":
         return None
@@ -144,15 +152,15 @@ def runs_dir_problem(cfg: PipelineConfig) -> str | None:
     if not PurePosixPath(given).is_absolute():
         return (f"site.name=frontier: the runs dir {given!r} (--runs-dir, tracking.runs_dir) "
                 "is relative: on Frontier it would land wherever the driver starts, usually "
-                "your home directory, which compute nodes cannot write; " + fix)
+                "your NFS home directory (50 GB, and slow for many ranks); " + fix)
     parts = PurePosixPath(cfg.runs_dir).parts
     lustre = FRONTIER_LUSTRE.parts
     if parts[:len(lustre)] != lustre or len(parts) <= len(lustre):
         return (f"site.name=frontier: the runs dir {str(cfg.runs_dir)!r} (--runs-dir, "
                 f"tracking.runs_dir) is not on Frontier's Lustre filesystem "
                 f"({FRONTIER_LUSTRE}): the compute nodes write the stage outputs, checkpoints "
-                "and logs there, and home and project (NFS) directories are read-only to "
-                "them; " + fix)
+                "and logs there, and the home and project (NFS) areas hold 50 GB each and are "
+                "slow for many ranks; " + fix)
     return None
 
 

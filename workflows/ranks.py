@@ -7,9 +7,9 @@ stages.launch`` (torchrun on this machine); on slurm/frontier ``$PARSL_MPI_PREFI
 ``srun`` line Parsl's MPIExecutor composes from ``ranks_resource_spec`` (nodes, ranks per
 node, ``SITE_SRUN_OPTIONS``), one worker per rank. ``rank_env`` is what every rank gets
 exported first: the project on PYTHONPATH, its OpenMP threads (``rank_cores``) and, on
-Frontier, RCCL over Slingshot (the aws-ofi-rccl plugin, forced by NCCL_NET) and MIOpen's
-cache on node-local /tmp; on Frontier the command then sets MASTER_ADDR to the address of
-the step's first node (``master_addr_lines``).
+Frontier, RCCL over Slingshot (the libfabric plugin, forced by NCCL_NET when the ranks span
+nodes) and MIOpen's cache on node-local /tmp; on Frontier the command then sets MASTER_ADDR
+to the address of the step's first node (``master_addr_lines``).
 
 Every value from the config reaches the command shell-quoted: site.env values are literal
 (no expansion), site.srun_options is split into words and each is quoted.
@@ -34,7 +34,12 @@ from stages.launch import (
     RankSpec,
 )
 from stages.shape import StageShape
-from workflows.frontier import FRONTIER_CORES_PER_RANK, FRONTIER_NCCL_NET, SiteError
+from workflows.frontier import (
+    FRONTIER_CORES_PER_RANK,
+    FRONTIER_NCCL_NET,
+    FRONTIER_NCCL_NET_SINGLE_NODE,
+    SiteError,
+)
 
 
 def rank_cores(site: str) -> int:
@@ -90,8 +95,9 @@ def ranks_resource_spec(cfg: PipelineConfig, shape: StageShape) -> dict | None:
     return spec
 
 
-def rank_env(cfg: PipelineConfig) -> dict[str, str]:
-    """Environment exported before the ranks start: variable name -> a shell word.
+def rank_env(cfg: PipelineConfig, nodes: int) -> dict[str, str]:
+    """Environment exported before the ranks start on ``nodes`` nodes: variable name -> a
+    shell word.
 
     The site's own values may expand variables ($USER, $SLURM_JOB_ID, the previous
     LD_LIBRARY_PATH); config values are quoted, so site.env values are taken literally.
@@ -102,31 +108,36 @@ def rank_env(cfg: PipelineConfig) -> dict[str, str]:
     env: dict[str, str] = {"PYTHONPATH": project_pythonpath(quote=True),
                            **{key: shlex.quote(value) for key, value in threads.items()}}
     if cfg.site.name == "frontier":
-        env.update(_frontier_rank_env(cfg))
+        env.update(_frontier_rank_env(cfg, nodes))
     for item in cfg.site.env:
         key, value = item.split("=", 1)
         env[key.strip()] = shlex.quote(value)
     return env
 
 
-def _frontier_rank_env(cfg: PipelineConfig) -> dict[str, str]:
-    """RCCL over Slingshot and MIOpen on node-local storage (sources: docs/frontier.md)."""
+def _frontier_rank_env(cfg: PipelineConfig, nodes: int) -> dict[str, str]:
+    """RCCL over Slingshot and MIOpen on node-local storage (sources: docs/frontier.md).
+
+    NCCL_NET forces the libfabric plugin only when the ranks span nodes: in a one-node job
+    the plugin does not initialise on Frontier, so there it names RCCL's socket transport."""
     env: dict[str, str] = {}
     if cfg.site.rccl_plugin_path:
         # A plugin build of one's own instead of OLCF's rccl-net-plugin module.
         env["LD_LIBRARY_PATH"] = (shlex.quote(cfg.site.rccl_plugin_path)
                                   + "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
     env.update({
-        # Only the libfabric plugin: without it RCCL fails at start, not silently on TCP.
-        "NCCL_NET": shlex.quote(FRONTIER_NCCL_NET),
+        # Across nodes only the libfabric plugin: without it RCCL fails at start instead of
+        # running on TCP sockets. One node: sockets, as the plugin does not start there.
+        "NCCL_NET": shlex.quote(FRONTIER_NCCL_NET if nodes > 1
+                                else FRONTIER_NCCL_NET_SINGLE_NODE),
         "NCCL_SOCKET_IFNAME": "hsn0",  # bootstrap over the Slingshot interface
-        "NCCL_NET_GDR_LEVEL": "3",
+        "NCCL_NET_GDR_LEVEL": "3",  # NCCL's legacy integer for PHB
         "NCCL_CROSS_NIC": "1",
         "FI_CXI_ATS": "0",
         "FI_CXI_DEFAULT_CQ_SIZE": "131072",
         "FI_CXI_DISABLE_HOST_REGISTER": "1",
         # FI_MR_CACHE_MONITOR is left to the site default (kdreg2 since Slingshot 2.3).
-        # MIOpen's kernel database on node-local /tmp: Lustre locking stalls many ranks.
+        # MIOpen's databases on node-local /tmp (OLCF: avoids MIOpen's disk I/O errors).
         "MIOPEN_USER_DB_PATH": '"/tmp/$USER-miopen-$SLURM_JOB_ID"',
         "MIOPEN_CUSTOM_CACHE_DIR": '"/tmp/$USER-miopen-$SLURM_JOB_ID"',
     })
@@ -169,7 +180,7 @@ def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) ->
     and ``OUT_OF_TIME_EXIT`` when the ranks stopped out of time at a checkpoint (their
     ``out-of-time.json``), so it resumes them in a new job.
     """
-    exports = [f"export {key}={value}" for key, value in rank_env(cfg).items()]
+    exports = [f"export {key}={value}" for key, value in rank_env(cfg, spec.nodes).items()]
     path = shlex.quote(str(spec_path))
     python = shlex.quote(_worker_python(cfg))
     if cfg.site.name == "local":
