@@ -141,14 +141,21 @@ def test_the_plan_stage_prints_the_counts_beside_the_rehearsal() -> None:
 
 
 def test_gradients_at_the_peak_follow_the_schedule() -> None:
-    """Held chunk forwards by chunks whose backward has begun: all forwards of an
-    interleaved rank with few micro-batches come before any gradient exists, 1F1B's steady
-    state holds pp - rank of them beside the stage's gradients."""
-    from model.planner.rank_counts import held_by_started
+    """Held chunk forwards by chunks holding unsharded gradients: all forwards of an
+    interleaved rank with few micro-batches come before any gradient exists, a chunk's
+    gradients are made as its backward frees that micro-batch's activations and are
+    reduce-scattered at its last micro-batch (never two chunks' at once with two
+    micro-batches here); 1F1B's steady state holds pp - rank of them beside the stage's
+    gradients. At the ends of the first chunk's backwards (the embedding's gradient) the
+    interleaved rank holds at most one forward."""
+    from model.planner.rank_counts import held_by_accumulating
     from model.planner.shapes import encode
 
     inter = Plan(pp=2, grad_accum=2, schedule="interleaved_1f1b", virtual_stages=2)
     onef = Plan(pp=4, grad_accum=8, schedule="1f1b")
-    table = held_by_started(encode([inter, onef]), np.array([0, 0]))
-    assert table[0].tolist() == [4, 4, 2]
+    table = held_by_accumulating(encode([inter, onef]), np.array([0, 0]))
+    assert table[0].tolist() == [4, 3, -1]
     assert table[1].tolist()[:2] == [4, 4]
+    ends = held_by_accumulating(encode([inter, onef]), np.array([0, 0]), first_chunk_ends=True)
+    assert ends[0].tolist() == [-1, 1, -1]
+    assert ends[1].tolist()[:2] == [-1, 3]

@@ -71,8 +71,9 @@ last rank), s b h (/ tp under SP) each in the residual stream's dtype, kept thro
 (rehearsed: 640 micro-batches of the study's 175B plan hold 32 GB of them). Its multi-chunk
 schedules keep at most three of a rank's chunks' parameters gathered at once.
 
-Under pipelining a chunk's float32 gradients exist only from its first backward on: the
-rank's schedule is replayed (``rank_counts.held_by_started``) and the activations and
+Under pipelining a chunk's unsharded float32 gradients exist from its first backward
+through its last micro-batch's, which reduce-scatters them: the rank's schedule is replayed
+(``rank_counts.held_by_accumulating``) and the activations and
 gradients are counted at the moment their sum is largest, at chunk granularity (a chunk's
 whole gradient beside all it still holds: conservative within a chunk). A rank whose
 forwards all come first (GPipe, few micro-batches) thus holds its activations or its
@@ -89,7 +90,11 @@ from typing import Any
 
 import numpy as np
 
-from model.planner.rank_counts import PIPELINE_ACTIVE_CHUNKS, chunk_boundaries, held_by_started
+from model.planner.rank_counts import (
+    PIPELINE_ACTIVE_CHUNKS,
+    chunk_boundaries,
+    held_by_accumulating,
+)
 from model.planner.shapes import (
     DDP,
     INTERLEAVED,
@@ -227,21 +232,22 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     def act(pp_rank: np.ndarray, layers: np.ndarray,
             grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(activations, gradients held at the rank's peak). Under pipelining the schedule
-        is replayed: a chunk's float32 gradients exist from its first backward on, so the
-        peak is the largest (held chunk forwards x their activations + started chunks x
-        their gradients) of the step; without, one chunk and all gradients."""
+        is replayed: a chunk's float32 gradients exist from its first backward through its
+        last, so the peak is the largest (held chunk forwards x their activations +
+        accumulating chunks x their gradients) of the step; without, one chunk and all
+        gradients."""
         stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
                                                    layers / np.maximum(v, 1))
         per_chunk = (stored + chunk_out) * cb * act_factor
-        held = held_by_started(c, pp_rank)
-        started = np.arange(held.shape[1])[None, :]
+        held = held_by_accumulating(c, pp_rank)
+        accumulating = np.arange(held.shape[1])[None, :]
         moments = np.where(held >= 0, per_chunk[:, None] * held
-                           + (grads / np.maximum(v, 1))[:, None] * started, -np.inf)
+                           + (grads / np.maximum(v, 1))[:, None] * accumulating, -np.inf)
         k = np.argmax(moments, axis=1)
         rows = np.arange(len(k))
         acts = np.where(single, per_chunk, per_chunk * held[rows, k])
         held_grads = np.where(single, grads, grads / np.maximum(v, 1) * k)
-        return acts + transient * cb * act_factor, held_grads
+        return acts + transient * cb * act_factor, held_grads, per_chunk
 
     # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
     # boundary of the rank (activations in, gradients back), kept through the step
@@ -254,8 +260,8 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # first backward of each chunk on (4 P), counted at the moment of the peak instead
     grads_first = np.where(single, 0.0, 4 * params_first)
     grads_last = np.where(single, 0.0, 4 * params_last)
-    act_first, held_first = act(first_rank, n_first, grads_first)
-    act_last, held_last = act(pp - 1, n_last, grads_last)
+    act_first, held_first, chunk_first = act(first_rank, n_first, grads_first)
+    act_last, held_last, _ = act(pp - 1, n_last, grads_last)
     act_first, act_last = act_first + recv, act_last + recv
     st_first = st_first - grads_first + np.where(single, 0.0, held_first)
     st_last = st_last - grads_last + np.where(single, 0.0, held_last)
@@ -267,8 +273,17 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # the embedding's gradient comes out at the full vocabulary on every tp rank (DTensor's
     # vocab-parallel embedding backward), then is cast and accumulated like a block's
     cast = (cb + 4) * np.maximum(u, s.embedding_params)
-    pipe_first = np.where(fsdp, cast, np.maximum(np.where(autocast, cast, 0.0),
-                                                  buf_first - act_first))
+    # Under FSDP the embedding's gradient is made and cast at the end of each backward of
+    # the first chunk (its first layer): the schedule is replayed at those moments (held
+    # forwards by accumulating chunks) and the largest is counted as what it adds over the
+    # replayed peak (nothing when the peak holds more).
+    ends = held_by_accumulating(c, first_rank, first_chunk_ends=True)
+    accumulating = np.arange(ends.shape[1])[None, :]
+    at_ends = np.where(ends >= 0, chunk_first[:, None] * ends
+                       + (grads_first / np.maximum(v, 1))[:, None] * accumulating, -np.inf)
+    at_embedding = (at_ends.max(axis=1) + recv + cast) - (act_first + held_first)
+    pipe_first = np.where(fsdp, np.maximum(at_embedding, 0.0),
+                          np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
     casts = np.where(fsdp | autocast, cast, 0.0)  # float32 gradients need no cast
     peak_first = np.where(single, np.maximum(np.maximum(buf_first, logits), casts), pipe_first)
     peak_last = np.maximum(buf_last, logits)

@@ -157,18 +157,30 @@ def unit_gathers(plan: Plan, pp_rank: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _held_by_started(pp: int, v: int, ga: int, schedule: str, pp_rank: int) -> tuple[int, ...]:
+def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
+                          first_chunk_ends: bool) -> tuple[int, ...]:
     order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
                            pp_rank)
-    best, held, started = [-1] * (v + 1), 0, set()
+    best, held, backwards = [-1] * (v + 1), 0, [0] * v
+
+    def moment() -> None:
+        accumulating = sum(1 for n in backwards if n > 0)
+        best[accumulating] = max(best[accumulating], held)
+
     for kind, chunk in order:
         if kind == "F":
             held += 1
-        else:  # a chunk's gradients are made at its first backward, before it frees anything
-            started.add(chunk)
-        best[len(started)] = max(best[len(started)], held)
-        if kind == "B":
-            held -= 1
+            if not first_chunk_ends:
+                moment()
+            continue
+        if not first_chunk_ends:
+            moment()  # a backward begins: its forward's activations held, no new gradients
+        backwards[chunk] += 1
+        held -= 1
+        if not first_chunk_ends or chunk == 0:
+            moment()  # it ends: those activations freed, the chunk's gradients made
+        if backwards[chunk] == ga:  # its last micro-batch: reduce-scattered, then freed
+            backwards[chunk] = -1
     return tuple(best)
 
 
@@ -179,14 +191,20 @@ def _per_distinct(keys: np.ndarray, value: Callable[..., Any]) -> tuple[list[Any
     return [value(*(int(x) for x in row)) for row in unique], np.asarray(inverse).reshape(-1)
 
 
-def held_by_started(c: dict[str, np.ndarray], pp_rank: np.ndarray) -> np.ndarray:
+def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
+                         first_chunk_ends: bool = False) -> np.ndarray:
     """[candidates, k]: the most chunk forwards pipeline rank ``pp_rank`` holds while k of
-    its chunks have begun their backward (and so hold gradients), k = 0 .. max v; -1 where a
-    schedule never has k (``schedule_order`` replayed)."""
+    its chunks hold unsharded gradients, k = 0 .. max v; -1 where a schedule never has k
+    (``schedule_order`` replayed). A chunk holds them from its first backward through its
+    last micro-batch's, which reduce-scatters them (the sharded result is small: 1 / dp).
+
+    ``first_chunk_ends``: only the moments that end a backward of the rank's first chunk,
+    where the first pipeline stage makes the embedding's gradient (its first layer, so the
+    last of the chunk's backward)."""
     rank = np.broadcast_to(np.asarray(pp_rank), c["pp"].shape)
     keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank], axis=1)
-    rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r: _held_by_started(
-        pp, v, ga, SCHEDULES[sched], r))
+    rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r: _held_by_accumulating(
+        pp, v, ga, SCHEDULES[sched], r, first_chunk_ends))
     table = np.full((len(rows), int(c["v"].max()) + 1 if len(c["v"]) else 1), -1.0)
     for i, row in enumerate(rows):
         table[i, :len(row)] = row
