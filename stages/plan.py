@@ -24,7 +24,7 @@ import yaml
 from model.config import ModelConfig, TrainConfig, vocab_fit_problem
 from model.flops import flops_per_token
 from model.planner.calibration import load_calibration, update_calibration
-from model.planner.cluster import Cluster
+from model.planner.cluster import Cluster, rehearses
 from model.planner.microbench import load_measured_cluster
 from model.planner.plan import CONFIG_FIELDS, FIELD_TYPES, LAYOUT_FIELDS, Plan, PlanError
 from model.planner.rank_counts import count_errors, rank_collective_bytes, rank_flops
@@ -347,7 +347,7 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
         tracker.log_artifact(out_dir / "calibration.json")
         for art in plan_report.measured_report(records, out_dir):
             tracker.log_artifact(art)
-    rehearsing = rehearse_by_default(cfg.parallel.rehearse, cluster)
+    rehearsing = rehearses(cfg.parallel.rehearse, cluster.measured)
     if rehearsing:
         others = [p for p in (result.plans if result is not None else []) if p.key() != plan.key()]
         plan = rehearse_in_stage(cfg, [plan] + others[:REHEARSE_TRIES - 1], cluster, cal,
@@ -369,12 +369,6 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
 
 REHEARSE_TRIES = 5
 """Plans the stage rehearses, best first, before it gives up on finding one that fits."""
-
-
-def rehearse_by_default(setting: bool | None, cluster: Cluster) -> bool:
-    """``parallel.rehearse``, where None means: on for every cluster but a measured (local)
-    one."""
-    return (not cluster.measured) if setting is None else setting
 
 
 def rehearse_in_stage(cfg: Any, plans: list[Plan], cluster: Cluster,

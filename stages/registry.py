@@ -17,9 +17,19 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from model.planner.cluster import is_measured, rehearses
 from stages import checks
 from stages.config import PipelineConfig
-from stages.shape import ALLOCATION, COMPUTE, FAN_OUT, RANKS, SINGLE, StageShape, ceil_div
+from stages.shape import (
+    ALLOCATION,
+    COMPUTE,
+    FAN_OUT,
+    LOGIN,
+    RANKS,
+    SINGLE,
+    StageShape,
+    ceil_div,
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +82,15 @@ def _tokenize_shape(cfg: PipelineConfig) -> StageShape:
 
 
 def _plan_shape(cfg: PipelineConfig) -> StageShape:
-    """One app (the search is cheap; measured refinement launches its own ranks)."""
-    return StageShape(SINGLE)
+    """One app. The search is cheap; rehearsing the pick (minutes a rank) and measured
+    refinement (its own ranks) are not: when the stage does either, under Slurm it runs on
+    a compute node of the "compute" block, so only the search would be login-node work."""
+    parallel = cfg.parallel
+    heavy = parallel.refine_top_k > 0 or rehearses(parallel.rehearse,
+                                                   is_measured(parallel.cluster))
+    on_compute = heavy and cfg.site.name != "local"  # local: one machine, no login node
+    return StageShape(SINGLE, placement=COMPUTE if heavy else LOGIN,
+                      note="on a compute node" if on_compute else "")
 
 
 def _train_shape(cfg: PipelineConfig) -> StageShape:

@@ -440,9 +440,9 @@ def test_compute_block_is_a_slurm_job_of_tokenize_nodes_with_a_pool_per_node(tmp
 
 def test_each_stage_runs_where_its_placement_says():
     """Locally every Python app is on "cpu"; under Slurm tokenize fans out on the compute
-    block, evaluation runs in its own allocation, plan and train's own apps on the login
-    node. The ranks of both run locally on the one "train" worker, under Slurm each in its
-    stage's allocation."""
+    block, evaluation runs in its own allocation, plan (when it only searches) and train's
+    own apps on the login node. The ranks of both run locally on the one "train" worker,
+    under Slurm each in its stage's allocation."""
     stages = {"tokenize": TOKENIZE, "plan": PLAN, "train": TRAIN, "evaluate": EVALUATE}
     expected = {"local": dict.fromkeys(stages, "cpu"),
                 "slurm": {"tokenize": "compute", "plan": "cpu", "train": "cpu",
@@ -457,6 +457,16 @@ def test_each_stage_runs_where_its_placement_says():
             ranks_on = {name: allocation_label(cfg, name) for name in ("train", "evaluate")}
             assert ranks_on == ({"train": "train", "evaluate": "train"} if site == "local"
                                 else {"train": "train", "evaluate": "evaluate"}), site
+    # A plan stage that rehearses its pick (on by default for every cluster but a measured
+    # one) or measures candidates does it on a compute node under Slurm (locally: "cpu")
+    for overrides, where in ((["parallel.cluster=frontier"], "compute"),
+                             (["parallel.cluster=frontier", "parallel.rehearse=false"], "cpu"),
+                             (["parallel.rehearse=true"], "compute"),
+                             (["parallel.refine_top_k=2"], "compute")):
+        for site in ("local", "slurm"):
+            cfg = load_config(None, [f"site.name={site}", *overrides])
+            label = executor_label(cfg, "plan", PLAN.shape(cfg).placement)
+            assert label == (where if site == "slurm" else "cpu"), (overrides, site)
     with pytest.raises(SiteError, match="unknown stage placement 'gpu'"):
         executor_label(load_config(None), "evaluate", "gpu")
     with pytest.raises(ValueError, match="unknown stage placement"):

@@ -231,9 +231,10 @@ def _check_frontier(cfg: PipelineConfig, readiness_rules: bool) -> None:
     if cfg.parallel.refine_top_k > 0:
         raise SiteError(
             f"parallel.refine_top_k={cfg.parallel.refine_top_k} on Frontier: measured "
-            "refinement starts the candidate plans' ranks inside the plan stage, on the login "
-            "node, which has no GCDs and where OLCF allows no parallel work: set "
-            "parallel.refine_top_k=0 (the plan stage's rehearsal checks the pick's memory)")
+            "refinement starts each candidate plan's whole world of ranks inside the plan "
+            "stage's one process on one compute node, not at the plan's size in an "
+            "allocation: set parallel.refine_top_k=0 (the plan stage's rehearsal checks the "
+            "pick's memory)")
     problem = evaluation_memory_problem(cfg, FRONTIER_NODE_MEMORY_GB) if readiness_rules else None
     if problem:
         raise SiteError(problem)

@@ -293,6 +293,22 @@ def read_cluster_file(name_or_path: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, raw
 
 
+def rehearses(setting: bool | None, measured: bool) -> bool:
+    """Whether the plan stage rehearses its pick: ``parallel.rehearse``, where None means on
+    for every cluster but a measured one (this machine, where measured refinement is cheap
+    and the rehearsal's device model does not apply)."""
+    return (not measured) if setting is None else setting
+
+
+def is_measured(name_or_path: str | Path) -> bool:
+    """Whether a cluster file says ``measured: true`` (read only; False for a file that
+    cannot be read, which the plan stage then reports)."""
+    try:
+        return bool(read_cluster_file(name_or_path)[1].get("measured"))
+    except (ClusterError, OSError):
+        return False
+
+
 def load_cluster(
     name_or_path: str | Path, measured_fields: dict[str, Any] | None = None
 ) -> Cluster:
