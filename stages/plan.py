@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -359,7 +360,8 @@ def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[
                          for k, v in plan.predictions.items()})
     out = {"plan": str(plan_path.resolve()),
            **{k: v for k, v in plan.to_dict().items() if k != "predictions"},
-           "predictions": plan.predictions, "cluster": cluster.name}
+           "predictions": plan.predictions, "cluster": cluster.name,
+           "host": socket.gethostname()}  # where the stage ran (a compute node when rehearsing)
     if records:
         out["measured"] = str((out_dir / "measured.json").resolve())
     if rehearsing:

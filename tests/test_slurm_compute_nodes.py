@@ -3,7 +3,8 @@ multi-node test cluster (``.ci/start_slurm.sh --nodes 2``).
 
 One micro pipeline with ``--site slurm site.tokenize_nodes=2`` and 4 input shards: the
 tokenize stage's apps run on the "compute" executor, a Slurm job of both nodes with one
-Parsl worker pool per node, and each shard records the host that encoded it; evaluation
+Parsl worker pool per node, and each shard records the host that encoded it; the plan
+stage, asked to rehearse its pick, runs in that block too (its output names the host); evaluation
 runs on the "evaluate" executor, in a block of its own. Checked: both nodes encoded shards and
 the login node none (part records and manifest agree), the store's tokens equal the same
 configuration tokenized in this process, the compute block was one Slurm job, and the
@@ -70,7 +71,7 @@ def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_its_allocation(
     assert login not in nodes
 
     proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}",
-                     "site.tokenize_nodes=2", *DATA)
+                     "site.tokenize_nodes=2", "parallel.rehearse=true", *DATA)
     output = wait_cli(proc, runs_dir, timeout=900)
 
     # Every shard was encoded on a compute node, on both of them, none on the login node.
@@ -111,6 +112,10 @@ def test_tokenize_fans_out_on_compute_nodes_and_evaluate_runs_in_its_allocation(
         assert counts == [(p["tokens"], p["documents"])
                           for p in manifest["splits"][split]["parts"]]
         assert {p["host"] for p in local_manifest["splits"][split]["parts"]} == {login}
+
+    # The plan stage, rehearsing, ran on a compute node of the same block, not the login node.
+    plan_out = json.loads((stage_dir(runs_dir, "plan") / "outputs.json").read_text())
+    assert plan_out["host"] in nodes and "rehearsal" in plan_out, plan_out
 
     # Evaluation ran in its allocation: its report was written on a compute node.
     report = json.loads((stage_dir(runs_dir, "evaluate") / "report.json").read_text())
