@@ -4,6 +4,7 @@ Training runs as 2 gloo ranks launched by srun inside a Slurm job that Parsl's S
 submits for the MPIExecutor; the first test also evaluates on 2 ranks (eval.ranks=2), a
 second srun step in the same job. The second test cancels that job mid-training and checks that
 Parsl retries the app in a new job and training resumes from the last complete checkpoint.
+The third kills the driver mid-training and checks that the training job ends by itself.
 """
 from __future__ import annotations
 
@@ -231,3 +232,33 @@ def test_cancelled_training_job_is_retried_and_resumes(slurm_runs_dir):
     assert summary["steps_done"] == steps and len(summary["losses"]) == steps
     final = train_dir / "checkpoints" / Path(summary["checkpoint"]).name
     assert final.name == f"step-{steps:08d}" and final.stat().st_mtime > found["cancelled_at"]
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_driver_leaves_no_training_job(slurm_env, tokenized_runs_dir):  # noqa: F811
+    """kill -9 of the driver mid-training: the training job ends by itself. The driver's
+    watchdog stops the interchanges on this machine; the block's worker pool on the compute
+    node misses their heartbeat for ``site.heartbeat_threshold`` seconds and exits, and the
+    job with it (the ranks are its srun step)."""
+    runs_dir = tokenized_runs_dir
+    threshold = 10
+    proc = start_cli(runs_dir, "train.steps=20000", f"site.heartbeat_threshold={threshold}")
+    log = runs_dir.parent / f"{runs_dir.name}-driver.log"
+    try:
+        deadline = time.time() + 600
+        while "[train] step" not in log.read_text():  # the ranks train in the block's job
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        jobs = train_block_jobs(runs_dir)
+        assert list(jobs) == ["0"], jobs
+        assert jobs["0"] not in jobcomp_states()  # running when the driver dies
+        proc.kill()
+        proc.wait()
+        killed = time.time()
+        wait_for_slurm_to_finish([jobs["0"]], timeout=threshold + 120)
+        assert jobs["0"] in jobcomp_states(), "the training job outlived its driver"
+        print(f"job {jobs['0']} ended {time.time() - killed:.0f} s after the driver's kill")
+    finally:
+        for job in train_block_jobs(runs_dir).values():  # a failed test leaves none behind
+            subprocess.run(["scancel", job], timeout=30, check=False)
