@@ -74,8 +74,10 @@ schedules keep at most three of a rank's chunks' parameters gathered at once.
 Under pipelining a chunk's unsharded float32 gradients exist from its first backward
 through its last micro-batch's, which reduce-scatters them: the rank's schedule is replayed
 (``rank_counts.held_by_accumulating``) and the activations and
-gradients are counted at the moment their sum is largest, at chunk granularity (a chunk's
-whole gradient beside all it still holds: conservative within a chunk). A rank whose
+gradients are counted at the moment their sum is largest, at chunk granularity: a backward
+begins with its micro-batch's activations and none of its new gradients and ends with the
+chunk's gradients and those activations freed (in between, block by block, the sum is no
+larger than at one of the two). A rank whose
 forwards all come first (GPipe, few micro-batches) thus holds its activations or its
 gradients at the peak, not both.
 
@@ -230,12 +232,12 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     act_factor = np.where(autocast, AUTOCAST_ACTIVATION_FACTOR, 1.0)
 
     def act(pp_rank: np.ndarray, layers: np.ndarray,
-            grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(activations, gradients held at the rank's peak). Under pipelining the schedule
-        is replayed: a chunk's float32 gradients exist from its first backward through its
-        last, so the peak is the largest (held chunk forwards x their activations +
-        accumulating chunks x their gradients) of the step; without, one chunk and all
-        gradients."""
+            grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(activations, gradients held at the rank's peak, one chunk forward's activations).
+        Under pipelining the schedule is replayed: a chunk's float32 gradients exist from
+        its first backward through its last, so the peak is the largest (held chunk
+        forwards x their activations + accumulating chunks x their gradients) of the step;
+        without, one chunk and all gradients."""
         stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
                                                    layers / np.maximum(v, 1))
         per_chunk = (stored + chunk_out) * cb * act_factor
