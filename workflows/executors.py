@@ -69,6 +69,7 @@ from workflows.frontier import (
     check_site,
     node_local_env_lines,
     stage_shapes,
+    uses_plugin_module,
 )
 from workflows.ranks import project_pythonpath
 
@@ -348,7 +349,7 @@ def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
     the job (``stages.train_worker``); the driver resumes them in a new job.
     """
     lines = "#SBATCH --no-requeue\n"
-    if cfg.site.name == "frontier" and not cfg.site.rccl_plugin_path:
+    if uses_plugin_module(cfg):
         # OLCF's rccl-net-plugin module selects libfabric's alt_read rendezvous, which
         # needs this allocation flag (docs/frontier.md).
         lines += "#SBATCH --network=disable_rdzv_get\n"
@@ -508,7 +509,7 @@ def worker_init(cfg: PipelineConfig) -> str:
         modules = list(FRONTIER_MODULES) if site.name == "frontier" else []
     if modules:
         lines.append("module load " + " ".join(shlex.quote(module) for module in modules))
-    if site.name == "frontier" and not site.rccl_plugin_path:
+    if uses_plugin_module(cfg):
         # After rocm, as OLCF loads it: the plugin and its recommended Slingshot settings.
         lines.append(f"module load {FRONTIER_RCCL_PLUGIN_MODULE}")
     if site.node_local_env:

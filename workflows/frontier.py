@@ -92,6 +92,12 @@ def walltime_bin(nodes: int) -> tuple[int, int, float]:
     return next(b for b in FRONTIER_WALLTIME_BINS if nodes >= b[1])
 
 
+def uses_plugin_module(cfg: PipelineConfig) -> bool:
+    """Whether the site loads OLCF's RCCL plugin module (FRONTIER_RCCL_PLUGIN_MODULE):
+    Frontier, unless site.rccl_plugin_path names a build of one's own."""
+    return cfg.site.name == "frontier" and not cfg.site.rccl_plugin_path
+
+
 class SiteError(ConfigError):
     """A site setting that cannot be used; the message names the key to change."""
 
