@@ -181,7 +181,7 @@ def check_train(cfg: PipelineConfig) -> None:
 
 
 def check_evaluate(cfg: PipelineConfig) -> None:
-    """With ``eval.layout=training``, ``eval.ranks`` fits the training allocation and, where
+    """With ``eval.layout=training``, ``eval.ranks`` fits the training's ranks and nodes and, where
     the config fixes them, ``parallel.tp`` x ``parallel.pp``. The stage's ``prepare`` checks
     it again against the plan the checkpoint was trained with."""
     if cfg.eval.layout != "training":
@@ -190,7 +190,7 @@ def check_evaluate(cfg: PipelineConfig) -> None:
     if ranks > par.nproc:
         raise EvaluationError(
             f"eval.ranks={ranks} with eval.layout=training: the evaluation ranks take the "
-            f"training layout inside the training allocation of parallel.nproc={par.nproc} "
+            f"training layout, at most the training's parallel.nproc={par.nproc} "
             f"ranks: set eval.ranks <= {par.nproc} (eval.ranks={par.nproc} always fits)")
     if par.tp and par.pp and ranks % (par.tp * par.pp):
         raise EvaluationError(ranks_problem(ranks, par.tp, par.pp, par.nproc,
@@ -227,7 +227,7 @@ def evaluation_memory_problem(cfg: PipelineConfig, node_memory_gb: float) -> str
     return (f"eval.layout=replicas: {cfg.eval.ranks} evaluation process(es) each hold the whole "
             f"model in float32, {need:.4g} GB on one node of {node_memory_gb:g} GB: set "
             f"eval.layout=training eval.ranks={cfg.parallel.nproc} (the model spread over the "
-            "training plan's ranks, in the training allocation)")
+            "training plan's ranks, in a job of the training's size)")
 
 
 def ranks_problem(ranks: int, tp: int, pp: int, nproc: int, where: str) -> str:

@@ -111,8 +111,8 @@ def eval_nodes(cfg: PipelineConfig) -> int:
 def _evaluate_shape(cfg: PipelineConfig) -> StageShape:
     """Ranks when ``eval.ranks`` > 1; else one app computes everything in one process (a
     separate rank process would only add its start-up, ~5 s of the tiny preset's run).
-    Under Slurm every part runs in the training block's allocation, on its first node
-    (a training layout with more ranks than a training node: on as many nodes as it needs)."""
+    Under Slurm every part runs in the evaluation's own allocation, a block of its own size
+    (``eval_nodes``) submitted once training is done, never in the training's block."""
     if cfg.eval.ranks > 1:
         layout = " (training layout)" if cfg.eval.layout == "training" else ""
         return StageShape(RANKS, nproc=cfg.eval.ranks, nodes=eval_nodes(cfg), worker=EVAL_WORKER,

@@ -101,7 +101,7 @@ def test_layouts_that_cannot_work_are_refused_before_any_rank(trained, tmp_path)
     with pytest.raises(ConfigError, match=r"eval\.tasks=.* with eval\.layout=training.*set "
                        r"eval\.tasks=\[\] or eval\.layout=replicas"):
         micro_config(runs, *TRAINED, "eval.layout=training", "eval.tasks=[heldout_perplexity]")
-    # Pre-flight, from the config alone: fixed tp x pp, and the training allocation.
+    # Pre-flight, from the config alone: fixed tp x pp, and the training's rank count.
     with pytest.raises(evaluate.EvaluationError, match=r"tp=2 x pp=2 = 4 ranks \(parallel\.tp x "
                        r"parallel\.pp\).*eval\.ranks=2 is not a multiple of 4: set eval\.ranks=4"):
         check_evaluate(micro_config(runs, *TRAINED, "eval.layout=training", "eval.ranks=2"))

@@ -4,7 +4,7 @@ The same entry point runs under ``torchrun`` (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_
 and under ``srun`` (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the rendezvous host is the
 first node of the step, SLURM_STEP_NODELIST, and the port is derived from SLURM_JOB_ID and
 SLURM_STEP_ID). The step's nodes, not the job's: a launch that uses some nodes of a larger
-job (a one-node evaluation in a training allocation) may not include the job's first node.
+job may not include the job's first node.
 """
 from __future__ import annotations
 
