@@ -11,7 +11,12 @@ line, one JSON object:
 - worker_scaling: tokenize tokens/s with 2 Parsl HTEX workers / with 1 worker, each worker
   limited to one encoder thread (RAYON_NUM_THREADS=1) (target >= 1.7);
 - loader_ratio: shuffled training windows/s from the store (TokenWindowLoader) / the same
-  from a numpy memmap of the same tokens (target >= 0.3); loader_tokens_per_s;
+  from a numpy memmap of the same tokens, at seq_len 128 (target >= 0.3); loader_tokens_per_s;
+  loader_ratio_2048: the same at seq_len 2048 (target >= 0.3), where a window's share of
+  its chunk's decoding is 16x larger;
+- dp8_over_dp1_chunk_reads: chunks decompressed per window by one rank at dp=8 over dp=1,
+  over three epochs at seq_len 2048 (target <= 1.2; the short last group of each epoch and
+  a part's shorter last block weigh more in a small store);
 - compression_ratio: raw token bytes / bytes of the compressed token arrays.
 
 The same figures, with the commit and machine, are written to benchmarks/results/bench_data.json.
@@ -227,6 +232,20 @@ def measure_loader(store: str, out: Path, reps: int, seq_len: int = 128, batch: 
     return ratio, median(store_runs)
 
 
+def measure_dp_reads(store: str, seq_len: int = 2048, batch: int = 64, epochs: int = 3) -> float:
+    """Chunks decompressed per window by the last rank of dp=8 over dp=1 (no timing)."""
+    reads = {}
+    for dp in (1, 8):
+        loader = TokenWindowLoader(store, "train", seq_len, batch, dp_rank=dp - 1, dp_size=dp,
+                                   seed=1)
+        steps = epochs * loader.num_windows // batch
+        for _ in range(steps):
+            loader.next_batch()
+        reads[dp] = loader.reader.chunk_reads / (steps * loader.rows)
+    log(f"chunks decompressed per window at seq_len {seq_len}: {reads}")
+    return reads[8] / reads[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, default=600, help="stdlib documents to use")
@@ -252,6 +271,8 @@ def main() -> None:
                       for s in info.splits.values() for p in s.parts)
     compression = tokens * np.dtype(info.dtype).itemsize / token_bytes
     loader_ratio, loader_rate = measure_loader(store, out, args.reps)
+    loader_ratio_2048, _ = measure_loader(store, out, args.reps, seq_len=2048, steps=150)
+    dp_reads = measure_dp_reads(store)
     (out / "scaling").mkdir()
     rates = measure_scaling(make_cfg(out, args.docs, 12), out / "scaling", tracker, out, args.reps)
     tracking.end_run(uri, tracker.run_id)
@@ -261,6 +282,8 @@ def main() -> None:
         "worker_scaling": round(scaling, 3),
         "loader_ratio": round(loader_ratio, 3),
         "loader_tokens_per_s": round(loader_rate * 128),
+        "loader_ratio_2048": round(loader_ratio_2048, 3),
+        "dp8_over_dp1_chunk_reads": round(dp_reads, 3),
         "compression_ratio": round(compression, 3),
         "encode_ratio_fast": round(enc["ratio_fast"], 3),
         "encode_ratio_cpu": round(enc["ratio_cpu"], 3),

@@ -1,22 +1,30 @@
 """Packed training windows from a token store, shuffled chunk-aware, sharded by dp rank.
 
-Windows. A split is one logical token stream (documents separated by eos). Window ``w``
-holds tokens ``[w*seq_len, w*seq_len + seq_len + 1)``: inputs and shifted targets of
-``seq_len`` positions. Consecutive windows share one boundary token, so every token but the
-first is a prediction target exactly once per epoch (the targets never overlap).
+Windows. A split is its parts' token streams (documents separated by eos), each stored in
+Zarr chunks of ``chunk_tokens`` tokens. A window holds ``seq_len + 1`` tokens: the inputs
+and shifted targets of ``seq_len`` positions. Windows never cross a chunk: each part is cut
+into blocks of one chunk (of as many chunks as one window needs when ``seq_len + 1 >
+chunk_tokens``), and a block of ``n`` tokens holds ``(n - 1) // seq_len`` windows at
+``seq_len`` strides from its start, consecutive windows sharing one boundary token. So
+reading a block decompresses its own chunk and never the next one for a last label token.
+The price: the tail of each block after its last window (``n - 1 - windows * seq_len``
+tokens, under ``seq_len``) is never a target; ``unused_fraction`` gives the share, e.g.
+1.6 % for 4,096-token chunks at seq_len 64 and 3.1 % for 65,536-token chunks at 2,048 (a
+``chunk_tokens`` of ``k * seq_len + 1`` wastes nothing). The windows depend on the parts'
+sizes: two stores of the same corpus with different shard counts hold the same tokens but
+not the same windows.
 
-Shuffle (``shuffle=True``). Windows are grouped into blocks of about ``chunk_tokens``
-tokens (one Zarr chunk's worth). Each epoch permutes the blocks (seeded by seed and
-epoch) and takes them ``group_blocks`` at a time; each block's windows are permuted and
-the group's blocks are interleaved evenly (round robin for equal blocks), so any run of
-consecutive windows draws the same share from every block of its group. Reading a group
-decompresses each of its chunks once and serves every window from memory.
+Shuffle (``shuffle=True``). Each epoch permutes the blocks (seeded by seed and epoch) and
+takes them ``group_blocks`` at a time; each block's windows are permuted and the group's
+blocks are interleaved evenly (round robin for equal blocks), so any run of consecutive
+windows draws the same share from every block of its group. Reading a group decompresses
+each of its chunks once and serves every window from memory.
 
 Global order. The window sequence depends only on the store, split, seq_len, seed and
 group_blocks, never on dp_size: global batch ``s`` is the windows at positions
-``[s*global_batch, (s+1)*global_batch)`` of that sequence. Its rows are ordered by block
-(the block's place in the epoch's order, then sequence position), a function of the global
-batch alone, and rank ``r`` of ``dp_size`` reads only rows ``[r*b, (r+1)*b)`` with
+``[s*global_batch, (s+1)*global_batch)`` of that sequence. Its rows are ordered by the
+block's slot in its group, then sequence position (``batch_windows``), a function of the
+global batch alone, and rank ``r`` of ``dp_size`` reads only rows ``[r*b, (r+1)*b)`` with
 ``b = global_batch // dp_size``. With the even interleave those rows come from about
 ``group_blocks / dp_size`` blocks, so a rank decompresses its share of the chunks, not all
 of them: the decode cost per window stays flat as dp grows while ``dp_size <= group_blocks``
@@ -37,7 +45,7 @@ import torch
 from data_prep.errors import DataError
 from data_prep.store import SplitReader, StoreInfo
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: windows inside chunks (1 ran across them)
 
 
 class TokenWindowLoader:
@@ -60,18 +68,62 @@ class TokenWindowLoader:
         self.split = split
         # Decoded blocks are cached here; the reader's chunk cache only spans adjacent blocks.
         self.reader = SplitReader(store, split, cache_chunks or 4)
-        self.num_windows = (self.reader.num_tokens - 1) // seq_len
+        self._lay_out_blocks()
         if self.num_windows < 1:
             raise DataError(
                 f"split {split!r} of {self.reader.info.path} has {self.reader.num_tokens} tokens, "
-                f"fewer than seq_len + 1 = {seq_len + 1}: lower seq_len or add data"
+                f"fewer than seq_len + 1 = {seq_len + 1} in any one of its parts' blocks of "
+                f"{self.block_tokens} tokens: lower seq_len or add data"
             )
-        self.block_windows = max(1, self.reader.chunk_tokens // seq_len)
-        self.num_blocks = -(-self.num_windows // self.block_windows)
         self.consumed = 0  # windows consumed by the whole dp group
         self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
         self._group_cache: tuple[int, int, np.ndarray] | None = None
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _lay_out_blocks(self) -> None:
+        """Per part: its first token, block and window in the split, its whole blocks and the
+        windows of its last, shorter block (the layout is regular inside a part, so memory
+        is per part, not per block)."""
+        chunk = self.reader.chunk_tokens
+        self.block_tokens = -(-(self.seq_len + 1) // chunk) * chunk
+        self.block_windows = (self.block_tokens - 1) // self.seq_len  # of a whole block
+        tokens = np.diff(self.reader.starts)
+        self._part_whole = tokens // self.block_tokens
+        tail = tokens - self._part_whole * self.block_tokens
+        self._part_tail = np.maximum(tail - 1, 0) // self.seq_len
+        blocks = self._part_whole + (self._part_tail > 0)
+        windows = self._part_whole * self.block_windows + self._part_tail
+        self._part_token0 = self.reader.starts[:-1]
+        self._part_block0 = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+        self._part_window0 = np.concatenate([[0], np.cumsum(windows)[:-1]]).astype(np.int64)
+        self.num_blocks = int(blocks.sum())
+        self.num_windows = int(windows.sum())
+
+    @property
+    def unused_fraction(self) -> float:
+        """Share of the split's tokens that no window predicts (block tails, part ends)."""
+        return 1 - self.num_windows * self.seq_len / max(1, self.reader.num_tokens)
+
+    def block_of(self, windows: np.ndarray) -> np.ndarray:
+        """The block of each window index."""
+        windows = np.asarray(windows, dtype=np.int64)
+        part = np.searchsorted(self._part_window0, windows, side="right") - 1
+        return self._part_block0[part] + (windows - self._part_window0[part]) // self.block_windows
+
+    def block_windows_of(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(first window, window count, first token) of each block."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        part = np.searchsorted(self._part_block0, blocks, side="right") - 1
+        j = blocks - self._part_block0[part]
+        first = self._part_window0[part] + j * self.block_windows
+        count = np.where(j < self._part_whole[part], self.block_windows, self._part_tail[part])
+        return first, count, self._part_token0[part] + j * self.block_tokens
+
+    def window_starts(self, windows: np.ndarray) -> np.ndarray:
+        """The split position of each window's first token."""
+        blocks = self.block_of(windows)
+        first, _, token0 = self.block_windows_of(blocks)
+        return token0 + (np.asarray(windows, dtype=np.int64) - first) * self.seq_len
 
     @property
     def rows(self) -> int:
@@ -87,9 +139,7 @@ class TokenWindowLoader:
         ``epoch``."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
-            sizes = np.full(self.num_blocks, self.block_windows, dtype=np.int64)
-            last = self.num_windows - (self.num_blocks - 1) * self.block_windows
-            sizes[order == self.num_blocks - 1] = last
+            sizes = self.block_windows_of(order)[1]
             per_group = np.add.reduceat(sizes, np.arange(0, self.num_blocks, self.group_blocks))
             place = np.empty(self.num_blocks, dtype=np.int64)
             place[order] = np.arange(self.num_blocks)
@@ -102,11 +152,9 @@ class TokenWindowLoader:
         ``(i + 0.5) / n`` of the group; ties go to the block's place in the group)."""
         if self._group_cache is None or self._group_cache[:2] != (epoch, group):
             blocks = order[group * self.group_blocks : (group + 1) * self.group_blocks]
-            bw = self.block_windows
+            firsts, counts, _ = self.block_windows_of(blocks)
             windows, spread, slot = [], [], []
-            for k, block in enumerate(blocks.tolist()):
-                first, stop = block * bw, min((block + 1) * bw, self.num_windows)
-                n = stop - first
+            for k, (first, n) in enumerate(zip(firsts.tolist(), counts.tolist(), strict=True)):
                 rng = np.random.default_rng([self.seed, epoch, group + 1, k])
                 windows.append(first + rng.permutation(n))
                 spread.append((np.arange(n) + 0.5) / n)
@@ -138,8 +186,11 @@ class TokenWindowLoader:
 
     def batch_windows(self, first: int) -> np.ndarray:
         """The windows of the global batch at sequence position ``first``, in row order:
-        by block (its place in the epoch's block order), then by sequence position, so that
-        each dp rank's contiguous rows come from as few blocks as the batch allows."""
+        by the block's slot in its group (its place in the epoch's block order modulo
+        ``group_blocks``), then epoch, group and sequence position. The even interleave gives
+        every slot the same share of a batch, so dp rank ``r`` reads the blocks of slots near
+        ``r * group_blocks / dp_size`` of whichever groups the batch spans (one batch may end
+        a group and begin the next): each rank keeps to its own blocks."""
         windows = self.window_indices(first, self.global_batch)
         if not self.shuffle:
             return windows
@@ -148,20 +199,20 @@ class TokenWindowLoader:
         place = np.empty(self.global_batch, dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            place[mask] = self._epoch_order(int(epoch))[2][windows[mask] // self.block_windows]
-        return windows[np.lexsort((positions, place, epochs))]
+            place[mask] = self._epoch_order(int(epoch))[2][self.block_of(windows[mask])]
+        group, slot = np.divmod(place, self.group_blocks)
+        return windows[np.lexsort((positions, group, epochs, slot))]
 
     def window_index(self, position: int) -> int:
         """Window served at global sequence ``position``."""
         return int(self.window_indices(position, 1)[0])
 
     def _block(self, block: int) -> np.ndarray:
-        """Tokens of one block (its windows plus the one boundary token), LRU-cached."""
+        """Tokens of one block's windows (a view of its chunks), LRU-cached."""
         data = self._blocks.get(block)
         if data is None:
-            start = block * self.block_windows * self.seq_len
-            stop = min((block + 1) * self.block_windows, self.num_windows) * self.seq_len + 1
-            data = self.reader.read(start, stop)
+            _, count, start = (int(v[0]) for v in self.block_windows_of([block]))
+            data = self.reader.read(start, start + count * self.seq_len + 1)
             self._blocks[block] = data
             if len(self._blocks) > 2 * self.group_blocks:
                 self._blocks.popitem(last=False)
@@ -171,8 +222,8 @@ class TokenWindowLoader:
 
     def window(self, index: int) -> np.ndarray:
         """Tokens of window ``index`` (seq_len + 1 of them; a view of a cached block)."""
-        block, k = divmod(int(index), self.block_windows)
-        start = k * self.seq_len
+        block = int(self.block_of(index))
+        start = (index - int(self.block_windows_of([block])[0][0])) * self.seq_len
         return self._block(block)[start : start + self.seq_len + 1]
 
     def next_batch(self) -> torch.Tensor:
@@ -183,7 +234,14 @@ class TokenWindowLoader:
         mine = self.batch_windows(self.consumed)[self.dp_rank * self.rows:
                                                  (self.dp_rank + 1) * self.rows]
         self.consumed += self.global_batch
-        rows = [self.window(w) for w in mine.tolist()]
+        return self._rows(mine)
+
+    def _rows(self, windows: np.ndarray) -> torch.Tensor:
+        """The tokens of ``windows``, one row each: a LongTensor [len, seq_len + 1]."""
+        blocks = self.block_of(windows)
+        offsets = (windows - self.block_windows_of(blocks)[0]) * self.seq_len
+        rows = [self._block(b)[o : o + self.seq_len + 1]
+                for b, o in zip(blocks.tolist(), offsets.tolist(), strict=True)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -203,8 +261,7 @@ class TokenWindowLoader:
             first = start + self.dp_rank * self.rows
             stop = min(first + self.rows, limit)
             if first < stop:
-                rows = [self.window(w) for w in range(first, stop)]
-                yield torch.from_numpy(np.stack(rows).astype(np.int64))
+                yield self._rows(np.arange(first, stop, dtype=np.int64))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the same global sequence."""

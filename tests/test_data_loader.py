@@ -31,20 +31,34 @@ def run_steps(loader: TokenWindowLoader, steps: int) -> list[torch.Tensor]:
     return [loader.next_batch() for _ in range(steps)]
 
 
-def test_batches_are_packed_windows(store: str) -> None:
+def test_batches_are_packed_windows_inside_chunks(store: str) -> None:
     reader = SplitReader(store, "train")
     tokens = reader.read(0, reader.num_tokens)
     loader = TokenWindowLoader(store, "train", SEQ, global_batch=8, seed=0)
-    assert loader.num_windows == (len(tokens) - 1) // SEQ > 4 * loader.block_windows
+    assert loader.num_blocks > 4 and len(reader.parts) > 1
+    # Each part is cut into chunk-sized blocks of (tokens - 1) // SEQ windows each.
+    chunk = reader.chunk_tokens
+    sizes = [min(chunk, p["tokens"] - start) for p in reader.parts
+             for start in range(0, p["tokens"], chunk)]
+    assert loader.num_windows == sum((n - 1) // SEQ for n in sizes if n > SEQ)
+    assert loader.block_windows == (chunk - 1) // SEQ
+    assert 0 < loader.unused_fraction < (SEQ + 1) * len(sizes) / len(tokens)
+    # No window crosses a chunk: its first and last token lie in one chunk of one part.
+    starts = loader.window_starts(np.arange(loader.num_windows))
+    part = np.searchsorted(reader.starts, starts, side="right") - 1
+    local = starts - reader.starts[part]
+    assert np.array_equal(local // chunk, (local + SEQ) // chunk)
+    assert np.all(local + SEQ < reader.starts[part + 1] - reader.starts[part])
+    assert np.all(np.diff(starts) >= SEQ)  # targets never overlap
     rows = loader.batch_windows(0)
-    # The batch holds the sequence's first 8 windows, its rows grouped by block.
+    # The batch holds the sequence's first 8 windows, its rows grouped by block slot.
     assert sorted(rows.tolist()) == sorted(loader.window_indices(0, 8).tolist())
-    places = loader._epoch_order(0)[2][rows // loader.block_windows]
-    assert np.all(np.diff(places) >= 0)
+    places = loader._epoch_order(0)[2][loader.block_of(rows)]
+    assert np.all(np.diff(places % loader.group_blocks) >= 0)
     batch = loader.next_batch()
     assert batch.dtype == torch.long and batch.shape == (8, SEQ + 1)
-    for w, row in zip(rows.tolist(), batch, strict=True):
-        assert np.array_equal(row.numpy(), tokens[w * SEQ : w * SEQ + SEQ + 1])
+    for start, row in zip(loader.window_starts(rows).tolist(), batch, strict=True):
+        assert np.array_equal(row.numpy(), tokens[start : start + SEQ + 1])
     assert (tokens == 0).sum() > 10  # eos (id 0) separates the packed documents
 
 
@@ -61,10 +75,9 @@ def test_shuffle_covers_each_window_once_per_epoch_and_reads_chunks_once(store: 
     loader.consumed = 0
     for _ in range(n // 8):
         loader.next_batch()
-    # Every chunk is decompressed about once per epoch, not once per window.
-    chunks = -(-loader.reader.num_tokens // loader.reader.chunk_tokens) + len(loader.reader.parts)
-    assert loader.reader.chunk_reads <= 2 * chunks
-    assert loader.reader.chunk_reads < n // 8
+    # Every chunk is decompressed at most once per epoch (a block is one chunk: a window's
+    # label token never reads the next one), not once per window.
+    assert loader.reader.chunk_reads <= loader.num_blocks < n // 8
 
 
 def test_ranks_read_disjoint_slices_covering_the_global_batch(store: str) -> None:
@@ -91,7 +104,7 @@ def test_every_run_of_windows_draws_evenly_from_its_group(store: str) -> None:
     bw = loader.block_windows
     ends = np.concatenate([[0], loader._epoch_order(0)[1]])
     g = next(g for g in range(len(ends) - 1) if ends[g + 1] - ends[g] == 4 * bw)  # 4 whole blocks
-    group = loader.window_indices(int(ends[g]), 4 * bw) // bw
+    group = loader.block_of(loader.window_indices(int(ends[g]), 4 * bw))
     assert len(set(group.tolist())) == 4
     for start in range(0, 4 * bw - 8, 8):  # any 8 consecutive windows: 2 from each block
         assert np.bincount(group[start : start + 8], minlength=loader.num_blocks).max() == 2
@@ -175,9 +188,9 @@ def test_sequential_iteration(store: str) -> None:
     loader = TokenWindowLoader(store, "validation", SEQ, global_batch=4, shuffle=False)
     batches = list(loader.iter_sequential())
     rows = torch.cat(batches)
-    assert len(rows) == loader.num_windows == (len(tokens) - 1) // SEQ
-    for w, row in enumerate(rows):
-        assert np.array_equal(row.numpy(), tokens[w * SEQ : w * SEQ + SEQ + 1])
+    assert len(rows) == loader.num_windows
+    for start, row in zip(loader.window_starts(np.arange(len(rows))).tolist(), rows, strict=True):
+        assert np.array_equal(row.numpy(), tokens[start : start + SEQ + 1])
     limited = torch.cat(list(loader.iter_sequential(max_tokens=5 * SEQ)))
     assert torch.equal(limited, rows[:5])
     # dp ranks split each sequential batch; next_batch walks the same windows in order.
