@@ -19,7 +19,13 @@ line, one JSON object:
   made of (target <= 1.2); dp8_over_dp1_chunk_reads_3_epochs: the same over three epochs,
   where each epoch's short last group, and a batch that spans two epochs, weigh in a
   store of a few dozen blocks as they would not in one of millions;
-- compression_ratio: raw token bytes / bytes of the compressed token arrays.
+- compression_ratio: raw token bytes / bytes of the compressed token arrays;
+- e2e (``--e2e-mb``, default 1,000 MB of jsonl; 0 skips it): the tokenize stage run as the
+  pipeline (``--only tokenize``, a fresh process, start-up included) against a
+  Megatron-style baseline on the same documents, tokenizer and process count
+  (``benchmarks/data_e2e.py``): e2e_vs_megatron_cpu, its tokens per CPU-second over the
+  baseline's (target >= 0.9); e2e_wall_ratio (target <= 1.1); e2e_rss_ratio, whole-tree
+  peak RSS over the baseline's (target <= 1.3). One run each, baseline first.
 
 The same figures, with the commit and machine, are written to benchmarks/results/bench_data.json.
 
@@ -40,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 import numpy as np
 import torch
@@ -256,11 +263,43 @@ def measure_dp_reads(store: str, epochs: float | None, seq_len: int = 2048,
     return reads[8] / reads[1]
 
 
+def measure_e2e(out: Path, tokenizer_path: Path, eos_id: int, megabytes: int,
+                workers: int = 2) -> dict[str, Any]:
+    """The tokenize stage end to end over a Megatron-style baseline (``data_e2e``), with the
+    tokenizer at ``tokenizer_path``; one run each."""
+    from benchmarks import data_e2e
+
+    corpus = data_e2e.build_corpus(out / "e2e_corpus", megabytes, files=4 * workers)
+    log(f"end to end: {corpus['bytes'] / 1e6:,.0f} MB, {corpus['documents']:,} documents in "
+        f"{corpus['files']} jsonl files")
+    base = data_e2e.run_baseline(out / "e2e_corpus", tokenizer_path, eos_id, out / "megatron",
+                                 workers)
+    log(f"end to end, Megatron-style baseline: {base}")
+    mine = data_e2e.run_project(out / "e2e_corpus", tokenizer_path, out / "e2e_runs", workers,
+                                shards=corpus["files"])
+    log(f"end to end, the tokenize stage: {mine}")
+    if mine["tokens"] != base["tokens"]:
+        raise RuntimeError(f"the two sides encoded different token counts: {mine} vs {base}")
+    return {
+        "e2e_vs_megatron_cpu": round(base["cpu_s"] / mine["cpu_s"], 3),
+        "e2e_wall_ratio": round(mine["wall_s"] / base["wall_s"], 3),
+        "e2e_rss_ratio": round(mine["peak_rss_gb"] / base["peak_rss_gb"], 3),
+        "e2e_megabytes": round(corpus["bytes"] / 1e6),
+        "e2e_tokens": mine["tokens"],
+        "e2e_wall_s": round(mine["wall_s"], 1), "e2e_cpu_s": round(mine["cpu_s"], 1),
+        "e2e_peak_rss_gb": round(mine["peak_rss_gb"], 3),
+        "megatron_wall_s": round(base["wall_s"], 1), "megatron_cpu_s": round(base["cpu_s"], 1),
+        "megatron_peak_rss_gb": round(base["peak_rss_gb"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, default=600, help="stdlib documents to use")
     parser.add_argument("--reps", type=int, default=5, help="paired repetitions (median kept)")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench_data"), help="work directory")
+    parser.add_argument("--e2e-mb", type=int, default=1000,
+                        help="MB of jsonl for the end-to-end comparison (0: skip it)")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR),
                         help="where bench_data.json is written")
     args = parser.parse_args()
@@ -287,6 +326,8 @@ def main() -> None:
     (out / "scaling").mkdir()
     rates = measure_scaling(make_cfg(out, args.docs, 12), out / "scaling", tracker, out, args.reps)
     tracking.end_run(uri, tracker.run_id)
+    e2e = (measure_e2e(out, out / "e2e" / tokenize.TOKENIZER, info.eos_id, args.e2e_mb)
+           if args.e2e_mb else {})
     scaling = median([b / a for a, b in zip(rates[1], rates[2], strict=True)])
     result = {
         "encode_ratio": round(enc["ratio"], 3),
@@ -303,6 +344,7 @@ def main() -> None:
         "raw_encode_tokens_per_s": round(enc["raw"]),
         "tokens_per_s_1_worker": round(median(rates[1])),
         "tokens_per_s_2_workers": round(median(rates[2])),
+        **e2e,
         "load_average_1min": round(os.getloadavg()[0], 1),
         "tokens": tokens,
         "documents": info.documents,
