@@ -25,7 +25,8 @@ line, one JSON object:
   Megatron-style baseline on the same documents, tokenizer and process count
   (``benchmarks/data_e2e.py``): e2e_vs_megatron_cpu, its tokens per CPU-second over the
   baseline's (target >= 0.9); e2e_wall_ratio (target <= 1.1); e2e_rss_ratio, whole-tree
-  peak RSS over the baseline's (target <= 1.3). One run each, baseline first.
+  peak RSS over the baseline's (target <= 1.3); the same three against the baseline calling
+  ``encode_batch_fast`` (``..._fast``). One run each, baselines first.
 
 The same figures, with the commit and machine, are written to benchmarks/results/bench_data.json.
 
@@ -275,11 +276,14 @@ def measure_e2e(out: Path, tokenizer_path: Path, eos_id: int, megabytes: int,
     base = data_e2e.run_baseline(out / "e2e_corpus", tokenizer_path, eos_id, out / "megatron",
                                  workers)
     log(f"end to end, Megatron-style baseline: {base}")
+    fast = data_e2e.run_baseline(out / "e2e_corpus", tokenizer_path, eos_id,
+                                 out / "megatron_fast", workers, call="encode_batch_fast")
+    log(f"end to end, the baseline with encode_batch_fast: {fast}")
     mine = data_e2e.run_project(out / "e2e_corpus", tokenizer_path, out / "e2e_runs", workers,
                                 shards=corpus["files"])
     log(f"end to end, the tokenize stage: {mine}")
-    if mine["tokens"] != base["tokens"]:
-        raise RuntimeError(f"the two sides encoded different token counts: {mine} vs {base}")
+    if not mine["tokens"] == base["tokens"] == fast["tokens"]:
+        raise RuntimeError(f"the sides encoded different token counts: {mine}, {base}, {fast}")
     return {
         "e2e_vs_megatron_cpu": round(base["cpu_s"] / mine["cpu_s"], 3),
         "e2e_wall_ratio": round(mine["wall_s"] / base["wall_s"], 3),
@@ -290,6 +294,10 @@ def measure_e2e(out: Path, tokenizer_path: Path, eos_id: int, megabytes: int,
         "e2e_peak_rss_gb": round(mine["peak_rss_gb"], 3),
         "megatron_wall_s": round(base["wall_s"], 1), "megatron_cpu_s": round(base["cpu_s"], 1),
         "megatron_peak_rss_gb": round(base["peak_rss_gb"], 3),
+        "e2e_vs_megatron_fast_cpu": round(fast["cpu_s"] / mine["cpu_s"], 3),
+        "e2e_wall_ratio_fast": round(mine["wall_s"] / fast["wall_s"], 3),
+        "e2e_rss_ratio_fast": round(mine["peak_rss_gb"] / fast["peak_rss_gb"], 3),
+        "megatron_fast_cpu_s": round(fast["cpu_s"], 1),
     }
 
 

@@ -3,11 +3,13 @@
 Both sides encode the same jsonl documents with the same tokenizer in the same number of
 processes, each with one encoder thread (``RAYON_NUM_THREADS=1``):
 
-- baseline (``python benchmarks/data_e2e.py CORPUS TOKENIZER EOS_ID OUT WORKERS``):
+- baseline (``python benchmarks/data_e2e.py CORPUS TOKENIZER EOS_ID OUT WORKERS CALL``):
   Megatron's ``preprocess_data.py`` shape: a pool of worker processes, each reading
   its jsonl files line by line and encoding 1,000 documents at a time with ``tokenizers``'
-  ``encode_batch``, the ids and one eos per document appended to a ``.bin`` file and the
-  document offsets to an ``.idx`` file; nothing else (no split, no manifest, no tracking);
+  ``encode_batch`` (and, a stronger baseline, ``encode_batch_fast``, what the stage's
+  shard tasks call: the same ids without character offsets), the ids and one eos per
+  document appended to a ``.bin`` file and the document offsets to an ``.idx`` file;
+  nothing else (no split, no manifest, no tracking);
 - the project: ``python -m workflows.pipeline --only tokenize`` in a fresh process, so its
   start-up (imports, MLflow's store, Parsl's executors), the corpus plan and count,
   the shard tasks, the Zarr writes and the tracking are all in.
@@ -68,11 +70,11 @@ def build_corpus(directory: Path, megabytes: int, files: int) -> dict[str, int]:
     return {"bytes": written, "documents": documents, "files": files}
 
 
-def _encode_file(job: tuple[str, str, str, int]) -> int:
+def _encode_file(job: tuple[str, str, str, int, str]) -> int:
     """Baseline worker: one jsonl file to ``<prefix>.bin`` (uint16 ids) and ``.idx``."""
     from tokenizers import Tokenizer
 
-    path, tokenizer_path, prefix, eos = job
+    path, tokenizer_path, prefix, eos, call = job
     if tokenizer_path not in _TOKENIZERS:
         _TOKENIZERS[tokenizer_path] = Tokenizer.from_file(tokenizer_path)
     tok = _TOKENIZERS[tokenizer_path]
@@ -82,17 +84,17 @@ def _encode_file(job: tuple[str, str, str, int]) -> int:
         for line in src:
             batch.append(json.loads(line)["text"])
             if len(batch) == BATCH_DOCS:
-                tokens += _write_batch(tok, batch, eos, bin_file, offsets)
+                tokens += _write_batch(getattr(tok, call)(batch), eos, bin_file, offsets)
                 batch = []
         if batch:
-            tokens += _write_batch(tok, batch, eos, bin_file, offsets)
+            tokens += _write_batch(getattr(tok, call)(batch), eos, bin_file, offsets)
     np.asarray(offsets, dtype=np.int64).tofile(prefix + ".idx")
     return tokens
 
 
-def _write_batch(tok: Any, batch: list[str], eos: int, bin_file: Any, offsets: list[int]) -> int:
+def _write_batch(encodings: list[Any], eos: int, bin_file: Any, offsets: list[int]) -> int:
     ids = []
-    for encoding in tok.encode_batch(batch):
+    for encoding in encodings:
         ids.append(np.asarray(encoding.ids, dtype=np.uint16))
         ids.append(np.asarray([eos], dtype=np.uint16))
         offsets.append(offsets[-1] + len(encoding.ids) + 1)
@@ -175,13 +177,14 @@ def measure_tree(cmd: list[str], log_path: Path, env: dict[str, str]) -> dict[st
     return {"wall_s": wall, "cpu_s": tree.cpu_s, "peak_rss_gb": tree.peak_rss / 1e9}
 
 
-def run_baseline(corpus: Path, tokenizer_path: Path, eos: int, out: Path,
-                 workers: int) -> dict[str, float]:
-    """The Megatron-style baseline over every jsonl file of ``corpus``, in a fresh process."""
+def run_baseline(corpus: Path, tokenizer_path: Path, eos: int, out: Path, workers: int,
+                 call: str = "encode_batch") -> dict[str, float]:
+    """The Megatron-style baseline over every jsonl file of ``corpus``, in a fresh process,
+    encoding with the Tokenizer's method ``call`` (``encode_batch_fast``: no offsets)."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, RAYON_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), str(corpus), str(tokenizer_path),
-           str(eos), str(out), str(workers)]
+           str(eos), str(out), str(workers), call]
     measured = measure_tree(cmd, out / "baseline.log", env)
     tokens = int((out / "baseline.log").read_text().split()[-1])
     return {"tokens": tokens, **measured}
@@ -208,10 +211,11 @@ def run_project(corpus: Path, tokenizer_path: Path, runs_dir: Path, workers: int
     return {"tokens": tokens, **measured}
 
 
-def baseline_main(corpus: str, tokenizer_path: str, eos: str, out: str, workers: str) -> None:
+def baseline_main(corpus: str, tokenizer_path: str, eos: str, out: str, workers: str,
+                  call: str) -> None:
     """The baseline's process: a pool of ``workers``, one jsonl file per task; prints the
     tokens written."""
-    jobs = [(str(p), tokenizer_path, str(Path(out) / p.stem), int(eos))
+    jobs = [(str(p), tokenizer_path, str(Path(out) / p.stem), int(eos), call)
             for p in sorted(Path(corpus).glob("*.jsonl"))]
     with multiprocessing.get_context("spawn").Pool(int(workers)) as pool:
         tokens = sum(pool.imap_unordered(_encode_file, jobs))
