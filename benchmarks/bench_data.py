@@ -26,7 +26,11 @@ line, one JSON object:
   (``benchmarks/data_e2e.py``): e2e_vs_megatron_cpu, its tokens per CPU-second over the
   baseline's (target >= 0.9); e2e_wall_ratio (target <= 1.1); e2e_rss_ratio, whole-tree
   peak RSS over the baseline's (target <= 1.3); the same three against the baseline calling
-  ``encode_batch_fast`` (``..._fast``). One run each, baselines first.
+  ``encode_batch_fast`` (``..._fast``). One run each, baselines first;
+- big_jsonl_largest_process_rss_gb (``--big-jsonl-mb``, default 2,000; 0 skips it): one
+  jsonl file of that size through the tokenize stage at a 32k vocabulary (trained by the
+  stage), the peak RSS of its largest process (target < 1.5 GB: readers stream by byte
+  ranges, so no process holds the file).
 
 The same figures, with the commit and machine, are written to benchmarks/results/bench_data.json.
 
@@ -301,6 +305,21 @@ def measure_e2e(out: Path, tokenizer_path: Path, eos_id: int, megabytes: int,
     }
 
 
+def measure_big_file(out: Path, megabytes: int, vocab: int = 32000) -> dict[str, Any]:
+    """One jsonl file of ``megabytes`` MB through the tokenize stage (2 workers, a
+    ``vocab``-token tokenizer trained by the stage): the largest process's peak RSS."""
+    from benchmarks import data_e2e
+
+    corpus = data_e2e.build_corpus(out / "big_corpus", megabytes, files=1)
+    measured = data_e2e.run_project(out / "big_corpus", vocab, out / "big_runs", workers=2,
+                                    shards=8)
+    log(f"one {corpus['bytes'] / 1e6:,.0f} MB jsonl file at vocab {vocab}: {measured}")
+    return {"big_jsonl_megabytes": round(corpus["bytes"] / 1e6),
+            "big_jsonl_largest_process_rss_gb": round(measured["largest_process_rss_gb"], 3),
+            "big_jsonl_tree_rss_gb": round(measured["peak_rss_gb"], 3),
+            "big_jsonl_wall_s": round(measured["wall_s"], 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, default=600, help="stdlib documents to use")
@@ -308,6 +327,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "runs" / "bench_data"), help="work directory")
     parser.add_argument("--e2e-mb", type=int, default=1000,
                         help="MB of jsonl for the end-to-end comparison (0: skip it)")
+    parser.add_argument("--big-jsonl-mb", type=int, default=2000,
+                        help="MB of the one jsonl file tokenized at vocab 32k (0: skip it)")
     parser.add_argument("--results-dir", default=str(RESULTS_DIR),
                         help="where bench_data.json is written")
     args = parser.parse_args()
@@ -336,6 +357,7 @@ def main() -> None:
     tracking.end_run(uri, tracker.run_id)
     e2e = (measure_e2e(out, out / "e2e" / tokenize.TOKENIZER, info.eos_id, args.e2e_mb)
            if args.e2e_mb else {})
+    big = measure_big_file(out, args.big_jsonl_mb) if args.big_jsonl_mb else {}
     scaling = median([b / a for a, b in zip(rates[1], rates[2], strict=True)])
     result = {
         "encode_ratio": round(enc["ratio"], 3),
@@ -353,6 +375,7 @@ def main() -> None:
         "tokens_per_s_1_worker": round(median(rates[1])),
         "tokens_per_s_2_workers": round(median(rates[2])),
         **e2e,
+        **big,
         "load_average_1min": round(os.getloadavg()[0], 1),
         "tokens": tokens,
         "documents": info.documents,

@@ -116,6 +116,7 @@ class TreeSampler:
     def __init__(self, tag: str) -> None:
         self.tag = tag
         self.peak_rss = 0
+        self.largest_rss = 0  # the peak of the largest single process
         self._tagged: dict[tuple[int, float], bool] = {}  # (pid, start time) -> carries the tag
         self._cpu: dict[tuple[int, float], float] = {}
         self._stop = threading.Event()
@@ -142,8 +143,10 @@ class TreeSampler:
                     if not self._carries_tag(proc, key):
                         continue
                     times = proc.cpu_times()
-                    rss += proc.memory_info().rss
+                    own = proc.memory_info().rss
                     self._cpu[key] = times.user + times.system
+                rss += own
+                self.largest_rss = max(self.largest_rss, own)
             except psutil.Error:
                 pass
         self.peak_rss = max(self.peak_rss, rss)
@@ -174,7 +177,8 @@ def measure_tree(cmd: list[str], log_path: Path, env: dict[str, str]) -> dict[st
     wall = time.perf_counter() - t0
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({code}): see {log_path}")
-    return {"wall_s": wall, "cpu_s": tree.cpu_s, "peak_rss_gb": tree.peak_rss / 1e9}
+    return {"wall_s": wall, "cpu_s": tree.cpu_s, "peak_rss_gb": tree.peak_rss / 1e9,
+            "largest_process_rss_gb": tree.largest_rss / 1e9}
 
 
 def run_baseline(corpus: Path, tokenizer_path: Path, eos: int, out: Path, workers: int,
@@ -190,22 +194,26 @@ def run_baseline(corpus: Path, tokenizer_path: Path, eos: int, out: Path, worker
     return {"tokens": tokens, **measured}
 
 
-def run_project(corpus: Path, tokenizer_path: Path, runs_dir: Path, workers: int,
+def run_project(corpus: Path, tokenizer: Path | int, runs_dir: Path, workers: int,
                 shards: int) -> dict[str, float]:
-    """``workflows.pipeline --only tokenize`` over ``corpus`` in a fresh process."""
+    """``workflows.pipeline --only tokenize`` over ``corpus`` in a fresh process, with the
+    tokenizer file ``tokenizer`` or (an int) one of that vocabulary trained by the stage."""
     from tokenizers import Tokenizer
 
     from data_prep.store import open_store
 
     runs_dir.mkdir(parents=True, exist_ok=True)
-    vocab = Tokenizer.from_file(str(tokenizer_path)).get_vocab_size()
+    if isinstance(tokenizer, int):
+        vocab, choice = tokenizer, [f"tokenizer.vocab_size={tokenizer}"]
+    else:
+        vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+        choice = [f"tokenizer.path={tokenizer}"]
     env = dict(os.environ, RAYON_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
            "--runs-dir", str(runs_dir), "--only", "tokenize", "--set",
            f"data.source={corpus}", "data.max_documents=null", f"data.num_shards={shards}",
            "data.chunk_tokens=65536", "data.chunks_per_shard=16", "data.progress_seconds=30",
-           f"tokenizer.path={tokenizer_path}", f"model.vocab_size={vocab}",
-           f"site.max_workers={workers}"]
+           *choice, f"model.vocab_size={vocab}", f"site.max_workers={workers}"]
     measured = measure_tree(cmd, runs_dir / "driver.log", env)
     tokens = open_store(next(runs_dir.glob("stages/tokenize/*/store.zarr"))).tokens
     return {"tokens": tokens, **measured}
