@@ -10,7 +10,7 @@ reading a block decompresses its own chunk and never the next one for a last lab
 The price: the tail of each block after its last window (``n - 1 - windows * seq_len``
 tokens, under ``seq_len``) is never a target; ``unused_fraction`` gives the share, e.g.
 1.6 % for 4,096-token chunks at seq_len 64 and 3.1 % for 65,536-token chunks at 2,048 (a
-``chunk_tokens`` of ``k * seq_len + 1`` wastes nothing). The windows depend on the parts'
+``chunk_tokens`` of ``k * seq_len + 1`` wastes one token a chunk). The windows depend on the parts'
 sizes: two stores of the same corpus with different shard counts hold the same tokens but
 not the same windows.
 
@@ -119,11 +119,18 @@ class TokenWindowLoader:
         count = np.where(j < self._part_whole[part], self.block_windows, self._part_tail[part])
         return first, count, self._part_token0[part] + j * self.block_tokens
 
-    def window_starts(self, windows: np.ndarray) -> np.ndarray:
-        """The split position of each window's first token."""
+    def _places(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(block, offset of the first token in the block, the block's first token in the
+        split) of each window."""
+        windows = np.asarray(windows, dtype=np.int64)
         blocks = self.block_of(windows)
         first, _, token0 = self.block_windows_of(blocks)
-        return token0 + (np.asarray(windows, dtype=np.int64) - first) * self.seq_len
+        return blocks, (windows - first) * self.seq_len, token0
+
+    def window_starts(self, windows: np.ndarray) -> np.ndarray:
+        """The split position of each window's first token."""
+        _, offsets, token0 = self._places(windows)
+        return token0 + offsets
 
     @property
     def rows(self) -> int:
@@ -220,12 +227,6 @@ class TokenWindowLoader:
             self._blocks.move_to_end(block)
         return data
 
-    def window(self, index: int) -> np.ndarray:
-        """Tokens of window ``index`` (seq_len + 1 of them; a view of a cached block)."""
-        block = int(self.block_of(index))
-        start = (index - int(self.block_windows_of([block])[0][0])) * self.seq_len
-        return self._block(block)[start : start + self.seq_len + 1]
-
     def next_batch(self) -> torch.Tensor:
         """This rank's rows of the next global batch.
 
@@ -238,8 +239,7 @@ class TokenWindowLoader:
 
     def _rows(self, windows: np.ndarray) -> torch.Tensor:
         """The tokens of ``windows``, one row each: a LongTensor [len, seq_len + 1]."""
-        blocks = self.block_of(windows)
-        offsets = (windows - self.block_windows_of(blocks)[0]) * self.seq_len
+        blocks, offsets, _ = self._places(windows)
         rows = [self._block(b)[o : o + self.seq_len + 1]
                 for b, o in zip(blocks.tolist(), offsets.tolist(), strict=True)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
