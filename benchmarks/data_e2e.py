@@ -53,15 +53,14 @@ def build_corpus(directory: Path, megabytes: int, files: int) -> dict[str, int]:
     texts = [t for t in texts if t.strip()]
     directory.mkdir(parents=True, exist_ok=True)
     outs = [open(directory / f"part-{i:03d}.jsonl", "w", encoding="utf-8") for i in range(files)]
-    target, written, documents, n = megabytes * 1_000_000, 0, 0, 0
+    target, written, documents = megabytes * 1_000_000, 0, 0
     try:
         while written < target:
             for text in texts:
-                line = json.dumps({"text": f"# pass {n // len(texts)}\n{text}"}) + "\n"
+                line = json.dumps({"text": f"# pass {documents // len(texts)}\n{text}"}) + "\n"
                 outs[documents % files].write(line)
                 written += len(line.encode("utf-8"))
                 documents += 1
-                n += 1
                 if written >= target:
                     break
     finally:
