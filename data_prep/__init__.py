@@ -1,8 +1,8 @@
 """Corpus -> tokenizer -> sharded Zarr token store -> packed training windows.
 
 Modules: ``readers`` (streaming readers of one file), ``sources`` (one source's files from
-metadata, pieces, streamed documents), ``corpus`` (planned and counted corpus of one or
-several labelled sources, fingerprint, train/validation assignment, input shards),
+metadata, pieces, streamed documents), ``corpus`` (the corpus of one or several labelled
+sources planned from metadata, fingerprint, the train/validation hash rule, input shards),
 ``tokenizer`` (byte-level BPE, hash), ``build`` (writing a store: layout, batching and
 encoding of input shards, part records for resuming, manifest), ``writer`` (the low-level
 writer of one part), ``store`` (``open_store``, ``SplitReader``), ``loader``
@@ -47,18 +47,18 @@ input shard lies inside one source, so every part belongs to exactly one source 
 its label (``"source"`` in the part's attributes and in ``splits.<split>.parts[i]``).
 ``source`` is then null and ``sources`` lists, in corpus order, ``{"label", "source" (spec),
 "tokens", "documents", "split_tokens": {split: n}, "split_documents": {split: n}}``; the
-fingerprint covers the labels and their document ranges. ``data.num_shards`` is divided
-among the sources in proportion to their bytes (at least one each), and the validation
-documents are drawn per source (``round(validation_fraction * n)``, at least 1 for a source
-of 2+ documents, seeded by ``split_seed`` and the label). ``open_store`` exposes them as
+fingerprint covers the labels. ``data.num_shards`` is divided among the sources in
+proportion to their bytes (at least one each), and a document is held out for validation
+by a hash of its text keyed by ``split_seed`` and its source's label
+(``corpus.validation_flags``). ``open_store`` exposes them as
 ``StoreInfo.sources`` (``SourceInfo``). Stores without these keys (written before sources
 existed) read as single-source stores, so the format version is still 1.
 
 Why parts instead of one merged array: each input shard is tokenized by its own process
 and writes only its own arrays (Zarr loses updates when processes write different chunks
 of one shard file), and no serial merge pass re-reads the whole corpus. Shards are
-contiguous document ranges (runs of file pieces) and the train/validation assignment is
-a seeded choice of document indices, so the logical token sequence of each split (and
+contiguous document ranges (runs of file pieces) and the train/validation assignment
+depends on each document's text only, so the logical token sequence of each split (and
 everything the loader serves) is identical for any ``data.num_shards`` and any number of workers.
 
 ``store.open_store(path, expected_tokenizer_hash=None)`` refuses a store without a complete

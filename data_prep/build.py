@@ -3,9 +3,9 @@
 The writing side of the store format in the package docstring (``store`` is the reading
 side, ``writer`` the low-level part writer). A build lives in one directory ``out_dir``::
 
-    corpus.json, doc_bytes.bin, validation_docs.bin
-                           the planned and counted corpus (``data_prep.corpus``); corpus/
-                           holds saved hub datasets, the only copy of input made
+    corpus.json            the planned corpus (``data_prep.corpus``; with a binding
+                           ``data.max_documents`` also doc_bytes.bin); corpus/ holds saved
+                           hub datasets, the only copy of input made
     tokenizer.json         the tokenizer
     prepared.json          what ``prepare_store`` decided: shard plan, dtype, eos, hashes, config
     store.zarr/            the store
@@ -49,9 +49,11 @@ from data_prep.corpus import (
     CORPUS_INFO,
     CorpusInfo,
     drop_corpus,
+    no_documents_error,
     shard_documents,
     shard_plan,
-    validation_indices,
+    split_key,
+    validation_flags,
 )
 from data_prep.errors import DataError
 from data_prep.progress import Progress
@@ -159,10 +161,10 @@ def text_batches(texts: Iterator[str], total_bytes: int,
                  max_bytes: int) -> Iterator[list[str]]:
     """Documents grouped into lists of about ``max_bytes`` of UTF-8 text (at least one each).
 
-    ``total_bytes`` (the shard's text, known from the count) marks the last batch: it is cut
-    again so that its final ~1/8 of the bytes is a batch of its own, so the writes of the long
-    batch overlap the encoding of the short one and only the short batch's writes are left
-    after the encoder finishes. Only the current batch is held.
+    ``total_bytes`` (the shard's input bytes, an estimate of its text) marks the last batch:
+    it is cut again so that its final ~1/8 of the bytes is a batch of its own, so the writes
+    of the long batch overlap the encoding of the short one and only the short batch's
+    writes are left after the encoder finishes. Only the current batch is held.
     """
     batch: list[str] = []
     size = done = 0
@@ -185,7 +187,7 @@ def text_batches(texts: Iterator[str], total_bytes: int,
 
 
 def _write_batch(encodings: list, is_val: np.ndarray, eos: int, dtype: np.dtype,
-                 writers: dict[str, PartWriter], progress: Progress) -> None:
+                 writers: dict[str, PartWriter], progress: Progress, text_bytes: int) -> None:
     """Append one encoded batch (eos after every document) to the train/validation parts."""
     docs: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
     tokens = 0
@@ -196,11 +198,11 @@ def _write_batch(encodings: list, is_val: np.ndarray, eos: int, dtype: np.dtype,
         docs["validation" if val else "train"].append(np.array(ids, dtype=dtype))
     for split in SPLITS:
         writers[split].add(docs[split])
-    progress.update(len(encodings), tokens)
+    progress.update(len(encodings), tokens, text_bytes)
 
 
 def shard_entry(prepared: dict[str, Any], shard_index: int) -> dict[str, Any]:
-    """Input shard ``shard_index`` of the plan: {"start", "stop", "source"}."""
+    """Input shard ``shard_index`` of the plan: {"source", "pieces", "bytes"}."""
     num_shards = prepared["num_shards"]
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard index {shard_index} out of range for {num_shards} shards")
@@ -244,29 +246,30 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
     """Encode input shard ``shard_index`` into its train and validation parts; record it.
 
     The shard's documents are streamed from its pieces of the source files, in batches of
-    about ``data.encode_batch_bytes``. Any earlier record of the shard is removed first, and
+    about ``data.encode_batch_bytes``; each is held out for validation or not by
+    ``corpus.validation_flags``. Any earlier record of the shard is removed first, and
     the parts are written from scratch (each under a temporary name, renamed into place);
     the record is written last. Returns the shard's result: its counts, part summaries,
     timings and ``host`` (the hostname of the machine that encoded it).
     """
     out_dir = Path(out_dir)
     shard = shard_entry(prepared, shard_index)
-    start, stop, label = shard["start"], shard["stop"], shard["source"]
+    label = shard["source"]
     record = _record_path(out_dir, shard_index)
     record.unlink(missing_ok=True)
     began, t0 = time.time(), time.perf_counter()
-    total_bytes = sum(info.pieces[i]["text_bytes"] for i in shard["pieces"])
-    batches = text_batches(shard_documents(info, shard, data), total_bytes,
+    batches = text_batches(shard_documents(info, shard, data), shard["bytes"],
                            data.encode_batch_bytes)
+    key = split_key(data.split_seed, label)
 
     def encode(texts: list[str]) -> list:
         # The fast variant skips character offsets, which a token store never needs (same ids).
         return tokenizer.encode_batch_fast(texts)
 
     # Encoding releases the GIL: the first batch is encoding while the checks and writers are
-    # set up, and the next batch is read from its file while this one encodes, so the
-    # reading, Python and Zarr work does not leave the encoder idle. At most two batches of
-    # text and their encodings are alive at once.
+    # set up, and the next batch is read from its file (and the split of this one hashed)
+    # while this one encodes, so the reading, Python and Zarr work does not leave the
+    # encoder idle. At most two batches of text and their encodings are alive at once.
     with ThreadPoolExecutor(1) as pool:
         current = next(batches, None)
         pending = pool.submit(encode, current) if current else None
@@ -275,28 +278,22 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
                 f"{out_dir / TOKENIZER} changed since prepare; rerun the tokenize stage"
             )
         eos, dtype = prepared["eos_id"], np.dtype(prepared["dtype"])
-        validation = validation_indices(out_dir, start, stop)
         writers = {
             split: PartWriter(out_dir / STORE, split, shard_index, dtype,
                               data.chunk_tokens, data.chunks_per_shard)
             for split in SPLITS
         }
-        first = start
+        documents = 0
         while pending is not None:
             following = next(batches, None)  # read while the current batch encodes
+            is_val = validation_flags(current, key, data.validation_fraction)
+            text_bytes = sum(len(t) for t in current)
             encodings = pending.result()
             pending = pool.submit(encode, following) if following else None
-            a, b = np.searchsorted(validation, [first, first + len(encodings)])
-            is_val = np.zeros(len(encodings), dtype=bool)
-            is_val[validation[a:b] - first] = True
-            _write_batch(encodings, is_val, eos, dtype, writers, progress)
-            first += len(encodings)
+            _write_batch(encodings, is_val, eos, dtype, writers, progress, text_bytes)
+            documents += len(encodings)
             del encodings, current
             current = following
-    if first != stop:
-        raise DataError(f"tokenize shard {shard_index} read {first - start} documents, the "
-                        f"count found {stop - start}: an input file changed; rerun the "
-                        "tokenize stage")
     attrs = {"shard": shard_index, "tokenizer_hash": prepared["tokenizer_hash"]}
     if label is not None:
         attrs["source"] = label
@@ -304,7 +301,7 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
     result = {
         "shard": shard_index,
         "source": label,
-        "documents": stop - start,
+        "documents": documents,
         "tokens": sum(p["tokens"] for p in parts.values()),
         "splits": parts,
         "start_time": began,
@@ -351,14 +348,42 @@ def _source_summary(info: CorpusInfo, splits: dict[str, dict[str, Any]]) -> list
                 for split in SPLITS}
         split_tokens = {split: sum(p["tokens"] for p in parts) for split, parts in mine.items()}
         split_docs = {split: sum(p["documents"] for p in parts) for split, parts in mine.items()}
-        if sum(split_docs.values()) != src["stop"] - src["start"]:
-            raise DataError(f"store parts of source {label!r} hold {sum(split_docs.values())} "
-                            f"documents, the corpus has {src['stop'] - src['start']}; rerun the "
-                            "tokenize stage")
         out.append({"label": label, "source": src["source"], "tokens": sum(split_tokens.values()),
                     "documents": sum(split_docs.values()), "split_tokens": split_tokens,
                     "split_documents": split_docs})
     return out
+
+
+def _check_documents(info: CorpusInfo, data: DataConfig, splits: dict[str, dict[str, Any]],
+                     documents: int) -> None:
+    """Refuse a store whose parts lost documents (a capped corpus knows its count), a source
+    without documents, a labelled source of several documents with none held out (its own
+    validation loss is reported), or an empty split (the hash split found no document to
+    hold out, or held out all), each with the fix."""
+    if info.num_documents is not None and documents != info.num_documents:
+        raise DataError(f"store parts hold {documents} documents, the corpus has "
+                        f"{info.num_documents}; rerun the tokenize stage")
+    fraction = data.validation_fraction
+    for label in [s["label"] for s in info.sources] or [None]:
+        held = {split: sum(p["documents"] for p in splits[split]["parts"]
+                           if p.get("source") == label) for split in SPLITS}
+        if sum(held.values()) == 0:
+            raise no_documents_error(data, label)
+        if label is not None and held["validation"] == 0 and held["train"] > 1:
+            raise DataError(  # its own validation loss is promised: it needs a document
+                f"data.sources.{label}: data.validation_fraction={fraction} held out none of "
+                f"its {held['train']} documents (each is held out when its seeded hash falls "
+                f"under the fraction): raise the fraction to at least "
+                f"{min(0.5, 3 / held['train']):.3g}, change data.split_seed, or add documents")
+    if splits["validation"]["documents"] == 0:
+        raise DataError(
+            f"data.validation_fraction={fraction} held out none of the {documents} documents "
+            "(each is held out when its seeded hash falls under the fraction): raise it to at "
+            f"least {min(0.5, 3 / documents):.3g}, change data.split_seed, or add documents")
+    if splits["train"]["documents"] == 0:
+        raise DataError(
+            f"data.validation_fraction={fraction} held out all {documents} documents, leaving "
+            "none to train on: lower it, change data.split_seed, or add documents")
 
 
 @dataclass
@@ -400,9 +425,8 @@ def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
                                hosts)
         splits[split] = {"tokens": sum(p["tokens"] for p in parts),
                          "documents": sum(p["documents"] for p in parts), "parts": parts}
-    if sum(s["documents"] for s in splits.values()) != info.num_documents:
-        raise DataError(f"store parts hold {sum(s['documents'] for s in splits.values())} "
-                        f"documents, corpus has {info.num_documents}; rerun the tokenize stage")
+    documents = sum(s["documents"] for s in splits.values())
+    _check_documents(info, data, splits, documents)
     for split in SPLITS:  # temp dirs of writers that died (their shard was rerun since)
         for stale in (store / split).glob(".*.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -420,7 +444,7 @@ def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
         "sources": _source_summary(info, splits),
         "source_fingerprint": info.fingerprint,
         "tokens": sum(s["tokens"] for s in splits.values()),
-        "documents": info.num_documents,
+        "documents": documents,
         "split_tokens": {k: v["tokens"] for k, v in splits.items()},
         "split_documents": {k: v["documents"] for k, v in splits.items()},
     }

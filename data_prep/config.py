@@ -34,9 +34,10 @@ class DataConfig:
     max_document_bytes: int | None = None
     """Skip documents larger than this many bytes (None: keep all)."""
     validation_fraction: float = 0.05
-    """Fraction of documents held out for the validation split."""
+    """Fraction of documents held out for the validation split (per document, by a keyed
+    hash of its text: the share is this fraction up to sampling noise)."""
     split_seed: int = 1234
-    """Seed of the document-level train/validation split."""
+    """Key of the document-level train/validation split's hash."""
     num_shards: int = 2
     """Input shards: one tokenization task per shard, fanned out in parallel, each a run of
     file pieces of about equal bytes. With data.sources the shards are divided among the

@@ -1,21 +1,36 @@
-"""The document corpus of one tokenization: planned from metadata, counted once, then read
-straight from the source files by every shard task.
+"""The document corpus of one tokenization: planned from metadata, read straight from the
+source files by every shard task, with no pass over the corpus before the shards start.
 
 ``prepare_corpus`` describes every source (``data.source``, or each labelled source of
-``data.sources`` in the order given, as one contiguous document range per source) from
-metadata and sampled blocks, fingerprints that description, cuts the files into pieces and
-groups contiguous pieces into input shards by bytes (never across two sources). It then
-streams every piece once to count its documents: the train/validation assignment is a
-seeded choice among all documents of a source and ``data.max_documents`` a cap in corpus
-order, so the document count has to be known before any shard writes. The count also
-checks the whole input, so bad input fails before a store exists. What it finds is saved
-(``corpus.json``, the document sizes for the tokenizer's sample, the validation document
-indices); shard tasks re-read only their own pieces. Concatenating the shards in order
-gives the corpus order whatever their number.
+``data.sources`` in the order given) from metadata and sampled blocks, fingerprints that
+description, cuts the files into pieces (byte ranges of JSON lines, parquet row groups,
+dataset row ranges, whole files) and groups contiguous pieces into input shards by bytes
+(never across two sources). Concatenating the shards in order gives the corpus order
+whatever their number.
 
-A later attempt in the same directory keeps the count when the configuration and the
-fingerprint (sizes, mtimes, parquet row groups and sampled content of every file) match:
-a changed file changes the fingerprint and the corpus is counted again.
+The train/validation split is decided document by document where the document is encoded
+(``validation_flags``): a document is held out when a keyed hash of its text (the key made
+from ``data.split_seed`` and the source's label) falls under ``data.validation_fraction``.
+No shard needs to know how many documents come before it, so nothing counts the corpus
+first; the held-out share is the fraction up to sampling noise (about ``sqrt(f * n)``
+documents), identical copies of a document always land in the same split (no leak of a
+duplicate between train and validation), and a source's validation documents do not change
+when other sources are added or shards are cut otherwise. ``build.finish_store`` refuses a
+split left empty, with the fix.
+
+``data.max_documents`` keeps the first documents of each source in corpus order. Where the
+metadata shows the cap cannot bind (a source's text files, parquet rows or dataset rows are
+no more than the cap; hub datasets are saved with it) nothing is read. Otherwise the cap is
+a prefix of the source: ``prepare_corpus`` streams each source up to its cap, never further
+(a capped corpus is as large as the cap, not as the input), and records each piece's
+document count.
+
+The tokenizer's training sample (``training_sample``) reads whole documents from an even
+spread of the corpus: ``SAMPLE_PIECES`` pieces cut independently of the shard count, taken
+in a seeded order; a capped corpus draws seeded random documents of the capped prefix.
+
+A later attempt in the same directory keeps the plan when the configuration and the
+fingerprint (sizes, mtimes, parquet row groups and sampled content of every file) match.
 """
 from __future__ import annotations
 
@@ -24,7 +39,7 @@ import itertools
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,11 +63,11 @@ CORPUS = "corpus"
 """Where hub datasets are saved (the only copy of input the stage makes)."""
 CORPUS_INFO = "corpus.json"
 DOC_BYTES = "doc_bytes.bin"
-"""int64 UTF-8 size of every document in corpus order (the tokenizer's sample needs them)."""
-VALIDATION_DOCS = "validation_docs.bin"
-"""int64 corpus indices of the validation documents, ascending."""
+"""A capped corpus only: int64 UTF-8 size of every kept document in corpus order."""
 MAX_PIECE_BYTES = 256 << 20
 """Largest piece a file is cut into (shards are groups of pieces)."""
+SAMPLE_PIECES = 64
+"""The tokenizer's sample is read from about this many pieces spread over the corpus."""
 _FLUSH_DOCS = 1 << 16
 
 
@@ -61,23 +76,26 @@ class CorpusInfo:
     """What the shard tasks need to know about the corpus (stored as corpus.json)."""
 
     path: str
-    num_documents: int
     num_bytes: int
+    """Bytes of the input files (on disk: compressed files count compressed)."""
     fingerprint: str
-    num_validation: int
     sources: list[dict[str, Any]] = field(default_factory=list)
-    """Labelled sources in corpus order, each {"label", "source", "start", "stop",
-    "num_validation"} (its document range [start, stop)); empty for a single data.source."""
-
+    """Labelled sources in corpus order, each {"label", "source"}; empty for a single
+    data.source."""
+    capped: bool = False
+    """Whether ``data.max_documents`` binds: then every piece's "docs" is counted and
+    ``num_documents`` known here; otherwise the shards find the counts."""
+    num_documents: int | None = None
     config: dict[str, Any] = field(default_factory=dict)
     """The data configuration the corpus was planned for (``saved_corpus`` compares it)."""
     files: list[dict[str, Any]] = field(default_factory=list)
     """Every input file (``SourceFile`` fields plus "key", the config key of its source)."""
     pieces: list[dict[str, Any]] = field(default_factory=list)
-    """Every piece in corpus order: {"file", "start", "stop", "bytes", "docs", "doc_start",
-    "text_bytes", "first_line"} (``sources.plan_pieces``, then the count)."""
+    """Every piece in corpus order: {"file", "start", "stop", "bytes", "source", "docs"}
+    (``sources.plan_pieces``; "docs" is the counted documents of a capped corpus, else None:
+    all of the piece)."""
     shards: list[dict[str, Any]] = field(default_factory=list)
-    """Every input shard: {"start", "stop", "source", "pieces": [piece indices]}."""
+    """Every input shard: {"source", "pieces": [piece indices], "bytes"}."""
 
     def save(self, path: Path) -> None:
         write_json_atomic(path, asdict(self))
@@ -89,52 +107,19 @@ class CorpusInfo:
         return cls(**json.loads(path.read_text()))
 
 
-def validation_count(num_documents: int, fraction: float) -> int:
-    """Documents held out: round(fraction * n), at least 1, leaving at least 1 for training."""
-    if num_documents < 2:
-        raise DataError(
-            f"the corpus has {num_documents} document(s); train and validation splits need at "
-            "least 2: add documents to data.source or raise data.max_documents"
-        )
-    return min(num_documents - 1, max(1, round(fraction * num_documents)))
+def split_key(seed: int, label: str | None) -> bytes:
+    """The hash key of one source's train/validation split: ``data.split_seed`` and the
+    source's label (none for ``data.source``)."""
+    return hashlib.sha256(f"{seed}\0{label or ''}".encode()).digest()
 
 
-def validation_mask(num_documents: int, num_validation: int, seed: int | list[int]) -> np.ndarray:
-    """Boolean mask over document indices: True for the seeded validation documents."""
-    rng = np.random.default_rng(seed)
-    mask = np.zeros(num_documents, dtype=bool)
-    mask[rng.choice(num_documents, size=num_validation, replace=False)] = True
-    return mask
-
-
-def _label_seed(seed: int, label: str) -> list[int]:
-    # Seeded by the label, not its position: adding or reordering sources leaves each
-    # source's own validation documents unchanged.
-    return [seed, int.from_bytes(hashlib.sha256(label.encode("utf-8")).digest()[:8], "little")]
-
-
-def source_validation_count(num_documents: int, fraction: float) -> int:
-    """Held-out documents of one labelled source: as ``validation_count``, 0 for one document."""
-    return 0 if num_documents < 2 else validation_count(num_documents, fraction)
-
-
-def corpus_validation_mask(info: CorpusInfo, seed: int) -> np.ndarray:
-    """Validation mask of the whole corpus; with labelled sources, drawn per source (stratified)."""
-    if not info.sources:
-        return validation_mask(info.num_documents, info.num_validation, seed)
-    mask = np.zeros(info.num_documents, dtype=bool)
-    for src in info.sources:
-        start, stop = src["start"], src["stop"]
-        mask[start:stop] = validation_mask(stop - start, src["num_validation"],
-                                           _label_seed(seed, src["label"]))
-    return mask
-
-
-def shard_range(num_documents: int, num_shards: int, index: int) -> tuple[int, int]:
-    """Document range [start, stop) of input shard ``index`` (contiguous, balanced)."""
-    if not 0 <= index < num_shards:
-        raise ValueError(f"shard index {index} out of range for {num_shards} shards")
-    return index * num_documents // num_shards, (index + 1) * num_documents // num_shards
+def validation_flags(texts: Iterable[str], key: bytes, fraction: float) -> np.ndarray:
+    """True for each document held out for validation: its keyed 64-bit hash under
+    ``fraction`` of the range (the split rule; see the module docstring)."""
+    threshold = int(fraction * (1 << 64))
+    return np.array([int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8,
+                                                    key=key).digest(), "little") < threshold
+                     for t in texts], dtype=bool)
 
 
 def allocate_shards(sizes: list[int], num_shards: int) -> list[int]:
@@ -154,12 +139,10 @@ def allocate_shards(sizes: list[int], num_shards: int) -> list[int]:
     return counts
 
 
-
-
 def shard_plan(info: CorpusInfo, num_shards: int) -> list[dict[str, Any]]:
-    """Every input shard as {"start", "stop", "source", "pieces"}: contiguous document ranges
-    in corpus order, each inside one labelled source ("source" None for a single
-    data.source), as ``prepare_corpus`` planned them for ``num_shards``."""
+    """Every input shard as {"source", "pieces", "bytes"}: contiguous pieces in corpus order,
+    each inside one labelled source ("source" None for a single data.source), as
+    ``prepare_corpus`` planned them for ``num_shards``."""
     if len(info.shards) != num_shards:
         raise DataError(f"the corpus in this directory was planned for {len(info.shards)} "
                         f"shards, not {num_shards}: rerun the tokenize stage's prepare step")
@@ -223,9 +206,11 @@ def _plan(cfg: DataConfig, described: list) -> tuple[list[dict], list[dict], lis
         pieces = plan_pieces(files, piece_bytes)
         first = len(pieces_out)
         for piece in pieces:
-            pieces_out.append({**piece, "file": base + piece["file"], "source": label})
+            pieces_out.append({**piece, "file": base + piece["file"], "source": label,
+                               "docs": None})
         for group in group_pieces(pieces, count):
-            shards.append({"source": label, "pieces": [first + i for i in group]})
+            shards.append({"source": label, "pieces": [first + i for i in group],
+                           "bytes": sum(pieces[i]["bytes"] for i in group)})
     return files_out, pieces_out, shards
 
 
@@ -233,98 +218,91 @@ def _files(info: CorpusInfo) -> list[SourceFile]:
     return [SourceFile(**{k: v for k, v in f.items() if k != "key"}) for f in info.files]
 
 
-def _count(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
-    """Stream every piece once: documents, text bytes and first line of each piece (the
-    ``data.max_documents`` cap applied per source, in corpus order); document sizes are
-    written to ``sizes_out``. Fills ``info``'s counts, sources and shard ranges."""
+def _records_at_most(files: list[SourceFile]) -> int | None:
+    """How many documents the metadata says ``files`` can hold at most (a text file is one,
+    parquet and datasets count rows), or None when only reading can tell (JSON)."""
+    total = 0
+    for f in files:
+        if f.kind == "text":
+            total += 1
+        elif f.kind in ("parquet", "dataset") and f.rows is not None:
+            total += sum(f.rows)
+        else:
+            return None
+    return total
+
+
+def cap_binds(cfg: DataConfig, described: list) -> bool:
+    """Whether ``data.max_documents`` may drop documents of some source (then the capped
+    prefix is counted; see the module docstring)."""
+    if cfg.max_documents is None:
+        return False
+    for _, _, _, files in described:
+        bound = _records_at_most(files)
+        if bound is None or bound > cfg.max_documents:
+            return True
+    return False
+
+
+def _count_capped(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
+    """Stream each source's pieces in order up to ``data.max_documents`` documents (never
+    beyond): every piece's "docs" and, in ``sizes_out``, every kept document's size."""
     files = _files(info)
-    doc_index, line = 0, 1
-    per_source: dict[str | None, int] = {}
+    kept_per_source: dict[str | None, int] = {}
     sizes: list[int] = []
-    previous_file = None
     for piece in info.pieces:
-        f = info.files[piece["file"]]
-        if piece["file"] != previous_file:
-            line, previous_file = 1, piece["file"]
         label = piece["source"]
-        kept = per_source.setdefault(label, 0)
-        room = None if cfg.max_documents is None else cfg.max_documents - kept
-        piece.update(doc_start=doc_index, docs=0, text_bytes=0, first_line=line)
-        if room is not None and room <= 0:
+        kept = kept_per_source.setdefault(label, 0)
+        room = cfg.max_documents - kept
+        piece["docs"] = 0
+        if room <= 0:
             continue
-        stats: dict[str, int] = {}
-        texts = piece_texts(files, piece, cfg, f["key"], first_line=line, stats=stats)
+        key = info.files[piece["file"]]["key"]
         try:
-            for text in itertools.islice(texts, room):
-                size = len(text.encode("utf-8"))
-                sizes.append(size)
+            for text in itertools.islice(piece_texts(files, piece, cfg, key), room):
+                sizes.append(len(text.encode("utf-8")))
                 piece["docs"] += 1
-                piece["text_bytes"] += size
                 if len(sizes) >= _FLUSH_DOCS:
                     np.asarray(sizes, dtype=np.int64).tofile(sizes_out)
                     sizes.clear()
         except DataError as err:
-            key = f["key"]
             raise DataError(str(err) if key in str(err) else f"{key}: {err}") from None
-        line += stats.get("lines", 0)
-        doc_index += piece["docs"]
-        per_source[label] = kept + piece["docs"]
+        kept_per_source[label] = kept + piece["docs"]
     np.asarray(sizes, dtype=np.int64).tofile(sizes_out)
-    info.num_documents = doc_index
-    info.num_bytes = sum(p["text_bytes"] for p in info.pieces)
-    for shard in info.shards:
-        members = [info.pieces[i] for i in shard["pieces"]]
-        start = members[0]["doc_start"] if members else None
-        shard["start"], shard["stop"] = start, None if start is None else start + sum(
-            p["docs"] for p in members)
-    # An empty shard sits where the documents before it end.
-    end = 0
-    for shard in info.shards:
-        if shard["start"] is None:
-            shard["start"] = shard["stop"] = end
-        end = shard["stop"]
+    info.num_documents = sum(kept_per_source.values())
+    for label, kept in kept_per_source.items():
+        if kept == 0:
+            raise no_documents_error(cfg, label)
+
+
+def no_documents_error(cfg: DataConfig, label: str | None) -> DataError:
+    """The error for a source that yields no document."""
+    key = "data.source" if label is None else f"data.sources.{label}"
+    spec = dict(cfg.labelled_sources())[label]
+    return DataError(f"{key} {spec!r} yielded no documents (empty documents are dropped; "
+                     f"max_document_bytes={cfg.max_document_bytes})")
 
 
 def prepare_corpus(cfg: DataConfig, out_dir: Path) -> CorpusInfo:
-    """Plan and count the corpus; write corpus.json (last), the document sizes and the
-    validation document indices in ``out_dir``."""
+    """Plan the corpus from metadata (and count a binding cap's prefix); write corpus.json
+    last in ``out_dir``."""
     out_dir = Path(out_dir)
     (out_dir / CORPUS_INFO).unlink(missing_ok=True)  # it describes what is replaced here
+    (out_dir / DOC_BYTES).unlink(missing_ok=True)
     described = _described(cfg, out_dir)
+    for label, _, _, files in described:
+        if sum(f.size for f in files) == 0:
+            raise no_documents_error(cfg, label)
     files, pieces, shards = _plan(cfg, described)
-    info = CorpusInfo(path=CORPUS, num_documents=0, num_bytes=0,
-                      fingerprint=fingerprint(cfg, described), num_validation=0,
-                      config=_config_record(cfg), files=files, pieces=pieces, shards=shards)
-    with atomic_path(out_dir / DOC_BYTES) as tmp, open(tmp, "wb") as sizes_out:
-        _count(cfg, info, sizes_out)
-    labelled = [(label, spec, key) for label, spec, key, _ in described]
-    for label, spec, key in labelled:
-        n = sum(p["docs"] for p in pieces if p["source"] == label)
-        if n == 0:
-            raise DataError(
-                f"{key} {spec!r} yielded no documents (empty documents are dropped; "
-                f"max_document_bytes={cfg.max_document_bytes})"
-            )
-    if labelled[0][0] is not None:
-        start = 0
-        for label, spec, _ in labelled:
-            n = sum(p["docs"] for p in pieces if p["source"] == label)
-            info.sources.append({"label": label, "source": spec, "start": start,
-                                 "stop": start + n,
-                                 "num_validation": source_validation_count(
-                                     n, cfg.validation_fraction)})
-            start += n
-        info.num_validation = sum(s["num_validation"] for s in info.sources)
-        if info.num_validation == 0:
-            raise DataError(
-                f"every source in data.sources ({', '.join(s['label'] for s in info.sources)}) "
-                "has a single document; the validation split needs a source with at least 2"
-            )
-    else:
-        info.num_validation = validation_count(info.num_documents, cfg.validation_fraction)
-    chosen = np.flatnonzero(corpus_validation_mask(info, cfg.split_seed)).astype(np.int64)
-    with atomic_path(out_dir / VALIDATION_DOCS) as tmp:
-        chosen.tofile(tmp)
+    info = CorpusInfo(path=CORPUS, num_bytes=sum(f["size"] for f in files),
+                      fingerprint=fingerprint(cfg, described),
+                      sources=[{"label": label, "source": spec}
+                               for label, spec, _, _ in described if label is not None],
+                      capped=cap_binds(cfg, described), config=_config_record(cfg),
+                      files=files, pieces=pieces, shards=shards)
+    if info.capped:
+        with atomic_path(out_dir / DOC_BYTES) as tmp, open(tmp, "wb") as sizes_out:
+            _count_capped(cfg, info, sizes_out)
     info.save(out_dir / CORPUS_INFO)  # last: from here on the corpus is complete
     return info
 
@@ -342,8 +320,8 @@ def saved_corpus(cfg: DataConfig, out_dir: Path) -> CorpusInfo | None:
         info = CorpusInfo.load(out_dir / CORPUS_INFO)
     except (DataError, OSError, TypeError, ValueError):
         return None
-    if info.config != _config_record(cfg) or not all(
-            (out_dir / name).is_file() for name in (DOC_BYTES, VALIDATION_DOCS)):
+    if info.config != _config_record(cfg) or (info.capped
+                                              and not (out_dir / DOC_BYTES).is_file()):
         return None
     for i, (_, spec) in enumerate(cfg.labelled_sources()):
         if spec.startswith("hf:") and not is_saved_dataset(out_dir / CORPUS / f"{i:03d}"):
@@ -371,18 +349,27 @@ def load_corpus_info(out_dir: Path) -> CorpusInfo:
     return CorpusInfo.load(Path(out_dir) / CORPUS_INFO)
 
 
-def piece_documents(info: CorpusInfo, index: int, cfg: DataConfig) -> Iterator[str]:
-    """The counted documents of piece ``index``, streamed from its file (refused when the
-    file changed since the count)."""
-    piece = info.pieces[index]
-    if piece["docs"] == 0:
-        return iter(())
+def _piece_texts(info: CorpusInfo, piece: dict[str, Any], cfg: DataConfig) -> Iterator[str]:
+    """The documents of ``piece`` (a piece of ``info`` or one cut like them), streamed from
+    its file (refused when the file changed since it was described); errors name the
+    source's config key."""
     entry = info.files[piece["file"]]
     if not unchanged({k: v for k, v in entry.items() if k != "key"}):
         raise DataError(f"{entry['path']} changed since the tokenize stage's prepare step "
-                        "counted it: rerun the tokenize stage (it plans the corpus again)")
-    texts = piece_texts(_files(info), piece, cfg, entry["key"], first_line=piece["first_line"])
-    return itertools.islice(texts, piece["docs"])
+                        "planned it: rerun the tokenize stage (it plans the corpus again)")
+    key = entry["key"]
+    try:
+        yield from piece_texts(_files(info), piece, cfg, key)
+    except DataError as err:
+        raise DataError(str(err) if key in str(err) else f"{key}: {err}") from None
+
+
+def piece_documents(info: CorpusInfo, index: int, cfg: DataConfig) -> Iterator[str]:
+    """The documents of piece ``index`` (a capped corpus: its counted ones)."""
+    piece = info.pieces[index]
+    if piece["docs"] == 0:
+        return iter(())
+    return itertools.islice(_piece_texts(info, piece, cfg), piece["docs"])
 
 
 def shard_documents(info: CorpusInfo, shard: dict[str, Any], cfg: DataConfig) -> Iterator[str]:
@@ -391,24 +378,62 @@ def shard_documents(info: CorpusInfo, shard: dict[str, Any], cfg: DataConfig) ->
         yield from piece_documents(info, index, cfg)
 
 
-def validation_indices(out_dir: Path, start: int, stop: int) -> np.ndarray:
-    """Corpus indices in ``[start, stop)`` of validation documents, ascending (read from the
-    memory-mapped index file: a shard holds only its own)."""
-    path = Path(out_dir) / VALIDATION_DOCS
-    if path.stat().st_size == 0:
-        return np.zeros(0, dtype=np.int64)
-    chosen = np.memmap(path, dtype=np.int64, mode="r")
-    lo, hi = np.searchsorted(chosen, [start, stop])
-    return np.array(chosen[lo:hi])
-
-
 def training_sample(out_dir: Path, info: CorpusInfo, cfg: DataConfig, max_bytes: int,
                     seed: int) -> list[str]:
-    """Whole documents in a seeded random order until ``max_bytes`` (at least one document).
+    """Whole documents for the tokenizer, about ``max_bytes`` of them (at least one).
 
-    The order and the cut come from the document sizes saved by the count; one streaming
-    pass then collects the chosen documents (pieces without one are not read).
+    Uncapped: ``SAMPLE_PIECES`` pieces cut over each source's files by bytes (not by the
+    shard plan, so the tokenizer does not depend on ``data.num_shards``), visited in a
+    seeded order; each gives its leading documents up to its share of ``max_bytes``.
+    Capped: seeded random documents of the counted prefix (their sizes were saved).
     """
+    if info.capped:
+        return _capped_sample(out_dir, info, cfg, max_bytes, seed)
+    files = _files(info)
+    pieces = []
+    base = 0
+    for source_files in _files_by_source(info, files):
+        size = sum(f.size for f in source_files)
+        for piece in plan_pieces(source_files, max(1, -(-size // SAMPLE_PIECES))):
+            pieces.append({**piece, "file": base + piece["file"]})
+        base += len(source_files)
+    share = max(1, max_bytes // min(SAMPLE_PIECES, len(pieces)))
+    order = np.random.default_rng(seed).permutation(len(pieces))
+    sample: list[str] = []
+    total = 0
+    for index in order.tolist():
+        taken = 0
+        for text in _piece_texts(info, pieces[index], cfg):
+            size = len(text.encode("utf-8"))
+            sample.append(text)
+            taken += size
+            total += size
+            if taken >= share or total >= max_bytes:
+                break
+        if total >= max_bytes:
+            break
+    if not sample:
+        raise DataError("the corpus yielded no documents (empty documents are dropped; "
+                        f"max_document_bytes={cfg.max_document_bytes})")
+    return sample
+
+
+def _files_by_source(info: CorpusInfo, files: list[SourceFile]) -> list[list[SourceFile]]:
+    """``files`` grouped by source (contiguous in corpus order)."""
+    groups: list[list[SourceFile]] = []
+    previous = None
+    for entry, f in zip(info.files, files, strict=True):
+        if entry["key"] != previous:
+            groups.append([])
+            previous = entry["key"]
+        groups[-1].append(f)
+    return groups
+
+
+def _capped_sample(out_dir: Path, info: CorpusInfo, cfg: DataConfig, max_bytes: int,
+                   seed: int) -> list[str]:
+    """Seeded random documents of a capped corpus until ``max_bytes``: the order and the
+    cut come from the saved sizes; one streaming pass collects the chosen documents."""
     sizes = np.fromfile(Path(out_dir) / DOC_BYTES, dtype=np.int64)
     order = np.random.default_rng(seed).permutation(len(sizes))
     total = np.cumsum(sizes[order])
@@ -416,19 +441,17 @@ def training_sample(out_dir: Path, info: CorpusInfo, cfg: DataConfig, max_bytes:
     chosen = order[:take]
     wanted = set(chosen.tolist())
     found: dict[int, str] = {}
+    first = 0
     for index, piece in enumerate(info.pieces):
-        first, count = piece["doc_start"], piece["docs"]
-        mine = [d for d in range(first, first + count) if d in wanted] if count < len(
-            wanted) else sorted(d for d in wanted if first <= d < first + count)
-        if not mine:
-            continue
-        last = mine[-1]
-        for doc, text in zip(range(first, last + 1), piece_documents(info, index, cfg),
-                             strict=False):
-            if doc in wanted:
-                found[doc] = text
-        if len(found) == len(wanted):
-            break
+        count = piece["docs"]
+        if any(first <= d < first + count for d in wanted):
+            for doc, text in zip(range(first, first + count),
+                                 piece_documents(info, index, cfg), strict=False):
+                if doc in wanted:
+                    found[doc] = text
+            if len(found) == len(wanted):
+                break
+        first += count
     return [found[d] for d in chosen.tolist()]
 
 
@@ -441,9 +464,8 @@ def source_documents(cfg: DataConfig, stage_dir: Path, source: str | None = None
     files = describe_source(cfg, spec, key, Path(stage_dir))
     count = 0
     for piece in plan_pieces(files, MAX_PIECE_BYTES):
-        stats: dict[str, int] = {}
         room = None if cfg.max_documents is None else cfg.max_documents - count
-        for text in itertools.islice(piece_texts(files, piece, cfg, key, stats=stats), room):
+        for text in itertools.islice(piece_texts(files, piece, cfg, key), room):
             count += 1
             yield text
         if cfg.max_documents is not None and count >= cfg.max_documents:

@@ -130,17 +130,18 @@ def json_line_texts(path: Path, text: str, field: str, key: str) -> Iterator[str
             yield _json_line(path, line, lineno, field, key)
 
 
-def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0, stop: int | None = None,
-               first_line: int = 1, stats: dict | None = None) -> Iterator[str]:
+def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0,
+               stop: int | None = None) -> Iterator[str]:
     """The ``field`` of every JSON line whose first byte lies in ``[start, stop)``.
 
-    Line by line: memory is one line. ``first_line`` is the number of the range's first line
-    (for error messages); ``stats``, when given, gets ``"lines"``: the lines read so far.
-    ``start``/``stop`` are offsets into the (decompressed) stream; compressed files are read
-    whole (``start`` 0, ``stop`` None), since they cannot be entered in the middle.
+    Line by line: memory is one line. ``start``/``stop`` are offsets into the (decompressed)
+    stream; compressed files are read whole (``start`` 0, ``stop`` None), since they cannot
+    be entered in the middle. A bad line's error names its line number in the file: for a
+    range that starts inside the file, the lines before it are counted then, on the error
+    path only.
     """
     path = Path(path)
-    lineno, lines = first_line, 0
+    lineno = 1
     with open_binary(path) as handle:
         pos = 0
         if start > 0:
@@ -148,6 +149,7 @@ def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0, stop: int
             # after start - 1): skip through its newline.
             handle.seek(start - 1)
             pos = start - 1 + len(handle.readline())
+        first = pos
         while stop is None or pos < stop:
             raw = handle.readline()
             if not raw:
@@ -157,12 +159,28 @@ def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0, stop: int
             except UnicodeDecodeError as err:
                 raise _utf8_error(path, pos + err.start, key) from None
             pos += len(raw)
-            lines += 1
-            if stats is not None:
-                stats["lines"] = lines
             if line.strip():
-                yield _json_line(path, line, lineno, field, key)
+                try:
+                    text = _json_line(path, line, lineno, field, key)
+                except DataError:
+                    if first > 0:  # raise again with the line's number in the whole file
+                        _json_line(path, line, _lines_before(path, first) + lineno, field, key)
+                    raise
+                yield text
             lineno += 1
+
+
+def _lines_before(path: Path, offset: int) -> int:
+    """Newlines in the first ``offset`` bytes of an uncompressed file."""
+    count = 0
+    with open(path, "rb") as handle:
+        while offset > 0:
+            block = handle.read(min(offset, CHUNK_BYTES))
+            if not block:
+                break
+            count += block.count(b"\n")
+            offset -= len(block)
+    return count
 
 
 class _JsonWindow:

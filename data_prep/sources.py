@@ -23,7 +23,7 @@ groups of parquet, row ranges of datasets, whole files otherwise) of about a giv
 ``piece_texts`` streams one piece's documents (``data_prep.readers``).
 
 Empty documents are dropped; documents over ``data.max_document_bytes`` are skipped (the
-limit ``data.max_documents`` is applied by the corpus, which counts). Bad input raises
+limit ``data.max_documents`` is applied by the corpus). Bad input raises
 ``DataError`` naming the file and line and the config key of the source.
 """
 from __future__ import annotations
@@ -350,11 +350,10 @@ def _kept(texts: Iterator[str], max_bytes: int | None) -> Iterator[str]:
             yield text
 
 
-def piece_texts(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig, key: str,
-                first_line: int = 1, stats: dict | None = None) -> Iterator[str]:
+def piece_texts(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig,
+                key: str) -> Iterator[str]:
     """The documents of one piece, streamed: empty ones dropped, ones over
-    ``data.max_document_bytes`` skipped. ``first_line`` and ``stats`` as in
-    ``readers.iter_jsonl`` (line numbers of a JSON lines range)."""
+    ``data.max_document_bytes`` skipped."""
     f = files[piece["file"]]
     path = Path(f.path)
     limit = cfg.max_document_bytes
@@ -371,7 +370,7 @@ def piece_texts(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig,
             yield from _kept(iter([text]), limit)
     elif f.kind == "jsonl":
         yield from _kept(iter_jsonl(path, cfg.text_field, key, piece["start"] or 0,
-                                    piece["stop"], first_line, stats), limit)
+                                    piece["stop"]), limit)
     elif f.kind == "json":
         yield from _kept(iter_json(path, cfg.text_field, key), limit)
     elif f.kind == "parquet":

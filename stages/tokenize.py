@@ -1,15 +1,17 @@
 """Stage tokenize: raw text -> tokenizer.json + a Zarr token store (train/validation).
 
-``prepare`` plans the corpus from file metadata, counts its documents in one streaming pass
-and trains (or loads) the tokenizer; ``part`` streams one input shard (contiguous pieces of
+``prepare`` plans the corpus from file metadata (no pass over the corpus: see
+``data_prep.corpus``) and trains (or loads) the tokenizer on a sample; ``part`` streams one
+input shard (contiguous pieces of
 the source files: byte ranges of JSON lines, parquet row groups, whole files) into its own
-store parts (safe to run in parallel processes); ``finalize`` checks every part and writes
+store parts, each document held out for validation by a seeded hash of its text (safe to
+run in parallel processes); ``finalize`` checks every part and writes
 the manifest last, atomically. The store format and how it is written live in
 ``data_prep`` (``data_prep.build``); this module wires the configuration, progress lines
 and tracking.
 
 Resumable: a failed attempt's directory is kept and the next attempt runs in it. ``prepare``
-keeps the counted corpus and tokenizer of an earlier attempt with the same configuration
+keeps the planned corpus and tokenizer of an earlier attempt with the same configuration
 and unchanged input files, and ``part`` returns at once for a shard an earlier attempt
 finished, so only the unfinished
 shards are encoded again; the store is the same as one uninterrupted run's.
@@ -39,11 +41,11 @@ __all__ = ["PREPARED", "STORE", "TOKENIZER", "finalize", "part", "prepare"]
 
 
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> int:
-    """Plan and count the corpus, train or load the tokenizer, lay out the store; return the
-    shard count.
+    """Plan the corpus, train or load the tokenizer, lay out the store; return the shard
+    count.
 
     The count is ``data.num_shards``; with ``data.sources`` they are divided among the sources
-    in proportion to their bytes (at least one each). A counted corpus and a trained tokenizer
+    in proportion to their bytes (at least one each). A planned corpus and a trained tokenizer
     that an earlier attempt saved in ``out_dir`` for the same configuration are kept.
     ``inputs`` is empty (the first stage); it keeps the signature every stage shares.
     """
@@ -72,21 +74,29 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     shards = prepared["shards"]
     tracker.set_tags({"tokenizer_hash": prepared["tokenizer_hash"],
                       "source_fingerprint": info.fingerprint})
-    tracker.log_metrics({"corpus_documents": info.num_documents, "corpus_bytes": info.num_bytes,
+    tracker.log_metrics({"corpus_bytes": info.num_bytes, "corpus_files": len(info.files),
                          "corpus_load_s": t1 - t0, "tokenizer_train_s": t2 - t1})
     if info.sources:
-        counts = {s["label"]: sum(1 for p in shards if p["source"] == s["label"])
-                  for s in info.sources}
         origin = "sources " + ", ".join(
-            f"{s['label']} ({s['stop'] - s['start']} docs, {counts[s['label']]} "
-            f"shard{'s' if counts[s['label']] > 1 else ''})"
+            f"{s['label']} ({_megabytes(shards, s['label'])}, {_count(shards, s['label'])})"
             for s in info.sources)
     else:
-        origin = repr(cfg.data.source or "stdlib")
-    print(f"tokenize: {info.num_documents} documents ({info.num_bytes / 1e6:.1f} MB) from "
-          f"{origin}; tokenizer vocab {prepared['vocab_size']} in {t2 - t1:.1f}s"
+        origin = f"{cfg.data.source or 'stdlib'!r} ({len(shards)} shards)"
+    capped = (f", the first {info.num_documents} documents (data.max_documents)"
+              if info.capped else "")
+    print(f"tokenize: {len(info.files)} files, {info.num_bytes / 1e6:.1f} MB from "
+          f"{origin}{capped}; tokenizer vocab {prepared['vocab_size']} in {t2 - t1:.1f}s"
           + (f" ({' and '.join(kept)} kept from an earlier attempt)" if kept else ""), flush=True)
     return len(shards)
+
+
+def _megabytes(shards: list[dict[str, Any]], label: str) -> str:
+    return f"{sum(s['bytes'] for s in shards if s['source'] == label) / 1e6:.1f} MB"
+
+
+def _count(shards: list[dict[str, Any]], label: str) -> str:
+    n = sum(1 for s in shards if s["source"] == label)
+    return f"{n} shard{'s' if n > 1 else ''}"
 
 
 def part(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]:
@@ -106,7 +116,7 @@ def part(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]
         return finished
     info = load_corpus_info(out_dir)
     tokenizer = shared_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
-    progress = Progress(title, shard["stop"] - shard["start"], cfg.data.progress_seconds)
+    progress = Progress(title, shard["bytes"], cfg.data.progress_seconds)
     result = build.write_part(out_dir, shard_index, prepared, info, tokenizer, cfg.data,
                               progress)
     progress.emit(done=True)
@@ -121,6 +131,10 @@ def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, A
     manifest, splits = done.manifest, done.manifest["splits"]
     raw_bytes = manifest["tokens"] * np.dtype(manifest["dtype"]).itemsize
     span = (max(r["end_time"] for r in shard_results) - min(r["start_time"] for r in shard_results))
+    held_out = splits["validation"]["documents"]
+    print(f"tokenize: {manifest['documents']} documents, {manifest['tokens']:,} tokens; "
+          f"{held_out} held out for validation ({100 * held_out / manifest['documents']:.1f} %, "
+          f"data.validation_fraction={cfg.data.validation_fraction})", flush=True)
     hosts = Counter(r["host"] for r in shard_results if r.get("host"))
     if hosts:
         print("tokenize: shards encoded on " + ", ".join(f"{host} ({count})" for host, count

@@ -14,7 +14,13 @@ import zarr
 from tokenizers import Tokenizer
 
 from data_prep.config import DataConfig
-from data_prep.corpus import allocate_shards, group_pieces, prepare_corpus
+from data_prep.corpus import (
+    allocate_shards,
+    group_pieces,
+    prepare_corpus,
+    split_key,
+    validation_flags,
+)
 from data_prep.errors import DataError, StoreError
 from data_prep.store import SplitReader, open_store
 from model.config import ModelConfig
@@ -30,6 +36,7 @@ from tests.test_data_common import make_cfg, make_corpus, make_tracker
 PROSE = ("the", "river", "morning", "quietly", "garden", "a", "letter", "she", "walked", "over",
          "hills", "and", "wrote", "slowly", "bright", "autumn", "of", "window", "light", ".")
 N_CODE, N_PROSE = 30, 14
+SEED = 2
 
 TOKENIZE = declaration("tokenize")
 
@@ -50,9 +57,11 @@ def make_prose(path: Path, n_docs: int, seed: int = 0) -> list[str]:
 
 
 def sources_cfg(tmp: Path, sources: dict[str, Path | str], *overrides: str):
-    """make_cfg with data.source=null and data.sources given as a YAML flow mapping."""
+    """make_cfg with data.source=null and data.sources given as a YAML flow mapping (and a
+    split seed that holds out documents of both of the ``built`` store's sources)."""
     mapping = ", ".join(f"{label}: '{spec}'" for label, spec in sources.items())
-    return make_cfg(tmp, "null", f"data.sources={{{mapping}}}", *overrides)
+    return make_cfg(tmp, "null", f"data.sources={{{mapping}}}", f"data.split_seed={SEED}",
+                    *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +122,11 @@ def test_parts_are_labelled_and_counts_add_up(built: dict) -> None:
     assert (code.documents, prose.documents) == (N_CODE, N_PROSE)
     assert (code.tokens + prose.tokens == info.tokens
             == out["train_tokens"] + out["validation_tokens"])
-    # Validation documents are drawn per source: round(0.2 * n) of each.
-    assert (code.split_documents["validation"], prose.split_documents["validation"]) == (6, 3)
+    # Each document is held out by its keyed hash: the key is the seed and its source's label.
+    held = {label: int(validation_flags(texts, split_key(SEED, label), 0.2).sum())
+            for label, texts in built["texts"].items()}
+    assert (code.split_documents["validation"], prose.split_documents["validation"]) == (
+        held["code"], held["prose"]) == (7, 4)
     root = zarr.open_group(store, mode="r")
     assert root.attrs["sources"] == info.manifest["sources"]
     assert root.attrs["sources"][0] == {
@@ -202,8 +214,8 @@ def test_fingerprint_covers_labels(built: dict, tmp_path: Path) -> None:
     assert prepare_corpus(same, tmp_path / "a").fingerprint == base
     info = prepare_corpus(renamed, tmp_path / "b")
     assert info.fingerprint != base
-    assert [(s["label"], s["start"], s["stop"]) for s in info.sources] == [
-        ("code", 0, N_CODE), ("text", N_CODE, N_CODE + N_PROSE)]
+    assert info.sources == [{"label": "code", "source": str(specs["code"])},
+                            {"label": "text", "source": str(specs["prose"])}]
 
 
 def test_per_source_evaluation(built: dict) -> None:
@@ -295,7 +307,8 @@ def test_bad_source_names_label_and_file(case: str, tmp_path: Path, tracker) -> 
         shutil.rmtree(tmp_path / "code")
         make_corpus(tmp_path / "code", n_docs=1, seed=5)
         (prose / "a.txt").write_text("one prose document")
-        match = r"every source in data.sources \(code, prose\) has a single document"
+        match = (r"data.validation_fraction=0.2 held out none of the 2 documents .*raise it to "
+                 r"at least 0.5")
     cfg = sources_cfg(tmp_path, {"code": tmp_path / "code", "prose": prose})
     out = tmp_path / "out"
     out.mkdir()

@@ -12,6 +12,7 @@ import pytest
 import zarr
 from tokenizers import Tokenizer
 
+from data_prep.corpus import split_key, validation_flags
 from data_prep.errors import DataError, StoreError
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
@@ -70,7 +71,8 @@ def test_outputs_and_store_format(built: dict) -> None:
     assert info.splits["train"].tokens == out["train_tokens"] > 0
     assert info.splits["validation"].tokens == out["validation_tokens"] > 0
     assert info.documents == N_DOCS
-    assert info.splits["validation"].documents == round(0.2 * N_DOCS)
+    held_out = validation_flags(built["texts"], split_key(cfg.data.split_seed, None), 0.2)
+    assert info.splits["validation"].documents == held_out.sum() == 7  # about 0.2 * N_DOCS
     assert json.loads(json.dumps(out)) == out
     root = zarr.open_group(out["store"], mode="r")
     for key in ("tokenizer_hash", "vocab_size", "eos_id", "tokens", "documents",
@@ -138,7 +140,9 @@ def test_progress_lines(tmp_path: Path, capsys: pytest.CaptureFixture, tracker) 
     run_work(TOKENIZE, cfg, {}, tmp_path / "o", tracker)
     lines = [line for line in capsys.readouterr().out.splitlines() if "tokenize shard 1/1" in line]
     assert len(lines) >= 2  # one per encode batch with progress_seconds=0, plus the last
-    assert "12/12 docs (100%)" in lines[-1] and "done in" in lines[-1]
+    total = sum(f.stat().st_size for f in (tmp_path / "c").iterdir())  # the shard's input
+    assert f"{total / 1e6:,.1f}/{total / 1e6:,.1f} MB (100%) | 12 docs |" in lines[-1]
+    assert "done in" in lines[-1]
     for word in ("docs/s", "tokens/s", "ETA"):
         assert word in lines[0]
 

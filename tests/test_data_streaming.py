@@ -17,7 +17,7 @@ import pytest
 
 from data_prep import readers
 from data_prep.config import DataConfig
-from data_prep.corpus import prepare_corpus, saved_corpus, source_documents
+from data_prep.corpus import prepare_corpus, saved_corpus, shard_documents, source_documents
 from data_prep.errors import DataError
 from data_prep.sources import describe_source, plan_pieces
 from data_prep.store import SplitReader, open_store
@@ -82,8 +82,12 @@ def test_error_line_numbers_across_ranges(tmp_path: Path) -> None:
     lines[61] = '{"text": oops}\n'
     (tmp_path / "e.jsonl").write_text("".join(lines), encoding="utf-8")
     cfg = DataConfig(source=str(tmp_path / "e.jsonl"), num_shards=7)
+    info = prepare_corpus(cfg, tmp_path / "out")  # metadata only: the line is not read yet
+    assert len(info.shards) == 7 and info.pieces[-1]["start"] > 0
+    # The shard holding line 62 starts inside the file; its error counts the lines before.
     with pytest.raises(DataError, match=r"e\.jsonl:62: malformed JSON line"):
-        prepare_corpus(cfg, tmp_path / "out")
+        for shard in info.shards:
+            list(shard_documents(info, shard, cfg))
 
 
 def test_compressed_json_array_and_parquet_row_groups(tmp_path: Path, monkeypatch) -> None:
@@ -121,7 +125,9 @@ def test_compressed_json_array_and_parquet_row_groups(tmp_path: Path, monkeypatc
     cfg = DataConfig(source=str(tmp_path / "t.parquet"), num_shards=3)
     info = prepare_corpus(cfg, tmp_path / "pq")
     # Shards of about a third of the bytes, in whole row groups.
-    assert [(s["start"], s["stop"]) for s in info.shards] == [(0, 20), (20, 40), (40, 50)]
+    assert [(info.pieces[s["pieces"][0]]["start"], info.pieces[s["pieces"][-1]]["stop"])
+            for s in info.shards] == [(0, 2), (2, 4), (4, 5)]
+    assert [len(list(shard_documents(info, s, cfg))) for s in info.shards] == [20, 20, 10]
 
 
 def test_missing_zstandard_is_named(tmp_path: Path, monkeypatch) -> None:
@@ -170,21 +176,22 @@ def test_changed_file_changes_the_fingerprint(tmp_path: Path) -> None:
         tokenize.part(pcfg, stage, 1)
 
 
-# Digests of the stores the whole-file readers (Hugging Face datasets, a saved corpus copy)
-# built from make_golden_corpus, before reading streamed: the streaming readers must give
-# the same tokenizer and the same tokens.
+# Digests of the stores built from make_golden_corpus. The tokenizers and documents are the
+# ones the whole-file readers (Hugging Face datasets, a saved corpus copy) gave before
+# reading streamed; the train/validation tokens are those of the hash split
+# (``corpus.validation_flags``), which any change of reader or split rule must keep.
 GOLDEN = {
     "multi": {"tokenizer_hash": "0e2da0586850662284ab5855400fcf0b771e0d1cc26f54ac93587808d2003833",
-              "documents": 46, "train": [5161, "d27091ebbeee30d8", "11797c5d993ac174"],
-              "validation": [1114, "23f3fea24396e0f8", "04857c7254a0c493"],
+              "documents": 46, "train": [4660, "22df9b32cbb5aafd", "0bbd4a34a82e9e33"],
+              "validation": [1615, "8d35f7b5f1144e18", "7e26ad990faae3c4"],
               "sources": [["code", 12, 3798], ["prose", 15, 2023], ["items", 9, 294],
                           ["table", 10, 160]]},
     "single": {"tokenizer_hash": "4b73e1e9b56863ec0f80fb4d3c8d67afa4772827f0b3f033dd814d966f43f117",
-               "documents": 9, "train": [198, "45d6ed87a0351cd8", "ee6460576d4adfed"],
-               "validation": [105, "6d12a26c38dc61a7", "c6570b32b440f04d"], "sources": []},
+               "documents": 9, "train": [205, "46c3739ac6de677d", "a0a577cda7ba93f7"],
+               "validation": [98, "5b5d7135c3462f12", "3a7258f36a4477bd"], "sources": []},
     "limits": {"tokenizer_hash": "ee873a687f8d80cbb533425d4ce5ac1f246128ea72b0c65e9d8d71e1644c1583",
-               "documents": 4, "train": [373, "042193cde8e2525b", "935f30e9d1b89975"],
-               "validation": [71, "a5326481112c69c4", "a70ee4a24ce0c863"], "sources": []},
+               "documents": 4, "train": [353, "da59eba0ef3f17ed", "44b8c4e261866b3b"],
+               "validation": [91, "c755dee46bfe42d5", "bb13d97fc949b5b0"], "sources": []},
 }
 
 
@@ -229,7 +236,8 @@ def test_same_tokens_as_the_whole_file_readers(tmp_path: Path) -> None:
     mapping = ", ".join(f"{k}: '{v}'" for k, v in specs.items())
     runs = {"multi": ("null", [f"data.sources={{{mapping}}}", "data.num_shards=5"]),
             "single": (tmp_path / "prose", ["data.num_shards=2", "data.max_documents=9"]),
-            "limits": (tmp_path / "code", ["data.max_document_bytes=600"])}
+            # 4 documents: a seed that holds out one of them.
+            "limits": (tmp_path / "code", ["data.max_document_bytes=600", "data.split_seed=2"])}
     for name, (source, extra) in runs.items():
         cfg = make_cfg(tmp_path, source, *extra)
         out = tmp_path / f"out_{name}"
