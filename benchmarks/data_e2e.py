@@ -11,8 +11,8 @@ processes, each with one encoder thread (``RAYON_NUM_THREADS=1``):
   document appended to a ``.bin`` file and the document offsets to an ``.idx`` file;
   nothing else (no split, no manifest, no tracking);
 - the project: ``python -m workflows.pipeline --only tokenize`` in a fresh process, so its
-  start-up (imports, MLflow's store, Parsl's executors), the corpus plan and count,
-  the shard tasks, the Zarr writes and the tracking are all in.
+  start-up (imports, MLflow's store, Parsl's executors), the corpus plan, the tokenizer's
+  sample, the shard tasks, the Zarr writes and the tracking are all in.
 
 Each side runs as a fresh process tree, measured alike (``measure_tree``): wall time, and,
 sampled every 0.1 s with psutil, the CPU seconds of every process it started (found by a
