@@ -23,7 +23,8 @@ metadata shows the cap cannot bind (a source's text files, parquet rows or datas
 no more than the cap; hub datasets are saved with it) nothing is read. Otherwise the cap is
 a prefix of the source: ``prepare_corpus`` streams each source up to its cap, never further
 (a capped corpus is as large as the cap, not as the input), and records each piece's
-document count.
+document count. With several sources, a cap that binds for one has every source read up to
+its cap.
 
 The tokenizer's training sample (``training_sample``) reads whole documents from an even
 spread of the corpus: ``SAMPLE_PIECES`` pieces cut independently of the shard count, taken
@@ -270,6 +271,9 @@ def _count_capped(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
         kept_per_source[label] = kept + piece["docs"]
     np.asarray(sizes, dtype=np.int64).tofile(sizes_out)
     info.num_documents = sum(kept_per_source.values())
+    for shard in info.shards:  # what each shard will read (its progress line's total)
+        shard["bytes"] = sum(info.pieces[i]["bytes"] for i in shard["pieces"]
+                             if info.pieces[i]["docs"])
     for label, kept in kept_per_source.items():
         if kept == 0:
             raise no_documents_error(cfg, label)
