@@ -97,6 +97,12 @@ class RankSpec:
     tracking: dict[str, str] | None = None  # {"uri", "run_id"} of the stage's MLflow run
     steps: int | None = None  # stop after this many steps (None: train.steps)
     peak_tflops: float | None = None  # device peak MFU is reported against
+    timeout_s: float | None = None  # the launch is killed after this long (None: no limit)
+    series: list[str] = field(default_factory=list)
+    """A series of launches instead of one (the plan stage's measured refinement): the
+    paths of rank specs started one after another, each on this spec's ranks and nodes. One
+    that fails or overruns its ``timeout_s`` is reported and the next starts; what each
+    left in its own ``out_dir`` is the result."""
     extra: dict[str, Any] = field(default_factory=dict)  # stage-specific fields
 
     def __post_init__(self) -> None:
@@ -198,10 +204,15 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
     """Start every rank of the spec at ``spec_path`` with torchrun; stream their output.
 
     Raises ``RanksFailed`` (with the rank's own message when it refused its input) on a
-    non-zero exit or after ``timeout_s``, ``RanksOutOfTime`` when the ranks stopped out of
-    time at a checkpoint; ranks are killed with their launcher.
+    non-zero exit or after ``timeout_s`` (default: the spec's), ``RanksOutOfTime`` when the
+    ranks stopped out of time at a checkpoint; ranks are killed with their launcher. A
+    series spec starts its launches in turn (``run_series_local``).
     """
     spec = RankSpec.read(spec_path)
+    if spec.series:
+        run_series_local(spec, log_path, what, echo)
+        return
+    timeout_s = spec.timeout_s if timeout_s is None else timeout_s
     (Path(spec.out_dir) / RANK_ERROR_FILE).unlink(missing_ok=True)
     (Path(spec.out_dir) / OUT_OF_TIME_FILE).unlink(missing_ok=True)
     tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -239,6 +250,21 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
     if code != 0:
         # the rank's file, or its line where a full disk took no file
         raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir) or reported)
+
+
+def run_series_local(spec: RankSpec, log_path: str | Path | None = None, what: str = "stage",
+                     echo: bool = True) -> None:
+    """Start each launch of a series spec in turn on this machine; one that fails or
+    overruns its timeout is reported in a line and the next starts."""
+    for path in spec.series:
+        try:
+            run_local(path, log_path, what=what, echo=echo)
+        except (RanksFailed, RanksOutOfTime) as error:
+            line = f"[launch] {path}: {str(error).splitlines()[0][:300]}\n"
+            sys.stdout.write(line)
+            if log_path:
+                with open(log_path, "a") as log:
+                    log.write(line)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

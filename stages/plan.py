@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from data_prep.atomic import write_json_atomic
 from model.config import ModelConfig, TrainConfig, vocab_fit_problem
 from model.flops import flops_per_token
 from model.planner.calibration import load_calibration, update_calibration
@@ -32,12 +33,15 @@ from model.planner.rank_counts import count_errors, rank_collective_bytes, rank_
 from model.planner.run_cost import plan_run_cost
 from model.planner.search import SearchResult, explain, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
-from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
+from model.training.files import SUMMARY_FILE
 from stages import launch
 from stages.launch import SPEC_FILE, RankSpec
 from stages.registry import TRAIN_WORKER  # measures with stages.train_worker (in the key)
 
 MEASURE_STEPS = 4
+MEASURE_DIR = "measure"
+MEASURE_TIMEOUT_S = 900.0
+"""A measurement that runs longer is killed (and recorded as failed)."""
 
 ALIASES = {
     "n_layers": ("num_layers", "num_hidden_layers", "n_layer", "layers"),
@@ -140,43 +144,64 @@ def choose(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster, wor
 
 # --- measured refinement -----------------------------------------------------------------
 
-def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE_STEPS,
-                 timeout_s: float = 900.0, peak_tflops: float | None = None) -> dict[str, Any]:
-    """Run ``plan`` for a few steps on synthetic tokens; return the measurement.
-
-    Returns {"plan", "ok", "step_time_s", "tokens_per_s", "peak_memory_gb", "seconds",
-    "error"}. Starts ``stages.train_worker`` on plan.world_size local ranks through
-    ``stages.launch``; safe to run several at once (torchrun --standalone picks a free port,
-    each in its own out_dir).
-    """
+def measurement_spec(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE_STEPS,
+                     peak_tflops: float | None = None, nodes: int = 1,
+                     timeout_s: float | None = MEASURE_TIMEOUT_S) -> Path:
+    """Write the rank spec that runs ``plan`` for ``steps`` steps of synthetic tokens on
+    ``nodes`` nodes, into ``out_dir``, keeping no checkpoint (no periodic or final save);
+    return its path. ``read_measurement`` reads what the ranks leave."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # a result must come from this launch
     raw = cfg.to_dict()
-    raw["parallel"].update(nproc=plan.world_size, nodes=1)
-    spec = RankSpec(worker=TRAIN_WORKER, nproc=plan.world_size, nodes=1,
+    raw["parallel"].update(nproc=plan.world_size, nodes=nodes)
+    raw["train"].update(checkpoint_every=0, checkpoint_minutes=None)
+    spec = RankSpec(worker=TRAIN_WORKER, nproc=plan.world_size, nodes=nodes,
                     out_dir=str(out_dir.resolve()), config=raw, plan=plan.to_dict(), steps=steps,
-                    peak_tflops=peak_tflops)
-    spec_path = spec.write(out_dir / SPEC_FILE)
-    t0 = time.perf_counter()
+                    peak_tflops=peak_tflops, timeout_s=timeout_s, extra={"save_final": False})
+    return spec.write(out_dir / SPEC_FILE)
+
+
+def read_measurement(out_dir: str | Path, plan: Plan, error: str | None = None) -> dict[str, Any]:
+    """What a measurement of ``plan`` left in ``out_dir``: {"plan", "ok", "step_time_s",
+    "tokens_per_s", "peak_memory_gb"}, or {"plan", "ok": False, "error"} (``error``, else a
+    rank's own message, else the missing summary)."""
+    out_dir = Path(out_dir)
     result: dict[str, Any] = {"plan": plan.to_dict(), "ok": False}
+    summary = out_dir / SUMMARY_FILE
+    if not summary.exists():
+        result["error"] = (error or launch.read_rank_error(out_dir)
+                           or f"{summary} is missing after the ranks exited")
+        return result
+    data = json.loads(summary.read_text())
+    result.update(ok=True, step_time_s=data["step_time_s"], tokens_per_s=data["tokens_per_s"],
+                  peak_memory_gb=data.get("peak_memory_gb"))
+    return result
+
+
+def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE_STEPS,
+                 timeout_s: float = MEASURE_TIMEOUT_S,
+                 peak_tflops: float | None = None) -> dict[str, Any]:
+    """Run ``plan`` for a few steps on synthetic tokens on this machine; the measurement
+    (``read_measurement``, plus "seconds").
+
+    Starts ``stages.train_worker`` on plan.world_size local ranks through ``stages.launch``;
+    safe to run several at once (torchrun --standalone picks a free port, each in its own
+    out_dir). The plan stage measures through its ranks instead (``prepare``).
+    """
+    out_dir = Path(out_dir)
+    spec_path = measurement_spec(cfg, plan, out_dir, steps, peak_tflops, timeout_s=timeout_s)
+    t0 = time.perf_counter()
     log = out_dir / "worker.log"
     log.unlink(missing_ok=True)
     try:
-        launch.run_local(spec_path, log, what="measurement", echo=False, timeout_s=timeout_s)
+        launch.run_local(spec_path, log, what="measurement", echo=False)
     except launch.RanksFailed as error:
         timed_out = time.perf_counter() - t0 >= timeout_s
-        result["error"] = f"timed out after {timeout_s:.0f} s" if timed_out else str(error)[-1500:]
-        return result
+        return read_measurement(out_dir, plan, f"timed out after {timeout_s:.0f} s" if timed_out
+                                else str(error)[-1500:])
+    result = read_measurement(out_dir, plan)
     result["seconds"] = time.perf_counter() - t0
-    summary = out_dir / SUMMARY_FILE
-    if not summary.exists():
-        result["error"] = f"{summary} is missing after the ranks exited"
-        return result
-    data = json.loads(summary.read_text())
-    # a measurement needs no weights: drop the checkpoint the worker wrote at the end
-    shutil.rmtree(out_dir / CHECKPOINTS_DIR, ignore_errors=True)
-    result.update(ok=True, step_time_s=data["step_time_s"], tokens_per_s=data["tokens_per_s"],
-                  peak_memory_gb=data.get("peak_memory_gb"))
     return result
 
 
@@ -185,30 +210,26 @@ def calibration_path(cfg: Any, cluster: Cluster) -> Path:
     return cfg.runs_dir / "plan_calibration" / f"{cluster.name}-{cfg.parallel.nproc}.json"
 
 
-def refine(cfg: Any, plans: list[Plan], out_dir: Path, cluster: Cluster,
-           log=print) -> tuple[Plan, list[dict[str, Any]]]:
-    """Measure each plan; return the measured best and the measurement records."""
-    records = []
-    for i, plan in enumerate(plans):
-        t0 = time.perf_counter()
-        m = measure_plan(cfg, plan, out_dir / "measure" / f"plan{i}",
-                         peak_tflops=cluster.peak_for(cfg.train.dtype) / 1e12)
+def measured_best(plans: list[Plan], records: list[dict[str, Any]],
+                  log=print) -> Plan:
+    """The plan of the highest measured tokens/s, with its measured figures in its
+    predictions; each record gets the plan's predictions beside it. PlanError when no
+    measurement succeeded."""
+    for i, (plan, m) in enumerate(zip(plans, records, strict=True)):
         m["predicted_step_time_s"] = plan.predictions["step_time_s"]
         m["predicted_memory_gb"] = plan.predictions["memory_gb_per_device"]
         m["compute_s"], m["comm_s"] = plan.predictions["compute_s"], plan.predictions["comm_s"]
-        records.append(m)
-        eta = (time.perf_counter() - t0) * (len(plans) - i - 1)
         log(f"[plan] measured {i + 1}/{len(plans)} {plan.describe()}: "
             + (f"{m['step_time_s']:.4f} s/step (predicted {m['predicted_step_time_s']:.4f})"
-               if m["ok"] else f"failed ({m['error'][:200]})") + f"; ETA {eta:.0f} s")
-    ok = [(r, p) for r, p in zip(records, plans) if r["ok"]]
+               if m["ok"] else f"failed ({m['error'][:200]})"))
+    ok = [(r, p) for r, p in zip(records, plans, strict=True) if r["ok"]]
     if not ok:
         raise PlanError("measured refinement failed for every plan: "
                         + "; ".join(r.get("error", "")[:300] for r in records))
     best_rec, best = max(ok, key=lambda rp: rp[0]["tokens_per_s"])
     best.predictions["measured_step_time_s"] = best_rec["step_time_s"]
     best.predictions["measured_tokens_per_s"] = best_rec["tokens_per_s"]
-    return best, records
+    return best
 
 
 # --- rehearsal ---------------------------------------------------------------------------
@@ -314,56 +335,130 @@ def rehearsal_text(plan: Plan, records: list[dict[str, Any]], device_gb: float) 
 
 # --- the stage ---------------------------------------------------------------------------
 
-def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[str, Any]:
-    """Choose the plan for cfg.parallel.nproc ranks on cfg.parallel.cluster; write plan.json."""
+@dataclass
+class Searched:
+    """What the search found: the cluster it priced, the calibration it used, the chosen
+    plan and the ranked plans (empty when every layout field was fixed by hand)."""
+
+    cluster: Cluster
+    calibration: dict[str, float] | None
+    plan: Plan
+    plans: list[Plan]
+
+
+def _cluster(cfg: Any) -> Cluster:
+    return load_measured_cluster(cfg.parallel.cluster, cfg.parallel.nproc,
+                                 cache_dir=cfg.runs_dir / "cache" / "microbench")
+
+
+def search_stage(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> Searched:
+    """The search of the stage: check the store's vocabulary fits, choose among the plans
+    for cfg.parallel.nproc ranks, print and log the table and the comparison PNG."""
     from stages import plan_report
 
-    out_dir = Path(out_dir)
     tok = (inputs or {}).get("tokenize") or {}
     vocab = vocab_fit_problem(tok.get("vocab_size"), cfg.model.vocab_size)
     if vocab:
         raise PlanError(vocab)
-    world = cfg.parallel.nproc
-    cluster = load_measured_cluster(cfg.parallel.cluster, world,
-                                    cache_dir=cfg.runs_dir / "cache" / "microbench")
-    cal_path = calibration_path(cfg, cluster)
-    cal = load_calibration(cal_path)
-    fixed = fixed_fields(cfg.parallel)
+    cluster = _cluster(cfg)
+    cal = load_calibration(calibration_path(cfg, cluster))
     top = max(10, cfg.parallel.refine_top_k)
-    plan, result = choose(cfg.model, cfg.train, cluster, world, fixed, cal, top_k=top)
-    records: list[dict[str, Any]] = []
+    plan, result = choose(cfg.model, cfg.train, cluster, cfg.parallel.nproc,
+                          fixed_fields(cfg.parallel), cal, top_k=top)
     if result is not None:
         print(result.table(), flush=True)
         (out_dir / "plan_table.txt").write_text(result.table(top) + "\n")
         tracker.log_artifact(out_dir / "plan_table.txt")
         png = plan_report.comparison_png(result.plans[:top], out_dir / "plan_comparison.png")
         tracker.log_artifact(png)
-    if cfg.parallel.refine_top_k > 0 and result is not None:
-        tried = result.plans[:cfg.parallel.refine_top_k]
-        plan, records = refine(cfg, tried, out_dir, cluster)
-        points = [{"plan": r["plan"], "compute_s": r["compute_s"], "comm_s": r["comm_s"],
-                   "measured_s": r["step_time_s"]} for r in records if r["ok"]]
-        cal = update_calibration(cal_path, points)
-        (out_dir / "calibration.json").write_text(json.dumps(cal, indent=2))
-        tracker.log_artifact(out_dir / "calibration.json")
-        for art in plan_report.measured_report(records, out_dir):
-            tracker.log_artifact(art)
+    return Searched(cluster, cal, plan, result.plans if result is not None else [])
+
+
+def run(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> dict[str, Any]:
+    """Choose the plan for cfg.parallel.nproc ranks on cfg.parallel.cluster (and rehearse it
+    when ``parallel.rehearse`` says so); write plan.json. With ``parallel.refine_top_k`` the
+    stage runs as ranks instead: ``prepare``, the measurements, ``finalize``."""
+    out_dir = Path(out_dir)
+    found = search_stage(cfg, inputs, out_dir, tracker)
+    return publish(cfg, found, found.plan, out_dir, tracker)
+
+
+CANDIDATES_FILE = "candidates.json"
+"""The search's ranked plans and its choice, kept by ``prepare`` for ``finalize``."""
+
+
+def prepare(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> str:
+    """Measured refinement, first step (``parallel.refine_top_k`` > 0): the search, then a
+    rank spec for each of its top ``refine_top_k`` plans, each on the plan's
+    ``parallel.nproc`` ranks over ``parallel.nodes`` nodes, and the series spec that runs
+    them one after another in the stage's allocation (``stages.launch.RankSpec.series``);
+    returns the series spec's path. Only this search runs where the stage's apps run (the
+    login node under Slurm unless the stage rehearses); the measurements are ranks."""
+    out_dir = Path(out_dir)
+    found = search_stage(cfg, inputs, out_dir, tracker)
+    tried = found.plans[:cfg.parallel.refine_top_k]
+    write_json_atomic(out_dir / CANDIDATES_FILE, {
+        "chosen": found.plan.to_dict(), "plans": [p.to_dict() for p in found.plans]})
+    peak = found.cluster.peak_for(cfg.train.dtype) / 1e12
+    paths = [str(measurement_spec(cfg, plan, out_dir / MEASURE_DIR / f"plan{i}",
+                                  peak_tflops=peak, nodes=cfg.parallel.nodes))
+             for i, plan in enumerate(tried)]
+    series = RankSpec(worker=TRAIN_WORKER, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes,
+                      out_dir=str(out_dir.resolve()), config=cfg.to_dict(), series=paths)
+    print(f"[plan] measuring the top {len(tried)} plans for {MEASURE_STEPS} steps each on "
+          f"{cfg.parallel.nproc} ranks over {cfg.parallel.nodes} node(s), one after another",
+          flush=True)
+    return str(series.write(out_dir / SPEC_FILE))
+
+
+def finalize(cfg: Any, out_dir: Path, parts: list[Any], tracker: Any) -> dict[str, Any]:
+    """Measured refinement, last step: read each measurement, keep the measured best (its
+    measured figures in its predictions), update the cluster's calibration, log the
+    predicted-vs-measured report; then as ``run`` (rehearsal, plan.json)."""
+    from stages import plan_report
+
+    out_dir = Path(out_dir)
+    kept = json.loads((out_dir / CANDIDATES_FILE).read_text())
+    plans = [Plan.from_dict(raw) for raw in kept["plans"]]
+    cluster = _cluster(cfg)
+    cal_path = calibration_path(cfg, cluster)
+    found = Searched(cluster, load_calibration(cal_path), Plan.from_dict(kept["chosen"]), plans)
+    tried = plans[:cfg.parallel.refine_top_k]
+    if not tried:  # every layout field fixed by hand: nothing to compare
+        return publish(cfg, found, found.plan, out_dir, tracker)
+    records = [read_measurement(out_dir / MEASURE_DIR / f"plan{i}", plan)
+               for i, plan in enumerate(tried)]
+    plan = measured_best(tried, records)
+    points = [{"plan": r["plan"], "compute_s": r["compute_s"], "comm_s": r["comm_s"],
+               "measured_s": r["step_time_s"]} for r in records if r["ok"]]
+    found.calibration = update_calibration(cal_path, points)
+    (out_dir / "calibration.json").write_text(json.dumps(found.calibration, indent=2))
+    tracker.log_artifact(out_dir / "calibration.json")
+    for art in plan_report.measured_report(records, out_dir):
+        tracker.log_artifact(art)
+    return {**publish(cfg, found, plan, out_dir, tracker),
+            "measured": str((out_dir / "measured.json").resolve())}
+
+
+def publish(cfg: Any, found: Searched, plan: Plan, out_dir: Path,
+            tracker: Any) -> dict[str, Any]:
+    """Rehearse ``plan`` when ``parallel.rehearse`` says so (the next plans standing in for
+    one that does not fit), write plan.json, log its fields and predictions; the outputs."""
+    cluster = found.cluster
     rehearsing = rehearses(cfg.parallel.rehearse, cluster.measured)
     if rehearsing:
-        others = [p for p in (result.plans if result is not None else []) if p.key() != plan.key()]
-        plan = rehearse_in_stage(cfg, [plan] + others[:REHEARSE_TRIES - 1], cluster, cal,
-                                 out_dir, tracker)
+        others = [p for p in found.plans if p.key() != plan.key()]
+        plan = rehearse_in_stage(cfg, [plan] + others[:REHEARSE_TRIES - 1], cluster,
+                                 found.calibration, out_dir, tracker)
     plan_path = plan.to_json(out_dir / "plan.json")
     tracker.log_params({f"plan.{k}": v for k, v in plan.to_dict().items() if k != "predictions"}
-                       | {"plan.cluster": cluster.name, "plan.world_size": world})
+                       | {"plan.cluster": cluster.name, "plan.world_size": cfg.parallel.nproc})
     tracker.log_metrics({f"predicted_{k}" if not k.startswith("measured") else k: float(v)
                          for k, v in plan.predictions.items()})
     out = {"plan": str(plan_path.resolve()),
            **{k: v for k, v in plan.to_dict().items() if k != "predictions"},
            "predictions": plan.predictions, "cluster": cluster.name,
            "host": socket.gethostname()}  # where the stage ran (a compute node when rehearsing)
-    if records:
-        out["measured"] = str((out_dir / "measured.json").resolve())
     if rehearsing:
         out["rehearsal"] = str((out_dir / "rehearsal.json").resolve())
     return out

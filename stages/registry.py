@@ -82,15 +82,23 @@ def _tokenize_shape(cfg: PipelineConfig) -> StageShape:
 
 
 def _plan_shape(cfg: PipelineConfig) -> StageShape:
-    """One app. The search is cheap; rehearsing the pick (minutes a rank) and measured
-    refinement (its own ranks) are not: when the stage does either, under Slurm it runs on
-    a compute node of the "compute" block, so only the search would be login-node work."""
+    """One app, the search, which is cheap. Rehearsing the pick (minutes a rank) is not:
+    when the stage rehearses, under Slurm its apps run on a compute node of the "compute"
+    block. Measured refinement (``parallel.refine_top_k`` > 0) makes it a ranks stage: the
+    search in ``prepare``, then its top plans measured one after another as the plan's
+    ``parallel.nproc`` ranks on ``parallel.nodes`` nodes in an allocation of their own (the
+    training's size), then ``finalize``. So only the search is login-node work."""
     parallel = cfg.parallel
-    heavy = parallel.refine_top_k > 0 or rehearses(parallel.rehearse,
-                                                   is_measured(parallel.cluster))
-    on_compute = heavy and cfg.site.name != "local"  # local: one machine, no login node
-    return StageShape(SINGLE, placement=COMPUTE if heavy else LOGIN,
-                      note="on a compute node" if on_compute else "")
+    rehearsing = rehearses(parallel.rehearse, is_measured(parallel.cluster))
+    placement = COMPUTE if rehearsing else LOGIN
+    on_compute = rehearsing and cfg.site.name != "local"  # local: one machine, no login node
+    where = "; rehearsed on a compute node" if on_compute else ""
+    if parallel.refine_top_k > 0:
+        return StageShape(RANKS, nproc=parallel.nproc, nodes=parallel.nodes, worker=TRAIN_WORKER,
+                          placement=placement,
+                          note=f"measures its top {parallel.refine_top_k} on "
+                               f"{parallel.nproc} ranks{where}")
+    return StageShape(SINGLE, placement=placement, note=where.removeprefix("; "))
 
 
 def _train_shape(cfg: PipelineConfig) -> StageShape:
@@ -127,7 +135,9 @@ STAGES: tuple[StageDeclaration, ...] = (
                      check=checks.check_tokenize, verify=checks.token_store_problem),
     StageDeclaration("plan", sections=("model", "parallel", "train"),
                      upstream=("tokenize",),  # checks that the store's vocabulary fits the model
-                     shape=_plan_shape, module="stages.plan"),
+                     shape=_plan_shape, module="stages.plan",
+                     worker=TRAIN_WORKER,  # its measured refinement's ranks
+                     ranks_log="measure.log", activity="measurement"),
     StageDeclaration("train", sections=("model", "train"), upstream=("tokenize", "plan"),
                      shape=_train_shape, module="stages.train", worker=TRAIN_WORKER,
                      resumable=True,  # a failed attempt's checkpoints are kept and resumed from

@@ -166,7 +166,8 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             # Metric writes happen on a background thread, off the training step.
             trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]),
                                              spool=spool)
-        summary = trainer.fit(spec.steps)
+        # A measurement (the plan stage's refinement) keeps no weights: no final save.
+        summary = trainer.fit(spec.steps, save_final=spec.extra.get("save_final", True))
         if trainer.out_of_time is not None and trainer.is_logger:
             write_json_atomic(Path(spec.out_dir) / OUT_OF_TIME_FILE,
                               {**trainer.out_of_time, "signals": sorted(set(_asked)),

@@ -17,6 +17,11 @@ from model.planner.plan import Plan, PlanError
 from stages import plan as plan_stage
 from stages import tracking
 from stages.config import load_config
+from stages.inline import run_work
+from stages.launch import RankSpec
+from stages.registry import declaration
+
+PLAN = declaration("plan")
 
 
 def _tracker(runs: Path, name: str) -> tuple[tracking.Tracker, str, str]:
@@ -114,8 +119,20 @@ def test_stage_rejects_a_store_with_a_larger_vocabulary(tmp_path: Path, seed_sto
 def test_refinement_measures_top_plans_and_keeps_calibration(runs_dir: Path) -> None:
     cfg = _cfg(runs_dir, "parallel.refine_top_k=2")
     tracker, uri, run_id = _tracker(runs_dir, "plan-refine")
-    out = plan_stage.run(cfg, {}, _out_dir(runs_dir, "plan-refine"), tracker)
+    out_dir = _out_dir(runs_dir, "plan-refine")
+    # A ranks stage: the search, the two measurements as ranks (one launch each, one after
+    # another, from the series spec), then the choice.
+    assert PLAN.shape(cfg).kind == "ranks"
+    out = run_work(PLAN, cfg, {}, out_dir, tracker)
     tracker.flush()
+    series = RankSpec.read(out_dir / "spec.json")
+    assert len(series.series) == 2 and series.nproc == cfg.parallel.nproc
+    for path in series.series:
+        launch = RankSpec.read(path)
+        assert (launch.nproc, launch.steps, launch.extra) == (2, 4, {"save_final": False})
+        assert not (Path(launch.out_dir) / "checkpoints").exists()  # a measurement saves none
+    log = (out_dir / "measure.log").read_text()
+    assert log.count("[train] step 4/4") == 2 or log.count("step 4") >= 2, log[-2000:]
     records = json.loads(Path(out["measured"]).read_text())
     assert len(records) == 2 and all(r["ok"] for r in records)
     best = max(records, key=lambda r: r["tokens_per_s"])

@@ -64,12 +64,15 @@ def test_each_broken_rule_is_an_error_with_its_fix() -> None:
     with pytest.raises(SiteError, match="eval.layout=training eval.ranks=3072") as refused:
         check_site(cfg)
     assert str(refused.value) == rows["evaluation"].fix
-    # Measured refinement would start ranks on the login node: refused with the fix.
-    cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"),
-                      ["site.account=abc123", f"tracking.runs_dir={LUSTRE}",
-                       "parallel.refine_top_k=2"])
-    with pytest.raises(SiteError, match="set parallel.refine_top_k=0"):
-        check_site(cfg)
+    # Measured refinement runs its candidates as the plan's ranks in an allocation of the
+    # training's size, never on the login node: a job of its own in the report.
+    rows = report("frontier-175b", "parallel.refine_top_k=2")
+    measure, train = rows["measurement job"].value, rows["training job"].value
+    assert measure.split(" x ")[0] == train.split(" x ")[0] == "384 node(s)"
+    assert "x 02:00:00 (bin" in measure and rows["measurement job"].verdict == "ok"
+    check_site(load_config(str(ROOT / "configs" / "frontier-175b.yaml"),
+                           ["site.account=abc123", f"tracking.runs_dir={LUSTRE}",
+                            "parallel.refine_top_k=2"]))  # no refusal
 
     # No checkpoint by steps or by the clock before the job ends, and no save at its end.
     rows = report("frontier-175b", "train.checkpoint_every=5000", "train.checkpoint_minutes=null",

@@ -22,7 +22,7 @@ from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
 from stages.config import ConfigError, load_config
-from stages.launch import REPO_ROOT, USER_ERROR_EXIT, RankSpec
+from stages.launch import REPO_ROOT, USER_ERROR_EXIT, RankSpec, run_local
 from stages.registry import declaration
 from stages.shape import RANKS, StageShape
 from workflows.dry_run import batch_script, dry_run_text, srun_line
@@ -256,6 +256,47 @@ def test_slurm_config(tmp_path):
         ranks_resource_spec(cfg, StageShape(RANKS, nproc=3, nodes=2, worker=TRAIN.worker))
 
 
+def test_a_series_of_launches_is_one_srun_step_each_and_never_stops_early(tmp_path):
+    """Measured refinement's series spec: one srun step per launch, in order, each killed
+    after its timeout; a failed step is reported and the next runs; the command exits 0."""
+    cfg = load_config(None, ["site.name=slurm", "parallel.nproc=4", "parallel.nodes=2"])
+    paths = []
+    for i in range(2):
+        launch = RankSpec(worker=TRAIN.worker, nproc=4, nodes=2, out_dir=str(tmp_path / f"p{i}"),
+                          config={}, timeout_s=900)
+        paths.append(str(launch.write(tmp_path / f"p{i}" / "spec.json")))
+    series = RankSpec(worker=TRAIN.worker, nproc=4, nodes=2, out_dir=str(tmp_path), config={},
+                      series=paths)
+    lines = ranks_command(cfg, series, tmp_path / "spec.json").splitlines()
+    steps = [line for line in lines if "$PARSL_MPI_PREFIX" in line]
+    assert steps == [
+        f"timeout 900 $PARSL_MPI_PREFIX {sys.executable} -m stages.train_worker --spec {path}"
+        f' || echo "[launch] launch {i + 1} of 2 failed: exit $?" >&2'
+        for i, path in enumerate(paths)]
+    assert lines[-1] == "exit 0"
+    wrong = RankSpec(worker=TRAIN.worker, nproc=2, nodes=1, out_dir=str(tmp_path), config={})
+    series.series = [str(wrong.write(tmp_path / "w" / "spec.json"))]
+    with pytest.raises(SiteError, match="every launch of a series spans the same ranks"):
+        ranks_command(cfg, series, tmp_path / "spec.json")
+
+
+def test_a_local_series_runs_every_launch_whatever_fails(tmp_path):
+    """On this machine the launches run one after another through torchrun; one whose ranks
+    fail is reported in a line and the next still runs."""
+    paths = []
+    for i, worker in enumerate(("no_such_module_here", "this")):
+        launch = RankSpec(worker=worker, nproc=1, nodes=1, out_dir=str(tmp_path / f"p{i}"),
+                          config={}, timeout_s=120)
+        paths.append(str(launch.write(tmp_path / f"p{i}" / "spec.json")))
+    series = RankSpec(worker=TRAIN.worker, nproc=1, nodes=1, out_dir=str(tmp_path), config={},
+                      series=paths)
+    log = tmp_path / "series.log"
+    run_local(series.write(tmp_path / "spec.json"), log, what="measurement", echo=False)
+    text = log.read_text()
+    assert f"[launch] {paths[0]}: measurement ranks failed" in text
+    assert "Beautiful is better than ugly." in text  # `python -m this` ran after it
+
+
 def test_each_allocation_is_sized_for_its_stage(tmp_path):
     """Training and evaluation each get a block of their own size: an evaluation on one node
     never holds the training's nodes, and evaluating alone asks for its node only. Only the
@@ -458,15 +499,26 @@ def test_each_stage_runs_where_its_placement_says():
             assert ranks_on == ({"train": "train", "evaluate": "train"} if site == "local"
                                 else {"train": "train", "evaluate": "evaluate"}), site
     # A plan stage that rehearses its pick (on by default for every cluster but a measured
-    # one) or measures candidates does it on a compute node under Slurm (locally: "cpu")
+    # one) does it on a compute node under Slurm (locally: "cpu"); one that measures its
+    # candidates searches on the login node and measures them as ranks in an allocation of
+    # its own, the training's size (locally: the one "train" executor).
     for overrides, where in ((["parallel.cluster=frontier"], "compute"),
                              (["parallel.cluster=frontier", "parallel.rehearse=false"], "cpu"),
                              (["parallel.rehearse=true"], "compute"),
-                             (["parallel.refine_top_k=2"], "compute")):
+                             (["parallel.refine_top_k=2"], "cpu"),
+                             (["parallel.refine_top_k=2", "parallel.rehearse=true"], "compute")):
         for site in ("local", "slurm"):
-            cfg = load_config(None, [f"site.name={site}", *overrides])
-            label = executor_label(cfg, "plan", PLAN.shape(cfg).placement)
+            cfg = load_config(None, [f"site.name={site}", "parallel.nproc=4",
+                                     "parallel.nodes=2" if site == "slurm" else "parallel.nodes=1",
+                                     *overrides])
+            shape = PLAN.shape(cfg)
+            label = executor_label(cfg, "plan", shape.placement)
             assert label == (where if site == "slurm" else "cpu"), (overrides, site)
+            refines = "parallel.refine_top_k=2" in overrides
+            assert shape.kind == ("ranks" if refines else "single"), overrides
+            if refines:
+                assert (shape.nproc, shape.nodes) == (4, 2 if site == "slurm" else 1)
+                assert allocation_label(cfg, "plan") == ("plan" if site == "slurm" else "train")
     with pytest.raises(SiteError, match="unknown stage placement 'gpu'"):
         executor_label(load_config(None), "evaluate", "gpu")
     with pytest.raises(ValueError, match="unknown stage placement"):

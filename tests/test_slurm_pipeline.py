@@ -262,3 +262,30 @@ def test_a_killed_driver_leaves_no_training_job(slurm_env, tokenized_runs_dir): 
     finally:
         for job in train_block_jobs(runs_dir).values():  # a failed test leaves none behind
             subprocess.run(["scancel", job], timeout=30, check=False)
+
+
+@pytest.mark.timeout(900)
+def test_measured_refinement_runs_its_candidates_as_ranks_in_an_allocation(
+        slurm_env, tokenized_runs_dir):  # noqa: F811
+    """parallel.refine_top_k=2 on 2 nodes: the search in the driver's apps, then each
+    candidate measured as the plan's 2 ranks, one on each node, one srun step after the
+    other in one Slurm job of the plan stage's own; none runs outside an allocation."""
+    runs_dir = tokenized_runs_dir
+    proc = start_cli(runs_dir, "parallel.refine_top_k=2", "parallel.nodes=2", "--only", "plan")
+    output = wait_cli(proc, runs_dir, timeout=840)
+    jobs = block_jobs(runs_dir, "plan")
+    assert list(jobs) == ["0"], (jobs, output[-3000:])
+    wait_for_slurm_to_finish([jobs["0"]])
+    assert srun_steps(jobs["0"]) == ["0", "1"]  # one step per measured plan
+    for node_log in sorted((SLURM_DIR / "log").glob("slurmd-*.log")):  # each node ran both
+        launched = set(re.findall(rf"launch task StepId={jobs['0']}\.(\d+)", node_log.read_text()))
+        assert launched == {"0", "1"}, (node_log.name, launched)
+    _, children = pipeline_stage_runs(runs_dir)
+    plan_run = children["plan"]
+    assert plan_run.info.status == "FINISHED"
+    assert plan_run.data.metrics["measured_tokens_per_s"] > 0
+    outputs = json.loads(next(runs_dir.glob("stages/plan/*/outputs.json")).read_text())
+    records = json.loads(Path(outputs["measured"]).read_text())
+    assert [r["ok"] for r in records] == [True, True], records
+    assert max(r["tokens_per_s"] for r in records) == pytest.approx(
+        outputs["predictions"]["measured_tokens_per_s"])

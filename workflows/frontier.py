@@ -10,8 +10,8 @@ NVMe and runs from there (``node_local_env_lines``).
 ``check_site`` holds every rule a site's settings must meet (Slurm sites: a runs dir whose
 characters survive Parsl's unquoted scripts; Frontier: an account, a runs dir on Lustre,
 at most 8 ranks of any stage per node, at most one tokenize worker per core, one of
-site.conda_env and site.node_local_env, an evaluation that fits a node's memory, no
-measured refinement on the login node); the driver calls it before any run is opened, and
+site.conda_env and site.node_local_env, an evaluation that fits a node's memory); the
+driver calls it before any run is opened, and
 the Parsl configuration and the dry run call it too. Every site rule raises ``SiteError``.
 Nothing here imports Parsl, so a pre-flight error costs only the configuration.
 
@@ -234,13 +234,6 @@ def _check_frontier(cfg: PipelineConfig, readiness_rules: bool) -> None:
             f"gets a core and a node has {FRONTIER_CORES_PER_NODE}: set site.max_workers <= "
             f"{FRONTIER_CORES_PER_NODE}"
         )
-    if cfg.parallel.refine_top_k > 0:
-        raise SiteError(
-            f"parallel.refine_top_k={cfg.parallel.refine_top_k} on Frontier: measured "
-            "refinement starts each candidate plan's whole world of ranks inside the plan "
-            "stage's one process on one compute node, not at the plan's size in an "
-            "allocation: set parallel.refine_top_k=0 (the plan stage's rehearsal checks the "
-            "pick's memory)")
     problem = evaluation_memory_problem(cfg, FRONTIER_NODE_MEMORY_GB) if readiness_rules else None
     if problem:
         raise SiteError(problem)

@@ -178,7 +178,10 @@ def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) ->
     ``ranks_resource_spec``) runs one worker per rank. Either way the command exits
     ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it,
     and ``OUT_OF_TIME_EXIT`` when the ranks stopped out of time at a checkpoint (their
-    ``out-of-time.json``), so it resumes them in a new job.
+    ``out-of-time.json``), so it resumes them in a new job. A series spec (measured
+    refinement) runs its launches one after another in the same allocation, each step
+    killed after its ``timeout_s``; a failed launch is reported and the next starts, and
+    the command exits 0 (the stage's ``finalize`` reads what each left).
     """
     exports = [f"export {key}={value}" for key, value in rank_env(cfg, spec.nodes).items()]
     path = shlex.quote(str(spec_path))
@@ -190,21 +193,48 @@ def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) ->
                 "set parallel.nodes=1 or use site.name=slurm"
             )
         return "\n".join([*exports, f"exec {python} -m stages.launch --spec {path}"])
-    worker = f"{python} -m {shlex.quote(spec.worker)} --spec {path}"
-    address: list[str] = []
-    if cfg.site.name == "frontier":
-        # Each node creates its own MIOpen cache directory before the rank starts.
-        worker = "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {worker}')
-        address = master_addr_lines()
+    address = master_addr_lines() if cfg.site.name == "frontier" else []
+    if spec.series:
+        return "\n".join([*exports, *address, *_series_lines(cfg, spec, python), "exit 0"])
     error_file = shlex.quote(str(Path(spec.out_dir) / RANK_ERROR_FILE))
     stopped_file = shlex.quote(str(Path(spec.out_dir) / OUT_OF_TIME_FILE))
     return "\n".join([
         *exports,
         *address,
         f"rm -f {error_file} {stopped_file}",
-        f"$PARSL_MPI_PREFIX {worker}",
+        f"$PARSL_MPI_PREFIX {_worker_line(cfg, spec.worker, path, python)}",
         "code=$?",
         f'if [ "$code" -ne 0 ] && [ -f {error_file} ]; then exit {USER_ERROR_EXIT}; fi',
         f"if [ -f {stopped_file} ]; then exit {OUT_OF_TIME_EXIT}; fi",
         'exit "$code"',
     ])
+
+
+def _worker_line(cfg: PipelineConfig, worker: str, path: str, python: str) -> str:
+    """What srun starts on every rank: ``python -m <worker> --spec <path>`` (Frontier:
+    after making the node's MIOpen cache directory)."""
+    line = f"{python} -m {shlex.quote(worker)} --spec {path}"
+    if cfg.site.name == "frontier":
+        line = "bash -c " + shlex.quote(f'mkdir -p "$MIOPEN_USER_DB_PATH" && exec {line}')
+    return line
+
+
+def _series_lines(cfg: PipelineConfig, spec: RankSpec, python: str) -> list[str]:
+    """One srun step per launch of a series spec, in order, each on the series' ranks and
+    nodes (the prefix Parsl composed for them) and killed after its ``timeout_s``."""
+    lines = []
+    for index, launch_path in enumerate(spec.series):
+        launch = RankSpec.read(launch_path)
+        if (launch.nproc, launch.nodes) != (spec.nproc, spec.nodes):
+            raise SiteError(
+                f"{launch_path} asks for {launch.nproc} ranks on {launch.nodes} nodes; its "
+                f"series runs on {spec.nproc} ranks on {spec.nodes}: every launch of a series "
+                "spans the same ranks")
+        path = shlex.quote(str(launch_path))
+        limit = f"timeout {int(launch.timeout_s)} " if launch.timeout_s else ""
+        error_file = shlex.quote(str(Path(launch.out_dir) / RANK_ERROR_FILE))
+        lines += [f"rm -f {error_file}",
+                  f"{limit}$PARSL_MPI_PREFIX {_worker_line(cfg, launch.worker, path, python)}"
+                  f' || echo "[launch] launch {index + 1} of {len(spec.series)} failed: '
+                  'exit $?" >&2']
+    return lines

@@ -255,6 +255,9 @@ def readiness(cfg: PipelineConfig) -> list[Finding]:
             job_finding("tokenize job", cfg, site.tokenize_nodes, short, "site.compute_walltime"),
             job_finding("evaluation job", cfg, declaration("evaluate").shape(cfg).nodes, short,
                         "site.compute_walltime")]
+    if cfg.parallel.refine_top_k > 0:  # the plan stage measures its candidates as ranks
+        rows.insert(1, job_finding("measurement job", cfg, declaration("plan").shape(cfg).nodes,
+                                   short, "site.compute_walltime"))
     plan_rows, step = plan_findings(cfg)
     rows += plan_rows
     rows.append(checkpoint_finding(cfg, step))
