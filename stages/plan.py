@@ -219,7 +219,7 @@ def measured_best(plans: list[Plan], records: list[dict[str, Any]],
         m["predicted_step_time_s"] = plan.predictions["step_time_s"]
         m["predicted_memory_gb"] = plan.predictions["memory_gb_per_device"]
         m["compute_s"], m["comm_s"] = plan.predictions["compute_s"], plan.predictions["comm_s"]
-        log(f"[plan] measured {i + 1}/{len(plans)} {plan.describe()}: "
+        log(f"measured {i + 1}/{len(plans)} {plan.describe()}: "
             + (f"{m['step_time_s']:.4f} s/step (predicted {m['predicted_step_time_s']:.4f})"
                if m["ok"] else f"failed ({m['error'][:200]})"))
     ok = [(r, p) for r, p in zip(records, plans, strict=True) if r["ok"]]
@@ -405,7 +405,7 @@ def prepare(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> s
              for i, plan in enumerate(tried)]
     series = RankSpec(worker=TRAIN_WORKER, nproc=cfg.parallel.nproc, nodes=cfg.parallel.nodes,
                       out_dir=str(out_dir.resolve()), config=cfg.to_dict(), series=paths)
-    print(f"[plan] measuring the top {len(tried)} plans for {MEASURE_STEPS} steps each on "
+    print(f"measuring the top {len(tried)} plans for {MEASURE_STEPS} steps each on "
           f"{cfg.parallel.nproc} ranks over {cfg.parallel.nodes} node(s), one after another",
           flush=True)
     return str(series.write(out_dir / SPEC_FILE))
