@@ -270,8 +270,13 @@ def test_measured_refinement_runs_its_candidates_as_ranks_in_an_allocation(
     """parallel.refine_top_k=2 on 2 nodes: the search in the driver's apps, then each
     candidate measured as the plan's 2 ranks, one on each node, one srun step after the
     other in one Slurm job of the plan stage's own; none runs outside an allocation."""
+    if int(slurm_env.get("FRONTIER_LLM_SLURM_NODES", "1")) < 2:
+        pytest.skip(f"the Slurm cluster in {SLURM_DIR} has one node: start a multi-node one "
+                    "with .ci/start_slurm.sh --nodes 2")
     runs_dir = tokenized_runs_dir
-    proc = start_cli(runs_dir, "parallel.refine_top_k=2", "parallel.nodes=2", "--only", "plan")
+    proc = start_cli(runs_dir, "parallel.refine_top_k=2", "parallel.nodes=2",
+                     f"site.address={slurm_env['FRONTIER_LLM_SLURM_LOGIN_ADDR']}",
+                     "--only", "plan")
     output = wait_cli(proc, runs_dir, timeout=840)
     jobs = block_jobs(runs_dir, "plan")
     assert list(jobs) == ["0"], (jobs, output[-3000:])
