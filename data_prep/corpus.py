@@ -94,7 +94,7 @@ class CorpusInfo:
     pieces: list[dict[str, Any]] = field(default_factory=list)
     """Every piece in corpus order: {"file", "start", "stop", "bytes", "source", "docs"}
     (``sources.plan_pieces``; "docs" is the counted documents of a capped corpus, else None:
-    all of the piece)."""
+    all of the piece; a capped corpus's pieces also have "text_bytes")."""
     shards: list[dict[str, Any]] = field(default_factory=list)
     """Every input shard: {"source", "pieces": [piece indices], "bytes"}."""
 
@@ -247,7 +247,9 @@ def cap_binds(cfg: DataConfig, described: list) -> bool:
 
 def _count_capped(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
     """Stream each source's pieces in order up to ``data.max_documents`` documents (never
-    beyond): every piece's "docs" and, in ``sizes_out``, every kept document's size."""
+    beyond): every piece's "docs" and "text_bytes" and, in ``sizes_out``, every kept
+    document's size. Then each source's shards are cut again over its kept pieces
+    (``_regroup_capped``)."""
     files = _files(info)
     kept_per_source: dict[str | None, int] = {}
     sizes: list[int] = []
@@ -255,7 +257,7 @@ def _count_capped(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
         label = piece["source"]
         kept = kept_per_source.setdefault(label, 0)
         room = cfg.max_documents - kept
-        piece["docs"] = 0
+        piece["docs"] = piece["text_bytes"] = 0
         if room <= 0:
             continue
         key = info.files[piece["file"]]["key"]
@@ -263,6 +265,7 @@ def _count_capped(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
             for text in itertools.islice(piece_texts(files, piece, cfg, key), room):
                 sizes.append(len(text.encode("utf-8")))
                 piece["docs"] += 1
+                piece["text_bytes"] += sizes[-1]
                 if len(sizes) >= _FLUSH_DOCS:
                     np.asarray(sizes, dtype=np.int64).tofile(sizes_out)
                     sizes.clear()
@@ -271,12 +274,27 @@ def _count_capped(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
         kept_per_source[label] = kept + piece["docs"]
     np.asarray(sizes, dtype=np.int64).tofile(sizes_out)
     info.num_documents = sum(kept_per_source.values())
-    for shard in info.shards:  # what each shard will read (its progress line's total)
-        shard["bytes"] = sum(info.pieces[i]["bytes"] for i in shard["pieces"]
-                             if info.pieces[i]["docs"])
     for label, kept in kept_per_source.items():
         if kept == 0:
             raise no_documents_error(cfg, label)
+    info.shards = _regroup_capped(info)
+
+
+def _regroup_capped(info: CorpusInfo) -> list[dict[str, Any]]:
+    """The shards of a capped corpus: each source's shard count, cut again over the pieces
+    that hold its kept documents and balanced by their text. (Cut by input bytes, the
+    first 150 of 1,800 files would all fall in the first shard.) A shard's "bytes" is then
+    its kept text."""
+    shards: list[dict[str, Any]] = []
+    for label in dict.fromkeys(s["source"] for s in info.shards):
+        count = sum(1 for s in info.shards if s["source"] == label)
+        kept = [i for i, p in enumerate(info.pieces) if p["source"] == label and p["docs"]]
+        weights = [{"bytes": info.pieces[i]["text_bytes"]} for i in kept]
+        for group in group_pieces(weights, count):
+            members = [kept[j] for j in group]
+            shards.append({"source": label, "pieces": members,
+                           "bytes": sum(info.pieces[i]["text_bytes"] for i in members)})
+    return shards
 
 
 def no_documents_error(cfg: DataConfig, label: str | None) -> DataError:

@@ -80,6 +80,17 @@ def test_a_binding_cap_is_read_up_to_the_cap_and_no_further(tmp_path: Path) -> N
                                                                    cfg=cfg)] == got
 
 
+def test_the_shards_of_a_capped_corpus_share_its_documents(tmp_path: Path) -> None:
+    texts = make_corpus(tmp_path / "c", n_docs=40, seed=3)
+    cfg = DataConfig(source=str(tmp_path / "c"), num_shards=4, max_documents=12)
+    info = prepare_corpus(cfg, tmp_path / "out")
+    per_shard = [list(shard_documents(info, shard, cfg)) for shard in info.shards]
+    assert [t for docs in per_shard for t in docs] == texts[:12]
+    assert all(2 <= len(docs) <= 5 for docs in per_shard), [len(d) for d in per_shard]
+    assert [s["bytes"] for s in info.shards] == [sum(len(t.encode()) for t in docs)
+                                                for docs in per_shard]
+
+
 def test_a_cap_the_metadata_shows_cannot_bind_reads_nothing(tmp_path: Path) -> None:
     make_corpus(tmp_path / "c", n_docs=12, seed=1)
     info = prepare_corpus(DataConfig(source=str(tmp_path / "c"), max_documents=12),
