@@ -35,6 +35,7 @@ fingerprint (sizes, mtimes, parquet row groups and sampled content of every file
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -97,6 +98,11 @@ class CorpusInfo:
     all of the piece; a capped corpus's pieces also have "text_bytes")."""
     shards: list[dict[str, Any]] = field(default_factory=list)
     """Every input shard: {"source", "pieces": [piece indices], "bytes"}."""
+
+    @functools.cached_property
+    def source_files(self) -> list[SourceFile]:
+        """``files`` as SourceFiles, made once (every piece read uses them; not saved)."""
+        return [SourceFile(**{k: v for k, v in f.items() if k != "key"}) for f in self.files]
 
     def save(self, path: Path) -> None:
         write_json_atomic(path, asdict(self))
@@ -215,10 +221,6 @@ def _plan(cfg: DataConfig, described: list) -> tuple[list[dict], list[dict], lis
     return files_out, pieces_out, shards
 
 
-def _files(info: CorpusInfo) -> list[SourceFile]:
-    return [SourceFile(**{k: v for k, v in f.items() if k != "key"}) for f in info.files]
-
-
 def _records_at_most(files: list[SourceFile]) -> int | None:
     """How many documents the metadata says ``files`` can hold at most (a text file is one,
     parquet and datasets count rows), or None when only reading can tell (JSON)."""
@@ -250,7 +252,7 @@ def _count_capped(cfg: DataConfig, info: CorpusInfo, sizes_out) -> None:
     beyond): every piece's "docs" and "text_bytes" and, in ``sizes_out``, every kept
     document's size. Then each source's shards are cut again over its kept pieces
     (``_regroup_capped``)."""
-    files = _files(info)
+    files = info.source_files
     kept_per_source: dict[str | None, int] = {}
     sizes: list[int] = []
     for piece in info.pieces:
@@ -300,7 +302,10 @@ def _regroup_capped(info: CorpusInfo) -> list[dict[str, Any]]:
 def no_documents_error(cfg: DataConfig, label: str | None) -> DataError:
     """The error for a source that yields no document."""
     key = "data.source" if label is None else f"data.sources.{label}"
-    spec = dict(cfg.labelled_sources())[label]
+    return _no_documents(key, dict(cfg.labelled_sources())[label], cfg)
+
+
+def _no_documents(key: str, spec: str, cfg: DataConfig) -> DataError:
     return DataError(f"{key} {spec!r} yielded no documents (empty documents are dropped; "
                      f"max_document_bytes={cfg.max_document_bytes})")
 
@@ -381,7 +386,7 @@ def _piece_texts(info: CorpusInfo, piece: dict[str, Any], cfg: DataConfig) -> It
                         "planned it: rerun the tokenize stage (it plans the corpus again)")
     key = entry["key"]
     try:
-        yield from piece_texts(_files(info), piece, cfg, key)
+        yield from piece_texts(info.source_files, piece, cfg, key)
     except DataError as err:
         raise DataError(str(err) if key in str(err) else f"{key}: {err}") from None
 
@@ -411,7 +416,7 @@ def training_sample(out_dir: Path, info: CorpusInfo, cfg: DataConfig, max_bytes:
     """
     if info.capped:
         return _capped_sample(out_dir, info, cfg, max_bytes, seed)
-    files = _files(info)
+    files = info.source_files
     pieces = []
     base = 0
     for source_files in _files_by_source(info, files):
@@ -462,11 +467,13 @@ def _capped_sample(out_dir: Path, info: CorpusInfo, cfg: DataConfig, max_bytes: 
     take = max(1, int(np.searchsorted(total, max_bytes, side="right")))
     chosen = order[:take]
     wanted = set(chosen.tolist())
+    ordered = np.sort(chosen)
     found: dict[int, str] = {}
     first = 0
     for index, piece in enumerate(info.pieces):
         count = piece["docs"]
-        if any(first <= d < first + count for d in wanted):
+        lo, hi = np.searchsorted(ordered, [first, first + count])
+        if hi > lo:  # the piece holds a chosen document
             for doc, text in zip(range(first, first + count),
                                  piece_documents(info, index, cfg), strict=False):
                 if doc in wanted:
@@ -493,5 +500,4 @@ def source_documents(cfg: DataConfig, stage_dir: Path, source: str | None = None
         if cfg.max_documents is not None and count >= cfg.max_documents:
             return
     if count == 0:
-        raise DataError(f"{key} {spec!r} yielded no documents (empty documents are dropped; "
-                        f"max_document_bytes={cfg.max_document_bytes})")
+        raise _no_documents(key, spec, cfg)

@@ -78,7 +78,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
                          "corpus_load_s": t1 - t0, "tokenizer_train_s": t2 - t1})
     if info.sources:
         origin = "sources " + ", ".join(
-            f"{s['label']} ({_megabytes(shards, s['label'])}, {_count(shards, s['label'])})"
+            f"{s['label']} ({_megabytes(shards, s['label'])}, {_shards_of(shards, s['label'])})"
             for s in info.sources)
     else:
         origin = f"{cfg.data.source or 'stdlib'!r} ({len(shards)} shards)"
@@ -94,7 +94,7 @@ def _megabytes(shards: list[dict[str, Any]], label: str) -> str:
     return f"{sum(s['bytes'] for s in shards if s['source'] == label) / 1e6:.1f} MB"
 
 
-def _count(shards: list[dict[str, Any]], label: str) -> str:
+def _shards_of(shards: list[dict[str, Any]], label: str) -> str:
     n = sum(1 for s in shards if s["source"] == label)
     return f"{n} shard{'s' if n > 1 else ''}"
 
