@@ -35,7 +35,7 @@ from tests.train_helpers import REPO, run_worker, tiny_config
 pytestmark = pytest.mark.slow
 
 DP2 = {"dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "ddp"}
-STEPS = 1000  # long enough that a signal after the first progress line lands mid-training
+STEPS = 300  # each signal, sent at a launch's first progress line, lands ~30 steps later here
 SETTINGS = (f"train.steps={STEPS}", "train.checkpoint_every=0")
 PROGRESS = re.compile(r"\[train\] step (\d+)/")
 
