@@ -242,7 +242,10 @@ def test_a_killed_driver_leaves_no_training_job(slurm_env, tokenized_runs_dir): 
     job with it (the ranks are its srun step)."""
     runs_dir = tokenized_runs_dir
     threshold = 10
-    proc = start_cli(runs_dir, "train.steps=20000", f"site.heartbeat_threshold={threshold}")
+    # A progress line every 200 steps (a tenth of the run), the first within seconds; the
+    # rest of the run is ~10x longer than the wait for that line.
+    proc = start_cli(runs_dir, "train.steps=2000", "train.checkpoint_every=0",
+                     f"site.heartbeat_threshold={threshold}")
     log = runs_dir.parent / f"{runs_dir.name}-driver.log"
     try:
         deadline = time.time() + 600
