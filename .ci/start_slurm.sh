@@ -345,6 +345,9 @@ else
     stop_args=(--state-dir "$STATE_DIR")
     (( NODES > 1 )) && stop_args+=(--prefix "$PREFIX")
     "$(dirname "$0")/stop_slurm.sh" "${stop_args[@]}" >/dev/null 2>&1 || true
+    # Without the controller's saved state job ids start again from 1, so the last
+    # cluster's slurmd and job completion records would name this one's jobs.
+    rm -f "$STATE_DIR"/log/*.log "$STATE_DIR/log/jobcomp.txt"
     printf '%s\n' "$NEW_CONF" > "$CONF.tmp"
     mv "$CONF.tmp" "$CONF"
     export SLURM_CONF="$CONF"
