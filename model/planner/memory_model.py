@@ -2,7 +2,7 @@
 
 The model counts the tensors ``model.training.trainer.Trainer`` keeps, term by term, and is
 checked against rehearsals of the trainer's own ranks under fake tensors
-(``model/training/rehearse.py``; ``tests/test_plan_memory_rehearsal.py``). c is the compute
+(``model/training/rehearse.py``; ``tests/test_rehearse.py``, ``benchmarks/bench_rehearse.py``). c is the compute
 dtype's bytes (2 for bf16, 4 for fp32), P the parameters a rank holds (its tp shard), u one
 block's parameters (the FSDP unit) and R the parameters outside the blocks (embedding,
 output head and final norm: FSDP's root unit).
@@ -24,13 +24,15 @@ Model states:
     (c P + 4 P), plus two blocks of all-gather buffers (2 c u: parameters are resharded
     after each backward and gathered again, one block ahead) and the reduce-scatter buffer.
   - zero3, or zero2 with one micro-batch: gradients are reduce-scattered per block as they
-    are made and accumulate sharded (4 P / dp), so only the root's unsharded parameters and
-    float32 gradients ((c + 4) R) and the buffers of the block in backward add to the
-    shards: its float32 reduce-scatter input (4 u) and, under zero3, its gathered
-    parameters, the next block's prefetched ones and its new gradient (2.5 c u: measured at
-    9 u in bf16 on a 128-block 1T rank, where a two-block rehearsal never reaches that
-    moment), under zero2 one block's gradient (c u); zero2 keeps every block's parameters
-    gathered from its forward to its backward (c P: at the end of the forward all of them).
+    are made and accumulate sharded (4 P / dp), so only the root's unsharded parameters
+    (c R) and the buffers of the block in backward add to the shards: its float32
+    reduce-scatter input (4 u), the output head's gradient in the compute dtype (the root
+    reduces its gradients once, after the whole backward, and makes the embedding's last),
+    and under zero3 the block's gathered parameters, the next block's prefetched ones and
+    its new gradient (3 c u: rehearsed 1T and 22B ranks hold each beside the 4 u), under
+    zero2 one block's gradient (c u); zero2 keeps every block's parameters gathered from
+    its forward to its backward (c P: at the end of the forward all of them). At the loss's
+    backward no root gradient exists yet.
 - Without FSDP (sharding none or ddp, or dp == 1): float32 parameters, gradients and
   Adam moments (16 P); under bf16 autocast the bf16 copies of the weights that the
   forward saves for backward (2 P), each new bf16 gradient and its float32 cast on the
@@ -200,6 +202,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     single = pp == 1
     root_first = emb_p + np.where(single, emb_p + s.d_model, 0.0)
     root_last = emb_p + s.d_model + np.where(single, emb_p, 0.0)
+    head = emb_p + s.d_model  # the output head and its norm
     params_first = n_first * layer_p + root_first
     params_last = n_last * layer_p + root_last
     fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
@@ -211,13 +214,13 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     def states(params: np.ndarray, root: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(states kept through the step, buffers at a block's backward peak)."""
         accumulate = ~single | ((shard == ZERO2) & (ga > 1))
-        per_block = 4 * params / dp + np.where(shard == ZERO2, cb * params + 4 * root,
-                                                (cb + 4) * root)
+        per_block = 4 * params / dp + np.where(shard == ZERO2, cb * params, cb * root)
         kept = (cb * gathered_share + 4) * params  # gathered parameters, float32 gradients
         sharded = 12 * params / dp + np.where(accumulate, kept, per_block)
         pipe_buf = 4 * u  # the last micro-batch's reduce-scatter
-        gathered = np.where(shard == ZERO3, 2.5 * cb * u, cb * u)
-        flat_buf = np.where((shard == ZERO2) & (ga > 1), 2 * cb * u, gathered) + 4 * u
+        gathered = np.where(shard == ZERO3, 3 * cb * u, cb * u)
+        flat_buf = np.where((shard == ZERO2) & (ga > 1), 2 * cb * u,
+                            gathered + cb * head) + 4 * u
         plain = 16 * params + (2 * params if mixed else 0.0)
         plain = plain + np.where((shard == DDP) & (dp > 1) & single, 4 * params, 0.0)
         plain_buf = np.where((shard == DDP) & (dp > 1) & ~single, 4 * params, 0.0)
