@@ -2,10 +2,11 @@
 
 The model counts the tensors ``model.training.trainer.Trainer`` keeps, term by term, and is
 checked against rehearsals of the trainer's own ranks under fake tensors
-(``model/training/rehearse.py``; ``tests/test_rehearse.py``, ``benchmarks/bench_rehearse.py``). c is the compute
-dtype's bytes (2 for bf16, 4 for fp32), P the parameters a rank holds (its tp shard), u one
-block's parameters (the FSDP unit) and R the parameters outside the blocks (embedding,
-output head and final norm: FSDP's root unit).
+(``model/training/rehearse.py``; ``tests/test_rehearse.py``,
+``benchmarks/bench_rehearse.py``). c is the compute dtype's bytes (2 for bf16, 4 for fp32),
+P the parameters a rank holds (its tp shard), u one block's parameters (the FSDP unit) and
+R the parameters outside the blocks (embedding, output head and final norm: FSDP's root
+unit).
 
 Model states:
 
@@ -70,7 +71,9 @@ log-softmax, and in backward their float32 gradients: LOGIT_BYTES per logit. tor
 ``PipelineStage`` allocates a receive buffer for every micro-batch of the step at each of
 the rank's chunk boundaries (the activation in, the gradient back: 2v - 1 on the first and
 last rank), s b h (/ tp under SP) each in the residual stream's dtype, kept through the step
-(rehearsed: 640 micro-batches of the study's 175B plan hold 32 GB of them). Its multi-chunk
+(rehearsed: 640 micro-batches of the study's 175B plan hold 32 GB of them). A chunk's
+input is such a buffer wherever it came from another rank (every chunk but the first
+rank's first): what its first block saves of it is not counted twice. Its multi-chunk
 schedules keep at most three of a rank's chunks' parameters gathered at once.
 
 Under pipelining a chunk's unsharded float32 gradients exist from its first backward
@@ -234,8 +237,10 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     autocast = ~fsdp & mixed  # bf16 autocast over float32 weights (no FSDP2 bf16 params)
     act_factor = np.where(autocast, AUTOCAST_ACTIVATION_FACTOR, 1.0)
 
-    def act(pp_rank: np.ndarray, layers: np.ndarray,
-            grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    io_bytes = s.seq_len * mb * s.d_model * spf * np.where(fsdp, cb, 4)
+
+    def act(pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
+            received: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(activations, gradients held at the rank's peak, one chunk forward's activations).
         Under pipelining the schedule is replayed: a chunk's float32 gradients exist from
         its first backward through its last, so the peak is the largest (held chunk
@@ -243,7 +248,8 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
         without, one chunk and all gradients."""
         stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
                                                    layers / np.maximum(v, 1))
-        per_chunk = (stored + chunk_out) * cb * act_factor
+        # a chunk's input saved by its first norm is the receive buffer counted below
+        per_chunk = (stored + chunk_out) * cb * act_factor - received * io_bytes
         held = held_by_accumulating(c, pp_rank)
         accumulating = np.arange(held.shape[1])[None, :]
         moments = np.where(held >= 0, per_chunk[:, None] * held
@@ -256,7 +262,6 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
 
     # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
     # boundary of the rank (activations in, gradients back), kept through the step
-    io_bytes = s.seq_len * mb * s.d_model * spf * np.where(fsdp, cb, 4)
     recv = np.where(single, 0.0, ga * chunk_boundaries(v, True, False) * io_bytes)
     first_rank = np.zeros_like(pp)
     st_first, buf_first = states(params_first, root_first)
@@ -265,8 +270,12 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # first backward of each chunk on (4 P), counted at the moment of the peak instead
     grads_first = np.where(single, 0.0, 4 * params_first)
     grads_last = np.where(single, 0.0, 4 * params_last)
-    act_first, held_first, chunk_first = act(first_rank, n_first, grads_first)
-    act_last, held_last, _ = act(pp - 1, n_last, grads_last)
+    # the share of held chunk forwards whose input came from another rank: all but the
+    # first chunk's on the first rank, all on the last
+    no_pipe = np.where(single, 0.0, 1.0)
+    act_first, held_first, chunk_first = act(first_rank, n_first, grads_first,
+                                             no_pipe * (v - 1) / np.maximum(v, 1))
+    act_last, held_last, _ = act(pp - 1, n_last, grads_last, no_pipe)
     act_first, act_last = act_first + recv, act_last + recv
     st_first = st_first - grads_first + np.where(single, 0.0, held_first)
     st_last = st_last - grads_last + np.where(single, 0.0, held_last)
