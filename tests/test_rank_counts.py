@@ -147,15 +147,25 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     reduce-scattered at its last micro-batch (never two chunks' at once with two
     micro-batches here); 1F1B's steady state holds pp - rank of them beside the stage's
     gradients. At the ends of the first chunk's backwards (the embedding's gradient) the
-    interleaved rank holds at most one forward."""
+    interleaved rank holds at most one forward.
+
+    Gathered chunks: one chunk's schedule keeps it gathered all step; the interleaved one
+    gathers at most three chunks (torch's prefetch) and a chunk is resharded by its last
+    micro-batch's backward, so the first chunk's last backwards find it gathered alone."""
     from model.planner.rank_counts import held_by_accumulating
     from model.planner.shapes import encode
 
     inter = Plan(pp=2, grad_accum=2, schedule="interleaved_1f1b", virtual_stages=2)
     onef = Plan(pp=4, grad_accum=8, schedule="1f1b")
-    table = held_by_accumulating(encode([inter, onef]), np.array([0, 0]))
-    assert table[0].tolist() == [4, 3, -1]
-    assert table[1].tolist()[:2] == [4, 4]
-    ends = held_by_accumulating(encode([inter, onef]), np.array([0, 0]), first_chunk_ends=True)
-    assert ends[0].tolist() == [-1, 1, -1]
-    assert ends[1].tolist()[:2] == [-1, 3]
+    many = Plan(pp=2, grad_accum=4, schedule="interleaved_1f1b", virtual_stages=6)
+    plans = encode([inter, onef, many])
+    table = held_by_accumulating(plans, np.array([0, 0, 0]))  # [plan, accumulating, gathered]
+    assert table[0].max(axis=1).tolist() == [4, 3, -1, -1, -1, -1, -1]
+    assert table[1].max(axis=1).tolist()[:2] == [4, 4]
+    assert table[0][0][2] == 4 and table[0][0][1] == 2  # the warm-up gathers chunk 1 later
+    assert table[1][:, 1].max() == 4 and np.delete(table[1], 1, axis=1).max() == -1
+    assert table[2][0][3] == 13 and table[2][:, 4:].max() == -1  # never more than three
+    ends = held_by_accumulating(plans, np.array([0, 0, 0]), first_chunk_ends=True)
+    assert ends[0].max(axis=1).tolist()[:3] == [-1, 1, -1]
+    assert ends[1].max(axis=1).tolist()[:2] == [-1, 3]
+    assert ends[0][1][1] == 1 and ends[2][1][1] == 1  # the first chunk alone is gathered

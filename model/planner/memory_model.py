@@ -73,18 +73,20 @@ the rank's chunk boundaries (the activation in, the gradient back: 2v - 1 on the
 last rank), s b h (/ tp under SP) each in the residual stream's dtype, kept through the step
 (rehearsed: 640 micro-batches of the study's 175B plan hold 32 GB of them). A chunk's
 input is such a buffer wherever it came from another rank (every chunk but the first
-rank's first): what its first block saves of it is not counted twice. Its multi-chunk
-schedules keep at most three of a rank's chunks' parameters gathered at once.
+rank's first): what its first block saves of it is not counted twice.
 
 Under pipelining a chunk's unsharded float32 gradients exist from its first backward
-through its last micro-batch's, which reduce-scatters them: the rank's schedule is replayed
-(``rank_counts.held_by_accumulating``) and the activations and
-gradients are counted at the moment their sum is largest, at chunk granularity: a backward
-begins with its micro-batch's activations and none of its new gradients and ends with the
-chunk's gradients and those activations freed (in between, block by block, the sum is no
-larger than at one of the two). A rank whose
-forwards all come first (GPipe, few micro-batches) thus holds its activations or its
-gradients at the peak, not both.
+through its last micro-batch's, which reduce-scatters them and reshards the chunk, and
+torch's multi-chunk schedules gather at most three of a rank's chunks at once, the next
+three to compute. The rank's schedule is replayed (``rank_counts.held_by_accumulating``)
+and the activations, the gradients and the gathered parameters are counted at the moment
+their sum is largest, at chunk granularity: a backward begins with its micro-batch's
+activations and none of its new gradients and ends with the chunk's gradients and those
+activations freed (in between, block by block, the sum is no larger than at one of the
+two). A rank whose forwards all come first (GPipe, few micro-batches) thus holds its
+activations or its gradients at the peak, not both; and the first chunk's last backwards,
+where the embedding's gradient is made, find it gathered alone (rehearsed: one chunk's
+parameters at the 1T pick's rank-0 peak, where three were counted before).
 
 The peak is the larger of two moments: the loss's backward (states + activations + the
 logits) and the block backward where buffers peak (states + activations + the reduce-scatter
@@ -98,13 +100,11 @@ from typing import Any
 import numpy as np
 
 from model.planner.rank_counts import (
-    PIPELINE_ACTIVE_CHUNKS,
     chunk_boundaries,
     held_by_accumulating,
 )
 from model.planner.shapes import (
     DDP,
-    INTERLEAVED,
     REC_FULL,
     REC_NONE,
     ZERO2,
@@ -196,7 +196,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     buffers or the logits at the peak); first, last and peak (their sums with the margins).
     """
     tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
-    sched, v, shard, rec, sp, rl = c["sched"], c["v"], c["shard"], c["rec"], c["sp"], c["rl"]
+    v, shard, rec, sp, rl = c["v"], c["shard"], c["rec"], c["sp"], c["rl"]
     cb = s.act_bytes
     mixed = s.dtype == "bfloat16"
     layer_p = s.layer_matrix_params / tp + s.layer_norm_params
@@ -210,15 +210,14 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     params_last = n_last * layer_p + root_last
     fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
     u = layer_p
-    # torch's multi-chunk schedules keep PIPELINE_ACTIVE_CHUNKS of a rank's chunks gathered
-    many = ~single & (sched == INTERLEAVED) & (v > PIPELINE_ACTIVE_CHUNKS)
-    gathered_share = np.where(many, PIPELINE_ACTIVE_CHUNKS / np.maximum(v, 1), 1.0)
 
     def states(params: np.ndarray, root: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(states kept through the step, buffers at a block's backward peak)."""
         accumulate = ~single | ((shard == ZERO2) & (ga > 1))
         per_block = 4 * params / dp + np.where(shard == ZERO2, cb * params, cb * root)
-        kept = (cb * gathered_share + 4) * params  # gathered parameters, float32 gradients
+        # gathered parameters (under pipelining counted at the replayed moments instead),
+        # float32 gradients
+        kept = (cb * np.where(single, 1.0, 0.0) + 4) * params
         sharded = 12 * params / dp + np.where(accumulate, kept, per_block)
         pipe_buf = 4 * u  # the last micro-batch's reduce-scatter
         gathered = np.where(shard == ZERO3, 3 * cb * u, cb * u)
@@ -239,26 +238,40 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
 
     io_bytes = s.seq_len * mb * s.d_model * spf * np.where(fsdp, cb, 4)
 
-    def act(pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
+    def replayed(table: np.ndarray, per_chunk: np.ndarray, grads: np.ndarray,
+                 gathered: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bytes, accumulating chunks, gathered chunks) at the largest moment of a replayed
+        table (``held_by_accumulating``): held chunk forwards x their activations +
+        accumulating chunks x their gradients + gathered chunks x their parameters."""
+        n, size = table.shape[0], table.shape[1]
+        k = np.arange(size)[None, :, None]
+        g = np.arange(size)[None, None, :]
+        v_ = np.maximum(v, 1)[:, None, None]
+        moments = np.where(table >= 0, per_chunk[:, None, None] * table
+                           + grads[:, None, None] / v_ * k + gathered[:, None, None] / v_ * g,
+                           -np.inf).reshape(n, -1)
+        best = np.argmax(moments, axis=1)
+        return moments[np.arange(n), best], best // size, best % size
+
+    def act(pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray, gathered: np.ndarray,
             received: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(activations, gradients held at the rank's peak, one chunk forward's activations).
-        Under pipelining the schedule is replayed: a chunk's float32 gradients exist from
-        its first backward through its last, so the peak is the largest (held chunk
-        forwards x their activations + accumulating chunks x their gradients) of the step;
-        without, one chunk and all gradients."""
+        """(activations, gradients and gathered parameters held at the rank's peak, one chunk
+        forward's activations). Under pipelining the schedule is replayed: a chunk's float32
+        gradients exist from its first backward through its last, and multi-chunk schedules
+        gather a few chunks at a time, so the peak is the largest (held chunk forwards x
+        their activations + accumulating chunks x their gradients + gathered chunks x their
+        parameters) of the step; without, one chunk and all gradients."""
         stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
                                                    layers / np.maximum(v, 1))
         # a chunk's input saved by its first norm is the receive buffer counted below
         per_chunk = (stored + chunk_out) * cb * act_factor - received * io_bytes
         held = held_by_accumulating(c, pp_rank)
-        accumulating = np.arange(held.shape[1])[None, :]
-        moments = np.where(held >= 0, per_chunk[:, None] * held
-                           + (grads / np.maximum(v, 1))[:, None] * accumulating, -np.inf)
-        k = np.argmax(moments, axis=1)
+        _, k, g = replayed(held, per_chunk, grads, gathered)
         rows = np.arange(len(k))
-        acts = np.where(single, per_chunk, per_chunk * held[rows, k])
-        held_grads = np.where(single, grads, grads / np.maximum(v, 1) * k)
-        return acts + transient * cb * act_factor, held_grads, per_chunk
+        acts = np.where(single, per_chunk, per_chunk * held[rows, k, g])
+        v_ = np.maximum(v, 1)
+        kept = np.where(single, grads, grads / v_ * k + gathered / v_ * g)
+        return acts + transient * cb * act_factor, kept, per_chunk
 
     # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
     # boundary of the rank (activations in, gradients back), kept through the step
@@ -273,9 +286,13 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # the share of held chunk forwards whose input came from another rank: all but the
     # first chunk's on the first rank, all on the last
     no_pipe = np.where(single, 0.0, 1.0)
-    act_first, held_first, chunk_first = act(first_rank, n_first, grads_first,
+    # the compute-dtype parameters of the chunks gathered at that moment (FSDP2; without it
+    # the float32 parameters are the states'), the root's counted as a chunk's share
+    gathered_first = np.where(fsdp & ~single, cb * params_first, 0.0)
+    gathered_last = np.where(fsdp & ~single, cb * params_last, 0.0)
+    act_first, held_first, chunk_first = act(first_rank, n_first, grads_first, gathered_first,
                                              no_pipe * (v - 1) / np.maximum(v, 1))
-    act_last, held_last, _ = act(pp - 1, n_last, grads_last, no_pipe)
+    act_last, held_last, _ = act(pp - 1, n_last, grads_last, gathered_last, no_pipe)
     act_first, act_last = act_first + recv, act_last + recv
     st_first = st_first - grads_first + np.where(single, 0.0, held_first)
     st_last = st_last - grads_last + np.where(single, 0.0, held_last)
@@ -292,10 +309,8 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # forwards by accumulating chunks) and the largest is counted as what it adds over the
     # replayed peak (nothing when the peak holds more).
     ends = held_by_accumulating(c, first_rank, first_chunk_ends=True)
-    accumulating = np.arange(ends.shape[1])[None, :]
-    at_ends = np.where(ends >= 0, chunk_first[:, None] * ends
-                       + (grads_first / np.maximum(v, 1))[:, None] * accumulating, -np.inf)
-    at_embedding = (at_ends.max(axis=1) + recv + cast) - (act_first + held_first)
+    at_ends, _, _ = replayed(ends, chunk_first, grads_first, gathered_first)
+    at_embedding = (at_ends + recv + cast) - (act_first + held_first)
     pipe_first = np.where(fsdp, np.maximum(at_embedding, 0.0),
                           np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
     casts = np.where(fsdp | autocast, cast, 0.0)  # float32 gradients need no cast

@@ -158,16 +158,26 @@ def unit_gathers(plan: Plan, pp_rank: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
-                          first_chunk_ends: bool) -> tuple[int, ...]:
+                          first_chunk_ends: bool) -> tuple[tuple[int, ...], ...]:
     order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
                            pp_rank)
-    best, held, backwards = [-1] * (v + 1), 0, [0] * v
+    interleaved = schedule == "interleaved_1f1b"
+    actions = _with_prefetch(order) if interleaved else iter(order)
+    best = [[-1] * (v + 1) for _ in range(v + 1)]  # [accumulating][gathered]
+    held, backwards = 0, [0] * v
+    # one chunk's schedules gather it for the whole step; multi-chunk ones as they prefetch
+    active = set() if interleaved else set(range(v))
 
     def moment() -> None:
         accumulating = sum(1 for n in backwards if n > 0)
-        best[accumulating] = max(best[accumulating], held)
+        # a chunk is resharded by its last micro-batch's backward, whatever the prefetch says
+        gathered = sum(1 for c in active if backwards[c] >= 0)
+        best[accumulating][gathered] = max(best[accumulating][gathered], held)
 
-    for kind, chunk in order:
+    for kind, chunk in actions:
+        if kind in ("U", "R"):
+            (active.add if kind == "U" else active.discard)(chunk)
+            continue
         if kind == "F":
             held += 1
             if not first_chunk_ends:
@@ -181,7 +191,7 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             moment()  # it ends: those activations freed, the chunk's gradients made
         if backwards[chunk] == ga:  # its last micro-batch: reduce-scattered, then freed
             backwards[chunk] = -1
-    return tuple(best)
+    return tuple(tuple(row) for row in best)
 
 
 def _per_distinct(keys: np.ndarray, value: Callable[..., Any]) -> tuple[list[Any], np.ndarray]:
@@ -193,10 +203,13 @@ def _per_distinct(keys: np.ndarray, value: Callable[..., Any]) -> tuple[list[Any
 
 def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
                          first_chunk_ends: bool = False) -> np.ndarray:
-    """[candidates, k]: the most chunk forwards pipeline rank ``pp_rank`` holds while k of
-    its chunks hold unsharded gradients, k = 0 .. max v; -1 where a schedule never has k
-    (``schedule_order`` replayed). A chunk holds them from its first backward through its
-    last micro-batch's, which reduce-scatters them (the sharded result is small: 1 / dp).
+    """[candidates, k, g]: the most chunk forwards pipeline rank ``pp_rank`` holds while k of
+    its chunks hold unsharded gradients and g of its chunks are gathered, k, g = 0 .. max v;
+    -1 where a schedule never has (k, g) (``schedule_order`` replayed). A chunk holds
+    gradients from its first backward through its last micro-batch's, which
+    reduce-scatters them (the sharded result is small: 1 / dp) and reshards the chunk. One
+    chunk's schedules keep it gathered through the step; multi-chunk ones gather and
+    reshard as ``_with_prefetch`` says, so fewer chunks are gathered as the step ends.
 
     ``first_chunk_ends``: only the moments that end a backward of the rank's first chunk,
     where the first pipeline stage makes the embedding's gradient (its first layer, so the
@@ -205,9 +218,10 @@ def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
     keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank], axis=1)
     rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r: _held_by_accumulating(
         pp, v, ga, SCHEDULES[sched], r, first_chunk_ends))
-    table = np.full((len(rows), int(c["v"].max()) + 1 if len(c["v"]) else 1), -1.0)
+    size = int(c["v"].max()) + 1 if len(c["v"]) else 1
+    table = np.full((len(rows), size, size), -1.0)
     for i, row in enumerate(rows):
-        table[i, :len(row)] = row
+        table[i, :len(row), :len(row)] = row
     return table[index]
 
 
