@@ -2,7 +2,13 @@
 
 1. Search speed: the full plan search for a 1T model on 3,072 Frontier GCDs (median of 5).
 2. Frontier predictions: the chosen plan's TFLOPS per device and MFU for the 22B, 175B and
-   1T presets at 1,024 and 3,072 GCDs.
+   1T presets at 1,024 and 3,072 GCDs, each beside its rehearsal (``rehearsal`` per pick:
+   the first and last pipeline stage's rank rehearsed on fake tensors, its seconds, its
+   peak memory and the memory model's error against it; ``rehearsal_*`` figures). By
+   default the rehearsals are read from ``bench_rehearse.py``'s results files where they
+   rehearsed the same plan on as many GCDs (the model's side recomputed by this checkout,
+   when and where they were rehearsed kept); ``--rehearse`` rehearses every pick afresh
+   (tens of minutes: a 1T rank takes minutes).
 3. Local truth: for the tiny preset (4 x 128) and a small model (4 x 256, 8 heads) on 2 and
    4 gloo ranks, every valid plan
    (recompute none, no sequence parallelism: on these models memory never binds, so
@@ -47,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -58,7 +65,7 @@ from model.planner.microbench import cache_file, load_measured_cluster
 from model.planner.search import enumerate_plans, evaluate, search
 from model.planner.shapes import Shapes, decode
 from stages.config import load_config
-from stages.plan import choose, measure_plan
+from stages.plan import choose, fixed_fields, measure_plan
 
 SMALL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "train.global_batch=8"]
 
@@ -75,22 +82,104 @@ def search_speed() -> float:
     return statistics.median(times)
 
 
-def frontier_predictions() -> dict[str, dict]:
+def frontier_predictions(rehearse: bool = False, timeout: float = 1800.0) -> dict[str, dict]:
+    """The plan stage's pick per preset on 1,024 and 3,072 Frontier GCDs, its predictions
+    and its rehearsal (stored, or afresh with ``rehearse``)."""
     cl = load_cluster("frontier")
     out = {}
     for name in ("22b", "175b", "1t"):
         cfg = load_config(ROOT / "configs" / f"frontier-{name}.yaml")
         for n in (1024, 3072):
-            plan, _ = choose(cfg.model, cfg.train, cl, n, {})
+            plan, _ = choose(cfg.model, cfg.train, cl, n, fixed_fields(cfg.parallel))
             pred = plan.predictions
-            out[f"{name}_{n}"] = {"plan": plan.describe(),
-                                  "tflops_per_device": round(pred["tflops_per_device"], 2),
-                                  "mfu": round(pred["mfu"], 4),
-                                  "memory_gb": round(pred["memory_gb_per_device"], 1)}
+            pick = {"plan": plan.describe(),
+                    "tflops_per_device": round(pred["tflops_per_device"], 2),
+                    "mfu": round(pred["mfu"], 4),
+                    "memory_gb": round(pred["memory_gb_per_device"], 1)}
+            if rehearse:
+                records, source = rehearse_pick(name, n, plan.describe(), timeout), {}
+            else:
+                records, source = stored_rehearsals(f"frontier-{name}", n, plan.describe())
+            if records:
+                pick.update(rehearsal=rehearsal_of(records), rehearsed_at=source)
+            out[f"{name}_{n}"] = pick
+            rehearsed = " ".join(
+                f"{st}: {r['rehearsed_peak_memory_gb']:.1f} GB rehearsed "
+                f"({r['memory_error_pct']:+.1f} % modeled) in {r['rehearsal_seconds']:.0f} s"
+                for st, r in pick.get("rehearsal", {}).items()) or "not rehearsed"
             print(f"[frontier] {name} on {n} GCDs: {plan.describe()}  "
                   f"{plan.predictions['tflops_per_device']:.1f} TFLOPS/GCD, "
-                  f"MFU {plan.predictions['mfu']:.1%}", flush=True)
+                  f"MFU {plan.predictions['mfu']:.1%}; {rehearsed}", flush=True)
     return out
+
+
+REHEARSAL_FILES = ("bench_rehearse", "bench_rehearse_top10")
+"""bench_rehearse.py's results files, searched in this order for a pick's rehearsal."""
+
+
+def stored_rehearsals(preset: str, devices: int, plan: str) -> tuple[list[dict], dict]:
+    """The first and last stage's rehearsal records of ``plan`` on ``devices`` GCDs from
+    bench_rehearse.py's results files, and where they came from ({} when none has them)."""
+    for name in REHEARSAL_FILES:
+        path = RESULTS_DIR / f"{name}.json"
+        if not path.is_file():
+            continue
+        stored = json.loads(path.read_text())
+        found = [r for r in stored.get("ranks", [])
+                 if r.get("preset") == preset and r.get("devices") == devices
+                 and r.get("plan") == plan and "error" not in r and "skipped" not in r]
+        if found:
+            return found, {"file": path.name,
+                           **stored.get("rehearsed_at", {"commit": stored.get("commit"),
+                                                         "date": stored.get("date")})}
+    return [], {}
+
+
+def rehearse_pick(name: str, devices: int, plan: str, timeout: float) -> list[dict]:
+    """Rehearse the busiest ranks of the plan the plan stage picks for the preset on
+    ``devices`` GCDs, each in a process of its own (bench_rehearse.run_child)."""
+    from benchmarks.bench_rehearse import run_child
+
+    records = [run_child(f"frontier-{name}", stage, devices, timeout) for stage in ("first",
+                                                                                  "last")]
+    done = [r for r in records if "error" not in r and "skipped" not in r]
+    for r in done:
+        if r["plan"] != plan:
+            raise SystemExit(f"[frontier] {name} on {devices}: the rehearsal's plan "
+                             f"{r['plan']} is not the pick {plan}")
+    return done
+
+
+def rehearsal_of(records: list[dict]) -> dict[str, dict]:
+    """Per rehearsed stage: seconds, rehearsed and modeled peak memory (GB, the model this
+    checkout's), the model's error in percent and whether the rank fits with the margins."""
+    from benchmarks.bench_rehearse import memory_error_pct, remodel
+
+    out = {}
+    for record in map(remodel, records):
+        out[record["stage"]] = {
+            "rank": record["rank"],
+            "rehearsal_seconds": round(record["rehearsal_seconds"], 1),
+            "rehearsed_peak_memory_gb": round(record["rehearsed_peak_memory_gb"], 2),
+            "modeled_tensor_memory_gb": round(record["modeled_tensor_memory_gb"], 2),
+            "memory_error_pct": round(memory_error_pct(record), 2),
+            "fits_device": record["rehearsed_fits_device"]}
+    return out
+
+
+def rehearsal_figures(frontier: dict[str, dict]) -> dict[str, Any]:
+    """The rehearsal figures over the picks that have one: how many, the longest rehearsal
+    and the memory model's error range."""
+    stages = [st for pick in frontier.values() for st in pick.get("rehearsal", {}).values()]
+    if not stages:
+        return {"rehearsal_picks": 0}
+    errors = [st["memory_error_pct"] for st in stages]
+    return {
+        "rehearsal_picks": sum(1 for p in frontier.values() if p.get("rehearsal")),
+        "rehearsal_seconds_max": max(st["rehearsal_seconds"] for st in stages),
+        "rehearsal_memory_error_pct_min": min(errors),
+        "rehearsal_memory_error_pct_max": max(errors),
+        "rehearsal_picks_fit": all(st["fits_device"] for st in stages)}
 
 
 def candidates(cfg, nproc: int, max_plans: int):
@@ -446,6 +535,9 @@ def main() -> None:
     ap.add_argument("--skip-local", action="store_true", help="only the search and Frontier parts")
     ap.add_argument("--results-dir", default=str(RESULTS_DIR),
                     help="where bench_plan.json (bench_plan_search.json with --skip-local) goes")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="rehearse every Frontier pick afresh (else read bench_rehearse.py's "
+                         "results files)")
     ap.add_argument("--published", action="store_true",
                     help="only the fit to published GPU measurements (leave one source out)")
     args = ap.parse_args()
@@ -454,8 +546,8 @@ def main() -> None:
         return
     speed = search_speed()
     print(f"[search] 1T on 3,072 Frontier GCDs: {speed:.3f} s (median of 5)", flush=True)
-    frontier = frontier_predictions()
-    result = {"search_seconds_1t_3072": round(speed, 4)}
+    frontier = frontier_predictions(args.rehearse)
+    result = {"search_seconds_1t_3072": round(speed, 4), **rehearsal_figures(frontier)}
     settings: list[dict] = []
     extra: dict = {}
     if not args.skip_local:

@@ -1,4 +1,5 @@
-"""bench_plan's measuring order: every plan once, then the contenders round-robin to a median."""
+"""bench_plan: its measuring order (every plan once, then the contenders round-robin to a
+median) and the Frontier picks' rehearsals it records."""
 from __future__ import annotations
 
 import sys
@@ -70,3 +71,38 @@ def test_a_plan_set_apart_stops_and_an_unresolved_pick_is_reported(monkeypatch, 
     measured = [[1.30, 2.10, 1.30], [1.00, 1.60, 1.00], [2.0], [3.0]]
     out, order = _run(monkeypatch, tmp_path, [1.0, 1.1, 2.0, 3.0], measured)
     assert len(order) == 8 and not out["resolved"]
+
+
+def test_a_pick_records_the_stored_rehearsal_of_the_same_plan_and_gcds(monkeypatch,
+                                                                       tmp_path) -> None:
+    """A pick's rehearsal is read from bench_rehearse.py's results only for the same preset,
+    plan and GCD count; its memory error is this checkout's model against the rehearsal."""
+    import json
+
+    stored = json.loads((bench_plan.RESULTS_DIR / "bench_rehearse.json").read_text())
+    record = next(r for r in stored["ranks"]
+                  if r.get("preset") == "frontier-22b" and "error" not in r
+                  and "skipped" not in r)
+    (tmp_path / "bench_rehearse.json").write_text(json.dumps(
+        {"ranks": [record], "rehearsed_at": {"commit": "abc", "date": "then"}}))
+    monkeypatch.setattr(bench_plan, "RESULTS_DIR", tmp_path)
+    preset, devices, plan = record["preset"], record["devices"], record["plan"]
+
+    found, source = bench_plan.stored_rehearsals(preset, devices, plan)
+    assert found == [record]
+    assert source == {"file": "bench_rehearse.json", "commit": "abc", "date": "then"}
+    assert bench_plan.stored_rehearsals(preset, devices * 3, plan) == ([], {})
+    assert bench_plan.stored_rehearsals(preset, devices, plan + " x") == ([], {})
+
+    rehearsal = bench_plan.rehearsal_of(found)
+    stage = rehearsal[record["stage"]]
+    assert stage["rehearsed_peak_memory_gb"] == round(record["rehearsed_peak_memory_gb"], 2)
+    assert stage["memory_error_pct"] == pytest.approx(
+        100 * (stage["modeled_tensor_memory_gb"] / stage["rehearsed_peak_memory_gb"] - 1),
+        abs=0.1)
+    figures = bench_plan.rehearsal_figures({"22b_1024": {"rehearsal": rehearsal},
+                                            "1t_3072": {}})
+    assert figures["rehearsal_picks"] == 1
+    assert figures["rehearsal_memory_error_pct_max"] == stage["memory_error_pct"]
+    assert figures["rehearsal_seconds_max"] == stage["rehearsal_seconds"]
+    assert bench_plan.rehearsal_figures({"1t_3072": {}}) == {"rehearsal_picks": 0}
