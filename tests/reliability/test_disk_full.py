@@ -53,11 +53,16 @@ def fill_after_first_checkpoint(runs: Path, ballast: Path, stop: threading.Event
 
 
 def run_pipeline(runs: Path, uri: str) -> tuple[int, str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "workflows.pipeline", "--config", "configs/micro.yaml",
-         "--runs-dir", str(runs), "--tracking-uri", uri, *SETTINGS],
-        cwd=REPO, capture_output=True, text=True, timeout=400, check=False,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "workflows.pipeline", "--config", "configs/micro.yaml",
+             "--runs-dir", str(runs), "--tracking-uri", uri, *SETTINGS],
+            cwd=REPO, capture_output=True, text=True, timeout=400, check=False,
+        )
+    except subprocess.TimeoutExpired as hung:  # show where it stopped, not only that it did
+        said = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                       for part in (hung.stdout, hung.stderr))
+        pytest.fail(f"the pipeline did not end within 400 s; it said:\n{said[-5000:]}")
     return proc.returncode, proc.stdout + proc.stderr
 
 
