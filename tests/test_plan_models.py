@@ -146,6 +146,40 @@ def test_many_chunk_schedules_keep_three_chunks_gathered() -> None:
     assert six["states_first"] == pytest.approx(12 * params / 4 + (2 * 3 / 6 + 4) * params)
 
 
+def test_a_last_stage_counts_the_loss_the_recompute_and_the_reduction_as_moments_apart() -> None:
+    # The last stage's peak beyond its replayed activations, gradients and gathered chunks is
+    # the largest of three moments, never their sum: the loss's backward (the logits), a
+    # recomputed block's backward (its activations, in act_last) and the gradient reduction
+    # after the chunk's last backward (FSDP2's float32 reduce-scatter input of a block, 4 u,
+    # when the schedule's REDUCE_GRAD has resharded the chunk: here, one chunk a rank, all
+    # its gathered parameters)
+    plan = {"pp": 2, "dp": 4, "micro_batch": 1, "grad_accum": 4, "schedule": "1f1b",
+            "sharding": "zero2", "recompute": "full"}
+    _, transient = activation_elems_per_layer(
+        Shapes(8, 1024, 16, 16, 4096, 32000, 512), np.array([1]), np.array([1]),
+        np.array([0]), np.array([REC_FULL]))
+    recomputing = float(transient[0]) * 2
+    for vocab, loss_wins in ((32000, True), (256, False)):
+        s = Shapes(8, 1024, 16, 16, 4096, vocab, 512, dtype="bfloat16")
+        m = _mem(s, **plan)
+        logits = 512 * vocab * LOGIT_BYTES[2]
+        assert (logits > recomputing) is loss_wins
+        assert m["transient_last"] == pytest.approx(max(logits, recomputing) - recomputing)
+        assert m["last"] == pytest.approx(m["states_last"] + m["act_last"] + m["transient_last"])
+    # the reduction moment: a block's 4 u against the chunk's gathered compute-dtype
+    # parameters, which it no longer holds then; with one block a stage and a tiny head
+    # the reduction outweighs the gathered chunk and the others
+    s = Shapes(2, 1024, 16, 16, 4096, 256, 64, dtype="bfloat16")
+    m = _mem(s, **plan)
+    u = m["params_last"] - (256 * 1024 + 1024)  # the block: the stage's params less the head
+    logits = 64 * 256 * LOGIT_BYTES[2]
+    _, transient = activation_elems_per_layer(s, np.array([1]), np.array([1]), np.array([0]),
+                                              np.array([REC_FULL]))
+    moments = (logits, float(transient[0]) * 2, 4 * u - 2 * m["params_last"])
+    assert moments[2] == max(moments)
+    assert m["transient_last"] == pytest.approx(moments[2] - moments[1])
+
+
 def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> None:
     # 8 layers over pp=2: chunks of 4; recompute_layers=1 recomputes the first of each chunk
     s = Shapes(8, 1024, 16, 16, 4096, 32000, 512, dtype="bfloat16")

@@ -90,8 +90,13 @@ parameters at the 1T pick's rank-0 peak, where three were counted before).
 
 The peak is the larger of two moments: the loss's backward (states + activations + the
 logits) and the block backward where buffers peak (states + activations + the reduce-scatter
-and all-gather buffers above). Everything is multiplied by (1 + fragmentation) and the
-cluster's reserved memory is added.
+and all-gather buffers above). A pipeline's last stage has three, counted apart (their sum
+never exists): the loss's backward, a recomputed block's backward, and the gradient reduction
+that torch's schedule runs after a chunk's last backward (``REDUCE_GRAD``), whose float32
+reduce-scatter input (4 u) comes when the rank's chunks are resharded (rehearsed: none
+gathered then; the 1T pick's last rank +16.8 % -> +4.0 %, 1T tp8 pp32 interleaved's last
++6.0 % -> -0.4 %). Everything is multiplied by (1 + fragmentation) and the cluster's
+reserved memory is added.
 """
 from __future__ import annotations
 
@@ -254,9 +259,10 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
         return moments[np.arange(n), best], best // size, best % size
 
     def act(pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray, gathered: np.ndarray,
-            received: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            received: np.ndarray) -> tuple[np.ndarray, ...]:
         """(activations, gradients and gathered parameters held at the rank's peak, one chunk
-        forward's activations). Under pipelining the schedule is replayed: a chunk's float32
+        forward's activations, the gathered parameters among them, the recomputed block's
+        activations among the activations). Under pipelining the schedule is replayed: a chunk's float32
         gradients exist from its first backward through its last, and multi-chunk schedules
         gather a few chunks at a time, so the peak is the largest (held chunk forwards x
         their activations + accumulating chunks x their gradients + gathered chunks x their
@@ -270,8 +276,10 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
         rows = np.arange(len(k))
         acts = np.where(single, per_chunk, per_chunk * held[rows, k, g])
         v_ = np.maximum(v, 1)
-        kept = np.where(single, grads, grads / v_ * k + gathered / v_ * g)
-        return acts + transient * cb * act_factor, kept, per_chunk
+        held_gathered = np.where(single, 0.0, gathered / v_ * g)
+        kept = np.where(single, grads, grads / v_ * k) + held_gathered
+        recomputing = transient * cb * act_factor
+        return acts + recomputing, kept, per_chunk, held_gathered, recomputing
 
     # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
     # boundary of the rank (activations in, gradients back), kept through the step
@@ -290,9 +298,11 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # the float32 parameters are the states'), the root's counted as a chunk's share
     gathered_first = np.where(fsdp & ~single, cb * params_first, 0.0)
     gathered_last = np.where(fsdp & ~single, cb * params_last, 0.0)
-    act_first, held_first, chunk_first = act(first_rank, n_first, grads_first, gathered_first,
-                                             no_pipe * (v - 1) / np.maximum(v, 1))
-    act_last, held_last, _ = act(pp - 1, n_last, grads_last, gathered_last, no_pipe)
+    act_first, held_first, chunk_first, _, _ = act(first_rank, n_first, grads_first,
+                                                   gathered_first,
+                                                   no_pipe * (v - 1) / np.maximum(v, 1))
+    act_last, held_last, _, gathered_at_last, recomputing_last = act(
+        pp - 1, n_last, grads_last, gathered_last, no_pipe)
     act_first, act_last = act_first + recv, act_last + recv
     st_first = st_first - grads_first + np.where(single, 0.0, held_first)
     st_last = st_last - grads_last + np.where(single, 0.0, held_last)
@@ -315,7 +325,16 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
                           np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
     casts = np.where(fsdp | autocast, cast, 0.0)  # float32 gradients need no cast
     peak_first = np.where(single, np.maximum(np.maximum(buf_first, logits), casts), pipe_first)
-    peak_last = np.maximum(buf_last, logits)
+    # A pipeline's last stage: the loss's backward (the logits), a recomputed block's
+    # backward (its activations, in act_last) and the gradient reduction after a chunk's last
+    # backward are three moments, not one. The reduction's buffer (FSDP: a block's float32
+    # reduce-scatter input; ddp: the flat all-reduce copy) comes when the schedule's
+    # REDUCE_GRAD has resharded the rank's chunks (FSDP, rehearsed: none gathered) or the
+    # activations are gone (ddp). Counted: the largest of the three beyond the replayed peak.
+    reduction = np.where(fsdp, buf_last - gathered_at_last,
+                         buf_last - (act_last - recomputing_last - recv))
+    pipe_last = np.maximum(np.maximum(logits, recomputing_last), reduction) - recomputing_last
+    peak_last = np.where(single, np.maximum(buf_last, logits), pipe_last)
     first = (st_first + peak_first + act_first) * (1 + fragmentation) + reserved_gb * GB
     last = (st_last + peak_last + act_last) * (1 + fragmentation) + reserved_gb * GB
     last = np.where(single, first, last)  # one stage: the first rank is also the last
