@@ -262,11 +262,11 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
             received: np.ndarray) -> tuple[np.ndarray, ...]:
         """(activations, gradients and gathered parameters held at the rank's peak, one chunk
         forward's activations, the gathered parameters among them, the recomputed block's
-        activations among the activations). Under pipelining the schedule is replayed: a chunk's float32
-        gradients exist from its first backward through its last, and multi-chunk schedules
-        gather a few chunks at a time, so the peak is the largest (held chunk forwards x
-        their activations + accumulating chunks x their gradients + gathered chunks x their
-        parameters) of the step; without, one chunk and all gradients."""
+        activations among the activations). Under pipelining the schedule is replayed: a
+        chunk's float32 gradients exist from its first backward through its last, and
+        multi-chunk schedules gather a few chunks at a time, so the peak is the largest (held
+        chunk forwards x their activations + accumulating chunks x their gradients + gathered
+        chunks x their parameters) of the step; without, one chunk and all gradients."""
         stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
                                                    layers / np.maximum(v, 1))
         # a chunk's input saved by its first norm is the receive buffer counted below
