@@ -260,9 +260,9 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
 
     def act(pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray, gathered: np.ndarray,
             received: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(activations, gradients and gathered parameters held at the rank's peak, one chunk
-        forward's activations, the gathered parameters among them, the recomputed block's
-        activations among the activations). Under pipelining the schedule is replayed: a
+        """(held activations, the recomputed block's activations beside them, gradients and
+        gathered parameters held at the rank's peak, one chunk forward's activations, the
+        gathered parameters among them). Under pipelining the schedule is replayed: a
         chunk's float32 gradients exist from its first backward through its last, and
         multi-chunk schedules gather a few chunks at a time, so the peak is the largest (held
         chunk forwards x their activations + accumulating chunks x their gradients + gathered
@@ -278,8 +278,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
         v_ = np.maximum(v, 1)
         held_gathered = np.where(single, 0.0, gathered / v_ * g)
         kept = np.where(single, grads, grads / v_ * k) + held_gathered
-        recomputing = transient * cb * act_factor
-        return acts + recomputing, kept, per_chunk, held_gathered, recomputing
+        return acts, transient * cb * act_factor, kept, per_chunk, held_gathered
 
     # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
     # boundary of the rank (activations in, gradients back), kept through the step
@@ -298,12 +297,12 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # the float32 parameters are the states'), the root's counted as a chunk's share
     gathered_first = np.where(fsdp & ~single, cb * params_first, 0.0)
     gathered_last = np.where(fsdp & ~single, cb * params_last, 0.0)
-    act_first, held_first, chunk_first, _, _ = act(first_rank, n_first, grads_first,
-                                                   gathered_first,
-                                                   no_pipe * (v - 1) / np.maximum(v, 1))
-    act_last, held_last, _, gathered_at_last, recomputing_last = act(
+    held_acts_first, recomputing_first, held_first, chunk_first, _ = act(
+        first_rank, n_first, grads_first, gathered_first, no_pipe * (v - 1) / np.maximum(v, 1))
+    held_acts_last, recomputing_last, held_last, _, gathered_at_last = act(
         pp - 1, n_last, grads_last, gathered_last, no_pipe)
-    act_first, act_last = act_first + recv, act_last + recv
+    act_first = held_acts_first + recomputing_first + recv
+    act_last = held_acts_last + recomputing_last + recv
     st_first = st_first - grads_first + np.where(single, 0.0, held_first)
     st_last = st_last - grads_last + np.where(single, 0.0, held_last)
     # A pipeline's first stage peaks in a backward with every micro-batch in flight, while a
@@ -331,8 +330,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # reduce-scatter input; ddp: the flat all-reduce copy) comes when the schedule's
     # REDUCE_GRAD has resharded the rank's chunks (FSDP, rehearsed: none gathered) or the
     # activations are gone (ddp). Counted: the largest of the three beyond the replayed peak.
-    reduction = np.where(fsdp, buf_last - gathered_at_last,
-                         buf_last - (act_last - recomputing_last - recv))
+    reduction = np.where(fsdp, buf_last - gathered_at_last, buf_last - held_acts_last)
     pipe_last = np.maximum(np.maximum(logits, recomputing_last), reduction) - recomputing_last
     peak_last = np.where(single, np.maximum(buf_last, logits), pipe_last)
     first = (st_first + peak_first + act_first) * (1 + fragmentation) + reserved_gb * GB
