@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from parsl.executors import HighThroughputExecutor, MPIExecutor
 from parsl.executors.errors import InvalidResourceSpecification
+from parsl.jobs.states import JobState, JobStatus
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
@@ -35,6 +36,7 @@ from workflows.executors import (
     executor_label,
     interchange_command,
     make_parsl_config,
+    running_blocks,
     worker_init,
 )
 from workflows.frontier import SiteError, check_site
@@ -744,3 +746,13 @@ def test_slurm_sites_refuse_runs_dir_characters_their_scripts_cannot_carry():
             check_site(cfg)
     check_site(load_config(None, ["site.name=slurm", "tracking.runs_dir=/scratch/a_b-1.2+c"]))
     check_site(load_config(None, ["tracking.runs_dir=/scratch/run%j"]))  # local: as before
+
+
+def test_a_block_with_connected_workers_is_handed_back_though_its_last_poll_said_pending():
+    """The retry of ranks out of time must not start in the job they stopped in: Parsl's
+    status of it can be a poll old (pending), while its worker pool is already connected."""
+    status = {"0": JobStatus(JobState.PENDING), "1": JobStatus(JobState.PENDING),
+              "2": JobStatus(JobState.RUNNING), "3": JobStatus(JobState.CANCELLED),
+              "4": JobStatus(JobState.SCALED_IN)}
+    assert running_blocks(status, connected={"0", "3", "4"}) == ["0", "2"]
+    assert running_blocks(status, connected=set()) == ["2"]

@@ -227,13 +227,21 @@ def hand_back_allocation(label: str) -> None:
     _scale_in_running(dfk.executors.get(label))
 
 
+def running_blocks(status: dict[str, Any], connected: Collection[str]) -> list[str]:
+    """The blocks of an executor that run now: those Slurm last said were running, and those
+    whose worker pool is connected to the interchange. The status comes from Parsl's last
+    poll (``PolledSlurmProvider``: up to a minute old), so a job that started since still
+    reads pending; its connected workers say it runs. A block that is neither is pending: the
+    replacement Parsl already asked for. Terminal blocks are never counted."""
+    return [block for block, job in status.items()
+            if not job.terminal and (job.state == JobState.RUNNING or block in connected)]
+
+
 def _scale_in_running(executor: Any) -> None:
     """Cancel the running blocks of a Slurm-backed MPIExecutor (others are left alone)."""
     if not isinstance(executor, MPIExecutor) or not isinstance(executor.provider, SlurmProvider):
         return
-    # Only running blocks: a pending one is the replacement Parsl already asked for.
-    running = [block for block, status in executor.status_facade.items()
-               if status.state == JobState.RUNNING]
+    running = running_blocks(executor.status_facade, set(executor.connected_blocks()))
     if running:
         executor.scale_in_facade(len(running))
 
