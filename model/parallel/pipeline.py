@@ -19,12 +19,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from model.config import ModelConfig
 from model.gpt import GPT
@@ -77,6 +71,15 @@ def build_schedule(
     them from their neighbours at the first step (the rehearsal in
     ``model/training/rehearse.py`` uses it).
     """
+    # Imported here: torch's pipelining pulls in dynamo (about a CPU second), which a rank
+    # without a pipeline never needs.
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
     io = stage_io or [(None, None)] * len(modules)
     stages = [
         PipelineStage(m, sid, n_chunks, device, group=group, input_args=x, output_args=y)
