@@ -314,6 +314,10 @@ def storage_error(error: BaseException) -> OSError | None:
     return None
 
 
+STACKS_SIGNAL = signal.SIGUSR2
+"""The signal on which a rank prints every thread's Python stack to its stderr and goes on."""
+
+
 def rank_main(description: str, run: Callable[[RankSpec], Any],
               argv: list[str] | None = None) -> int:
     """The command-line entry every rank worker shares: parse ``--spec``, run, report.
@@ -322,11 +326,14 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     to ``rank-error.json`` (where the disk still takes it) and ends the rank with
     ``USER_ERROR_EXIT`` and one line on stderr; ``OutOfTime`` ends it with
     ``OUT_OF_TIME_EXIT`` (0 under torchrun, whose launcher reads the rank's file instead);
-    anything else propagates.
+    anything else propagates. A hung rank shows where it waits: ``kill -USR2 <pid>`` prints
+    the stack of each of its threads to its stderr (``STACKS_SIGNAL``).
     """
     import argparse
+    import faulthandler
 
     die_with_parent()
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--spec", required=True, help="path of the rank spec (JSON)")
     args = parser.parse_args(argv)

@@ -26,6 +26,7 @@ from model.training.checkpoint import latest_checkpoint
 from stages.launch import (
     OUT_OF_TIME_EXIT,
     OUT_OF_TIME_FILE,
+    STACKS_SIGNAL,
     USER_ERROR_EXIT,
     RankSpec,
     rank_environment,
@@ -148,3 +149,28 @@ def test_a_stop_signal_after_the_ranks_work_is_ignored(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == USER_ERROR_EXIT, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[-1] == "[True, True]", proc.stdout + proc.stderr
+
+
+def test_a_rank_prints_its_stacks_on_request_and_trains_on(tmp_path: Path) -> None:
+    """A hung run is diagnosed by asking its ranks where they wait (``STACKS_SIGNAL``): the
+    rank writes every thread's stack to its stderr and goes on to finish its steps."""
+    out_dir = tmp_path / "rank"
+    out_dir.mkdir()
+    spec_path = RankSpec(worker="stages.train_worker", nproc=1, nodes=1, out_dir=str(out_dir),
+                         config=tiny_config(*SETTINGS).to_dict(),
+                         plan={"micro_batch": 8, "grad_accum": 1, "sharding": "none"}
+                         ).write(out_dir / "spec.json")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train_worker", "--spec",
+                             str(spec_path)], cwd=REPO, env=rank_environment(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # the rank is training
+        assert PROGRESS.search(first), f"no progress: {first!r} {proc.stderr.read()[-3000:]}"
+        proc.send_signal(STACKS_SIGNAL)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    assert "most recent call first" in stderr and "train_worker.py" in stderr, stderr[-4000:]
+    assert json.loads((tmp_path / "rank" / "summary.json").read_text())["steps_done"] == STEPS

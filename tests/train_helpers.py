@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import load_config
-from stages.launch import RankSpec, local_command, rank_environment
+from stages.launch import STACKS_SIGNAL, RankSpec, local_command, rank_environment
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,9 +42,43 @@ def run_worker(
         cmd = [sys.executable, "-m", "stages.train_worker", "--spec", str(spec_path)]
     else:
         cmd = local_command(spec_path, spec)
-    proc = subprocess.run(cmd, cwd=REPO, env=rank_environment(), capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=rank_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stacks_and_kill(proc)
+        raise AssertionError(f"{nproc} ranks did not end in {timeout} s; their stacks "
+                             f"(stages.launch.STACKS_SIGNAL):\n{stdout[-3000:]}\n{stderr[-12000:]}"
+                             ) from None
+    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if proc.returncode != 0:
         raise AssertionError(f"{nproc} ranks failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}"
                              f"\n{proc.stderr[-6000:]}")
     return json.loads((out_dir / "summary.json").read_text())
+
+
+def _stacks_and_kill(proc: subprocess.Popen) -> tuple[str, str]:
+    """Ask every rank under ``proc`` for its stacks, then kill them all; the output."""
+    import time
+
+    import psutil
+
+    tree = [psutil.Process(proc.pid)]
+    try:
+        tree += tree[0].children(recursive=True)
+    except psutil.Error:
+        pass
+    for rank in tree[1:] or tree:
+        try:
+            if any(arg.startswith("stages.") and arg.endswith("_worker") for arg in rank.cmdline()):
+                rank.send_signal(STACKS_SIGNAL)
+        except psutil.Error:
+            pass
+    time.sleep(2.0)  # the stacks are written by the ranks' own signal handlers
+    for process in reversed(tree):
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    return proc.communicate()
