@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(1: the chosen plan only)")
     ap.add_argument("--study", action="store_true",
                     help=f"rehearse the Frontier study's own plans ({STUDY}) instead")
+    ap.add_argument("--only", metavar="RUN:STAGE", action="append",
+                    help="with --study: rehearse only these ranks (e.g. gpt-22b:first; "
+                         "repeatable) and keep the file's records of the others")
     ap.add_argument("--remodel", metavar="NAME",
                     help="recompute the model-side figures of benchmarks/results/NAME.json "
                          "with this checkout's memory model (no rehearsal) and rewrite it")
@@ -288,10 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.study:
         jobs = [(f"{STUDY}:{name}", -1, stage) for name in study_names() for stage in STAGES]
     name = "bench_rehearse_study" if args.study else "bench_rehearse"
+    if args.only:
+        wanted = {f"{STUDY}:{only.split(':')[0]}": only.split(":")[1] for only in args.only}
+        jobs = [job for job in jobs if wanted.get(job[0]) == job[2]]
+        path = ROOT / "benchmarks" / "results" / f"{name}.json"
+        kept = json.loads(path.read_text())["ranks"] if path.is_file() else []
+        records = [r for r in kept if wanted.get(r["preset"]) != r["stage"]]
     t0 = time.perf_counter()
     for n, (preset, index, stage) in enumerate(jobs, 1):
         record = run_child(preset, stage, args.devices, args.timeout, index)
         if "skipped" not in record:
+            records = [r for r in records  # a kept record of this rank is replaced
+                       if (r["preset"], r.get("plan_index"), r["stage"]) != (preset, index, stage)]
             records.append(record)
             print(f"[bench_rehearse {n}/{len(jobs)}, ETA "
                   f"{(time.perf_counter() - t0) / n * (len(jobs) - n) / 60:.0f} min] {preset} "
