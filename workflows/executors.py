@@ -241,7 +241,13 @@ def _scale_in_running(executor: Any) -> None:
     """Cancel the running blocks of a Slurm-backed MPIExecutor (others are left alone)."""
     if not isinstance(executor, MPIExecutor) or not isinstance(executor.provider, SlurmProvider):
         return
-    running = running_blocks(executor.status_facade, set(executor.connected_blocks()))
+    status = executor.status_facade
+    # Ask the interchange only where the last poll may be stale, and only a live one: a query
+    # to a dead interchange never returns (the driver may be shutting down after a signal).
+    process = getattr(executor, "interchange_proc", None)
+    stale = any(not job.terminal and job.state != JobState.RUNNING for job in status.values())
+    ask = stale and process is not None and process.poll() is None
+    running = running_blocks(status, set(executor.connected_blocks()) if ask else set())
     if running:
         executor.scale_in_facade(len(running))
 
