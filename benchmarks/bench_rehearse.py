@@ -292,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [(f"{STUDY}:{name}", -1, stage) for name in study_names() for stage in STAGES]
     name = "bench_rehearse_study" if args.study else "bench_rehearse"
     if args.only:
-        wanted = {f"{STUDY}:{only.split(':')[0]}": only.split(":")[1] for only in args.only}
-        jobs = [job for job in jobs if wanted.get(job[0]) == job[2]]
+        wanted = {(f"{STUDY}:{only.split(':')[0]}", only.split(":")[1]) for only in args.only}
+        jobs = [job for job in jobs if (job[0], job[2]) in wanted]
         path = ROOT / "benchmarks" / "results" / f"{name}.json"
         kept = json.loads(path.read_text())["ranks"] if path.is_file() else []
-        records = [r for r in kept if wanted.get(r["preset"]) != r["stage"]]
+        records = [r for r in kept if (r["preset"], r["stage"]) not in wanted]
     t0 = time.perf_counter()
     for n, (preset, index, stage) in enumerate(jobs, 1):
         record = run_child(preset, stage, args.devices, args.timeout, index)

@@ -10,7 +10,6 @@ the job ledger, and losses bitwise equal to one uninterrupted run.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import signal
@@ -31,7 +30,7 @@ from stages.launch import (
     RankSpec,
     rank_environment,
 )
-from tests.train_helpers import REPO, run_worker, tiny_config
+from tests.train_helpers import REPO, run_worker, tiny_config, worker_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -49,17 +48,6 @@ def write_spec(out_dir: Path) -> Path:
     return spec.write(out_dir / "spec.json")
 
 
-def ranks(launcher: psutil.Process) -> list[psutil.Process]:
-    """The training ranks under a launch (``python -m stages.train_worker``, not torchrun)."""
-    found = []
-    for proc in launcher.children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            args = proc.cmdline()
-            if "-m" in args and args[args.index("-m") + 1:][:1] == ["stages.train_worker"]:
-                found.append(proc)
-    return found
-
-
 def launch(spec_path: Path, log: Path, signum: int | None, rank: int,
            timeout: float = 240) -> tuple[int, str]:
     """``python -m stages.launch --spec``; once a progress line shows the ranks stepping (past
@@ -72,7 +60,7 @@ def launch(spec_path: Path, log: Path, signum: int | None, rank: int,
     try:
         while signum is not None and proc.poll() is None and time.monotonic() < deadline:
             if PROGRESS.search(log.read_text()):
-                found = sorted(ranks(psutil.Process(proc.pid)), key=lambda p: p.pid)
+                found = sorted(worker_ranks(psutil.Process(proc.pid)), key=lambda p: p.pid)
                 if len(found) == 2:
                     found[rank].send_signal(signum)
                     break

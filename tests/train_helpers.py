@@ -1,11 +1,15 @@
 """Shared helpers for the training tests: tiny configs and real multi-rank launches."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from stages.config import load_config
 from stages.launch import STACKS_SIGNAL, RankSpec, local_command, rank_environment
@@ -58,27 +62,29 @@ def run_worker(
     return json.loads((out_dir / "summary.json").read_text())
 
 
+def worker_ranks(root: psutil.Process) -> list[psutil.Process]:
+    """The ranks at or under ``root`` (``python -m stages.<name>_worker``, not torchrun)."""
+    found = []
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            args = proc.cmdline()
+            module = args[args.index("-m") + 1:][:1] if "-m" in args else []
+            if module and module[0].startswith("stages.") and module[0].endswith("_worker"):
+                found.append(proc)
+    return found
+
+
 def _stacks_and_kill(proc: subprocess.Popen) -> tuple[str, str]:
     """Ask every rank under ``proc`` for its stacks, then kill them all; the output."""
-    import time
-
-    import psutil
-
-    tree = [psutil.Process(proc.pid)]
-    try:
-        tree += tree[0].children(recursive=True)
-    except psutil.Error:
-        pass
-    for rank in tree[1:] or tree:
-        try:
-            if any(arg.startswith("stages.") and arg.endswith("_worker") for arg in rank.cmdline()):
-                rank.send_signal(STACKS_SIGNAL)
-        except psutil.Error:
-            pass
+    root = psutil.Process(proc.pid)
+    tree = [root]
+    with contextlib.suppress(psutil.Error):
+        tree += root.children(recursive=True)
+    for rank in worker_ranks(root):
+        with contextlib.suppress(psutil.Error):
+            rank.send_signal(STACKS_SIGNAL)
     time.sleep(2.0)  # the stacks are written by the ranks' own signal handlers
     for process in reversed(tree):
-        try:
+        with contextlib.suppress(psutil.Error):
             process.kill()
-        except psutil.Error:
-            pass
     return proc.communicate()
