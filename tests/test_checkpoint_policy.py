@@ -154,6 +154,45 @@ def test_rank_zeros_clock_decides_for_every_rank(tmp_path: Path) -> None:
     assert results[0] == results[1] == want
 
 
+def _save_rank(rank: int, init: str, out: str) -> None:
+    """Save a checkpoint where rank 0 cannot write a file over 256 KiB, as on a full disk:
+    the shards are small, ``extra.pt`` (2 MB of losses) is not. Record what each rank
+    raised."""
+    import resource
+    import signal
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 0:  # writes past the limit fail with EFBIG rather than killing the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        save_checkpoint(Path(out, "checkpoints"), 1, model, opt,
+                        {"step": 1, "losses": [0.5] * 200_000}, tiny_config().model)
+        got = None
+    except BaseException as error:  # noqa: BLE001 - what each rank raised is the result
+        got = [type(error).__name__, getattr(error, "errno", None), str(error)]
+    Path(out, f"{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_a_write_only_rank_zero_makes_fails_every_rank_alike(tmp_path: Path) -> None:
+    """A full disk under rank 0's own files (extra.pt, the manifest) ends every rank with
+    the same OSError, not rank 0 with it and the others with a broken connection; and no
+    half-written checkpoint stays."""
+    import errno
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_save_rank, args=(f"file://{tmp_path / 'store'}", str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    said = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert [s[:2] if s else s for s in said] == [["OSError", errno.EFBIG]] * 2, said
+    assert "extra.pt" in said[0][2] and "on rank 0" in said[1][2], said
+    assert not list((tmp_path / "checkpoints").iterdir())
+
+
 # ---------------------------------------------------------------- one job, one checkpoint
 def _train(*sets: str):
     """A long training (100,000 steps unless ``sets`` says otherwise)."""

@@ -26,6 +26,7 @@ import pytest
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import FIXED, LAYOUTS, multinode, run_on_one_node  # noqa: F401
 from tests.test_slurm_pipeline import (
+    complete_checkpoints,
     jobcomp_states,
     start_cli,
     train_block_jobs,
@@ -54,20 +55,13 @@ def node_action(action: str, node: str) -> None:
     assert proc.returncode == 0, f"--{action}-node {node}: {proc.stdout}{proc.stderr}"
 
 
-def checkpoints(runs_dir: Path) -> list[Path]:
-    """Complete checkpoints of the training in progress (a step-N directory is renamed from
-    step-N.tmp once its manifest is written)."""
-    return sorted(p.parent for p in runs_dir.glob("stages/train/*/checkpoints/step-*/manifest.json")
-                  if not p.parent.name.endswith(".tmp"))
-
-
 def crash_node_after_checkpoint(runs_dir: Path, node: str, found: dict,
                                 stop: threading.Event) -> None:
     """Once a complete checkpoint exists, crash ``node``; bring it back once the training
     job has failed (slurmctld has ended it)."""
     while not stop.is_set():
         jobs = train_block_jobs(runs_dir)
-        done = checkpoints(runs_dir)
+        done = complete_checkpoints(runs_dir)
         if done and "0" in jobs:
             node_action("stop", node)
             found.update(checkpoint=done[-1].name, job=jobs["0"], crashed_at=time.time())

@@ -47,16 +47,45 @@ def slurm_runs_dir(slurm_env, tmp_path: Path, request: pytest.FixtureRequest) ->
 @contextlib.contextmanager
 def watching(target: Callable[..., None], *args: Any) -> Iterator[dict]:
     """Run ``target(*args, found, stop)`` in a thread while the block runs; yield ``found``
-    (what the watcher saw) and stop and join the thread on the way out."""
+    (what the watcher saw) and stop and join the thread on the way out. A watcher that
+    raised fails the test with its own error, not with an empty ``found``."""
     found: dict = {}
     stop = threading.Event()
-    thread = threading.Thread(target=target, args=(*args, found, stop))
+    raised: list[BaseException] = []
+
+    def watch() -> None:
+        try:
+            target(*args, found, stop)
+        except BaseException as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=watch)
     thread.start()
     try:
         yield found
     finally:
         stop.set()
         thread.join()
+    if raised:
+        raise raised[0]
+
+
+def glob_settled(root: Path, pattern: str) -> list[Path]:
+    """``root.glob(pattern)`` taken again while a directory it walks is renamed or removed
+    under it (a checkpoint or a stage's work directory published, an old checkpoint pruned),
+    which pathlib reports as FileNotFoundError."""
+    while True:
+        try:
+            return sorted(root.glob(pattern))
+        except FileNotFoundError:
+            time.sleep(0.05)
+
+
+def complete_checkpoints(runs_dir: Path) -> list[Path]:
+    """The training's complete checkpoints so far (``step-N.tmp`` is renamed ``step-N`` once
+    its manifest is written), oldest first."""
+    manifests = glob_settled(runs_dir, "stages/train/*/checkpoints/step-*/manifest.json")
+    return [p.parent for p in manifests if not p.parent.name.endswith(".tmp")]
 
 
 def start_cli(runs_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -86,7 +115,7 @@ def block_jobs(runs_dir: Path, label: str) -> dict[str, str]:
     log)."""
     jobs = {}
     pattern = rf"\[Scaling executor {label}\] Launched block (\d+) with job ID (\d+)"
-    for log in runs_dir.glob("parsl/**/parsl.log"):  # parsl/<driver>/<run>/parsl.log
+    for log in glob_settled(runs_dir, "parsl/**/parsl.log"):  # parsl/<driver>/<run>/parsl.log
         for block, job in re.findall(pattern, log.read_text()):
             jobs[block] = job
     return jobs
@@ -184,8 +213,7 @@ def test_micro_pipeline_trains_through_srun(slurm_runs_dir):
 def _cancel_after_first_checkpoint(runs_dir: Path, found: dict, stop: threading.Event) -> None:
     """Once a complete checkpoint exists, scancel the running training job."""
     while not stop.is_set():
-        ckpts = [p.parent for p in runs_dir.rglob("checkpoints/step-*/extra.pt")
-                 if not p.parent.name.endswith(".tmp")]
+        ckpts = complete_checkpoints(runs_dir)
         jobs = train_block_jobs(runs_dir)
         if ckpts and "0" in jobs:
             found["checkpoint"] = min(ckpts)

@@ -32,6 +32,7 @@ Which files are trusted input:
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -40,7 +41,7 @@ import shutil
 import sys
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from data_prep.atomic import atomic_path, write_json_atomic, write_text_atomic
+from data_prep.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from model.config import ModelConfig
 from model.gpt import GPT, HEAD_NAME, TIED_NAME
 
@@ -89,6 +90,31 @@ def _rank() -> int:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _on_rank0(work: Callable[[], Any]) -> None:
+    """Do ``work``, a write only rank 0 makes, and end every rank alike if it fails.
+
+    An OSError on rank 0 (a full disk) is raised there and, as an OSError of the same errno,
+    on every other rank: otherwise they would wait in the next collective and die of a
+    broken connection, their tracebacks hiding the cause. It costs one broadcast, which is
+    also the barrier after the work.
+    """
+    failure: list[Any] = [None]
+    error: OSError | None = None
+    if _rank() == 0:
+        try:
+            work()
+        except OSError as raised:
+            error = raised
+            failure[0] = (raised.errno, raised.strerror or str(raised))
+    if _world() > 1:
+        dist.broadcast_object_list(failure, src=0)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        number, message = failure[0]
+        raise OSError(number, f"{message} (on rank 0)")
 
 
 # ---------------------------------------------------------------- manifest
@@ -129,10 +155,13 @@ def write_manifest(ckpt_dir: str | Path) -> Path:
         shares = [None] * _world()
         dist.all_gather_object(shares, mine)
     path = ckpt_dir / MANIFEST
-    if _rank() == 0:
+
+    def write() -> None:
         files = {k: v for share in shares for k, v in share.items()}
         write_json_atomic(path, {"format": MANIFEST_FORMAT, "checksum": "crc32",
                                  "files": dict(sorted(files.items()))})
+
+    _on_rank0(write)
     return path
 
 
@@ -318,11 +347,13 @@ def start_save(
     final = root / f"step-{step:08d}"
     tmp = root / f"step-{step:08d}.tmp"
     extra = plain_state(extra)  # every rank refuses the same unsafe value, before any barrier
-    if _rank() == 0:
+
+    def make_tmp() -> None:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover from an interrupted save
         tmp.mkdir()
-    _barrier()
+
+    _on_rank0(make_tmp)
     state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
@@ -337,10 +368,22 @@ def start_save(
             if _rank() == 0:  # nothing half-written stays: a full disk gets its space back
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-    if _rank() == 0:
-        with atomic_path(tmp / "extra.pt") as part:
-            torch.save(extra, part)
-        write_text_atomic(tmp / "model.json", json.dumps(dataclasses.asdict(model_cfg), indent=2))
+
+    def write_small_files() -> None:
+        # Pickled in memory: torch.save to a file on a full disk raises a RuntimeError of
+        # its zip writer, where Python's own write raises the OSError that names the cause.
+        pickled = io.BytesIO()
+        torch.save(extra, pickled)
+        try:
+            write_bytes_atomic(tmp / "extra.pt", pickled.getvalue())
+            write_text_atomic(tmp / "model.json",
+                              json.dumps(dataclasses.asdict(model_cfg), indent=2))
+        except OSError:
+            if future is None:  # nothing half-written stays (a background write may still be)
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    _on_rank0(write_small_files)
     return PendingSave(step, tmp, final, future)
 
 
@@ -353,11 +396,13 @@ def finish_save(pending: PendingSave) -> Path:
         pending.future.result()
     _barrier()  # every rank's shards are on disk
     write_manifest(pending.tmp)
-    if _rank() == 0:
+
+    def rename() -> None:
         if pending.final.exists():
             shutil.rmtree(pending.final)
         os.replace(pending.tmp, pending.final)
-    _barrier()
+
+    _on_rank0(rename)
     return pending.final
 
 
