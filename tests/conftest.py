@@ -144,20 +144,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=order)
 
 
-# The Slurm lane mostly waits (job starts, heartbeats, polls: 0.7 of a core on average), so
-# the suite runs one worker more than the box has cores; the other lanes run at this lower
-# priority so that the Slurm lane's processes, and what they time, are never starved.
-OTHER_LANES_NICE = 5
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Lower this worker's priority (and its children's) before its first test outside the
-    Slurm lane, which a worker runs first if at all."""
-    if xdist_group_of(item.nodeid) != SLURM_GROUP and os.getpriority(
-            os.PRIO_PROCESS, 0) < OTHER_LANES_NICE:
-        os.setpriority(os.PRIO_PROCESS, 0, OTHER_LANES_NICE)
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session if a test wrote an MLflow store into the repository root."""
     if "stores_before" not in _state:
