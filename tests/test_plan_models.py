@@ -83,12 +83,31 @@ def test_sharding_modes_scale_states_with_dp() -> None:
     # and reduced in the backward)
     assert z3["states_first"] == pytest.approx(p * 16 / 8 + root * 2)
     # the peak: a block's backward (its and the next block's gathered bf16 parameters, its
-    # new gradient, the fp32 reduce-scatter input, the output head's bf16 gradient), the
-    # loss's, or the embedding's gradient
+    # new gradient, the fp32 reduce-scatter input, the output head's bf16 gradient, beside
+    # the recomputed block's activations), the embedding's gradient, or the loss's, where no
+    # block is being recomputed (act_first counts the recomputed block for every moment)
     head = s.embedding_params + s.d_model
+    _, recomputed = activation_elems_per_layer(s, *(np.array([x]) for x in (1, 1, 0, REC_FULL)))
+    recomputing = 2 * float(recomputed[0])
     assert z3["transient_first"] == pytest.approx(max(
-        unit * (3 * 2 + 4) + 2 * head, 512 * 32000 * LOGIT_BYTES[2], 6 * s.embedding_params))
+        unit * (3 * 2 + 4) + 2 * head, 6 * s.embedding_params,
+        512 * 32000 * LOGIT_BYTES[2] - recomputing))
     assert z3["peak"] < z2["peak"] < ddp["peak"]
+
+
+def test_without_pipelining_the_loss_holds_no_gradient_in_a_one_micro_batch_step() -> None:
+    """A step of one micro-batch begins with no gradient (zero_grad(set_to_none=True)), so
+    at the loss's backward the gradients do not exist yet; with more micro-batches the
+    earlier ones' do. The loss's moment holds no recomputed block either."""
+    s = Shapes(8, 1024, 16, 16, 4096, 256000, 2048, dtype="bfloat16")  # logits dominate
+    common = {"dp": 8, "micro_batch": 4, "sharding": "zero3", "recompute": "full"}
+    one, four = _mem(s, grad_accum=1, **common), _mem(s, grad_accum=4, **common)
+    p = one["params_first"]
+    _, recomputed = activation_elems_per_layer(s, *(np.array([x]) for x in (4, 1, 0, REC_FULL)))
+    logits = 2048 * 4 * 256000 * LOGIT_BYTES[2]
+    assert four["transient_first"] == pytest.approx(logits - 2 * float(recomputed[0]))
+    assert one["transient_first"] == pytest.approx(four["transient_first"] - 4 * p / 8)
+    assert four["peak"] - one["peak"] == pytest.approx(4 * p / 8)
 
 
 def test_pipelined_fsdp_keeps_unsharded_params_and_fp32_gradients() -> None:

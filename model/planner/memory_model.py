@@ -88,9 +88,11 @@ activations or its gradients at the peak, not both; and the first chunk's last b
 where the embedding's gradient is made, find it gathered alone (rehearsed: one chunk's
 parameters at the 1T pick's rank-0 peak, where three were counted before).
 
-The peak is the larger of two moments: the loss's backward (states + activations + the
-logits) and the block backward where buffers peak (states + activations + the reduce-scatter
-and all-gather buffers above). A pipeline's last stage has three, counted apart (their sum
+The peak is the larger of two moments: the loss's backward (states + stored activations +
+the logits; no block is being recomputed then, and in a step of one micro-batch no gradient
+exists yet: rehearsed, the 1T tp16 mb8 zero3 plan's peak holds neither, +19.2 % before) and
+the block backward where buffers peak (states + activations + the reduce-scatter and
+all-gather buffers above). A pipeline's last stage has three, counted apart (their sum
 never exists): the loss's backward, a recomputed block's backward, and the gradient reduction
 that torch's schedule runs after a chunk's last backward (``REDUCE_GRAD``), whose float32
 reduce-scatter input (4 u) comes when the rank's chunks are resharded (rehearsed: none
@@ -323,7 +325,14 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     pipe_first = np.where(fsdp, np.maximum(at_embedding, 0.0),
                           np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
     casts = np.where(fsdp | autocast, cast, 0.0)  # float32 gradients need no cast
-    peak_first = np.where(single, np.maximum(np.maximum(buf_first, logits), casts), pipe_first)
+    # Without pipelining the loss's backward and the blocks' backwards are two moments: at
+    # the loss no block is being recomputed, and in a step of one micro-batch no gradient
+    # exists yet (each step begins with zero_grad(set_to_none=True)).
+    unmade = np.where(ga == 1, 4 * params_first / np.where(fsdp, dp, 1), 0.0)
+    at_loss = logits - unmade
+    at_block = np.maximum(buf_first, casts) + recomputing_first
+    single_first = np.maximum(at_loss, at_block) - recomputing_first
+    peak_first = np.where(single, single_first, pipe_first)
     # A pipeline's last stage: the loss's backward (the logits), a recomputed block's
     # backward (its activations, in act_last) and the gradient reduction after a chunk's last
     # backward are three moments, not one. The reduction's buffer (FSDP: a block's float32
