@@ -229,6 +229,14 @@ def test_ddp_under_pipelining_all_reduces_the_stage_gradients() -> None:
     assert result.peak_memory_by_category["other"] == plan.grad_accum * SEQ * MODEL["d_model"] * 4
 
 
+def test_fsdp2_pipeline_counts_its_gradient_receive_buffers() -> None:
+    """pp2 x dp2 zero2 (rehearsed only): the first stage's gradient receive buffers, one per
+    micro-batch, are in its memory, though FSDP2's tracker takes no external tensors."""
+    plan = Plan(pp=2, dp=2, micro_batch=1, grad_accum=2, sharding="zero2", schedule="1f1b")
+    result = rehearse(ModelConfig(**MODEL), TrainConfig(seq_len=SEQ, global_batch=4), plan, 0)
+    assert result.peak_memory_by_category["inputs"] == plan.grad_accum * SEQ * MODEL["d_model"] * 4
+
+
 def test_partial_recompute_keeps_activations_between_none_and_full() -> None:
     """Recomputing the first 2 of 4 blocks (fake tensors, one rank) keeps more activations
     than recomputing all of them and fewer than recomputing none."""
