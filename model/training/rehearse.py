@@ -193,6 +193,8 @@ PRIVATE_INTERNALS: tuple[tuple[Any, str], ...] = (
     (MemTracker, "_pre_fw_hook"),
     (MemTracker, "_update_peak_stats"),
     (FSDPMemTracker, "_fsdp_state_pre_forward"),
+    (FSDPMemTracker, "_update_and_maybe_create_winfos"),
+    (_FSDPRefType, "INP"),
 )
 """The private torch attributes the rehearsal overrides or calls."""
 
