@@ -63,7 +63,7 @@ from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import schedules as pipelining_schedules
 from torch.distributed.pipelining._utils import InferenceMode
@@ -193,8 +193,9 @@ PRIVATE_INTERNALS: tuple[tuple[Any, str], ...] = (
     (MemTracker, "_pre_fw_hook"),
     (MemTracker, "_update_peak_stats"),
     (FSDPMemTracker, "_fsdp_state_pre_forward"),
-    (FSDPMemTracker, "_update_and_maybe_create_winfos"),
+    (MemTracker, "_update_and_maybe_create_winfos"),
     (_FSDPRefType, "INP"),
+    (_MemRefType, "OTH"),
 )
 """The private torch attributes the rehearsal overrides or calls."""
 
@@ -314,15 +315,14 @@ def memory_tracker(trainer: Trainer) -> MemTracker:
     tracker ignores ``track_external``, the 1T tp8 pp16 il8 last rank's 112, 5.9 GB). Under
     FSDP2 they are the category ``inputs``."""
     if all(isinstance(c, FSDPModule) for c in trainer.chunks):
-        tracker = StepFSDPMemTracker(list(trainer.chunks), trainer.optimizer)
-        for buffer in receive_buffers(trainer):
-            tracker._update_and_maybe_create_winfos(buffer, _FSDPRefType.INP)
-        return tracker
-    tracker = StepMemTracker()
-    tracker.track_external(*trainer.runners, trainer.optimizer)
-    buffers = receive_buffers(trainer)
-    if buffers:
-        tracker.track_external(*buffers)
+        tracker: MemTracker = StepFSDPMemTracker(list(trainer.chunks), trainer.optimizer)
+        category: Any = _FSDPRefType.INP
+    else:
+        tracker = StepMemTracker()
+        tracker.track_external(*trainer.runners, trainer.optimizer)
+        category = _MemRefType.OTH  # what track_external makes of a tensor
+    for buffer in receive_buffers(trainer):
+        tracker._update_and_maybe_create_winfos(buffer, category)
     return tracker
 
 
