@@ -8,12 +8,17 @@ sees the old file or the new one, never half of one, and a crash leaves at most 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
+
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+"""The errnos of a storage that takes no more writes (full, over quota, read-only): a retry
+fails the same way until someone frees space."""
 
 
 @contextlib.contextmanager
@@ -88,3 +93,27 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def storage_error(error: BaseException,
+                  errnos: Collection[int] | None = STORAGE_ERRNOS) -> OSError | None:
+    """The full-disk (quota, read-only) OSError behind ``error``, if any: ``error`` itself, in
+    its cause or context chain, or among a distributed checkpoint's per-rank failures.
+    ``errnos=None`` finds an OSError of any errno."""
+    seen: set[int] = set()
+    todo: list[Any] = [error]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, tuple):  # DCP's failures: rank -> (exception, traceback)
+            todo.extend(item)
+            continue
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OSError) and (errnos is None or item.errno in errnos):
+            return item
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            todo.extend(failures.values())
+        todo.extend([item.__cause__, item.__context__])
+    return None

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import errno
 import json
 import os
 import signal
@@ -37,9 +36,9 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from data_prep.atomic import write_json_atomic
+from data_prep.atomic import storage_error, write_json_atomic
 from model.parallel.threads import rank_threads_env
 from stages.shape import StageShape
 
@@ -51,7 +50,6 @@ RANK_MESSAGE_PREFIX = "[rank] "
 """How a rank's one-line error starts on its stderr (the launcher takes it from there where
 a full disk took no ``rank-error.json``)."""
 # A full disk, a quota or a read-only filesystem: trying again fails the same way.
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 USER_ERROR_EXIT = 3  # a rank refused its input: retrying cannot help
 OUT_OF_TIME_EXIT = 75  # the ranks stopped at a checkpoint before the walltime: resume (EX_TEMPFAIL)
 OUT_OF_TIME_FILE = "out-of-time.json"
@@ -232,6 +230,7 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
             timer.start()
             stack.callback(timer.cancel)
         reported: str | None = None  # a rank's own one-line error
+        full: set[int] = set()  # the sinks a full disk stopped taking: the ranks are still heard
         for line in proc.stdout:
             own = line.startswith(RANK_MESSAGE_PREFIX)
             if own:
@@ -239,10 +238,10 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
             # once a rank has said why it failed, torchrun's failure report (a traceback of
             # its own that repeats it) goes to the log only
             if echo and (own or reported is None):
-                sys.stdout.write(line)
+                _copy(line, sys.stdout, full)
             tail.append(line)
             if log:
-                log.write(line)
+                _copy(line, log, full)
         code = proc.wait()
     stopped = read_out_of_time(spec.out_dir)
     if stopped is not None and read_rank_error(spec.out_dir) is None:
@@ -250,6 +249,26 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
     if code != 0:
         # the rank's file, or its line where a full disk took no file
         raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir) or reported)
+
+
+def _copy(line: str, sink: TextIO, full: set[int]) -> None:
+    """Write ``line`` to ``sink`` unless a full disk stopped taking it (its id in ``full``):
+    a launcher whose own log fills the disk goes on reading its ranks to their verdict."""
+    if id(sink) in full:
+        return
+    try:
+        sink.write(line)
+        sink.flush()
+    except OSError as error:
+        if storage_error(error) is None:
+            raise
+        full.add(id(sink))
+
+
+def _say(text: str) -> None:
+    """Print ``text`` to stderr where the disk under it still takes it (see ``_copy``)."""
+    with contextlib.suppress(OSError):
+        print(text, file=sys.stderr, flush=True)
 
 
 def run_series_local(spec: RankSpec, log_path: str | Path | None = None, what: str = "stage",
@@ -290,28 +309,6 @@ def die_with_parent() -> None:
     _arm_parent_death_signal()
     if os.getppid() != parent:  # the parent died before the signal was armed
         os._exit(1)
-
-
-def storage_error(error: BaseException) -> OSError | None:
-    """The full-disk (quota, read-only) OSError behind ``error``, if any: in its cause or
-    context chain, or among a distributed checkpoint's per-rank failures."""
-    seen: set[int] = set()
-    todo: list[Any] = [error]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, tuple):  # DCP's failures: rank -> (exception, traceback)
-            todo.extend(item)
-            continue
-        if not isinstance(item, BaseException) or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, OSError) and item.errno in STORAGE_ERRNOS:
-            return item
-        failures = getattr(item, "failures", None)
-        if isinstance(failures, dict):
-            todo.extend(failures.values())
-        todo.extend([item.__cause__, item.__context__])
-    return None
 
 
 STACKS_SIGNAL = signal.SIGUSR2
@@ -375,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_local(args.spec, what=Path(args.spec).parent.name)
     except RanksOutOfTime as stopped:
-        print(f"[launch] {stopped}", file=sys.stderr, flush=True)
+        _say(f"[launch] {stopped}")
         return OUT_OF_TIME_EXIT
     except RanksFailed as error:
-        print(f"[launch] {error}", file=sys.stderr, flush=True)
+        _say(f"[launch] {error}")
         out_dir = Path(RankSpec.read(args.spec).out_dir)
         if error.user_error and read_rank_error(out_dir) is None:
             # the rank said why on stderr but a full disk took no file: keep it for the

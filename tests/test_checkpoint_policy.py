@@ -5,6 +5,7 @@ Real training runs of these rules: tests/test_train_checkpoint.py.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from data_prep.atomic import storage_error
 from model.gpt import GPT
 from model.planner.plan import Plan
 from model.training.checkpoint import (
@@ -154,10 +156,11 @@ def test_rank_zeros_clock_decides_for_every_rank(tmp_path: Path) -> None:
     assert results[0] == results[1] == want
 
 
-def _save_rank(rank: int, init: str, out: str) -> None:
+def _save_rank(rank: int, init: str, out: str, width: int = 4) -> None:
     """Save a checkpoint where rank 0 cannot write a file over 256 KiB, as on a full disk:
-    the shards are small, ``extra.pt`` (2 MB of losses) is not. Record what each rank
-    raised."""
+    with ``width`` 4 the shards are small and ``extra.pt`` (2 MB of losses) is not; with
+    ``width`` 512 rank 0's shard (1 MB of weights, 2 MB of moments) is too large. Record what
+    each rank raised, and the storage error behind it."""
     import resource
     import signal
 
@@ -166,14 +169,19 @@ def _save_rank(rank: int, init: str, out: str) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, resource.RLIM_INFINITY))
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
+    model = torch.nn.Linear(width, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, width)).sum().backward()
+    opt.step()  # the moments exist and are saved
+    losses = [0.5] * (200_000 if width == 4 else 10)
     try:
         save_checkpoint(Path(out, "checkpoints"), 1, model, opt,
-                        {"step": 1, "losses": [0.5] * 200_000}, tiny_config().model)
+                        {"step": 1, "losses": losses}, tiny_config().model)
         got = None
     except BaseException as error:  # noqa: BLE001 - what each rank raised is the result
-        got = [type(error).__name__, getattr(error, "errno", None), str(error)]
+        behind = storage_error(error, {errno.EFBIG})
+        got = [type(error).__name__, getattr(error, "errno", None), str(error),
+               behind.errno if behind is not None else None]
     Path(out, f"{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 
@@ -190,6 +198,20 @@ def test_a_write_only_rank_zero_makes_fails_every_rank_alike(tmp_path: Path) -> 
     said = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert [s[:2] if s else s for s in said] == [["OSError", errno.EFBIG]] * 2, said
     assert "extra.pt" in said[0][2] and "on rank 0" in said[1][2], said
+    assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_a_shard_too_large_for_the_disk_is_known_as_a_full_disk_on_every_rank(
+        tmp_path: Path) -> None:
+    """A full disk under a rank's own shard ends every rank with DCP's exception, behind
+    which lies that rank's OSError (not the zip writer's RuntimeError, which does not say the
+    disk is full); and no half-written checkpoint stays."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_save_rank, args=(f"file://{tmp_path / 'store'}", str(tmp_path), 512),
+                       nprocs=2, start_method="spawn")
+    said = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    assert [s[0] for s in said] == ["CheckpointException"] * 2, said
+    assert [s[3] for s in said] == [errno.EFBIG] * 2, said
     assert not list((tmp_path / "checkpoints").iterdir())
 
 

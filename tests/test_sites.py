@@ -299,6 +299,21 @@ def test_a_local_series_runs_every_launch_whatever_fails(tmp_path):
     assert "Beautiful is better than ugly." in text  # `python -m this` ran after it
 
 
+def test_a_launcher_whose_own_log_fills_the_disk_still_reports_its_ranks(tmp_path):
+    """The launcher's stdout is the stage's log on the runs dir; when that disk fills, the
+    launcher goes on reading its ranks and exits with their verdict, not a traceback of its
+    own (which Parsl would retry) or Python's failed flush at exit."""
+    spec = RankSpec(worker="this", nproc=1, nodes=1, out_dir=str(tmp_path), config={},
+                    timeout_s=120)
+    path = spec.write(tmp_path / "spec.json")
+    with open("/dev/full", "w") as full:  # every write: ENOSPC
+        done = subprocess.run([sys.executable, "-m", "stages.launch", "--spec", str(path)],
+                              cwd=REPO_ROOT, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
 def test_each_allocation_is_sized_for_its_stage(tmp_path):
     """Training and evaluation each get a block of their own size: an evaluation on one node
     never holds the training's nodes, and evaluating alone asks for its node only. Only the

@@ -60,7 +60,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from data_prep.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
+from data_prep.atomic import (
+    storage_error,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from model.config import ModelConfig
 from model.gpt import GPT, HEAD_NAME, TIED_NAME
 
@@ -307,6 +312,26 @@ def check_model_shape(ckpt_dir: str | Path, model_cfg: ModelConfig) -> None:
         )
 
 
+class _ShardWriter(dcp.FileSystemWriter):
+    """DCP's file writer, raising the OSError behind a shard it could not write.
+
+    ``torch.save`` into a file that the disk stops taking raises its zip writer's
+    ``RuntimeError`` ("unexpected pos"), the OSError only in its context; DCP then pickles
+    the failure to every rank, which drops the context, and no rank could tell a full disk
+    (not retried, the fix named) from a bug. This writer raises the OSError itself.
+    """
+
+    def write_data(self, plan: dcp.SavePlan, planner: dcp.SavePlanner) -> Future:
+        try:
+            return super().write_data(plan, planner)
+        except Exception as error:
+            behind = storage_error(error, errnos=None)
+            if behind is None or behind is error:
+                raise
+            raise OSError(behind.errno, behind.strerror,
+                          behind.filename or str(self.path)) from error
+
+
 @dataclass
 class PendingSave:
     """A save that ``start_save`` began and ``finish_save`` publishes.
@@ -360,10 +385,10 @@ def start_save(
     }
     future = None
     if asynchronous:
-        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+        future = dcp.async_save(state, storage_writer=_ShardWriter(tmp), process_group=group)
     else:
         try:
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(state, storage_writer=_ShardWriter(tmp))
         except BaseException:  # DCP's CheckpointException, raised on every rank alike
             if _rank() == 0:  # nothing half-written stays: a full disk gets its space back
                 shutil.rmtree(tmp, ignore_errors=True)
