@@ -165,38 +165,61 @@ def test_many_chunk_schedules_keep_three_chunks_gathered() -> None:
     assert six["states_first"] == pytest.approx(12 * params / 4 + (2 * 3 / 6 + 4) * params)
 
 
-def test_a_last_stage_counts_the_loss_the_recompute_and_the_reduction_as_moments_apart() -> None:
+def test_a_last_stage_counts_four_moments_apart() -> None:
     # The last stage's peak beyond its replayed activations, gradients and gathered chunks is
-    # the largest of three moments, never their sum: the loss's backward (the logits), a
-    # recomputed block's backward (its activations, in act_last) and the gradient reduction
-    # after the chunk's last backward (FSDP2's float32 reduce-scatter input of a block, 4 u,
-    # when the schedule's REDUCE_GRAD has resharded the chunk: here, one chunk a rank, all
-    # its gathered parameters)
+    # the largest of four moments, never their sum: the loss's backward (the logits), a
+    # recomputed block's backward (its activations, in act_last), the end of a block's
+    # backward (its new compute-dtype gradient, 2 u, less the block's own stored activations,
+    # freed by then, and the head's, reduced only after the whole backward), and the gradient
+    # reduction after the chunk's last backward (FSDP2's float32 reduce-scatter input of a
+    # block, 4 u, when the schedule's REDUCE_GRAD has resharded the chunk's blocks: here, one
+    # chunk a rank, all its gathered blocks)
     plan = {"pp": 2, "dp": 4, "micro_batch": 1, "grad_accum": 4, "schedule": "1f1b",
             "sharding": "zero2", "recompute": "full"}
-    _, transient = activation_elems_per_layer(
-        Shapes(8, 1024, 16, 16, 4096, 32000, 512), np.array([1]), np.array([1]),
-        np.array([0]), np.array([REC_FULL]))
-    recomputing = float(transient[0]) * 2
-    for vocab, loss_wins in ((32000, True), (256, False)):
-        s = Shapes(8, 1024, 16, 16, 4096, vocab, 512, dtype="bfloat16")
+    one = (np.array([1]), np.array([1]), np.array([0]), np.array([REC_FULL]))
+    winners = []
+    for layers, vocab, seq in ((8, 32000, 512), (8, 256, 4096), (8, 256, 512), (2, 256, 512)):
+        s = Shapes(layers, 1024, 16, 16, 4096, vocab, seq, dtype="bfloat16")
         m = _mem(s, **plan)
-        logits = 512 * vocab * LOGIT_BYTES[2]
-        assert (logits > recomputing) is loss_wins
-        assert m["transient_last"] == pytest.approx(max(logits, recomputing) - recomputing)
+        head = vocab * 1024 + 1024
+        u = (m["params_last"] - head) / (layers // 2)  # a block: the stage's params less the head
+        stored, transient = activation_elems_per_layer(s, *one)
+        moments = {"loss": seq * vocab * LOGIT_BYTES[2], "recompute": float(transient[0]) * 2,
+                   "new gradient": 2 * u - float(stored[0]) * 2 + 2 * head,
+                   "reduction": 4 * u - 2 * (m["params_last"] - head)}
+        winners.append(max(moments, key=moments.get))
+        assert m["transient_last"] == pytest.approx(max(moments.values()) - moments["recompute"])
         assert m["last"] == pytest.approx(m["states_last"] + m["act_last"] + m["transient_last"])
-    # the reduction moment: a block's 4 u against the chunk's gathered compute-dtype
-    # parameters, which it no longer holds then; with one block a stage and a tiny head
-    # the reduction outweighs the gathered chunk and the others
-    s = Shapes(2, 1024, 16, 16, 4096, 256, 64, dtype="bfloat16")
-    m = _mem(s, **plan)
-    u = m["params_last"] - (256 * 1024 + 1024)  # the block: the stage's params less the head
-    logits = 64 * 256 * LOGIT_BYTES[2]
-    _, transient = activation_elems_per_layer(s, np.array([1]), np.array([1]), np.array([0]),
-                                              np.array([REC_FULL]))
-    moments = (logits, float(transient[0]) * 2, 4 * u - 2 * m["params_last"])
-    assert moments[2] == max(moments)
-    assert m["transient_last"] == pytest.approx(moments[2] - moments[1])
+    assert winners == ["loss", "recompute", "new gradient", "reduction"]
+
+
+def test_a_pipelined_fsdp_block_backward_holds_its_new_gradient_beyond_its_activations() -> None:
+    # Until FSDP2 casts a block's new gradient into the float32 accumulator, the block's
+    # compute-dtype gradient exists; by then the block's own stored activations are freed.
+    # Under full recompute they are only its input, so the gradient adds nearly all of
+    # itself (beyond the recomputed activations it replaces); without recompute a block
+    # stores more than its gradient and it adds nothing. On the last rank the head (the
+    # root) is held whole: its float32 gradient and gathered parameters beside every block
+    # backward, its new gradient until the backward ends.
+    common = {"pp": 2, "dp": 4, "micro_batch": 1, "grad_accum": 4, "schedule": "1f1b",
+              "sharding": "zero2"}
+    head = 256 * 1024 + 1024
+    one = (np.array([1]), np.array([1]), np.array([0]))
+    for seq, rec, adds in ((512, REC_FULL, True), (1024, REC_NONE, False)):
+        s = Shapes(8, 1024, 16, 16, 4096, 256, seq, dtype="bfloat16")
+        m = _mem(s, recompute="full" if rec == REC_FULL else "none", **common)
+        u = (m["params_last"] - head) / 4
+        stored, recomputing = activation_elems_per_layer(s, *one, np.array([rec]))
+        new_gradient = 2 * u - float(stored[0]) * 2 + 2 * head
+        recomputing = float(recomputing[0]) * 2 if rec == REC_FULL else 0.0
+        logits = seq * 256 * LOGIT_BYTES[2]
+        assert (new_gradient > max(logits, recomputing)) is adds
+        assert m["transient_last"] == pytest.approx(
+            max(new_gradient, logits, recomputing) - recomputing)
+        # the root's 4 + 2 bytes a parameter are in the last rank's states, beside the
+        # replayed blocks' (a 1F1B rank of one chunk: all of its blocks' gradients and
+        # gathered parameters) and the float32 shards and moments
+        assert m["states_last"] == pytest.approx(12 * (4 * u + head) / 4 + 6 * 4 * u + 6 * head)
 
 
 def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> None:

@@ -298,15 +298,21 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # the compute-dtype parameters of the chunks gathered at that moment (FSDP2; without it
     # the float32 parameters are the states'), the root's counted as a chunk's share
     gathered_first = np.where(fsdp & ~single, cb * params_first, 0.0)
-    gathered_last = np.where(fsdp & ~single, cb * params_last, 0.0)
     held_acts_first, recomputing_first, held_first, chunk_first, _ = act(
         first_rank, n_first, grads_first, gathered_first, no_pipe * (v - 1) / np.maximum(v, 1))
+    # The last rank's root (the output head and final norm) belongs to its last chunk, the
+    # first to go backward: its float32 gradient and gathered parameters are held through
+    # every backward moment, not as a chunk's share (rehearsed at the 1T pick's last rank:
+    # 1.3 + 0.7 GB beside the peak block's backward).
+    blocks_last = params_last - root_last
+    root_held = np.where(single, 0.0, (4 + np.where(fsdp, cb, 0.0)) * root_last)
+    gathered_last = np.where(fsdp & ~single, cb * blocks_last, 0.0)
     held_acts_last, recomputing_last, held_last, _, gathered_at_last = act(
-        pp - 1, n_last, grads_last, gathered_last, no_pipe)
+        pp - 1, n_last, np.where(single, 0.0, 4 * blocks_last), gathered_last, no_pipe)
     act_first = held_acts_first + recomputing_first + recv
     act_last = held_acts_last + recomputing_last + recv
     st_first = st_first - grads_first + np.where(single, 0.0, held_first)
-    st_last = st_last - grads_last + np.where(single, 0.0, held_last)
+    st_last = st_last - grads_last + np.where(single, 0.0, held_last) + root_held
     # A pipeline's first stage peaks in a backward with every micro-batch in flight, while a
     # block's (or the embedding's) new gradient is cast to float32 to be accumulated. The
     # ddp all-reduce copy comes after the schedule, when the activations are gone. Without
@@ -322,7 +328,14 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     ends = held_by_accumulating(c, first_rank, first_chunk_ends=True)
     at_ends, _, _ = replayed(ends, chunk_first, grads_first, gathered_first)
     at_embedding = (at_ends + recv + cast) - (act_first + held_first)
-    pipe_first = np.where(fsdp, np.maximum(at_embedding, 0.0),
+    # In a block's backward under pipelined FSDP2 its new gradient (compute dtype) exists
+    # until FSDP2 casts it into the float32 accumulator (rehearsed: the 1T pick's rank-0 peak
+    # holds a whole block's, 3.9 GB). It comes as the block's activations (or, recomputed,
+    # the recomputed ones) go: what it adds is beyond one block's stored activations.
+    block_acts = activation_elems_per_layer(s, mb, tp, sp, rec)[0] * cb
+    new_grad = np.where(fsdp & ~single, cb * u - block_acts, 0.0)
+    pipe_first = np.where(fsdp, np.maximum(np.maximum(at_embedding, new_grad - recomputing_first),
+                                           0.0),
                           np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
     casts = np.where(fsdp | autocast, cast, 0.0)  # float32 gradients need no cast
     # Without pipelining the loss's backward and the blocks' backwards are two moments: at
@@ -339,8 +352,15 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # reduce-scatter input; ddp: the flat all-reduce copy) comes when the schedule's
     # REDUCE_GRAD has resharded the rank's chunks (FSDP, rehearsed: none gathered) or the
     # activations are gone (ddp). Counted: the largest of the three beyond the replayed peak.
-    reduction = np.where(fsdp, buf_last - gathered_at_last, buf_last - held_acts_last)
-    pipe_last = np.maximum(np.maximum(logits, recomputing_last), reduction) - recomputing_last
+    # (ddp under autocast: the forwards' bf16 weight copies went with the activations)
+    autocast_weights = np.where(autocast, 2 * params_last, 0.0)
+    reduction = np.where(fsdp, buf_last - gathered_at_last,
+                         buf_last - held_acts_last - autocast_weights)
+    # (FSDP2 reduces the root's gradients after the whole backward: through the last rank's
+    # block backwards the head's new compute-dtype gradient is still there)
+    new_grad_last = new_grad + np.where(fsdp & ~single, cb * root_last, 0.0)
+    pipe_last = np.maximum(np.maximum(logits, np.maximum(recomputing_last, new_grad_last)),
+                           reduction) - recomputing_last
     peak_last = np.where(single, np.maximum(buf_last, logits), pipe_last)
     first = (st_first + peak_first + act_first) * (1 + fragmentation) + reserved_gb * GB
     last = (st_last + peak_last + act_last) * (1 + fragmentation) + reserved_gb * GB
