@@ -92,13 +92,21 @@ The peak is the larger of two moments: the loss's backward (states + stored acti
 the logits; no block is being recomputed then, and in a step of one micro-batch no gradient
 exists yet: rehearsed, the 1T tp16 mb8 zero3 plan's peak holds neither, +19.2 % before) and
 the block backward where buffers peak (states + activations + the reduce-scatter and
-all-gather buffers above). A pipeline's last stage has three, counted apart (their sum
-never exists): the loss's backward, a recomputed block's backward, and the gradient reduction
-that torch's schedule runs after a chunk's last backward (``REDUCE_GRAD``), whose float32
-reduce-scatter input (4 u) comes when the rank's chunks are resharded (rehearsed: none
-gathered then; the 1T pick's last rank +16.8 % -> +4.0 %, 1T tp8 pp32 interleaved's last
-+6.0 % -> -0.4 %). Everything is multiplied by (1 + fragmentation) and the cluster's
-reserved memory is added.
+all-gather buffers above). A pipeline's last stage has four, counted apart (their sum
+never exists): the loss's backward, a recomputed block's backward, the end of a block's
+backward, and the gradient reduction that torch's schedule runs after a chunk's last
+backward (``REDUCE_GRAD``), whose float32 reduce-scatter input (4 u) comes when the rank's
+chunks are resharded (rehearsed: none gathered then; the 1T pick's last rank +16.8 % ->
++4.0 %, 1T tp8 pp32 interleaved's last +6.0 % -> -0.4 %; ddp's flat copy comes after the
+schedule's autocast region, whose bf16 weight copies are gone with it: the study's 22B last
+rank +5.7 % -> -2.0 %). At the end of a block's backward under pipelined FSDP2 its new
+compute-dtype gradient (c u) waits for FSDP2's cast into the float32 accumulator while the
+block's own stored activations are freed; on the last rank the head's new gradient waits
+too (the root is reduced after the whole backward), and the root's float32 gradient and
+gathered parameters are held whole with the last chunk, not as a chunk's share (rehearsed:
+the 1T pick's first rank -6.9 % -> -1.3 %, last -8.2 % -> -2.8 %). The first stage counts
+the block's new gradient as the other of its pipelined moments, beside the embedding's.
+Everything is multiplied by (1 + fragmentation) and the cluster's reserved memory is added.
 """
 from __future__ import annotations
 
