@@ -8,6 +8,7 @@ from model.planner.cluster import load_cluster
 from model.planner.memory_model import (
     AUTOCAST_ACTIVATION_FACTOR,
     LOGIT_BYTES,
+    QKV_INPUT_GRADS,
     activation_elems_per_layer,
     memory_breakdown,
     stage_layer_counts,
@@ -169,33 +170,37 @@ def test_a_last_stage_counts_four_moments_apart() -> None:
     # The last stage's peak beyond its replayed activations, gradients and gathered chunks is
     # the largest of four moments, never their sum: the loss's backward (the logits), a
     # recomputed block's backward (its activations, in act_last), the end of a block's
-    # backward (its new compute-dtype gradient, 2 u, less the block's own stored activations,
-    # freed by then, and the head's, reduced only after the whole backward), and the gradient
-    # reduction after the chunk's last backward (FSDP2's float32 reduce-scatter input of a
-    # block, 4 u, when the schedule's REDUCE_GRAD has resharded the chunk's blocks: here, one
-    # chunk a rank, all its gathered blocks)
+    # backward (its new compute-dtype gradient, 2 u, the q, k, v input gradients and the
+    # head's new gradient, reduced only after the whole backward, less the block's own
+    # stored activations, freed by then), and the gradient reduction after the chunk's last
+    # backward (FSDP2's float32 reduce-scatter input of a block, 4 u, when the schedule's
+    # REDUCE_GRAD has resharded the chunk's blocks: here, one chunk a rank, all its blocks)
     plan = {"pp": 2, "dp": 4, "micro_batch": 1, "grad_accum": 4, "schedule": "1f1b",
-            "sharding": "zero2", "recompute": "full"}
-    one = (np.array([1]), np.array([1]), np.array([0]), np.array([REC_FULL]))
+            "sharding": "zero2"}
     winners = []
-    for layers, vocab, seq in ((8, 32000, 512), (8, 256, 4096), (8, 256, 512), (2, 256, 512)):
+    for layers, vocab, seq, rec in ((8, 32000, 512, REC_FULL), (8, 256, 4096, REC_FULL),
+                                    (8, 256, 512, REC_FULL), (2, 256, 512, REC_NONE)):
         s = Shapes(layers, 1024, 16, 16, 4096, vocab, seq, dtype="bfloat16")
-        m = _mem(s, **plan)
+        m = _mem(s, **plan, recompute="full" if rec == REC_FULL else "none")
         head = vocab * 1024 + 1024
         u = (m["params_last"] - head) / (layers // 2)  # a block: the stage's params less the head
-        stored, transient = activation_elems_per_layer(s, *one)
-        moments = {"loss": seq * vocab * LOGIT_BYTES[2], "recompute": float(transient[0]) * 2,
-                   "new gradient": 2 * u - float(stored[0]) * 2 + 2 * head,
+        stored, transient = activation_elems_per_layer(
+            s, np.array([1]), np.array([1]), np.array([0]), np.array([rec]))
+        recomputing = float(transient[0]) * 2 if rec == REC_FULL else 0.0
+        moments = {"loss": seq * vocab * LOGIT_BYTES[2], "recompute": recomputing,
+                   "new gradient": 2 * u + QKV_INPUT_GRADS * seq * 1024 * 2
+                   - float(stored[0]) * 2 + 2 * head,
                    "reduction": 4 * u - 2 * (m["params_last"] - head)}
         winners.append(max(moments, key=moments.get))
-        assert m["transient_last"] == pytest.approx(max(moments.values()) - moments["recompute"])
+        assert m["transient_last"] == pytest.approx(max(moments.values()) - recomputing)
         assert m["last"] == pytest.approx(m["states_last"] + m["act_last"] + m["transient_last"])
     assert winners == ["loss", "recompute", "new gradient", "reduction"]
 
 
 def test_a_pipelined_fsdp_block_backward_holds_its_new_gradient_beyond_its_activations() -> None:
     # Until FSDP2 casts a block's new gradient into the float32 accumulator, the block's
-    # compute-dtype gradient exists; by then the block's own stored activations are freed.
+    # compute-dtype gradient exists, with the full-width input gradients of its q, k, v
+    # linears; by then the block's own stored activations are freed.
     # Under full recompute they are only its input, so the gradient adds nearly all of
     # itself (beyond the recomputed activations it replaces); without recompute a block
     # stores more than its gradient and it adds nothing. On the last rank the head (the
@@ -210,7 +215,8 @@ def test_a_pipelined_fsdp_block_backward_holds_its_new_gradient_beyond_its_activ
         m = _mem(s, recompute="full" if rec == REC_FULL else "none", **common)
         u = (m["params_last"] - head) / 4
         stored, recomputing = activation_elems_per_layer(s, *one, np.array([rec]))
-        new_gradient = 2 * u - float(stored[0]) * 2 + 2 * head
+        input_grads = QKV_INPUT_GRADS * seq * 1024 * 2  # q, k, v's and their sum, full width
+        new_gradient = 2 * u + input_grads - float(stored[0]) * 2 + 2 * head
         recomputing = float(recomputing[0]) * 2 if rec == REC_FULL else 0.0
         logits = seq * 256 * LOGIT_BYTES[2]
         assert (new_gradient > max(logits, recomputing)) is adds

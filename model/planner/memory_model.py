@@ -100,11 +100,12 @@ chunks are resharded (rehearsed: none gathered then; the 1T pick's last rank +16
 +4.0 %, 1T tp8 pp32 interleaved's last +6.0 % -> -0.4 %; ddp's flat copy comes after the
 schedule's autocast region, whose bf16 weight copies are gone with it: the study's 22B last
 rank +5.7 % -> -2.0 %). At the end of a block's backward under pipelined FSDP2 its new
-compute-dtype gradient (c u) waits for FSDP2's cast into the float32 accumulator while the
-block's own stored activations are freed; on the last rank the head's new gradient waits
+compute-dtype gradient (c u) waits for FSDP2's cast into the float32 accumulator, beside the
+full-width input gradients of its q, k, v linears (``QKV_INPUT_GRADS``), while the block's
+own stored activations are freed; on the last rank the head's new gradient waits
 too (the root is reduced after the whole backward), and the root's float32 gradient and
 gathered parameters are held whole with the last chunk, not as a chunk's share (rehearsed:
-the 1T pick's first rank -6.9 % -> -1.3 %, last -8.2 % -> -2.8 %). The first stage counts
+the 1T pick's first rank -6.9 % -> +0.4 %, last -8.2 % -> -1.1 %). The first stage counts
 the block's new gradient as the other of its pipelined moments, beside the embedding's.
 Everything is multiplied by (1 + fragmentation) and the cluster's reserved memory is added.
 """
@@ -135,6 +136,10 @@ dtype bytes: the gathered logits (c), their float32 copy and log-softmax (4 + 4)
 float32 gradients of both (4 + 4) less what is freed in between; measured 15-16 per logit in
 bf16 rehearsals (logits of 1e8 values); fp32 keeps no separate copy but a larger gather."""
 
+
+QKV_INPUT_GRADS = 4
+"""Full-width (s b h) input gradients alive at the end of a block's backward, in the q, k, v
+linears' backward: one each and their sum (rehearsed 1T ranks: 3 at wq, 4 at wk)."""
 
 AUTOCAST_ACTIVATION_FACTOR = 2.9
 """Activations under bf16 autocast over float32 weights (sharding none or ddp, or dp == 1,
@@ -340,8 +345,12 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # until FSDP2 casts it into the float32 accumulator (rehearsed: the 1T pick's rank-0 peak
     # holds a whole block's, 3.9 GB). It comes as the block's activations (or, recomputed,
     # the recomputed ones) go: what it adds is beyond one block's stored activations.
+    # Beside it, the input gradients of the column-parallel q, k and v linears and their
+    # sum, each full width (the all-gathered input under SP, the replicated one without):
+    # rehearsed, three or four s b h at the 1T ranks' peaks, in the wq or wk backward.
     block_acts = activation_elems_per_layer(s, mb, tp, sp, rec)[0] * cb
-    new_grad = np.where(fsdp & ~single, cb * u - block_acts, 0.0)
+    input_grads = QKV_INPUT_GRADS * s.seq_len * mb * s.d_model * cb
+    new_grad = np.where(fsdp & ~single, cb * u + input_grads - block_acts, 0.0)
     pipe_first = np.where(fsdp, np.maximum(np.maximum(at_embedding, new_grad - recomputing_first),
                                            0.0),
                           np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
