@@ -113,7 +113,7 @@ def frontier_predictions(rehearse: bool = False, timeout: float = 1800.0) -> dic
     return out
 
 
-REHEARSAL_FILES = ("bench_rehearse", "bench_rehearse_top10")
+REHEARSAL_FILES = ("bench_rehearse",)
 """bench_rehearse.py's results files, searched in this order for a pick's rehearsal."""
 
 
