@@ -351,8 +351,9 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     block_acts = activation_elems_per_layer(s, mb, tp, sp, rec)[0] * cb
     input_grads = QKV_INPUT_GRADS * s.seq_len * mb * s.d_model * cb
     new_grad = np.where(fsdp & ~single, cb * u + input_grads - block_acts, 0.0)
-    pipe_first = np.where(fsdp, np.maximum(np.maximum(at_embedding, new_grad - recomputing_first),
-                                           0.0),
+    fsdp_first = np.max(np.broadcast_arrays(at_embedding, new_grad - recomputing_first, 0.0),
+                        axis=0)
+    pipe_first = np.where(fsdp, fsdp_first,
                           np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
     casts = np.where(fsdp | autocast, cast, 0.0)  # float32 gradients need no cast
     # Without pipelining the loss's backward and the blocks' backwards are two moments: at
@@ -368,7 +369,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # backward are three moments, not one. The reduction's buffer (FSDP: a block's float32
     # reduce-scatter input; ddp: the flat all-reduce copy) comes when the schedule's
     # REDUCE_GRAD has resharded the rank's chunks (FSDP, rehearsed: none gathered) or the
-    # activations are gone (ddp). Counted: the largest of the three beyond the replayed peak.
+    # activations are gone (ddp). Counted: the largest of the four beyond the replayed peak.
     # (ddp under autocast: the forwards' bf16 weight copies went with the activations)
     autocast_weights = np.where(autocast, 2 * params_last, 0.0)
     reduction = np.where(fsdp, buf_last - gathered_at_last,
@@ -376,8 +377,8 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # (FSDP2 reduces the root's gradients after the whole backward: through the last rank's
     # block backwards the head's new compute-dtype gradient is still there)
     new_grad_last = new_grad + np.where(fsdp & ~single, cb * root_last, 0.0)
-    pipe_last = np.maximum(np.maximum(logits, np.maximum(recomputing_last, new_grad_last)),
-                           reduction) - recomputing_last
+    moments_last = np.broadcast_arrays(logits, recomputing_last, new_grad_last, reduction)
+    pipe_last = np.max(moments_last, axis=0) - recomputing_last
     peak_last = np.where(single, np.maximum(buf_last, logits), pipe_last)
     first = (st_first + peak_first + act_first) * (1 + fragmentation) + reserved_gb * GB
     last = (st_last + peak_last + act_last) * (1 + fragmentation) + reserved_gb * GB
