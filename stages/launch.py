@@ -49,7 +49,6 @@ RANK_ERROR_FILE = "rank-error.json"
 RANK_MESSAGE_PREFIX = "[rank] "
 """How a rank's one-line error starts on its stderr (the launcher takes it from there where
 a full disk took no ``rank-error.json``)."""
-# A full disk, a quota or a read-only filesystem: trying again fails the same way.
 USER_ERROR_EXIT = 3  # a rank refused its input: retrying cannot help
 OUT_OF_TIME_EXIT = 75  # the ranks stopped at a checkpoint before the walltime: resume (EX_TEMPFAIL)
 OUT_OF_TIME_FILE = "out-of-time.json"
