@@ -16,7 +16,7 @@ Written to benchmarks/results/bench_rehearse.json; the last line printed is the 
 one JSON object.
 
     .venv/bin/python benchmarks/bench_rehearse.py [--presets frontier-175b,frontier-1t]
-        [--devices N] [--top K] [--timeout 900] [--study]
+        [--devices N] [--top K] [--timeout 2400] [--study]
 
 ``--study`` rehearses instead the Frontier study's own plans (configs/published/
 dash2023.yaml: 22B on 16 GCDs, 175B on 128, 1T on 1,024) on the Frontier cluster file, as
@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated config names under configs/")
     ap.add_argument("--devices", type=int, default=None,
                     help="GCDs to plan for (default: each preset's parallel.nproc)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per rehearsed rank")
+    ap.add_argument("--timeout", type=float, default=2400.0,
+                    help="seconds per rehearsed rank (the study's 175B ranks take 16-20 "
+                         "minutes here)")
     ap.add_argument("--top", type=int, default=1,
                     help="rehearse the K best plans of each preset that differ in memory "
                          "(1: the chosen plan only)")
