@@ -1,10 +1,13 @@
-"""The micro pipeline with ``--site slurm`` on the local Slurm cluster (.ci/start_slurm.sh).
+"""The micro pipeline with ``--site slurm`` on the local Slurm cluster (.ci/start_slurm.sh),
+and the helpers the Slurm tests share (starting the driver, reading Parsl's blocks and
+Slurm's records).
 
 Training runs as 2 gloo ranks launched by srun inside a Slurm job that Parsl's SlurmProvider
-submits for the MPIExecutor; the first test also evaluates on 2 ranks (eval.ranks=2), a
-second srun step in the same job. The second test cancels that job mid-training and checks that
+submits for the MPIExecutor. The first test cancels that job mid-training and checks that
 Parsl retries the app in a new job and training resumes from the last complete checkpoint.
-The third kills the driver mid-training and checks that the training job ends by itself.
+The second kills the driver mid-training and checks that the training job ends by itself.
+The third measures the plan stage's candidates as ranks in an allocation. A whole pipeline
+on the cluster, every stage checked, is ``test_slurm_multinode.py``'s.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ from typing import Any
 import pytest
 
 from stages import tracking
-from stages.registry import STAGE_ORDER
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,43 +173,6 @@ def wait_for_slurm_to_finish(job_ids: list[str], timeout: float = 60) -> None:
         if all(j in jobcomp_states() for j in job_ids):
             return
         time.sleep(1)
-
-
-@pytest.mark.timeout(1200)
-def test_micro_pipeline_trains_through_srun(slurm_runs_dir):
-    runs_dir = slurm_runs_dir
-    proc = start_cli(runs_dir, "train.steps=6", "eval.ranks=2")
-    output = wait_cli(proc, runs_dir, timeout=900)
-
-    parents, children = pipeline_stage_runs(runs_dir)
-    assert parents[0].info.status == "FINISHED"
-    assert sorted(children) == sorted(STAGE_ORDER)
-    for name, run in children.items():
-        assert run.info.status == "FINISHED", (name, output[-3000:])
-
-    # Slurm ran the training block as a batch job, and the ranks as an srun step in it; the
-    # evaluation ran in a job of its own, with its ranks as its one srun step, and the
-    # training's job was handed back when training was done, not held through evaluation.
-    jobs, evaluation = train_block_jobs(runs_dir), block_jobs(runs_dir, "evaluate")
-    assert list(jobs) == ["0"] and list(evaluation) == ["0"], (jobs, evaluation)
-    job_id, eval_id = jobs["0"], evaluation["0"]
-    wait_for_slurm_to_finish([job_id, eval_id])
-    records = jobcomp_records()
-    name, state, _, train_end = records[job_id]
-    assert name.startswith("parsl.train.block-0") and state == "CANCELLED", records[job_id]
-    eval_name, _, eval_start, _ = records[eval_id]
-    assert eval_name.startswith("parsl.evaluate.block-0"), eval_name
-    assert train_end <= eval_start, (records[job_id], records[eval_id])
-    assert srun_steps(job_id) == ["0"] and srun_steps(eval_id) == ["0"], (
-        srun_steps(job_id), srun_steps(eval_id))
-    assert children["evaluate"].data.metrics["eval_ranks"] == 2
-    evaluate_dir = Path(children["evaluate"].data.tags["out_dir"])
-    report = json.loads((evaluate_dir / "report.json").read_text())
-    assert report["eval_ranks"] == 2 and len(report["windows_per_rank"]) == 2
-
-    _, summary = train_summary(runs_dir)
-    assert summary["steps_done"] == 6 and len(summary["losses"]) == 6
-    assert summary["world_size"] == 2
 
 
 def _cancel_after_first_checkpoint(runs_dir: Path, found: dict, stop: threading.Event) -> None:
