@@ -120,10 +120,22 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
     spec = RankSpec.read(out_dir / SPEC_FILE)
     outputs["store"] = spec.store
     outputs["tokenizer_hash"] = _tokenizer_hash(spec.store)
-    curve = out_dir / LOSS_CURVE_FILE
-    if curve.is_file():
-        outputs["loss_curve"] = str(curve.resolve())
+    if summary.get("losses"):
+        outputs["loss_curve"] = str(loss_curve(summary["losses"], out_dir, tracker).resolve())
     return outputs
+
+
+def loss_curve(losses: list[float], out_dir: Path, tracker: Any) -> Path:
+    """Draw the whole loss history (every attempt's) as ``loss_curve.png`` and log it.
+
+    Drawn here, where the stage's other plots are, not by the logging rank: a rank then
+    never imports matplotlib (a second of CPU in every training launch)."""
+    from model.training.metrics import plot_losses
+
+    png = plot_losses(losses, 0, out_dir / LOSS_CURVE_FILE)
+    if tracker is not None:
+        tracker.log_artifact(png)
+    return png
 
 
 def _tokenizer_hash(store: str | None) -> str | None:

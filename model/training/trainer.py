@@ -53,8 +53,8 @@ from model.parallel.parallelize import (
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.planner.plan import Plan
 from model.training import checkpoint as ckpt
-from model.training.files import CHECKPOINTS_DIR, LOSS_CURVE_FILE, SUMMARY_FILE
-from model.training.metrics import median_step_time, peak_memory_gb, plot_losses
+from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
+from model.training.metrics import median_step_time, peak_memory_gb
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
 JOBS_FILE = "jobs.json"
@@ -501,11 +501,7 @@ class Trainer:
                    "plan": self.plan.to_dict(), "world_size": self.dims.world_size,
                    "hosts": hosts, **self._job_summary()}
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if self.losses:
-            png = plot_losses(self.losses, 0, self.out_dir / LOSS_CURVE_FILE)
-            if self.tracker is not None:
-                self.tracker.log_artifact(png)
         if self.tracker is not None:
-            self.tracker.flush()  # waits for queued metrics and the artifact
+            self.tracker.flush()  # waits for queued metrics
         write_json_atomic(self.out_dir / SUMMARY_FILE, summary)
         return summary
