@@ -90,12 +90,14 @@ class SourceFile:
 
 def stdlib_files() -> list[Path]:
     """The standard library's .py files of the running interpreter, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = sysconfig.get_paths()["stdlib"]
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    return sorted(
-        p for p in root.rglob("*.py")
-        if p.is_file() and not skip.intersection(p.relative_to(root).parts)
-    )
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]  # not walked at all: site-packages is big
+        found += (Path(folder) / f for f in files
+                  if f.endswith(".py") and os.path.isfile(os.path.join(folder, f)))
+    return sorted(found)
 
 
 def file_kind(path: Path) -> str | None:

@@ -54,14 +54,8 @@ def hf_class_name(family: str) -> str:
             f"model.family={family!r} has no Hugging Face export; supported families: "
             f"{sorted(HF_CLASSES)}"
         )
-    import transformers
-
     name = HF_CLASSES[family]
-    if not hasattr(transformers, name):
-        raise ExportError(
-            f"the installed transformers {transformers.__version__} has no class {name} "
-            f"for model.family={family!r}: upgrade transformers (>=4.45)"
-        )
+    _require_class(name, f"model.family={family!r}", "upgrade transformers (>=4.45)")
     return name
 
 
@@ -83,12 +77,15 @@ def hf_architecture(cfg: ModelConfig) -> str:
     return name
 
 
-def _require_class(name: str, what: str) -> None:
+def _require_class(name: str, what: str, fix: str = "upgrade transformers") -> None:
+    """ExportError unless the installed transformers has class ``name``. Looked up in the
+    package's list of names, not by attribute: getting the class would import its modeling
+    code (seconds), which an export that only writes files never needs."""
     import transformers
 
-    if not hasattr(transformers, name):
+    if name not in getattr(transformers, "__all__", ()) and not hasattr(transformers, name):
         raise ExportError(f"the installed transformers {transformers.__version__} has no class "
-                          f"{name} for {what}: upgrade transformers")
+                          f"{name} for {what}: {fix}")
 
 
 def hf_rope_scaling(cfg: ModelConfig) -> dict[str, float | int | str] | None:

@@ -40,13 +40,16 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def cache_file(nproc: int, cache_dir: str | Path | None = None) -> Path:
-    """Default cache path: <dir>/microbench-<host>-n<nproc>-torch<version>.json."""
-    import torch
+    """Default cache path: <dir>/microbench-<host>-n<nproc>-torch<version>.json.
+
+    The version is the installed distribution's, read without importing torch (seconds),
+    which a plan stage reading a cached measurement never needs."""
+    from importlib.metadata import version
 
     base = Path(cache_dir or os.environ.get("FRONTIER_LLM_CACHE")
                 or Path.home() / ".cache" / "frontier-llm")
     host = socket.gethostname().replace("/", "_")
-    return base / f"microbench-{host}-n{nproc}-torch{torch.__version__.replace('+', '_')}.json"
+    return base / f"microbench-{host}-n{nproc}-torch{version('torch').replace('+', '_')}.json"
 
 
 def _time(fn, repeat: int, rounds: int = 1) -> float:
