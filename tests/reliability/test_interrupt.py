@@ -4,8 +4,8 @@ The pipeline CLI runs for real (Parsl's interchange and worker pools, ``stages.l
 torchrun, gloo ranks, the SQLite MLflow store) on a training long enough to be
 interrupted. After the driver is signalled, it must exit promptly, leave no process of its
 runs dir behind, and record the interrupted stage as failed on disk and in MLflow. A killed
-launcher (``stages.launch`` or torchrun) must take its ranks with it, so nothing writes into
-the stage directory afterwards.
+launcher (``stages.launch`` or torchrun, run as the local ranks app runs it) must take its
+ranks with it, so nothing writes into the stage directory afterwards.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +22,10 @@ import psutil
 import pytest
 
 from stages import tracking
+from stages.launch import RankSpec, rank_environment
 from tests.reliability.test_resume import (
     CONFIG,
+    RANK_MODULE,
     REPO,
     Driver,
     checkpoints,
@@ -33,6 +36,7 @@ from tests.reliability.test_resume import (
     start_pipeline,
     stop,
 )
+from tests.train_helpers import tiny_config
 
 LONG_TRAINING = ("train.steps=100000", "train.checkpoint_every=10", "site.retries=0")
 EXIT_WITHIN_S = 20.0  # the driver exits this soon after the signal (on a CPU-starved box too)
@@ -137,34 +141,50 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
 
 
 @pytest.mark.parametrize("module", ["stages.launch", "torch.distributed.run"])
-def test_ranks_die_with_a_killed_launcher(
-    module: str, tokenized_runs_dir: Path, drivers: list[Driver]
-) -> None:
-    runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
-    drivers.append(start_pipeline(runs_dir, *LONG_TRAINING))
-    driver = drivers[-1]
-    training_under_way(driver)
-    (launcher,) = runs_module(runs_dir, module)
-    launcher.send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    while ranks_of(runs_dir) and time.monotonic() - killed < RANKS_GONE_WITHIN_S:
-        time.sleep(0.1)
-    assert not ranks_of(runs_dir), \
-        f"ranks outlived their {module} by {RANKS_GONE_WITHIN_S} s: {ranks_of(runs_dir)}"
+def test_ranks_die_with_a_killed_launcher(module: str, tmp_path: Path) -> None:
+    """The local ranks app's own command (``python -m stages.launch --spec``, which it
+    execs) on a long training: once the ranks have written a checkpoint, the launcher (or
+    the torchrun under it) is SIGKILLed; the ranks are gone within RANKS_GONE_WITHIN_S and
+    nothing writes a checkpoint afterwards. How the driver takes a ranks app that failed is
+    ``test_resume``'s: a killed rank fails the train stage, and the rerun resumes."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    cfg = tiny_config("train.steps=100000", "train.checkpoint_every=10")
+    spec_path = RankSpec(worker=RANK_MODULE, nproc=2, nodes=1, out_dir=str(out_dir),
+                         config=cfg.to_dict(),
+                         plan={"dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "ddp"}
+                         ).write(out_dir / "spec.json")
+    with open(tmp_path / "launch.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.launch", "--spec", str(spec_path)],
+                                cwd=REPO, env=rank_environment(), stdout=log,
+                                stderr=subprocess.STDOUT)
+    saved = out_dir / "checkpoints"
+    try:
+        wait_for("two ranks and a checkpoint", lambda: len(ranks_of(out_dir)) == 2 and any(
+            p.name.startswith("step-") and not p.name.endswith(".tmp")
+            for p in saved.glob("step-*")), timeout=240)
+        (launcher,) = runs_module(out_dir, module)
+        launcher.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        while ranks_of(out_dir) and time.monotonic() - killed < RANKS_GONE_WITHIN_S:
+            time.sleep(0.1)
+        assert not ranks_of(out_dir), \
+            f"ranks outlived their {module} by {RANKS_GONE_WITHIN_S} s: {ranks_of(out_dir)}"
 
-    def newest() -> tuple[int, float]:
-        files = [p for p in (runs_dir / "stages" / "train").glob("*.partial/checkpoints/**/*")]
-        return max(checkpoints(runs_dir)), max(p.stat().st_mtime for p in files)
+        def newest() -> tuple[str, float]:
+            files = [p for p in saved.rglob("*") if p.is_file()]
+            return max(p.name for p in saved.glob("step-*")), max(p.stat().st_mtime for p in files)
 
-    before = newest()
-    time.sleep(SETTLE_S)
-    assert newest() == before, "something wrote checkpoints after the ranks were stopped"
-
-    code = driver.wait()
-    console = driver.console()
-    assert code == 1, f"exit {code}:\n{console[-3000:]}"
-    assert "train failed:" in console, console[-3000:]
-    assert train_status(runs_dir)["state"] == "failed"
+        before = newest()
+        time.sleep(SETTLE_S)
+        assert newest() == before, "something wrote checkpoints after the ranks were stopped"
+        assert proc.wait(30) != 0, (tmp_path / "launch.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for rank in processes_of(out_dir):
+            rank.kill()
 
 
 def wait_for(what: str, check, timeout: float = 60.0) -> None:
