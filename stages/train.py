@@ -128,8 +128,9 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
 def loss_curve(losses: list[float], out_dir: Path, tracker: Any) -> Path:
     """Draw the whole loss history (every attempt's) as ``loss_curve.png`` and log it.
 
-    Drawn here, where the stage's other plots are, not by the logging rank: a rank then
-    never imports matplotlib (a second of CPU in every training launch)."""
+    Drawn by the stage's finalize, on the worker that runs the stages' apps (which draws
+    their other plots), not by the logging rank: no rank imports matplotlib (a second of
+    CPU in every training launch)."""
     from model.training.metrics import plot_losses
 
     png = plot_losses(losses, 0, out_dir / LOSS_CURVE_FILE)
