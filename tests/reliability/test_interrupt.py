@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from model.training.checkpoint import latest_checkpoint
 from stages import tracking
 from stages.launch import RankSpec, rank_environment
 from tests.reliability.test_resume import (
@@ -160,9 +161,8 @@ def test_ranks_die_with_a_killed_launcher(module: str, tmp_path: Path) -> None:
                                 stderr=subprocess.STDOUT)
     saved = out_dir / "checkpoints"
     try:
-        wait_for("two ranks and a checkpoint", lambda: len(ranks_of(out_dir)) == 2 and any(
-            p.name.startswith("step-") and not p.name.endswith(".tmp")
-            for p in saved.glob("step-*")), timeout=240)
+        wait_for("two ranks and a checkpoint", lambda: len(ranks_of(out_dir)) == 2
+                 and latest_checkpoint(saved) is not None, timeout=240)
         (launcher,) = runs_module(out_dir, module)
         launcher.send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -171,9 +171,9 @@ def test_ranks_die_with_a_killed_launcher(module: str, tmp_path: Path) -> None:
         assert not ranks_of(out_dir), \
             f"ranks outlived their {module} by {RANKS_GONE_WITHIN_S} s: {ranks_of(out_dir)}"
 
-        def newest() -> tuple[str, float]:
+        def newest() -> tuple[Path | None, float]:
             files = [p for p in saved.rglob("*") if p.is_file()]
-            return max(p.name for p in saved.glob("step-*")), max(p.stat().st_mtime for p in files)
+            return latest_checkpoint(saved), max(p.stat().st_mtime for p in files)
 
         before = newest()
         time.sleep(SETTLE_S)
