@@ -12,20 +12,24 @@
 3. Local truth: for the tiny preset (4 x 128) and a small model (4 x 256, 8 heads) on 2 and
    4 gloo ranks, every valid plan
    (recompute none, no sequence parallelism: on these models memory never binds, so
-   recompute only costs time) is run for a few steps through stages.plan.measure_plan.
+   recompute only costs time) is run for a few steps on synthetic tokens.
    --max-plans N keeps the N/2 best predicted plus evenly spaced others per setting.
-   Each plan is measured once, in predicted order; then the contenders (the pick and the two
-   fastest measured, when within 10 % of the fastest) are measured again, round-robin (each
-   round in a rotated order, so the box's slow drift hits them alike), until each is set
-   apart from the fastest by more than its spread or lies within 5 % of it, at most
-   --max-repeats times. A plan's figure is the median of its measurements.
-   Reported: pick_ratio (measured tokens/s of the planner's pick / measured best, and what one
-   measurement per plan gave, ``pick_ratio_one_measurement``), the step-time MAPE of the raw
+   A setting is measured in two launches of its ranks (``stages.plan.measure_plans``: the
+   ranks start once and run plan after plan, so the seconds of starting ranks, several times
+   a small plan's steps, are paid once, and every plan meets the box in the same state): a
+   survey, every plan for 2 rounds of --steps steps, each round in a rotated order so that
+   the box's slow drift hits every plan alike; then a contest, the pick and the two fastest
+   (when within 10 % of the fastest) for --rounds rounds of --contest-steps steps more. A
+   plan's figure is the median of all its steps (each build's warm-up step left out), with
+   its 95 % interval.
+   Reported: pick_ratio (measured tokens/s of the planner's pick / measured best, and what the
+   survey alone gave, ``pick_ratio_survey``), the step-time MAPE of the raw
    model and of the model calibrated leave-one-out (``model.planner.calibration.calibrate``
    fitted on the other plans of the same setting, as the plan stage's calibration does; and the
-   plain two-scale fit it replaced, ``..._unshrunk``), the spread of repeated measurements of
-   one plan ((max - min) / median) beside the gaps between the plans compared, and the
-   launches' cost (seconds per launch and beyond the timed steps).
+   plain two-scale fit it replaced, ``..._unshrunk``), how well each plan's figure is known
+   (the 95 % interval of its median, and the spread of its rounds' medians, (max - min) /
+   median) beside the gaps between the plans compared, and the launches' cost (seconds per
+   launch and beyond the timed steps).
    --repeats N (default 3) makes N independent runs, each in a fresh runs dir with a fresh
    microbenchmark; the figures are the worst run's, with every run's listed (``*_runs``), every
    run's microbenchmark figures (``microbench_runs``) and how much each moved from run to run,
@@ -65,7 +69,7 @@ from model.planner.microbench import cache_file, load_measured_cluster
 from model.planner.search import enumerate_plans, evaluate, search
 from model.planner.shapes import Shapes, decode
 from stages.config import load_config
-from stages.plan import choose, fixed_fields, measure_plan
+from stages.plan import choose, fixed_fields, measure_plans
 
 SMALL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "train.global_batch=8"]
 
@@ -206,14 +210,29 @@ def candidates(cfg, nproc: int, max_plans: int):
     return plans, len(c["tp"])
 
 
+SURVEY_ROUNDS = 2
+"""Rounds in which every plan of a setting is measured (one launch)."""
 CONTEND = 0.10
-"""After one round, plans measured within this fraction of the fastest (and the pick) are the
-contenders, measured again until resolved."""
+"""After the survey, plans within this fraction of the fastest (and the pick) are the
+contenders, measured again (a second launch)."""
 MAX_CONTENDERS = 2
-"""At most this many of the fastest are contenders (the pick besides): each costs a launch a
-round."""
+"""At most this many of the fastest are contenders (the pick besides)."""
 TOLERANCE = 0.05
 """What a pick may lose (1 - the pick_ratio target): a gap under it needs no resolving."""
+Z95 = 1.96
+
+
+def median_ci(samples: list[float]) -> tuple[float, float]:
+    """The median of ``samples`` and the relative half-width of its distribution-free 95 %
+    confidence interval (the order statistics n/2 -+ 1.96 sqrt(n)/2); inf under 6 samples."""
+    xs = sorted(samples)
+    n, med = len(xs), statistics.median(xs)
+    if n < 6:
+        return med, math.inf
+    reach = Z95 * math.sqrt(n) / 2
+    lo = xs[max(0, math.floor(n / 2 - reach))]
+    hi = xs[min(n - 1, math.ceil(n / 2 + reach) - 1)]
+    return med, (hi - lo) / (2 * med)
 
 
 def _spread(times: list[float]) -> float | None:
@@ -221,74 +240,76 @@ def _spread(times: list[float]) -> float | None:
     return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
 
 
-def _resolved(times: list[list[float]], i: int, best: int) -> bool:
-    """Whether plan i's repeats set it apart from the fastest, or within TOLERANCE of it: both
-    spreads under half of the larger of their gap and TOLERANCE."""
-    if len(times[i]) < 2 or len(times[best]) < 2:
-        return False
-    gap = abs(statistics.median(times[i]) / statistics.median(times[best]) - 1)
-    return max(_spread(times[i]), _spread(times[best])) < max(gap, TOLERANCE) / 2
+def _resolved(samples: list[list[float]], i: int, best: int) -> bool:
+    """Whether plan i is set apart from the fastest, or within TOLERANCE of it: both medians'
+    95 % intervals (``median_ci``) narrower than half of the larger of their gap and
+    TOLERANCE."""
+    (mi, wi), (mb, wb) = median_ci(samples[i]), median_ci(samples[best])
+    return max(wi, wb) < max(abs(mi / mb - 1), TOLERANCE) / 2
 
 
 def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, steps: int,
-                    max_repeats: int = 3) -> dict:
-    """Measure a setting's plans: every plan once in predicted order, then the contenders (the
-    pick and the plans within CONTEND of the fastest) again in round-robin rounds (each round
-    in a rotated order, so the box's slow drift hits every contender alike) until each is
-    resolved against the fastest (``_resolved``) or has ``max_repeats`` measurements. A plan's
-    figure is the median of its measurements (with 3, one disturbed launch does not move it)."""
+                    rounds: int = 3, contest_steps: int = 20) -> dict:
+    """Measure a setting's plans in two launches (``stages.plan.measure_plans``: one start-up
+    each, the plans interleaved round by round, so the box's slow drift hits them alike): a
+    survey, every plan for SURVEY_ROUNDS rounds of ``steps`` steps; then a contest, the
+    contenders (the pick and the plans within CONTEND of the fastest, at most MAX_CONTENDERS
+    of them) for ``rounds`` rounds of ``contest_steps`` more. A plan's figure is the median
+    of all its steps (each build's first step, the warm-up, left out), with a 95 % interval
+    (``median_ci``)."""
     plans, n_valid = candidates(cfg, nproc, max_plans)
     print(f"[local] {label} on {nproc} ranks: {n_valid} valid plans, measuring {len(plans)}",
           flush=True)
-    times: list[list[float]] = [[] for _ in plans]
-    walls: list[float] = []
+    samples: list[list[float]] = [[] for _ in plans]  # every timed step
+    round_medians: list[list[float]] = [[] for _ in plans]
+    launches: list[dict] = []
     failed: dict[int, str] = {}
     t0 = time.perf_counter()
 
-    def measure(i: int, k: int) -> None:
-        m = measure_plan(cfg, plans[i], work / f"{label}-n{nproc}-{i}-r{k}", steps=steps)
-        if m["ok"]:
-            times[i].append(m["step_time_s"])
-            walls.append(m["seconds"])
-            print(f"  r{k} {plans[i].describe():<40} predicted "
-                  f"{plans[i].predictions['step_time_s']:.4f} s  measured {m['step_time_s']:.4f}"
-                  f" s  ({m['seconds']:.1f} s, {time.perf_counter() - t0:.0f} s in)", flush=True)
-        else:
-            failed[i] = m["error"][-300:]
-            print(f"  r{k} {plans[i].describe():<40} FAILED: {failed[i]}", flush=True)
+    def measure(indices: list[int], n_rounds: int, n_steps: int, phase: str) -> None:
+        m = measure_plans(cfg, [plans[i] for i in indices], work / f"{label}-n{nproc}-{phase}",
+                          n_steps, n_rounds)
+        for j, i in enumerate(indices):
+            for times in m["step_times"][j]:
+                samples[i].extend(times)
+                round_medians[i].append(statistics.median(times))
+            if m["errors"][j] or not m["step_times"][j]:
+                failed[i] = (m["errors"][j] or m["failed"] or "no measurement")[-300:]
+            med, width = median_ci(samples[i]) if samples[i] else (math.nan, math.inf)
+            print(f"  {phase:<7} {plans[i].describe():<40} predicted "
+                  f"{plans[i].predictions['step_time_s']:.4f} s  measured {med:.4f} s "
+                  f"+-{width:.1%} ({len(samples[i])} steps)"
+                  + (f"  FAILED: {failed[i]}" if i in failed else ""), flush=True)
+        launches.append({"phase": phase, "seconds": m["seconds"], "plans": len(indices),
+                         "timed_s": sum(sum(t) for ts in m["step_times"] for t in ts)})
+        print(f"  {phase} launch: {m['seconds']:.0f} s, {time.perf_counter() - t0:.0f} s in",
+              flush=True)
 
-    for i in range(len(plans)):
-        measure(i, 0)
-    first = [t[0] if t else None for t in times]
-    for k in range(1, max_repeats):
-        ok = [i for i in range(len(plans)) if times[i] and i not in failed]
-        if not ok:
-            break
-        med = {i: statistics.median(times[i]) for i in ok}
-        best = min(ok, key=med.get)
-        near = sorted((i for i in ok if med[i] <= (1 + CONTEND) * med[best]), key=med.get)
+    measure(list(range(len(plans))), SURVEY_ROUNDS, steps, "survey")
+    ok = [i for i in range(len(plans)) if samples[i] and i not in failed]
+    survey = {i: statistics.median(samples[i]) for i in ok}
+    if ok:
+        best = min(ok, key=survey.get)
+        near = sorted((i for i in ok if survey[i] <= (1 + CONTEND) * survey[best]),
+                      key=survey.get)
         contenders = sorted(set(near[:MAX_CONTENDERS]) | ({0} if 0 in ok else set()))
-        todo = [i for i in contenders
-                if len(times[i]) <= k and not (i != best and _resolved(times, i, best))]
-        if best in todo and all(_resolved(times, i, best) for i in contenders if i != best) \
-                and len(contenders) > 1:
-            todo.remove(best)
-        if not todo:
-            break
-        todo = todo[k % len(todo):] + todo[:k % len(todo)]  # rotated: round-robin
-        for i in todo:
-            measure(i, k)
-    ok = [i for i in range(len(plans)) if times[i]]
+        if len(contenders) > 1 and rounds > 0:
+            measure(contenders, rounds, contest_steps, "contest")
+    ok = [i for i in range(len(plans)) if samples[i]]
     if not ok:
         return {"label": label, "nproc": nproc, "ok": False, "errors": list(failed.values())}
-    rows = [{"plan": plans[i].describe(), "pred": plans[i].predictions,
-             "meas": statistics.median(times[i]), "times": times[i], "first": first[i],
-             "spread": _spread(times[i])} for i in ok]
+    rows = []
+    for i in ok:
+        med, width = median_ci(samples[i])
+        rows.append({"index": i, "plan": plans[i].describe(), "pred": plans[i].predictions,
+                     "meas": med, "ci": width, "survey": survey.get(i, med),
+                     "round_medians": round_medians[i], "steps": len(samples[i]),
+                     "samples": samples[i],
+                     "spread": _spread(round_medians[i])})
     best = min(rows, key=lambda r: r["meas"])
     pick = rows[0] if ok[0] == 0 else None
     by_meas = sorted(rows, key=lambda r: r["meas"])
-    # what one measurement per plan would have said
-    first_best = min(r["first"] for r in rows)
+    survey_best = min(r["survey"] for r in rows)
     points = [{"compute_s": r["pred"]["compute_s"], "comm_s": r["pred"]["comm_s"],
                "measured_s": r["meas"]} for r in rows]
     raw_ape = [abs(r["pred"]["step_time_s"] - r["meas"]) / r["meas"] for r in rows]
@@ -306,13 +327,16 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
 
     cal = calibrate(points)
     spreads = [r["spread"] for r in rows if r["spread"] is not None]
-    n_launch = len(walls)
-    step_mean = statistics.mean(r["meas"] for r in rows)
-    out = {
+    compared = [r for r in rows if r is not best
+                and (r is pick or r["meas"] <= (1 + CONTEND) * best["meas"])]
+    gaps = [r["meas"] / best["meas"] - 1 for r in compared]
+    seconds = sum(x["seconds"] for x in launches)
+    timed = sum(x["timed_s"] for x in launches)
+    return {
         "label": label, "nproc": nproc, "ok": True, "n_valid": n_valid, "n_measured": len(rows),
         "pick": pick["plan"] if pick else None, "best": best["plan"],
         "pick_ratio": best["meas"] / pick["meas"] if pick else 0.0,
-        "pick_ratio_one_measurement": first_best / pick["first"] if pick else 0.0,
+        "pick_ratio_survey": survey_best / pick["survey"] if pick else 0.0,
         "calibrated_pick_ratio": loo_pick_ratio("new"),
         "calibrated_pick_ratio_unshrunk": loo_pick_ratio("unshrunk"),
         "mape_raw": statistics.mean(raw_ape),
@@ -322,23 +346,29 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
                         if not (isinstance(v, float) and not math.isfinite(v))},
         "gap_pick_best": pick["meas"] / best["meas"] - 1 if pick else None,
         "gap_runner_up": by_meas[1]["meas"] / by_meas[0]["meas"] - 1 if len(rows) > 1 else None,
+        # the plans compared with the fastest: their gaps to it beside how well their medians
+        # are known (95 % interval half-widths) and how far their rounds' medians spread
+        "gaps_compared": gaps,
+        "median_ci_compared": [r["ci"] for r in (best, *compared)],
         "repeat_spread_median": statistics.median(spreads) if spreads else None,
         "repeat_spread_max": max(spreads) if spreads else None,
         # the pick and every plan within CONTEND of the fastest set apart from it (or within
-        # TOLERANCE of it) by their repeats
-        "resolved": all(_resolved([r["times"] for r in rows], i, rows.index(best))
-                        for i, r in enumerate(rows) if r is not best
-                        and (r is pick or r["meas"] <= (1 + CONTEND) * best["meas"])),
-        "launches": n_launch, "seconds": time.perf_counter() - t0,
-        "launch_seconds_mean": statistics.mean(walls) if walls else None,
-        "step_time_mean_s": step_mean, "steps": steps,
-        # a launch's seconds beyond its timed steps: starting ranks, building, checkpointing
-        "launch_overhead_s": (statistics.mean(walls) - steps * step_mean) if walls else None,
+        # TOLERANCE of it) by their steps
+        "resolved": all(_resolved([r_["samples"] for r_ in rows], i, rows.index(best))
+                        for i, r in enumerate(rows) if r in compared),
+        "launches": len(launches), "seconds": time.perf_counter() - t0,
+        "launch_seconds": [round(x["seconds"], 1) for x in launches],
+        "step_time_mean_s": statistics.mean(r["meas"] for r in rows),
+        "rounds": {"survey": SURVEY_ROUNDS, "contest": rounds},
+        "steps": {"survey": steps, "contest": contest_steps},
+        # what the launches cost beyond their timed steps: starting ranks, building each plan
+        "launch_overhead_s": (seconds - timed) / len(launches),
         "plans": [{"plan": r["plan"], "predicted_s": r["pred"]["step_time_s"],
                    "compute_s": r["pred"]["compute_s"], "comm_s": r["pred"]["comm_s"],
-                   "measured_s": r["times"], "median_s": r["meas"]} for r in rows],
+                   "median_s": r["meas"], "median_ci": r["ci"], "steps": r["steps"],
+                   "round_medians_s": r["round_medians"], "survey_s": r["survey"]}
+                  for r in rows],
     }
-    return out
 
 
 def microbench_figures(cfg, nproc: int) -> dict:
@@ -439,7 +469,8 @@ def published(results_dir: str) -> dict:
     return result
 
 
-def local_run(max_plans: int, steps: int, max_repeats: int) -> tuple[dict, list[dict], dict]:
+def local_run(max_plans: int, steps: int, rounds: int,
+              contest_steps: int) -> tuple[dict, list[dict], dict]:
     """One independent measurement of the local settings, in a fresh runs dir (so with a
     fresh microbenchmark); return its figures ({} when no setting succeeded), its settings
     and its microbenchmarks' figures by rank count."""
@@ -452,13 +483,13 @@ def local_run(max_plans: int, steps: int, max_repeats: int) -> tuple[dict, list[
             for nproc in (2, 4):
                 cfg.parallel.nproc = nproc
                 settings.append(measure_setting(label, cfg, nproc, max_plans, work, steps,
-                                                max_repeats))
+                                                rounds, contest_steps))
                 micro.setdefault(str(nproc), microbench_figures(cfg, nproc))
     ok = [s for s in settings if s["ok"]]
     for s in ok:
         print(f"[local] {s['label']} n={s['nproc']}: pick {s['pick']} / best {s['best']}: "
-              f"ratio {s['pick_ratio']:.3f} (one measurement each "
-              f"{s['pick_ratio_one_measurement']:.3f}, calibrated {s['calibrated_pick_ratio']:.3f}"
+              f"ratio {s['pick_ratio']:.3f} (survey only "
+              f"{s['pick_ratio_survey']:.3f}, calibrated {s['calibrated_pick_ratio']:.3f}"
               f"); step-time MAPE raw {s['mape_raw']:.1%}, calibrated (leave-one-out) "
               f"{s['mape_calibrated_loo']:.1%} ({s['calibration']['model']}; unshrunk "
               f"two scales {s['mape_calibrated_loo_unshrunk']:.1%}); repeat spread "
@@ -470,7 +501,7 @@ def local_run(max_plans: int, steps: int, max_repeats: int) -> tuple[dict, list[
         return {}, settings, micro
     return {
         "pick_ratio": round(min(s["pick_ratio"] for s in ok), 4),
-        "pick_ratio_one_measurement": round(min(s["pick_ratio_one_measurement"] for s in ok), 4),
+        "pick_ratio_survey": round(min(s["pick_ratio_survey"] for s in ok), 4),
         "calibrated_pick_ratio": round(min(s["calibrated_pick_ratio"] for s in ok), 4),
         "calibrated_pick_ratio_unshrunk": round(
             min(s["calibrated_pick_ratio_unshrunk"] for s in ok), 4),
@@ -513,7 +544,7 @@ def across_runs(settings: list[dict], micro: list[dict]) -> dict:
             "mape_calibrated_runs": [round(s["mape_calibrated_loo"], 4) for s in runs],
             "mape_unshrunk_runs": [round(s["mape_calibrated_loo_unshrunk"], 4) for s in runs],
             "pick_ratio_runs": [round(s["pick_ratio"], 4) for s in runs],
-            "pick_ratio_one_measurement_runs": [round(s["pick_ratio_one_measurement"], 4)
+            "pick_ratio_survey_runs": [round(s["pick_ratio_survey"], 4)
                                                 for s in runs],
             "calibration_runs": [s["calibration"]["model"] for s in runs],
             "pick_runs": [s["pick"] for s in runs], "best_runs": [s["best"] for s in runs]}
@@ -525,10 +556,14 @@ def main() -> None:
     ap.add_argument("--max-plans", type=int, default=6,
                     help="plans per setting (default 6: about 7 minutes a run on 2 cores; "
                          "0: all, about an hour)")
-    ap.add_argument("--steps", type=int, default=6, help="training steps a measurement runs "
-                    "(the first is warm-up; the median of the others counts)")
-    ap.add_argument("--max-repeats", type=int, default=3,
-                    help="most measurements of a contending plan (median counts; default 3)")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="training steps of a plan in each survey round (the first is the "
+                         "build's warm-up; the others count)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of the contest launch, where the contenders are measured "
+                         "again (default 3; 0: the survey only)")
+    ap.add_argument("--contest-steps", type=int, default=20,
+                    help="training steps of a contender in each contest round (default 20)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="independent local runs, each with a fresh microbenchmark; the worst "
                          "run's pick_ratio and step_time_mape are the figures (default 3)")
@@ -556,7 +591,8 @@ def main() -> None:
         for run in range(args.repeats):
             print(f"[local] run {run + 1}/{args.repeats} (fresh microbenchmark)", flush=True)
             figures, run_settings, run_micro = local_run(args.max_plans, args.steps,
-                                                         args.max_repeats)
+                                                         args.rounds,
+                                                         args.contest_steps)
             runs.append(figures)
             micro.append(run_micro)
             settings.extend({**s, "run": run} for s in run_settings)
@@ -571,7 +607,7 @@ def main() -> None:
                 step_time_mape_runs=[r["step_time_mape"] for r in runs],
                 step_time_mape_raw_runs=[r["step_time_mape_raw"] for r in runs],
                 step_time_mape_unshrunk_runs=[r["step_time_mape_unshrunk"] for r in runs],
-                pick_ratio_one_measurement_runs=[r["pick_ratio_one_measurement"] for r in runs],
+                pick_ratio_survey_runs=[r["pick_ratio_survey"] for r in runs],
                 calibrated_pick_ratio=min(r["calibrated_pick_ratio"] for r in runs),
                 calibrated_pick_ratio_runs=[r["calibrated_pick_ratio"] for r in runs],
                 calibrated_pick_ratio_unshrunk_runs=[r["calibrated_pick_ratio_unshrunk"]

@@ -205,6 +205,53 @@ def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE
     return result
 
 
+MEASURE_WORKER = "stages.measure_worker"
+
+
+def measure_plans(cfg: Any, plans: list[Plan], out_dir: str | Path, steps: int, rounds: int,
+                  timeout_s: float = MEASURE_TIMEOUT_S) -> dict[str, Any]:
+    """Run every plan (one world size) for ``steps`` steps of synthetic tokens, ``rounds``
+    times, all in one launch of local ranks (``stages.measure_worker``: one start-up, the
+    plans interleaved round by round).
+
+    Returns {"step_times": per plan, per round, the seconds of each step after the first (the
+    warm-up of a fresh build), "errors": per plan the refusal or None, "seconds": the
+    launch's, "failed": the launch's own error or None}; what a launch that failed midway
+    measured is kept."""
+    from stages.measure_worker import MEASUREMENTS_FILE
+
+    worlds = {p.world_size for p in plans}
+    if len(worlds) != 1:
+        raise ValueError(f"plans measured in one launch share a world size; got {sorted(worlds)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MEASUREMENTS_FILE).unlink(missing_ok=True)
+    raw = cfg.to_dict()
+    raw["parallel"].update(nproc=plans[0].world_size, nodes=1)
+    raw["train"].update(checkpoint_every=0, checkpoint_minutes=None)
+    spec = RankSpec(worker=MEASURE_WORKER, nproc=plans[0].world_size, nodes=1,
+                    out_dir=str(out_dir.resolve()), config=raw, steps=steps, timeout_s=timeout_s,
+                    extra={"plans": [p.to_dict() for p in plans], "rounds": rounds})
+    path = spec.write(out_dir / SPEC_FILE)
+    t0 = time.perf_counter()
+    failed = None
+    try:
+        launch.run_local(path, out_dir / "worker.log", what="measurement", echo=False)
+    except launch.RanksFailed as error:
+        failed = str(error)[-1500:]
+    times: list[list[list[float]]] = [[] for _ in plans]
+    errors: list[str | None] = [None] * len(plans)
+    records = out_dir / MEASUREMENTS_FILE
+    for line in records.read_text().splitlines() if records.exists() else []:
+        record = json.loads(line)
+        if "error" in record:
+            errors[record["index"]] = record["error"]
+        else:
+            times[record["index"]].append(record["step_times_s"][1:])
+    return {"step_times": times, "errors": errors, "seconds": time.perf_counter() - t0,
+            "failed": failed}
+
+
 def calibration_path(cfg: Any, cluster: Cluster) -> Path:
     """Where measured/predicted ratios for this cluster and rank count are kept."""
     return cfg.runs_dir / "plan_calibration" / f"{cluster.name}-{cfg.parallel.nproc}.json"

@@ -1,5 +1,5 @@
-"""bench_plan: its measuring order (every plan once, then the contenders round-robin to a
-median) and the Frontier picks' rehearsals it records."""
+"""bench_plan: how it measures a setting (a survey launch of every plan, a contest launch of
+the contenders, every step counted) and the Frontier picks' rehearsals it records."""
 from __future__ import annotations
 
 import sys
@@ -25,52 +25,74 @@ def _plans(predicted: list[float]) -> list[Plan]:
     return out
 
 
-def _run(monkeypatch, tmp_path, predicted, measured, max_repeats=3):
-    """measure_setting over fake plans whose k-th measurement is measured[plan][k]."""
+def _run(monkeypatch, tmp_path, predicted, measured, rounds=3):
+    """measure_setting over fake plans: plan i's steps in every round are ``measured[i]``
+    (the survey's and the contest's alike); the launches are recorded."""
     plans = _plans(predicted)
-    order: list[int] = []
+    launches: list[tuple[list[int], int, int]] = []
 
-    def fake_measure(cfg, plan, out_dir, steps):
-        i = plans.index(plan)
-        k = sum(1 for j in order if j == i)
-        order.append(i)
-        return {"ok": True, "step_time_s": measured[i][k], "tokens_per_s": 1 / measured[i][k],
-                "seconds": 10.0}
+    def fake_measure(cfg, batch, out_dir, steps, n_rounds):
+        indices = [plans.index(p) for p in batch]
+        launches.append((indices, n_rounds, steps))
+        return {"step_times": [[list(measured[i][len(launches) - 1])] * n_rounds
+                               for i in indices],
+                "errors": [None] * len(batch), "seconds": 10.0, "failed": None}
 
     monkeypatch.setattr(bench_plan, "candidates", lambda cfg, n, m: (plans, 40))
-    monkeypatch.setattr(bench_plan, "measure_plan", fake_measure)
+    monkeypatch.setattr(bench_plan, "measure_plans", fake_measure)
     cfg = SimpleNamespace(train=SimpleNamespace(global_batch=8, seq_len=128))
-    out = bench_plan.measure_setting("t", cfg, 2, 6, tmp_path, steps=6, max_repeats=max_repeats)
-    return out, order
+    out = bench_plan.measure_setting("t", cfg, 2, 6, tmp_path, steps=6, rounds=rounds,
+                                     contest_steps=20)
+    return out, launches
 
 
-def test_contenders_are_measured_round_robin_and_the_median_counts(monkeypatch, tmp_path):
-    # plan 1 looks 40 % faster once (a lucky launch); its repeats say it is not
-    measured = [[1.00, 1.02, 0.98], [0.60, 1.05, 1.04], [1.03, 1.01, 1.00], [2.0], [3.0], [4.0]]
-    out, order = _run(monkeypatch, tmp_path, [1.0, 1.05, 1.1, 2.0, 3.0, 4.0], measured)
-    assert order[:6] == [0, 1, 2, 3, 4, 5]  # every plan once, in predicted order
-    # then the pick (0) and the fastest (1), rotated each round; plan 2 was not within 10 %
-    assert sorted(order[6:8]) == [0, 1] and order[6:8] != order[8:10]
-    assert sorted(order[8:]) == [0, 1] and len(order) == 10
-    assert out["pick_ratio_one_measurement"] == pytest.approx(0.60)
-    assert out["best"] == out["pick"]  # the median of three: 1.00 against 1.04
-    assert out["pick_ratio"] == 1.0 and out["launches"] == 10
+def _steps(median: float, spread: float, n: int = 8) -> list[float]:
+    """n step times around ``median``, evenly spread over +-spread (relative)."""
+    return [median * (1 + spread * (2 * k / (n - 1) - 1)) for k in range(n)]
+
+
+def test_every_plan_is_surveyed_then_the_contenders_contest_in_one_launch(monkeypatch,
+                                                                          tmp_path):
+    # plan 1 looks 40 % faster in the survey (a lucky launch); the contest says it is not
+    measured = [[_steps(1.00, 0.02), _steps(1.00, 0.02)], [_steps(0.60, 0.02), _steps(1.10, 0.02)],
+                [_steps(1.30, 0.02)], [_steps(2.0, 0.02)], [_steps(3.0, 0.02)],
+                [_steps(4.0, 0.02)]]
+    out, launches = _run(monkeypatch, tmp_path, [1.0, 1.05, 1.1, 2.0, 3.0, 4.0], measured)
+    # the survey: every plan in one launch, two rounds of --steps; then the pick (0) and the
+    # fastest (1) in one launch, --rounds rounds of the contest's steps; plan 2 was not within
+    # 10 % of the fastest
+    assert launches == [([0, 1, 2, 3, 4, 5], 2, 6), ([0, 1], 3, 20)]
+    assert out["pick_ratio_survey"] == pytest.approx(0.60)
+    # every step counts: plan 1's 16 survey steps at 0.6 and 24 contest steps at 1.1
     rows = {p["plan"]: p for p in out["plans"]}
-    assert rows[out["pick"]]["median_s"] == 1.00
-    assert out["repeat_spread_max"] == pytest.approx((1.05 - 0.60) / 1.04)
+    assert rows[out["pick"]]["steps"] == 40 and rows[out["pick"]]["median_s"] == 1.0
+    assert out["best"] == out["pick"] and out["pick_ratio"] == 1.0 and out["launches"] == 2
+    assert rows[out["best"]]["round_medians_s"] == pytest.approx([1.0] * 5)
+    slow = [p for p in out["plans"] if p["plan"] != out["pick"] and p["steps"] == 40][0]
+    assert slow["median_s"] == pytest.approx(1.10, rel=0.03)
 
 
-def test_a_plan_set_apart_stops_and_an_unresolved_pick_is_reported(monkeypatch, tmp_path):
-    # the pick is 30 % slower than plan 1 and both repeat within 2 %: resolved after two
-    measured = [[1.30, 1.31, 1.30], [1.00, 1.01, 1.00], [2.0], [3.0]]
-    out, order = _run(monkeypatch, tmp_path, [1.0, 1.1, 2.0, 3.0], measured)
-    assert len(order) == 6 and out["resolved"]
-    assert out["pick_ratio"] == pytest.approx(1.005 / 1.305)  # medians of two
-    assert out["gap_pick_best"] == pytest.approx(1.305 / 1.005 - 1)
-    # the same gap under a 60 % spread is not resolved, and the pick counts in that check
-    measured = [[1.30, 2.10, 1.30], [1.00, 1.60, 1.00], [2.0], [3.0]]
-    out, order = _run(monkeypatch, tmp_path, [1.0, 1.1, 2.0, 3.0], measured)
-    assert len(order) == 8 and not out["resolved"]
+def test_a_gap_is_resolved_only_by_intervals_narrower_than_it(monkeypatch, tmp_path):
+    # the pick is 30 % slower than plan 1, both measured to +-2 %: resolved
+    measured = [[_steps(1.30, 0.02)] * 2, [_steps(1.00, 0.02)] * 2, [_steps(2.0, 0.02)],
+                [_steps(3.0, 0.02)]]
+    out, _ = _run(monkeypatch, tmp_path, [1.0, 1.1, 2.0, 3.0], measured)
+    assert out["resolved"] and out["pick_ratio"] == pytest.approx(1.0 / 1.3)
+    assert out["gap_pick_best"] == pytest.approx(0.3)
+    assert max(out["median_ci_compared"]) < 0.03
+    # the same gap under steps spread +-60 % is not
+    measured = [[_steps(1.30, 0.6)] * 2, [_steps(1.00, 0.6)] * 2, [_steps(2.0, 0.6)],
+                [_steps(3.0, 0.6)]]
+    out, _ = _run(monkeypatch, tmp_path, [1.0, 1.1, 2.0, 3.0], measured)
+    assert not out["resolved"] and min(out["median_ci_compared"]) > 0.15
+
+
+def test_median_interval_narrows_with_more_steps():
+    few, width_few = bench_plan.median_ci(_steps(1.0, 0.2, n=10))
+    many, width_many = bench_plan.median_ci(_steps(1.0, 0.2, n=160))
+    assert few == pytest.approx(1.0) and many == pytest.approx(1.0)
+    assert width_many < width_few / 3  # about 1 / sqrt(16)
+    assert bench_plan.median_ci([1.0, 2.0])[1] == float("inf")  # too few to say
 
 
 def test_a_pick_records_the_stored_rehearsal_of_the_same_plan_and_gcds(monkeypatch,

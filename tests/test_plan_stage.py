@@ -149,3 +149,28 @@ def test_refinement_measures_top_plans_and_keeps_calibration(runs_dir: Path) -> 
     again = plan_stage.run(_cfg(runs_dir), {}, _out_dir(runs_dir, "plan-again"), tracker_again)
     ratio = again["predictions"]["step_time_s"] / best["step_time_s"]
     assert 0.3 < ratio < 3.0
+
+
+def test_plans_of_one_world_size_are_measured_in_one_launch(runs_dir: Path) -> None:
+    """``measure_plans``: one launch, every plan built afresh in each round, each round in a
+    rotated order; a plan the trainer refuses is reported and the others go on."""
+    cfg = _cfg(runs_dir)
+    plans = [Plan(dp=2, micro_batch=8, grad_accum=1, sharding="ddp"),
+             Plan(dp=2, micro_batch=3, grad_accum=1, sharding="ddp"),  # 3 x 2 is not 16
+             Plan(pp=2, micro_batch=4, grad_accum=4, schedule="gpipe")]
+    out_dir = runs_dir / "measure-many"
+    measured = plan_stage.measure_plans(cfg, plans, out_dir, steps=3, rounds=2)
+    assert measured["failed"] is None, measured["failed"]
+    assert "global_batch" in measured["errors"][1] and not measured["step_times"][1]
+    for i in (0, 2):
+        assert measured["errors"][i] is None
+        rounds = measured["step_times"][i]
+        assert len(rounds) == 2 and all(len(r) == 2 for r in rounds)  # the warm-up left out
+        assert all(0 < t < 30 for r in rounds for t in r)
+    lines = [json.loads(line) for line in (out_dir / "measurements.jsonl").read_text()
+             .splitlines()]
+    assert [(r["round"], r["index"]) for r in lines] == [(0, 0), (0, 1), (0, 2),
+                                                        (1, 1), (1, 2), (1, 0)]
+    assert not list(out_dir.glob("plan*/checkpoints"))  # a measurement saves nothing
+    with pytest.raises(ValueError, match="share a world size"):
+        plan_stage.measure_plans(cfg, [plans[0], Plan()], out_dir, 2, 1)

@@ -371,7 +371,9 @@ class Trainer:
             ckpt.load_initial_weights(self.cfg.init_from, self.model, self.model_cfg)
             if self.is_logger:
                 print(f"[train] initialised from {self.cfg.init_from}", flush=True)
-        first_step, step_times = self.step, []
+        first_step = self.step
+        self.step_times: list[float] = []  # each step's seconds (the summary's median)
+        step_times = self.step_times
         tokens_per_step = self.cfg.global_batch * self.cfg.seq_len
         self.iteration_times = []  # whole iterations incl. logging (for loop-overhead checks)
         self.checkpoint_seconds = []
