@@ -5,7 +5,7 @@
 the key's lock and its ``.partial`` work directory (``stages.outputs``) and has an MLflow
 child run. ``finish`` publishes the outputs, ``fail`` records the error; both release the
 lock, in whichever process they run. The split lets the work between them run anywhere:
-Parsl fan-out apps, training ranks launched by torchrun or srun (``workflows.apps``), or
+Parsl fan-out apps, training ranks launched by ``stages.launch`` or srun (``workflows.apps``), or
 this process (``stages.inline``).
 
 One attempt per key at a time: ``begin`` takes the lock ``<key>.lock`` (``stages.locks``) in

@@ -1,6 +1,6 @@
 """Per-rank held-out evaluation: ``python -m stages.eval_worker --spec SPEC.json``.
 
-Launched by torchrun locally or srun under Slurm (rank identity from either environment,
+Launched by ``stages.launch`` locally or srun under Slurm (rank identity from either environment,
 ``model.parallel.dist_env.from_environ``); with no launcher it runs as a single process. Every rank
 loads the checkpoint, computes the loss over its round-robin share of the validation
 windows (``model.evaluation.loss.heldout_loss``, sums all-reduced), and rank 0 writes

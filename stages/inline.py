@@ -2,7 +2,7 @@
 
 ``run_stage`` is the inline executor: ``begin`` (reuse or open an attempt), then by the
 stage's shape ``run``; or ``prepare``, every ``part`` in turn, ``finalize``; or ``prepare``,
-the ranks on this machine (``stages.launch.run_local``: torchrun), ``finalize``; then
+the ranks on this machine (``stages.launch.run_local``), ``finalize``; then
 ``finish``, or ``fail`` with the error. The pipeline runs the same steps as Parsl apps
 (``workflows.apps``); tests and notebooks run stages with this, without Parsl.
 """

@@ -4,7 +4,8 @@ A multi-rank stage (train, evaluate with ``eval.ranks`` > 1, and the plan stage'
 refinement) writes a ``RankSpec`` as JSON, then ``nproc`` processes each run
 ``python -m <spec.worker> --spec <path>``:
 
-- on this machine with ``torchrun --standalone`` (``local_command`` / ``run_local``);
+- on this machine as children of the launcher (``LocalRanks`` / ``run_local``; the command
+  ``local_command``), meeting at a rendezvous file;
 - under Slurm, the workflow puts the same worker line after ``$PARSL_MPI_PREFIX`` (an
   ``srun`` line composed by Parsl's MPIExecutor; see ``workflows.ranks.ranks_command``).
 
@@ -18,9 +19,9 @@ A rank that stopped out of time (``OutOfTime``: Slurm's signal ahead of the wall
 SIGTERM, after the ranks wrote the checkpoint of the step they all stopped at) leaves
 ``out-of-time.json`` (the step and checkpoint) beside the spec; the launch then exits
 ``OUT_OF_TIME_EXIT``, which the workflow reads as "resume in a new job", neither a failure
-nor a spent retry. Under torchrun the ranks themselves exit 0 (torchrun reports any other
-code as a failure) and the launcher turns the file into the code; under srun they exit
-``OUT_OF_TIME_EXIT`` and the ranks' command checks the file the same way.
+nor a spent retry. The ranks exit ``OUT_OF_TIME_EXIT`` and the launcher (or, under srun, the
+ranks' command) checks the file; a rank run by hand under torchrun exits 0 instead, since
+torchrun reports any other code as a failure.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,15 +157,109 @@ def rank_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def local_command(spec_path: str | Path, spec: RankSpec, python: str = sys.executable) -> list[str]:
-    """The argv that starts every rank of ``spec`` on this machine (torchrun, one node)."""
-    if spec.nodes != 1:
-        raise ValueError(
-            f"{spec.nodes} nodes cannot be launched on this machine: multi-node ranks are "
-            "started with srun by the workflow (site.name=slurm or frontier)"
-        )
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(spec.nproc), "-m", spec.worker, "--spec", str(spec_path)]
+def rank_command(spec_path: str | Path, spec: RankSpec, python: str = sys.executable) -> list[str]:
+    """The argv of one rank of ``spec``: ``python -m <worker> --spec <path>``."""
+    return [python, "-m", spec.worker, "--spec", str(spec_path)]
+
+
+def local_command(spec_path: str | Path, python: str = sys.executable) -> list[str]:
+    """The argv that starts every rank of the spec at ``spec_path`` on this machine: this
+    module's own command line (``main``)."""
+    return [python, "-m", "stages.launch", "--spec", str(spec_path)]
+
+
+FAILED_RANKS_GRACE_S = 30.0
+"""After one rank failed, the others get SIGTERM, then SIGKILL this much later (torchrun's
+rule): a rank stuck in a collective with the failed one may not end by itself."""
+
+
+class LocalRanks:
+    """The ``nproc`` ranks of a one-node spec, started here as children of this process.
+
+    Each rank runs ``rank_command`` with its identity (``dist_env.local_rank_variables``)
+    and meets the others at a fresh rendezvous file (torch's FileStore): no port is chosen,
+    so concurrent launches cannot collide, and nothing heavier than this module is imported
+    to start them (torchrun would import torch, seconds of CPU per launch). The ranks share
+    one process group (``pgid``, so that they are killed together, and out of reach of a
+    signal to the caller's group) and one pipe for their merged stdout and stderr
+    (``stdout``); each dies with this process (``_arm_parent_death_signal``). When one rank
+    fails the others are stopped (``FAILED_RANKS_GRACE_S``); ``wait`` gives the first
+    failure's exit code (128 + the signal for a rank killed by one), else 0.
+    """
+
+    def __init__(self, spec_path: str | Path, spec: RankSpec, env: dict[str, str]) -> None:
+        import tempfile
+        import threading
+
+        from model.parallel.dist_env import local_rank_variables
+
+        if spec.nodes != 1:
+            raise ValueError(
+                f"{spec.nodes} nodes cannot be launched on this machine: multi-node ranks are "
+                "started with srun by the workflow (site.name=slurm or frontier)"
+            )
+        self._rendezvous = tempfile.mkdtemp(prefix="ranks-")
+        store = str(Path(self._rendezvous) / "store")
+        read_end, write_end = os.pipe()
+        self.ranks: list[subprocess.Popen] = []
+        self.pgid = 0  # rank 0's pid once it runs: the group every rank joins
+        try:
+            for rank in range(spec.nproc):
+                self.ranks.append(subprocess.Popen(
+                    rank_command(spec_path, spec),
+                    env={**env, **local_rank_variables(rank, spec.nproc, store)},
+                    cwd=REPO_ROOT, stdout=write_end, stderr=write_end, process_group=self.pgid,
+                    preexec_fn=_arm_parent_death_signal))  # noqa: PLW1509 (one prctl)
+                self.pgid = self.ranks[0].pid
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            os.close(write_end)
+        self.stdout = open(read_end, errors="replace")  # noqa: SIM115 - closed in wait
+        self.failed: int | None = None
+        self._done = threading.Event()
+        self._watch = threading.Thread(target=self._stop_all_on_a_failure, daemon=True)
+        self._watch.start()
+
+    def _stop_all_on_a_failure(self) -> None:
+        while not self._done.wait(0.1):
+            codes = [rank.poll() for rank in self.ranks]
+            if all(code is not None for code in codes):
+                return
+            bad = [code for code in codes if code not in (None, 0, OUT_OF_TIME_EXIT)]
+            if bad:
+                self.failed = bad[0]
+                self._signal(signal.SIGTERM)
+                if not self._done.wait(FAILED_RANKS_GRACE_S):
+                    self.kill()
+                return
+
+    def _signal(self, signum: int) -> None:
+        if self.pgid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running; reap them."""
+        if any(rank.poll() is None for rank in self.ranks):
+            self._signal(signal.SIGKILL)
+            for rank in self.ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    rank.kill()
+        for rank in self.ranks:
+            rank.wait()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+    def wait(self) -> int:
+        """Wait for every rank; the launch's exit code."""
+        codes = [rank.wait() for rank in self.ranks]
+        self._done.set()
+        self._watch.join()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+        failed = self.failed if self.failed is not None else next(
+            (code for code in codes if code != 0), 0)
+        return 128 - failed if failed < 0 else failed
 
 
 def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
@@ -198,7 +294,7 @@ def read_rank_error(out_dir: str | Path, log: str | Path | None = None) -> str |
 
 def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: str = "stage",
               echo: bool = True, timeout_s: float | None = None) -> None:
-    """Start every rank of the spec at ``spec_path`` with torchrun; stream their output.
+    """Start every rank of the spec at ``spec_path`` here (``LocalRanks``); stream their output.
 
     Raises ``RanksFailed`` (with the rank's own message when it refused its input) on a
     non-zero exit or after ``timeout_s`` (default: the spec's), ``RanksOutOfTime`` when the
@@ -215,33 +311,29 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
     tail: collections.deque[str] = collections.deque(maxlen=40)
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "a")) if log_path else None
-        proc = subprocess.Popen(local_command(spec_path, spec), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=rank_environment(),
-                                cwd=REPO_ROOT, bufsize=1, start_new_session=True,
-                                preexec_fn=_arm_parent_death_signal)  # noqa: PLW1509 (one prctl)
-        stack.callback(_kill_group, proc)
-        assert proc.stdout is not None
-        timer = None
+        ranks = LocalRanks(spec_path, spec, rank_environment())
+        stack.callback(ranks.kill)
         if timeout_s:
             import threading
 
-            timer = threading.Timer(timeout_s, _kill_group, (proc,))
+            timer = threading.Timer(timeout_s, ranks.kill)
             timer.start()
             stack.callback(timer.cancel)
         reported: str | None = None  # a rank's own one-line error
         full: set[int] = set()  # the sinks a full disk stopped taking: the ranks are still heard
-        for line in proc.stdout:
+        for line in ranks.stdout:
             own = line.startswith(RANK_MESSAGE_PREFIX)
             if own:
                 reported = line[len(RANK_MESSAGE_PREFIX):].strip()
-            # once a rank has said why it failed, torchrun's failure report (a traceback of
-            # its own that repeats it) goes to the log only
+            # once a rank has said why it failed, the other ranks' tracebacks (a peer gone
+            # from a collective) go to the log only
             if echo and (own or reported is None):
                 _copy(line, sys.stdout, full)
             tail.append(line)
             if log:
                 _copy(line, log, full)
-        code = proc.wait()
+        code = ranks.wait()
+        ranks.stdout.close()
     stopped = read_out_of_time(spec.out_dir)
     if stopped is not None and read_rank_error(spec.out_dir) is None:
         raise RanksOutOfTime(what, stopped)
@@ -285,14 +377,6 @@ def run_series_local(spec: RankSpec, log_path: str | Path | None = None, what: s
                     log.write(line)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill the launcher's whole process group (torchrun and its ranks) if still running."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def _arm_parent_death_signal() -> None:
     """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; kept across exec)."""
     if sys.platform.startswith("linux"):
@@ -303,7 +387,7 @@ def _arm_parent_death_signal() -> None:
 
 
 def die_with_parent() -> None:
-    """Have the kernel kill this process when its parent (torchrun, srun's step) dies."""
+    """Have the kernel kill this process when its parent (the launcher, srun's step) dies."""
     parent = os.getppid()
     _arm_parent_death_signal()
     if os.getppid() != parent:  # the parent died before the signal was armed
@@ -321,7 +405,7 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     A ``ValueError`` (the project's input errors derive from it) or a full disk is written
     to ``rank-error.json`` (where the disk still takes it) and ends the rank with
     ``USER_ERROR_EXIT`` and one line on stderr; ``OutOfTime`` ends it with
-    ``OUT_OF_TIME_EXIT`` (0 under torchrun, whose launcher reads the rank's file instead);
+    ``OUT_OF_TIME_EXIT`` (0 under torchrun, which counts any other code as a failure);
     anything else propagates. A hung rank shows where it waits: ``kill -USR2 <pid>`` prints
     the stack of each of its threads to its stderr (``STACKS_SIGNAL``).
     """
@@ -357,15 +441,15 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
 def main(argv: list[str] | None = None) -> int:
     """``python -m stages.launch --spec PATH``: start the spec's ranks on this machine.
 
-    The workflow's local ranks app runs this: it dies with its Parsl worker, torchrun dies
-    with it, and the ranks die with torchrun. Exits ``USER_ERROR_EXIT`` when a rank refused
-    its input, ``OUT_OF_TIME_EXIT`` when the ranks stopped out of time at a checkpoint, else
-    torchrun's exit code.
+    The workflow's local ranks app runs this: it dies with its Parsl worker and the ranks die
+    with it. Exits ``USER_ERROR_EXIT`` when a rank refused its input, ``OUT_OF_TIME_EXIT``
+    when the ranks stopped out of time at a checkpoint, else the first failed rank's exit
+    code (``LocalRanks.wait``).
     """
     import argparse
 
     die_with_parent()
-    parser = argparse.ArgumentParser(description="Start a rank spec's ranks with torchrun.")
+    parser = argparse.ArgumentParser(description="Start a rank spec's ranks on this machine.")
     parser.add_argument("--spec", required=True, help="path of the rank spec (JSON)")
     args = parser.parse_args(argv)
     try:

@@ -9,7 +9,7 @@ to its own clock with ``os.utime`` (``refresh``), which never recreates a lock s
 
 A pipeline driver's lock also names its ``run``: the marker ``<host>:<pid>:<start time>``
 that the driver exports as ``FRONTIER_LLM_RUN`` (``RUN_ENV``) and every process it starts
-inherits (Parsl's interchanges and workers, the launcher, torchrun, the ranks). A driver
+inherits (Parsl's interchanges and workers, the launcher, the ranks). A driver
 killed with ``kill -9`` may leave such processes writing into the stage's ``.partial``
 directory for a while (until the driver's watchdog, ``workflows.watchdog``, has stopped
 them), so its pid alone does not say the attempt is over.

@@ -186,7 +186,7 @@ def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE
     (``read_measurement``, plus "seconds").
 
     Starts ``stages.train_worker`` on plan.world_size local ranks through ``stages.launch``;
-    safe to run several at once (torchrun --standalone picks a free port, each in its own
+    safe to run several at once (each launch meets at a rendezvous file of its own, each in its own
     out_dir). The plan stage measures through its ranks instead (``prepare``).
     """
     out_dir = Path(out_dir)

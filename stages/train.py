@@ -1,7 +1,7 @@
 """The train stage's work, a ranks stage: validate and write the rank spec, then collect.
 
 ``prepare`` makes every check before any rank starts and writes the ranks' spec.json; the
-ranks (``stages.train_worker``) are launched from it by torchrun locally or srun under
+ranks (``stages.train_worker``) are launched from it by ``stages.launch`` locally or srun under
 Slurm; ``finalize`` reads their summary.json.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-rank training entry: ``python -m stages.train_worker --spec SPEC.json``.
 
-Launched by ``stages.launch`` (torchrun locally, srun under Slurm; rank identity from either
+Launched by ``stages.launch`` (its own ranks locally, srun under Slurm; rank identity from either
 environment). The ``RankSpec`` holds the pipeline config, the plan, the token store (or
 None for synthetic tokens), the output directory, the tracking run and an optional step
 override. Rank (last pipeline stage, dp 0, tp 0) writes ``out_dir/summary.json``.
@@ -12,7 +12,8 @@ are set first thing, before torch is imported, so a signal during start-up is ke
 The ranks vote after every step, all stop after the same one with its checkpoint written,
 the logger rank writes ``out-of-time.json`` and every rank ends with the out-of-time exit
 (``stages.launch.OutOfTime``). A rank stuck in a collective still ends: Slurm sends
-SIGKILL ``KillWait`` seconds after its SIGTERM, torchrun 30 s after its own.
+SIGKILL ``KillWait`` seconds after its SIGTERM, the local launcher 30 s after its own
+(``stages.launch.FAILED_RANKS_GRACE_S``).
 
 Each step is logged once in the stage's MLflow run, however often the ranks were started:
 before training, the logger rank asks which steps the run already holds (``logged_through``)
@@ -80,7 +81,7 @@ def make_batch_factory(spec: RankSpec, cfg):
 def this_job(spec: RankSpec) -> dict[str, Any]:
     """This job for the job ledger: the Slurm job (its id, nodes and start: Slurm's
     SLURM_JOB_START_TIME, else squeue's StartTime, else this rank's start) or, launched on
-    this machine, the torchrun launch (the spec's nodes, this rank's start). Asked by one
+    this machine, the local launch (the spec's nodes, this rank's start). Asked by one
     rank only (squeue)."""
     env = os.environ
     if not env.get("SLURM_JOB_ID"):

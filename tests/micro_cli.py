@@ -2,9 +2,9 @@
 
 ``user_session`` takes a fresh runs dir through a first run, the same command again,
 ``--only evaluate``, then ``--dry-run`` with a changed evaluation config, each a real
-``python -m workflows.pipeline --config micro`` (Parsl's HTEX, torchrun's gloo ranks, MLflow
-on SQLite). Each step's state (the pipeline runs it opened, every status.json, its console)
-is recorded when the step ends, so tests read records and do not depend on each other's
+``python -m workflows.pipeline --config micro`` (Parsl's HTEX, the local launcher's gloo
+ranks, MLflow on SQLite). Each step's state (the pipeline runs it opened, every status.json,
+its console) is recorded when the step ends, so tests read records and do not depend on each other's
 order. Every run evaluates on 2 ranks (eval.ranks=2), so the evaluate stage's ranks app is
 exercised through Parsl as well as the training ranks, and logs the export as an MLflow
 model (eval.log_model=true, off in the preset), which the UI test looks for.

@@ -78,7 +78,7 @@ def test_tokenizer_mismatch_fails_in_prepare_before_any_rank(micro_pipeline, tmp
     prepared_dir.mkdir()
     with pytest.raises(evaluate.EvaluationError, match=pattern):
         evaluate.prepare(cfg2, inputs, prepared_dir, tracker)
-    # Through run(): refused before torchrun starts (no spec, no rank log, no loss.json).
+    # Through run(): refused before any rank starts (no spec, no rank log, no loss.json).
     out = tmp_path / "eval"
     out.mkdir()
     with pytest.raises(evaluate.EvaluationError, match=pattern):

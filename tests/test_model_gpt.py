@@ -10,7 +10,7 @@ import torch
 from model.config import ModelConfig, TrainConfig
 from model.flops import flops_per_token, param_count
 from model.gpt import GPT, apply_rotary, rotary_tables
-from model.parallel.dist_env import expand_first_host, from_environ
+from model.parallel.dist_env import expand_first_host, from_environ, local_rank_variables
 from model.parallel.pipeline import build_chunk, chunk_ids
 from model.planner.shapes import Shapes
 from model.training.batches import SyntheticBatches
@@ -195,11 +195,15 @@ def test_synthetic_batches_are_layout_independent() -> None:
     assert torch.equal(resumed.next_batch(), whole.next_batch())
 
 
-def test_rank_identity_from_torchrun_and_slurm() -> None:
+def test_rank_identity_from_the_local_launcher_torchrun_and_slurm() -> None:
+    local = from_environ(local_rank_variables(1, 4, "/tmp/ranks-x/store"))
+    assert (local.rank, local.local_rank, local.world_size, local.store_file) == (
+        1, 1, 4, "/tmp/ranks-x/store")
     env = from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8",
                         "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
     assert (env.rank, env.local_rank, env.world_size, env.master_addr, env.master_port) == (
         3, 1, 8, "h0", 1234)
+    assert env.store_file is None  # torchrun's ranks meet at MASTER_ADDR:MASTER_PORT
     slurm = from_environ({"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16",
                           "SLURM_JOB_NODELIST": "frontier[00012-00013]", "SLURM_JOB_ID": "123456"})
     assert (slurm.rank, slurm.local_rank, slurm.world_size) == (9, 1, 16)

@@ -1,6 +1,6 @@
 """The rehearsal (``model.training.rehearse``) against the same steps on real gloo ranks.
 
-Two real CPU ranks (torchrun, gloo, a 4-layer d=64 GQA LLaMA) run each layout family
+Two real CPU ranks (``stages.launch``, gloo, a 4-layer d=64 GQA LLaMA) run each layout family
 below through the real trainer, measured by ``measure_steps`` on real tensors; the same
 plans are rehearsed rank by rank on fake tensors in a fake process group. Per rank: the
 peak memory must agree within 10 %, FLOPs and bytes per collective kind and mesh dimension

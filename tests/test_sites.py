@@ -151,7 +151,7 @@ def test_dry_run_shows_the_blocks_and_each_ranks_stage():
     evaluate_script = text[text.index("# --- batch script for the evaluate allocation"):]
     assert "#SBATCH --nodes=1\n" in evaluate_script.split("# --- batch script for")[1]
     local = dry_run_text(load_config(None), RUN_DIR)
-    assert "train runs torchrun --nproc-per-node 2" in local and "\n" not in local
+    assert "train runs 2 ranks on this machine" in local and "\n" not in local
     assert "evaluate" not in local  # one evaluation rank runs inside its Python app
 
 
@@ -283,8 +283,8 @@ def test_a_series_of_launches_is_one_srun_step_each_and_never_stops_early(tmp_pa
 
 
 def test_a_local_series_runs_every_launch_whatever_fails(tmp_path):
-    """On this machine the launches run one after another through torchrun; one whose ranks
-    fail is reported in a line and the next still runs."""
+    """On this machine the launches run one after another through the local launcher; one
+    whose ranks fail is reported in a line and the next still runs."""
     paths = []
     for i, worker in enumerate(("no_such_module_here", "this")):
         launch = RankSpec(worker=worker, nproc=1, nodes=1, out_dir=str(tmp_path / f"p{i}"),
@@ -416,7 +416,7 @@ def test_eval_ranks_use_the_same_launch_lines():
     shape = EVALUATE.shape(cfg)
     assert (shape.kind, shape.nproc, shape.nodes, shape.worker) == (RANKS, 3, 1, EVALUATE.worker)
     assert ranks_resource_spec(cfg, shape) is None  # local: no MPIExecutor
-    assert "evaluate runs torchrun --nproc-per-node 3" in dry_run_text(cfg, RUN_DIR)
+    assert "evaluate runs 3 ranks on this machine" in dry_run_text(cfg, RUN_DIR)
 
     slurm = load_config(None, ["site.name=slurm", "parallel.nproc=4", "parallel.nodes=2",
                                "eval.ranks=3"])

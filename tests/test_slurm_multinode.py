@@ -14,7 +14,8 @@ two pipeline stages on different nodes, logging through the driver's MLflow serv
 evaluation runs 2 ranks in a job of its own, started once the training's job was handed
 back. The tests check each part's records: Slurm's accounting and slurmd's logs, the
 shards' hosts and tokens against the same configuration tokenized here, every rank's
-hostname, and the losses against the same rank spec run as 4 ranks on one node by torchrun.
+hostname, and the losses against the same rank spec run as 4 ranks on one node by the local
+launcher.
 (A layout whose data-parallel groups span the nodes is the lost-node test's,
 ``test_slurm_node_loss.py``, which ends with the same comparison; the walltime chain's
 dp=2 across nodes too.)
@@ -87,7 +88,7 @@ def node_addr(host: str) -> str:
 
 
 def run_on_one_node(spec_path: Path, out_dir: Path) -> dict:
-    """The same rank spec as 4 ranks on this machine (torchrun), without tracking."""
+    """The same rank spec as 4 ranks on this machine (``stages.launch``), without tracking."""
     spec = json.loads(spec_path.read_text())
     spec.update(nodes=1, out_dir=str(out_dir), tracking=None)
     out_dir.mkdir(parents=True)

@@ -1,7 +1,7 @@
 """Out of time: a signal to the ranks stops them at a step boundary with a checkpoint, the
 launch exits with the out-of-time code, and resuming ends with the uninterrupted losses.
 
-Real gloo ranks through the local launch path (``python -m stages.launch``: torchrun on
+Real gloo ranks through the local launch path (``python -m stages.launch``: its ranks on
 this machine), as the workflow's local ranks app runs them. The first launch gets SIGUSR1
 (what Slurm sends ahead of the walltime) on one rank only: the ranks must still agree on
 the step they stop at. The second launch resumes there and gets SIGTERM (the walltime

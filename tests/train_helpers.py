@@ -33,7 +33,7 @@ def run_worker(
     out_dir: Path, plan: dict[str, Any], nproc: int, *overrides: str, steps: int | None = None,
     timeout: int = 240,
 ) -> dict[str, Any]:
-    """Run stages.train_worker on ``nproc`` gloo ranks (torchrun; plain python for 1).
+    """Run stages.train_worker on ``nproc`` gloo ranks (``stages.launch``; plain python for 1).
 
     Returns the summary.
     """
@@ -45,7 +45,7 @@ def run_worker(
     if nproc == 1:  # no launcher: the worker runs as a single process
         cmd = [sys.executable, "-m", "stages.train_worker", "--spec", str(spec_path)]
     else:
-        cmd = local_command(spec_path, spec)
+        cmd = local_command(spec_path)
     proc = subprocess.Popen(cmd, cwd=REPO, env=rank_environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -63,7 +63,7 @@ def run_worker(
 
 
 def worker_ranks(root: psutil.Process) -> list[psutil.Process]:
-    """The ranks at or under ``root`` (``python -m stages.<name>_worker``, not torchrun)."""
+    """The ranks at or under ``root`` (``python -m stages.<name>_worker``, not the launcher)."""
     found = []
     for proc in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):

@@ -158,7 +158,7 @@ def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
     stages = ranks_stages(cfg)
     if cfg.site.name == "local":
         launches = "; ".join(
-            f"{name} runs torchrun --nproc-per-node {shape.nproc} on this machine"
+            f"{name} runs {shape.nproc} ranks on this machine (python -m stages.launch)"
             for name, shape in stages
         )
         return (

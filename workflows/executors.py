@@ -12,7 +12,7 @@ The executors:
   shard, finalize). Its workers connect back to the interchange on the login node at
   ``site.address``, encrypted.
 - the allocations, where the multi-rank apps run. Locally one executor, ``train``: a
-  one-worker HTEX whose bash app calls ``torchrun`` for every ranks stage. On Slurm sites
+  one-worker HTEX whose bash app calls ``stages.launch`` for every ranks stage. On Slurm sites
   each stage with ranks or placed in an allocation has a block of its own, sized for it and
   labelled with the stage's name: ``train`` (the training ranks; ``parallel.nodes`` nodes,
   ``site.walltime``, Slurm's signal ahead of the end) and ``evaluate`` (its ranks, or its one
@@ -74,10 +74,10 @@ from workflows.frontier import (
 from workflows.ranks import project_pythonpath
 
 BIN_DIR = Path(sys.executable).parent
-"""The interpreter's bin/: holds Parsl's interchange.py and process_worker_pool.py, torchrun."""
+"""The interpreter's bin/: holds Parsl's interchange.py and process_worker_pool.py."""
 
 LOCAL_RANKS_LABEL = "train"
-"""Locally, the one executor that starts every ranks stage's torchrun."""
+"""Locally, the one executor that starts every ranks stage's launcher."""
 
 ALLOCATION_LABELS = tuple(stage.name for stage in STAGES if stage.worker)
 """Under slurm/frontier: the executors of the stages that may run ranks or apps in an
@@ -312,7 +312,7 @@ def cpu_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
 
 
 def local_train_executor() -> HighThroughputExecutor:
-    """One worker whose bash app runs torchrun, so light stages never queue behind training."""
+    """One worker whose bash app runs the launcher, so light stages never queue behind training."""
     return _local_htex("train", 1)
 
 
@@ -493,7 +493,7 @@ def executor_label(cfg: PipelineConfig, stage: str, placement: str) -> str:
 
 def allocation_label(cfg: PipelineConfig, stage: str) -> str:
     """The executor of stage ``stage``'s ranks: locally the one "train" worker that starts
-    every torchrun; under Slurm the stage's own block, labelled with its name."""
+    every launch; under Slurm the stage's own block, labelled with its name."""
     return LOCAL_RANKS_LABEL if cfg.site.name == "local" else stage
 
 

@@ -3,7 +3,7 @@ environment, and the one command that starts them.
 
 Both ranks stages (training, and evaluation when eval.ranks > 1) start through
 ``ranks_command``, so they start the same way on every site: locally ``python -m
-stages.launch`` (torchrun on this machine); on slurm/frontier ``$PARSL_MPI_PREFIX``, the
+stages.launch`` (its ranks started on this machine); on slurm/frontier ``$PARSL_MPI_PREFIX``, the
 ``srun`` line Parsl's MPIExecutor composes from ``ranks_resource_spec`` (nodes, ranks per
 node, ``SITE_SRUN_OPTIONS``), one worker per rank. ``rank_env`` is what every rank gets
 exported first: the project on PYTHONPATH, its OpenMP threads (``rank_cores``) and, on
@@ -173,7 +173,7 @@ def _worker_python(cfg: PipelineConfig) -> str:
 def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) -> str:
     """The shell command that starts every rank of a rank spec (the ranks app's command).
 
-    local: ``python -m stages.launch`` (torchrun on this machine, dying with its Parsl
+    local: ``python -m stages.launch`` (the ranks started on this machine, dying with its Parsl
     worker); slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line Parsl composes from
     ``ranks_resource_spec``) runs one worker per rank. Either way the command exits
     ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it,

@@ -3,7 +3,7 @@ killer), stop every process of its run on this host and record the run as killed
 
 The driver's shutdown (``PipelineSession.__exit__``, ``workflows.executors.stop_parsl``)
 runs only if the driver lives to run it. Killed outright, it leaves Parsl's interchanges,
-the local worker pools, the launcher, torchrun and the ranks training on with nobody to
+the local worker pools, the launcher and the ranks training on with nobody to
 wait for them, its MLflow runs RUNNING and its stage ``running`` in ``status.json``.
 
 So the driver exports its run marker (``stages.locks.RUN_ENV``: ``<host>:<pid>:<start

@@ -1,6 +1,8 @@
-"""Rank identity from torchrun or Slurm, and process-group start-up.
+"""Rank identity from the local launcher, torchrun or Slurm, and process-group start-up.
 
-The same entry point runs under ``torchrun`` (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR set)
+The same entry point runs under ``stages.launch``'s local launcher (``local_rank_variables``:
+RANK/LOCAL_RANK/WORLD_SIZE and a rendezvous file, ``STORE_FILE_VAR``, so that no port is
+chosen and none can collide), under ``torchrun`` (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR set)
 and under ``srun`` (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the rendezvous host is the
 first node of the step, SLURM_STEP_NODELIST, and the port is derived from SLURM_JOB_ID and
 SLURM_STEP_ID). The step's nodes, not the job's: a launch that uses some nodes of a larger
@@ -14,11 +16,15 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from model.parallel.threads import default_rank_threads
+
+if TYPE_CHECKING:  # torch is imported where a process group starts: launchers need none
+    import torch
+
+STORE_FILE_VAR = "FRONTIER_LLM_RANK_STORE"
+"""A file the ranks of one local launch meet at (torch's FileStore), in place of a port."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,14 @@ class DistEnv:
     world_size: int
     master_addr: str
     master_port: int
+    store_file: str | None = None  # the rendezvous file of a local launch (STORE_FILE_VAR)
+
+
+def local_rank_variables(rank: int, world_size: int, store_file: str) -> dict[str, str]:
+    """The identity a local launcher gives rank ``rank`` of ``world_size`` on one node, meeting
+    at ``store_file`` (which must not exist yet); what ``from_environ`` reads."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), STORE_FILE_VAR: store_file}
 
 
 def expand_first_host(nodelist: str) -> str:
@@ -58,7 +72,8 @@ def expand_first_host(nodelist: str) -> str:
 
 
 def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
-    """Read the rank identity from torchrun variables, else from Slurm, else single process."""
+    """Read the rank identity from the local launcher's or torchrun's variables, else from
+    Slurm, else a single process."""
     env = dict(os.environ if environ is None else environ)
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(
@@ -67,6 +82,7 @@ def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
             world_size=int(env["WORLD_SIZE"]),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
+            store_file=env.get(STORE_FILE_VAR) or None,
         )
     if "SLURM_PROCID" in env:
         job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
@@ -90,6 +106,9 @@ def init_distributed(env: DistEnv) -> torch.device:
 
     Returns this rank's device.
     """
+    import torch
+    import torch.distributed as dist
+
     threads = default_rank_threads()
     if torch.cuda.is_available():
         device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
@@ -102,6 +121,10 @@ def init_distributed(env: DistEnv) -> torch.device:
     if not dist.is_initialized() and env.world_size == 1:
         # One process: an in-memory store, so no port is needed (or can collide).
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif not dist.is_initialized() and env.store_file:
+        dist.init_process_group(backend, init_method=f"file://{env.store_file}", rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(minutes=10),
+                                device_id=device if device.type == "cuda" else None)
     elif not dist.is_initialized():
         os.environ["MASTER_ADDR"] = env.master_addr
         os.environ["MASTER_PORT"] = str(env.master_port)

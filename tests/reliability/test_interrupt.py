@@ -1,10 +1,10 @@
 """Ctrl-C and SIGTERM stop everything; training ranks never outlive their launcher.
 
 The pipeline CLI runs for real (Parsl's interchange and worker pools, ``stages.launch``,
-torchrun, gloo ranks, the SQLite MLflow store) on a training long enough to be
+gloo ranks, the SQLite MLflow store) on a training long enough to be
 interrupted. After the driver is signalled, it must exit promptly, leave no process of its
 runs dir behind, and record the interrupted stage as failed on disk and in MLflow. A killed
-launcher (``stages.launch`` or torchrun, run as the local ranks app runs it) must take its
+launcher (``stages.launch``, run as the local ranks app runs it) must take its
 ranks with it, so nothing writes into the stage directory afterwards.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def training_under_way(driver: Driver) -> None:
 
 def process_tree(driver: Driver) -> list[psutil.Process]:
     """The driver, its descendants (Parsl's interchange), and every process of its runs dir
-    (worker pools, launcher, torchrun, ranks) with their descendants (Parsl's workers)."""
+    (worker pools, launcher, ranks) with their descendants (Parsl's workers)."""
     roots = [psutil.Process(driver.proc.pid), *processes_of(driver.runs)]
     found: dict[int, psutil.Process] = {}
     for root in roots:
@@ -107,8 +107,7 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
     training_under_way(driver)
     tree = process_tree(driver)
     kinds = " ".join(" ".join(p.cmdline()) for p in tree if p.is_running())
-    for part in ("process_worker_pool", "stages.launch", "torch.distributed.run",
-                 "stages.train_worker"):
+    for part in ("process_worker_pool", "stages.launch", "stages.train_worker"):
         assert part in kinds, f"no {part} among the pipeline's processes: {kinds[:2000]}"
 
     if group:  # the driver leads a session of its own: this signals none of the tests
@@ -141,11 +140,10 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
     assert "RUNNING" not in runs.values(), runs
 
 
-@pytest.mark.parametrize("module", ["stages.launch", "torch.distributed.run"])
-def test_ranks_die_with_a_killed_launcher(module: str, tmp_path: Path) -> None:
+def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
     """The local ranks app's own command (``python -m stages.launch --spec``, which it
-    execs) on a long training: once the ranks have written a checkpoint, the launcher (or
-    the torchrun under it) is SIGKILLed; the ranks are gone within RANKS_GONE_WITHIN_S and
+    execs) on a long training: once the ranks have written a checkpoint, the launcher is
+    SIGKILLed; the ranks are gone within RANKS_GONE_WITHIN_S and
     nothing writes a checkpoint afterwards. How the driver takes a ranks app that failed is
     ``test_resume``'s: a killed rank fails the train stage, and the rerun resumes."""
     out_dir = tmp_path / "run"
@@ -163,13 +161,13 @@ def test_ranks_die_with_a_killed_launcher(module: str, tmp_path: Path) -> None:
     try:
         wait_for("two ranks and a checkpoint", lambda: len(ranks_of(out_dir)) == 2
                  and latest_checkpoint(saved) is not None, timeout=240)
-        (launcher,) = runs_module(out_dir, module)
+        (launcher,) = runs_module(out_dir, "stages.launch")
         launcher.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         while ranks_of(out_dir) and time.monotonic() - killed < RANKS_GONE_WITHIN_S:
             time.sleep(0.1)
         assert not ranks_of(out_dir), \
-            f"ranks outlived their {module} by {RANKS_GONE_WITHIN_S} s: {ranks_of(out_dir)}"
+            f"ranks outlived their launcher by {RANKS_GONE_WITHIN_S} s: {ranks_of(out_dir)}"
 
         def newest() -> tuple[Path | None, float]:
             files = [p for p in saved.rglob("*") if p.is_file()]

@@ -1,7 +1,7 @@
 """Nothing outlives a driver killed with ``kill -9``; the next run resumes its training.
 
 The pipeline CLI runs for real (Parsl's interchanges and worker pools, ``stages.launch``,
-torchrun, gloo ranks, the SQLite MLflow store). Once training has a checkpoint the driver
+the local launcher, gloo ranks, the SQLite MLflow store). Once training has a checkpoint the driver
 gets SIGKILL, so none of its own shutdown runs: its watchdog (``workflows.watchdog``) must
 stop every process of the run within ``GONE_WITHIN_S`` and mark the run's MLflow runs
 KILLED and the running train attempt failed. The same command then resumes the training

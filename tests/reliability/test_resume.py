@@ -1,7 +1,7 @@
 """A killed training resumes: on the next invocation, and within a run by a retry.
 
 The whole pipeline runs as the command-line user runs it (``python -m workflows.pipeline``
-with Parsl, torchrun's gloo ranks and the SQLite MLflow store), each in a runs dir of its
+with Parsl, the local launcher's gloo ranks and the SQLite MLflow store), each in a runs dir of its
 own. One training rank is killed with SIGKILL once a checkpoint at step >= KILL_AFTER is on
 disk; the resumed training must end with exactly the losses of an uninterrupted run, and its
 whole history must be in one MLflow run: each step's loss once, the attempts in its tags.
