@@ -726,3 +726,26 @@ def test_calibration_shrinkage_rule_and_too_few_points(tmp_path) -> None:
     data = update_calibration(path, more)
     assert data["model"] != "raw" and len(data["points"]) == 5
     assert "Infinity" not in path.read_text() and load_calibration(path) == data
+
+
+def test_calibration_does_not_rest_a_communication_factor_on_one_outlying_plan() -> None:
+    from model.planner.calibration import calibrate, predict, unshrunk_scales
+
+    # four plans that barely communicate, measured 1.25x their prediction, and one with some
+    # communication measured 2.2x (a layout the model prices badly): a plain two-scale fit
+    # puts all of that plan's excess on communication (comm_scale ~8), which a plan that
+    # communicates a lot (held out, 1.2x) would then be predicted at several times its time
+    fitted = [{"compute_s": c, "comm_s": m, "measured_s": 1.25 * (c + m) * e}
+              for c, m, e in ((0.177, 0.010, 1.0), (0.178, 0.013, 0.99), (0.181, 0.012, 1.01),
+                              (0.177, 0.009, 1.0))]
+    fitted.append({"compute_s": 0.514, "comm_s": 0.113, "measured_s": 1.40})
+    held_out = {"compute_s": 0.177, "comm_s": 0.184, "measured_s": 0.30}
+    cal = calibrate(fitted)
+    assert cal["comm_scale"] == pytest.approx(cal["compute_scale"]), cal  # the extra dropped
+    assert 1.1 < cal["compute_scale"] < 1.4, cal  # what every plan shares is kept
+
+    def error(scales: dict) -> float:
+        return abs(predict(scales, held_out) - held_out["measured_s"]) / held_out["measured_s"]
+
+    assert error(unshrunk_scales(fitted)) > 3.0  # the plain fit: over 4x the time
+    assert error(cal) < 0.6

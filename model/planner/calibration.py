@@ -19,8 +19,13 @@ the least-squares covariance ``s**2 (X'X)^-1`` with ``s**2 = RSS / (n - 2)``. Th
 are shrunk as a common factor (toward 1) and what communication needs beyond it (toward 0),
 the common factor refitted after the second is shrunk (``fit_two_scales``): compute and comm
 seconds move together across plans, so the two scales are far less determined than their
-sum. So measurements that scatter around the raw model give factors of exactly or nearly 1, a
-few plans that barely communicate leave comm_scale at the common factor (its extra's se is
+sum. The extra's se is the larger of the least-squares one and its largest change when one
+point is left out and the rest refitted: one outlying plan that alone has much
+communication fits the extra exactly, and only leaving it out shows that the extra is that
+one plan (measured here: a tp4 plan on 4 ranks sharing 2 cores, 2.2x its prediction, gave
+comm_scale 8.4, and the zero2 plan it was then applied to came out 5.5x too slow). So
+measurements that scatter around the raw model give factors of exactly or nearly 1, a few
+plans that barely communicate leave comm_scale at the common factor (its extra's se is
 huge), and a bias well above the noise is kept.
 
 **Selection.** ``calibrate`` computes each model's leave-one-out error (every point predicted
@@ -96,6 +101,25 @@ def least_squares_scales(points: list[dict[str, float]]) -> tuple[np.ndarray, np
     return sol, cov
 
 
+def _largest_influence(pts: list[dict[str, float]]) -> float:
+    """How far the communication extra (comm_scale - compute_scale) moves, at most, when one
+    point is left out and the rest refitted (DFBETA); inf when leaving one out leaves it
+    undetermined. Used as a floor on the extra's standard error: where one plan alone carries
+    the extra (the only one with much communication, and an outlier), the least-squares se
+    sees a near-exact fit, while leaving that plan out moves the extra by about its whole
+    size, so it is shrunk away."""
+    extras = []
+    for i in range(len(pts)):
+        fit = least_squares_scales(pts[:i] + pts[i + 1:])
+        if fit is None:
+            return float("inf")
+        extras.append(float(fit[0][1] - fit[0][0]))
+    full = least_squares_scales(pts)
+    assert full is not None  # the caller fitted these points
+    delta = float(full[0][1] - full[0][0])
+    return max(abs(e - delta) for e in extras)
+
+
 def fit_two_scales(points: list[dict[str, float]]) -> dict[str, float]:
     """compute_scale and comm_scale, shrunk in two steps that keep the fit consistent.
 
@@ -111,10 +135,11 @@ def fit_two_scales(points: list[dict[str, float]]) -> dict[str, float]:
     if fit is None:
         return {**RAW, "comm_extra_se": float("inf")}
     sol, cov = fit
-    delta = float(sol[1] - sol[0])
-    delta_se = float(np.sqrt(max(cov[0, 0] + cov[1, 1] - 2 * cov[0, 1], 0.0)))
-    delta_s = shrink(delta, delta_se, toward=0.0)
     pts = _usable(points)
+    delta = float(sol[1] - sol[0])
+    delta_se = max(float(np.sqrt(max(cov[0, 0] + cov[1, 1] - 2 * cov[0, 1], 0.0))),
+                   _largest_influence(pts))
+    delta_s = shrink(delta, delta_se, toward=0.0)
     tot = np.array([(p["compute_s"] + p["comm_s"]) / p["measured_s"] for p in pts])
     extra = np.array([delta_s * p["comm_s"] / p["measured_s"] for p in pts])
     # relative least squares of c given delta: minimise sum (c tot + extra - 1)^2
