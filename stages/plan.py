@@ -179,32 +179,6 @@ def read_measurement(out_dir: str | Path, plan: Plan, error: str | None = None) 
     return result
 
 
-def measure_plan(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEASURE_STEPS,
-                 timeout_s: float = MEASURE_TIMEOUT_S,
-                 peak_tflops: float | None = None) -> dict[str, Any]:
-    """Run ``plan`` for a few steps on synthetic tokens on this machine; the measurement
-    (``read_measurement``, plus "seconds").
-
-    Starts ``stages.train_worker`` on plan.world_size local ranks through ``stages.launch``;
-    safe to run several at once (each launch meets at a rendezvous file of its own, each in its own
-    out_dir). The plan stage measures through its ranks instead (``prepare``).
-    """
-    out_dir = Path(out_dir)
-    spec_path = measurement_spec(cfg, plan, out_dir, steps, peak_tflops, timeout_s=timeout_s)
-    t0 = time.perf_counter()
-    log = out_dir / "worker.log"
-    log.unlink(missing_ok=True)
-    try:
-        launch.run_local(spec_path, log, what="measurement", echo=False)
-    except launch.RanksFailed as error:
-        timed_out = time.perf_counter() - t0 >= timeout_s
-        return read_measurement(out_dir, plan, f"timed out after {timeout_s:.0f} s" if timed_out
-                                else str(error)[-1500:])
-    result = read_measurement(out_dir, plan)
-    result["seconds"] = time.perf_counter() - t0
-    return result
-
-
 MEASURE_WORKER = "stages.measure_worker"
 
 
@@ -716,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["choose", "main", "measure_plan", "predict_plan", "run"]
+__all__ = ["choose", "main", "measure_plans", "predict_plan", "run"]
 
 if __name__ == "__main__":
     sys.exit(main())
