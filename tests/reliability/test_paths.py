@@ -33,9 +33,9 @@ def test_runs_dir_with_a_space_is_refused_before_any_work(tmp_path, pipeline_mai
 def test_corpus_with_spaces_and_non_ascii_names_runs_end_to_end(tmp_path):
     corpus = tmp_path / "corpus dir é" / "Ünïcode texts"
     corpus.mkdir(parents=True)
-    source = (REPO / "stages" / "attempt.py").read_text()
-    for i in range(12):  # a dozen small documents, some with non-ASCII text
-        (corpus / f"doc {i} ñ.txt").write_text(f"# façade {i}\n" + source[i * 900:(i + 1) * 900])
+    for i in range(12):  # a dozen small documents of fixed non-ASCII text: 2 held out
+        words = " ".join(f"wörd{(i * 37 + j) % 101} café" for j in range(150))
+        (corpus / f"doc {i} ñ.txt").write_text(f"# façade {i}\n{words}")
     runs = tmp_path / "runs-é"
     proc = _pipeline(
         "--config", "configs/micro.yaml", "--runs-dir", str(runs),
