@@ -50,7 +50,7 @@ def run_spec(spec: Any) -> None:
 
     from model.parallel.dist_env import from_environ, init_distributed
     from model.planner.plan import Plan
-    from model.training.batches import SyntheticBatches
+    from model.training.batches import synthetic_batch_factory
     from model.training.trainer import Trainer
     from stages.config import config_from_dict
 
@@ -63,9 +63,7 @@ def run_spec(spec: Any) -> None:
     device = init_distributed(env)
     train = cfg.train
 
-    def batches(dp_rank: int, dp_size: int) -> SyntheticBatches:
-        return SyntheticBatches(cfg.model.vocab_size, train.seq_len, train.global_batch,
-                                dp_rank, dp_size, train.seed)
+    batches = synthetic_batch_factory(cfg.model.vocab_size, train)
 
     try:
         for r in range(rounds):

@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 from data_prep.atomic import write_json_atomic  # noqa: E402
 from model.parallel.dist_env import from_environ, init_distributed  # noqa: E402
 from model.planner.plan import Plan  # noqa: E402
-from model.training.batches import SyntheticBatches  # noqa: E402
+from model.training.batches import synthetic_batch_factory  # noqa: E402
 from model.training.metrics import SPOOL_FILE, BackgroundSink, spool_lines  # noqa: E402
 from model.training.trainer import Trainer  # noqa: E402
 from stages.config import config_from_dict  # noqa: E402
@@ -65,15 +65,14 @@ from stages.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # no
 def make_batch_factory(spec: RankSpec, cfg):
     """(dp_rank, dp_size) -> batch source: the token store's loader, or synthetic tokens."""
     train = cfg.train
+    if not spec.store:
+        return synthetic_batch_factory(cfg.model.vocab_size, train)
 
     def factory(dp_rank: int, dp_size: int):
-        if spec.store:
-            from data_prep.loader import TokenWindowLoader
+        from data_prep.loader import TokenWindowLoader
 
-            return TokenWindowLoader(spec.store, "train", train.seq_len, train.global_batch,
-                                     dp_rank, dp_size, train.seed)
-        return SyntheticBatches(cfg.model.vocab_size, train.seq_len, train.global_batch,
-                                dp_rank, dp_size, train.seed)
+        return TokenWindowLoader(spec.store, "train", train.seq_len, train.global_batch,
+                                 dp_rank, dp_size, train.seed)
 
     return factory
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import types
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from model.gpt import GPT, apply_rotary, rotary_tables
 from model.parallel.dist_env import expand_first_host, from_environ, local_rank_variables
 from model.parallel.pipeline import build_chunk, chunk_ids
 from model.planner.shapes import Shapes
-from model.training.batches import SyntheticBatches
+from model.training.batches import SyntheticBatches, synthetic_batch_factory
 from model.training.optim import clip_grad_norm_, lr_factor
 
 CONFIGS = {
@@ -193,6 +194,19 @@ def test_synthetic_batches_are_layout_independent() -> None:
     resumed = SyntheticBatches(300, 16, 8, 0, 1, seed=5)
     resumed.load_state_dict(whole.state_dict())
     assert torch.equal(resumed.next_batch(), whole.next_batch())
+
+
+def test_synthetic_batch_factory_serves_the_train_config_batches() -> None:
+    """The ranks' factory (train, measure and rehearsal workers) reads seq_len, global_batch
+    and seed from the train config."""
+    train = types.SimpleNamespace(seq_len=16, global_batch=8, seed=5)
+    factory = synthetic_batch_factory(300, train)
+    halves = [factory(r, 2) for r in range(2)]
+    assert halves[1].dp_rank == 1 and halves[1].rows == 4
+    assert torch.equal(torch.cat([h.next_batch() for h in halves]),
+                       SyntheticBatches(300, 16, 8, 0, 1, seed=5).next_batch())
+    with pytest.raises(ValueError, match="not divisible by dp=3"):
+        factory(0, 3)
 
 
 def test_rank_identity_from_the_local_launcher_torchrun_and_slurm() -> None:

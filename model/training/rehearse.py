@@ -75,7 +75,7 @@ from torch.utils.flop_counter import flop_registry
 from model.config import ModelConfig, TrainConfig
 from model.parallel.pipeline import build_schedule, chunk_ids
 from model.planner.plan import Plan
-from model.training.batches import SyntheticBatches
+from model.training.batches import synthetic_batch_factory
 from model.training.trainer import Trainer, cross_entropy
 
 CHECKED_TORCH = (2, 13)
@@ -509,10 +509,7 @@ def check_stage_outputs(declared: list[tuple[torch.Tensor, torch.Tensor]],
 def make_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
                  device: torch.device, fake_mode: FakeTensorMode | None = None) -> Trainer:
     """The trainer of this rank on synthetic batches (materialised under ``fake_mode``)."""
-    def batches(dp_rank: int, dp: int) -> SyntheticBatches:
-        return SyntheticBatches(model_cfg.vocab_size, train_cfg.seq_len, train_cfg.global_batch,
-                                dp_rank, dp, train_cfg.seed)
-
+    batches = synthetic_batch_factory(model_cfg.vocab_size, train_cfg)
     materialize = (lambda: fake_mode) if fake_mode is not None else contextlib.nullcontext
     return Trainer(model_cfg, train_cfg, plan, tempfile.gettempdir(), batches, device,
                    materialize=materialize)
