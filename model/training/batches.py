@@ -8,9 +8,12 @@ so every data-parallel layout sees the same global batch at every step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from model.config import TrainConfig
 
 
 class SyntheticBatches:
@@ -51,9 +54,10 @@ class SyntheticBatches:
         self.step = int(state["step"])
 
 
-def synthetic_batch_factory(vocab_size: int, train: Any) -> Callable[[int, int], SyntheticBatches]:
-    """(dp_rank, dp_size) -> this rank's SyntheticBatches for ``train`` (a TrainConfig: its
-    seq_len, global_batch and seed): the trainer's batch source where no token store is given."""
+def synthetic_batch_factory(vocab_size: int,
+                            train: TrainConfig) -> Callable[[int, int], SyntheticBatches]:
+    """(dp_rank, dp_size) -> this rank's SyntheticBatches for ``train`` (its seq_len,
+    global_batch and seed): the trainer's batch source where no token store is given."""
 
     def factory(dp_rank: int, dp_size: int) -> SyntheticBatches:
         return SyntheticBatches(vocab_size, train.seq_len, train.global_batch, dp_rank, dp_size,
