@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from model.parallel.host_memory import retain_freed_memory
 from model.parallel.threads import default_rank_threads
 
 if TYPE_CHECKING:  # torch is imported where a process group starts: launchers need none
@@ -117,6 +118,7 @@ def init_distributed(env: DistEnv) -> torch.device:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(threads)
+        retain_freed_memory()  # a CPU rank's tensors are host memory: no page faults a step
         backend = "gloo"
     if not dist.is_initialized() and env.world_size == 1:
         # One process: an in-memory store, so no port is needed (or can collide).

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from data_prep.atomic import write_json_atomic
+from model.parallel.host_memory import retain_freed_memory
 from model.parallel.threads import rank_threads_env
 from model.planner.cluster import (
     Cluster,
@@ -298,6 +299,7 @@ def _tp_overhead(nproc: int, repeat: int = 5) -> tuple[float, float]:
 
 def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
     os.environ.update(rank_threads_env())
+    retain_freed_memory()  # as a training rank does (model.parallel.dist_env)
     import torch
     import torch.distributed as dist
 
