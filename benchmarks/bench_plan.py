@@ -15,13 +15,12 @@
    recompute only costs time) is run for a few steps on synthetic tokens.
    --max-plans N keeps the N/2 best predicted plus evenly spaced others per setting.
    A setting is measured in two launches of its ranks (``stages.plan.measure_plans``: the
-   ranks start once and run plan after plan, so the seconds of starting ranks, several times
-   a small plan's steps, are paid once, and every plan meets the box in the same state): a
-   survey, every plan for 2 rounds of --steps steps, each round in a rotated order so that
-   the box's slow drift hits every plan alike; then a contest, the pick and the two fastest
-   (when within 10 % of the fastest) for --rounds rounds of --contest-steps steps more. A
-   plan's figure is the median of all its steps (each build's warm-up step left out), with
-   its 95 % interval.
+   ranks start once and build every plan once, so the seconds of starting ranks, several
+   times a small plan's steps, are paid once; then the plans take turns step by step, so a
+   spell of load on the box falls on all of them alike): a survey, every plan for 2 rounds
+   of --steps steps; then a contest, the pick and the two fastest (when within 10 % of the
+   fastest) for --rounds rounds of --contest-steps steps more. A plan's figure is the median
+   of all its steps (each build's warm-up step left out), with its 95 % interval.
    Reported: pick_ratio (measured tokens/s of the planner's pick / measured best, and what the
    survey alone gave, ``pick_ratio_survey``), the step-time MAPE of the raw
    model and of the model calibrated leave-one-out (``model.planner.calibration.calibrate``
@@ -251,7 +250,7 @@ def _resolved(samples: list[list[float]], i: int, best: int) -> bool:
 def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, steps: int,
                     rounds: int = 3, contest_steps: int = 20) -> dict:
     """Measure a setting's plans in two launches (``stages.plan.measure_plans``: one start-up
-    each, the plans interleaved round by round, so the box's slow drift hits them alike): a
+    each, the plans taking turns step by step, so a spell of load hits them alike): a
     survey, every plan for SURVEY_ROUNDS rounds of ``steps`` steps; then a contest, the
     contenders (the pick and the plans within CONTEND of the fastest, at most MAX_CONTENDERS
     of them) for ``rounds`` rounds of ``contest_steps`` more. A plan's figure is the median

@@ -4,23 +4,29 @@
 Starting ranks costs seconds a launch on a small machine (interpreter, torch, the process
 group), several times the steps of a small plan, and each launch lands differently on the
 cores. So plans of one world size are measured here in one launch: the ranks join one process
-group and run every plan of the spec's ``extra["plans"]`` (``Plan.to_dict()``s) for
-``spec.steps`` steps of synthetic tokens, in ``extra["rounds"]`` rounds, each round in a
-rotated order so that the machine's slow drift falls on every plan alike. Each plan is built
-afresh in its own ``out_dir/plan<i>`` (the real ``Trainer``, no checkpoint, no tracking) and
-freed before the next.
+group and build every plan of the spec's ``extra["plans"]`` (``Plan.to_dict()``s; the real
+``Trainer`` in its own ``out_dir/plan<i>``, synthetic tokens, no checkpoint, no tracking), run
+one warm-up step of each, then ``extra["rounds"]`` rounds of ``spec.steps`` steps of each,
+the plans taking turns step by step (each step's order rotated). A box's load comes and goes
+in spells of a few seconds, longer than a step and shorter than a plan's run of steps (its
+step times move 10-30 % from spell to spell, ``docs/planner.md``); plans that take turns
+every step meet the same spells, so their steps compare where runs of steps did not. Each
+step starts and ends at a barrier, so it is timed from the first rank's start to the last
+rank's end.
 
-The rank that logs a plan's training appends one JSON line per (round, plan) to
-``out_dir/MEASUREMENTS_FILE``: ``index``, ``round``, ``step_time_s`` (the trainer's median,
-first step left out) and ``step_times_s`` (every step). A plan the trainer refuses (a
-``ValueError`` from ``Plan.check``, raised alike on every rank before any collective) gets a
-line with ``error`` and the others go on; anything else ends the launch.
+Rank 0 appends one JSON line per (round, plan) to ``out_dir/MEASUREMENTS_FILE``: ``index``,
+``round``, ``plan``, ``step_time_s`` (the median) and ``step_times_s`` (every timed step).
+A plan the trainer refuses (a ``ValueError`` from ``Plan.check``, raised alike on every rank
+before any collective) gets one line with ``error`` and the others go on; anything else ends
+the launch.
 """
 from __future__ import annotations
 
 import gc
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +35,10 @@ from model.parallel.threads import CPU_RANK_THREADS, THREADS_VAR
 MEASUREMENTS_FILE = "measurements.jsonl"
 
 
-def round_order(n_plans: int, round_index: int) -> list[int]:
-    """The plans' order in one round: rotated by the round, so each plan is first once in
-    every ``n_plans`` rounds."""
-    shift = round_index % n_plans if n_plans else 0
+def round_order(n_plans: int, turn: int) -> list[int]:
+    """The plans' order in one turn (a step of each): rotated by the turn, so each plan is
+    first once in every ``n_plans`` turns."""
+    shift = turn % n_plans if n_plans else 0
     return list(range(shift, n_plans)) + list(range(shift))
 
 
@@ -62,27 +68,40 @@ def run_spec(spec: Any) -> None:
     env = from_environ()
     device = init_distributed(env)
     train = cfg.train
-
     batches = synthetic_batch_factory(cfg.model.vocab_size, train)
 
+    def timed_step(trainer: Trainer) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step(trainer.batches.next_batch())
+        dist.barrier()
+        return time.perf_counter() - start
+
     try:
-        for r in range(rounds):
-            for i in round_order(len(plans), r):
-                try:
-                    plans[i].check(cfg.model, train, env.world_size)
-                except ValueError as refused:
-                    if env.rank == 0:
-                        _append(records, {"index": i, "round": r, "error": str(refused)})
-                    continue
-                trainer = Trainer(cfg.model, train, plans[i], out / f"plan{i}", batches, device,
+        trainers: dict[int, Trainer] = {}
+        for i, plan in enumerate(plans):
+            try:
+                plan.check(cfg.model, train, env.world_size)
+            except ValueError as refused:
+                if env.rank == 0:
+                    _append(records, {"index": i, "round": 0, "error": str(refused)})
+                continue
+            trainers[i] = Trainer(cfg.model, train, plan, out / f"plan{i}", batches, device,
                                   peak_tflops=spec.peak_tflops)
-                summary = trainer.fit(spec.steps, save_final=False)
-                if trainer.is_logger:
+            timed_step(trainers[i])  # the warm-up of a fresh build, left out
+        built = list(trainers)
+        for r in range(rounds):
+            times: dict[int, list[float]] = {i: [] for i in built}
+            for s in range(spec.steps):
+                for k in round_order(len(built), r * spec.steps + s):
+                    times[built[k]].append(timed_step(trainers[built[k]]))
+            if env.rank == 0:
+                for i in built:
                     _append(records, {"index": i, "round": r, "plan": plans[i].describe(),
-                                      "step_time_s": summary["step_time_s"],
-                                      "step_times_s": trainer.step_times})
-                del trainer, summary
-                gc.collect()
+                                      "step_time_s": statistics.median(times[i]),
+                                      "step_times_s": times[i]})
+        del trainers
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -184,14 +184,14 @@ MEASURE_WORKER = "stages.measure_worker"
 
 def measure_plans(cfg: Any, plans: list[Plan], out_dir: str | Path, steps: int, rounds: int,
                   timeout_s: float = MEASURE_TIMEOUT_S) -> dict[str, Any]:
-    """Run every plan (one world size) for ``steps`` steps of synthetic tokens, ``rounds``
-    times, all in one launch of local ranks (``stages.measure_worker``: one start-up, the
-    plans interleaved round by round).
+    """Run every plan (one world size) for ``rounds`` rounds of ``steps`` steps of synthetic
+    tokens, all in one launch of local ranks (``stages.measure_worker``: one start-up, every
+    plan built once, the plans taking turns step by step).
 
-    Returns {"step_times": per plan, per round, the seconds of each step after the first (the
-    warm-up of a fresh build), "errors": per plan the refusal or None, "seconds": the
-    launch's, "failed": the launch's own error or None}; what a launch that failed midway
-    measured is kept."""
+    Returns {"step_times": per plan, per round, the seconds of each step (each build's warm-up
+    step left out), "errors": per plan the refusal or None, "seconds": the launch's,
+    "failed": the launch's own error or None}; what a launch that failed midway measured is
+    kept."""
     from stages.measure_worker import MEASUREMENTS_FILE
 
     worlds = {p.world_size for p in plans}
@@ -221,7 +221,7 @@ def measure_plans(cfg: Any, plans: list[Plan], out_dir: str | Path, steps: int, 
         if "error" in record:
             errors[record["index"]] = record["error"]
         else:
-            times[record["index"]].append(record["step_times_s"][1:])
+            times[record["index"]].append(record["step_times_s"])
     return {"step_times": times, "errors": errors, "seconds": time.perf_counter() - t0,
             "failed": failed}
 

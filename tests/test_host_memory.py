@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from model.parallel.host_memory import RETAIN_VAR
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,14 +27,15 @@ print(json.dumps({{"took": took, "grew": during - before, "kept": rss() - before
 """
 
 
-def _child(mode: str) -> dict:
+def _child(mode: str, **env: str) -> dict:
     out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT)), mode],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True, check=True, env={**os.environ, **env})
     return json.loads(out.stdout)
 
 
 def test_freed_memory_stays_with_the_process_only_when_retained() -> None:
-    default, retained = _child("default"), _child("retain")
+    default, retained = _child("default"), _child("retain", **{RETAIN_VAR: "1"})
+    declined = _child("retain", **{RETAIN_VAR: "0"})
     mib = 1 << 20
     assert default["grew"] > 250 * mib and retained["grew"] > 250 * mib
     # glibc unmaps a freed 256 MiB block at once ...
@@ -39,3 +43,6 @@ def test_freed_memory_stays_with_the_process_only_when_retained() -> None:
     # ... unless told to keep it: the next step's tensors reuse the pages without faulting
     assert retained["took"] is True
     assert retained["kept"] > 250 * mib, retained
+    # ... and the switch to compare against glibc's default
+    assert declined["took"] is False
+    assert declined["kept"] < 16 * mib, declined

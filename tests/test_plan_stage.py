@@ -14,8 +14,8 @@ from mlflow.tracking import MlflowClient
 from model.planner.calibration import load_calibration
 from model.planner.microbench import load_measured_cluster
 from model.planner.plan import Plan, PlanError
+from stages import measure_worker, tracking
 from stages import plan as plan_stage
-from stages import tracking
 from stages.config import load_config
 from stages.inline import run_work
 from stages.launch import RankSpec
@@ -152,8 +152,9 @@ def test_refinement_measures_top_plans_and_keeps_calibration(runs_dir: Path) -> 
 
 
 def test_plans_of_one_world_size_are_measured_in_one_launch(runs_dir: Path) -> None:
-    """``measure_plans``: one launch, every plan built afresh in each round, each round in a
-    rotated order; a plan the trainer refuses is reported and the others go on."""
+    """``measure_plans``: one launch, every plan built once and warmed up, then the plans
+    taking turns step by step for each round; a plan the trainer refuses is reported and the
+    others go on."""
     cfg = _cfg(runs_dir)
     plans = [Plan(dp=2, micro_batch=8, grad_accum=1, sharding="ddp"),
              Plan(dp=2, micro_batch=3, grad_accum=1, sharding="ddp"),  # 3 x 2 is not 16
@@ -165,12 +166,14 @@ def test_plans_of_one_world_size_are_measured_in_one_launch(runs_dir: Path) -> N
     for i in (0, 2):
         assert measured["errors"][i] is None
         rounds = measured["step_times"][i]
-        assert len(rounds) == 2 and all(len(r) == 2 for r in rounds)  # the warm-up left out
+        assert len(rounds) == 2 and all(len(r) == 3 for r in rounds)  # the warm-up left out
         assert all(0 < t < 30 for r in rounds for t in r)
     lines = [json.loads(line) for line in (out_dir / "measurements.jsonl").read_text()
              .splitlines()]
-    assert [(r["round"], r["index"]) for r in lines] == [(0, 0), (0, 1), (0, 2),
-                                                        (1, 1), (1, 2), (1, 0)]
+    assert [(r["round"], r["index"]) for r in lines] == [(0, 1), (0, 0), (0, 2),
+                                                        (1, 0), (1, 2)]
+    assert all(r["step_time_s"] == sorted(r["step_times_s"])[1] for r in lines[1:])
+    assert [measure_worker.round_order(2, turn) for turn in range(3)] == [[0, 1], [1, 0], [0, 1]]
     assert not list(out_dir.glob("plan*/checkpoints"))  # a measurement saves nothing
     with pytest.raises(ValueError, match="share a world size"):
         plan_stage.measure_plans(cfg, [plans[0], Plan()], out_dir, 2, 1)

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+
+RETAIN_VAR = "FRONTIER_LLM_RETAIN_FREED_MEMORY"
+"""Set to 0 to let ranks return freed memory to the kernel (glibc's default), e.g. to compare
+(``benchmarks/bench_host_memory.py``) or where the memory a rank keeps is wanted elsewhere."""
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -25,7 +30,10 @@ and up to 2 GiB of free heap top stays mapped."""
 def retain_freed_memory() -> bool:
     """Stop glibc from returning freed memory to the kernel (this process, from now on).
 
-    Returns whether it took effect (False on a C library without glibc's ``mallopt``)."""
+    Returns whether it took effect (False with RETAIN_VAR=0 or on a C library without
+    glibc's ``mallopt``)."""
+    if os.environ.get(RETAIN_VAR, "1") == "0":
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

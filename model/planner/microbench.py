@@ -167,16 +167,40 @@ REFERENCE_GPT = {"n_layers": 2, "d_model": 128, "n_heads": 4, "vocab_size": 512,
 REFERENCE_MICRO_BATCH = 4
 
 
-def _reference_gpt(repeat: int = 5) -> float:
-    """Seconds of one forward + backward of a small real GPT (REFERENCE_GPT, float32)."""
+def _reference_gpt(rank: int, alone_ranks: int, repeat: int = 5) -> dict[str, float]:
+    """Seconds of one forward + backward of a small real GPT (REFERENCE_GPT, float32) with
+    every rank busy (``reference_gpt_s``) and, when ``alone_ranks`` (the cores) is set, on
+    the first ``alone_ranks`` ranks while the others wait (``reference_gpt_alone_s``, these
+    ranks only).
+
+    The two are measured in alternating rounds (HOST_ROUNDS of each) and the alone time is
+    the busy median over the median of the rounds' busy / alone ratios: a spell of load on
+    the box falls on a busy round and the alone round next to it alike, where measured one
+    after the other their ratio (``alone_speedup``) moved 19 % from run to run."""
+    import statistics
+
     import torch
+    import torch.distributed as dist
 
     from model.config import ModelConfig
     from model.gpt import GPT
 
     torch.manual_seed(0)
-    return _gpt_fwd_bwd_seconds(GPT(ModelConfig(**REFERENCE_GPT)), REFERENCE_MICRO_BATCH, repeat,
-                                HOST_ROUNDS)
+    model = GPT(ModelConfig(**REFERENCE_GPT))
+    busy, ratios = [], []
+    for _ in range(HOST_ROUNDS):
+        dist.barrier()
+        busy.append(_gpt_fwd_bwd_seconds(model, REFERENCE_MICRO_BATCH, repeat))
+        if alone_ranks:
+            dist.barrier()
+            if rank < alone_ranks:
+                ratios.append(busy[-1] / _gpt_fwd_bwd_seconds(model, REFERENCE_MICRO_BATCH,
+                                                              repeat))
+    dist.barrier()
+    out = {"reference_gpt_s": statistics.median(busy)}
+    if ratios:
+        out["reference_gpt_alone_s"] = out["reference_gpt_s"] / statistics.median(ratios)
+    return out
 
 
 def _reference_shapes() -> Any:
@@ -320,15 +344,10 @@ def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
     dist.barrier()
     res["host"] = _host_overheads()
     dist.barrier()
-    res["host"]["reference_gpt_s"] = _reference_gpt()
     cores = len(os.sched_getaffinity(0))
-    if nproc > cores:
-        # the same block with only one rank per core running: what a rank gains when the
-        # others wait (a pipeline bubble), oversubscription's context switches included
-        dist.barrier()
-        if rank < cores:
-            res["host"]["reference_gpt_alone_s"] = _reference_gpt()
-        dist.barrier()
+    # with more ranks than cores, also the block with only one rank per core running: what a
+    # rank gains when the others wait (a pipeline bubble), context switches included
+    res["host"].update(_reference_gpt(rank, cores if nproc > cores else 0))
     if nproc > 1:
         dist.barrier()
         res["host"]["fsdp_unit_overhead_s"] = _fsdp_overhead(nproc, res["host"]["plain3_s"])
