@@ -2,13 +2,14 @@
 
 glibc serves a large allocation with a fresh ``mmap`` and unmaps it when it is freed, and it
 trims the heap's free top back to the kernel; a CPU rank's activations, logits and gradients
-are such allocations, so every step faults their pages in (and zeroes them) again, a cost
-that grows with the micro-batch's bytes and that the time model does not price. On the 2-core
-box (tiny preset, one rank, 6 rounds of 20 steps, ``docs/planner.md``) micro-batch 8 x 1 took
-a median 153-160 ms a step against 136-137 for 4 x 2; with freed memory kept it took 127-139
-against 138-147, the order the time model predicts. Raising both thresholds keeps the freed
-memory in the process: a rank's resident memory stays at its peak, which is what the memory
-model prices anyway.
+are such allocations, so a step can fault their pages in (and zero them) again, a cost that
+grows with the micro-batch's bytes and that the time model does not price. Measured by
+``benchmarks/bench_host_memory.py`` (the tiny preset's micro-batches 8, 4 and 2, taking turns
+step by step): with glibc's default, micro-batch 8 on 2 ranks took 5 % longer (median; 7 % at
+the 10th percentile) and came out slower than 4, against the time model's order; with freed
+memory kept the three came in the model's order on 1 and 2 ranks. Raising both thresholds
+keeps the freed memory in the process: a rank's resident memory stays at its peak, which is
+what the memory model prices anyway.
 """
 from __future__ import annotations
 
