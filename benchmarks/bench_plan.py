@@ -239,10 +239,25 @@ def _spread(times: list[float]) -> float | None:
     return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else None
 
 
+def paired_gap(a: list[float], b: list[float]) -> tuple[float, float] | None:
+    """How much slower ``a`` is than ``b`` (median of the step-by-step ratios - 1) and the
+    relative half-width of that median's 95 % interval (``median_ci``), when the two were
+    measured in the same launches, taking turns step by step (as many steps each, the k-th of
+    each in the same turn, so a spell of load falls on both); else None."""
+    if len(a) != len(b) or not a:
+        return None
+    med, width = median_ci([x / y for x, y in zip(a, b)])
+    return med - 1, width
+
+
 def _resolved(samples: list[list[float]], i: int, best: int) -> bool:
-    """Whether plan i is set apart from the fastest, or within TOLERANCE of it: both medians'
-    95 % intervals (``median_ci``) narrower than half of the larger of their gap and
-    TOLERANCE."""
+    """Whether plan i is set apart from the fastest, or within TOLERANCE of it: the interval
+    of their step-by-step gap (``paired_gap``), or where they did not take turns both medians'
+    intervals (``median_ci``), narrower than half of the larger of their gap and TOLERANCE."""
+    paired = paired_gap(samples[i], samples[best])
+    if paired is not None:
+        gap, width = paired
+        return width < max(abs(gap), TOLERANCE) / 2
     (mi, wi), (mb, wb) = median_ci(samples[i]), median_ci(samples[best])
     return max(wi, wb) < max(abs(mi / mb - 1), TOLERANCE) / 2
 
@@ -349,6 +364,8 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
         # are known (95 % interval half-widths) and how far their rounds' medians spread
         "gaps_compared": gaps,
         "median_ci_compared": [r["ci"] for r in (best, *compared)],
+        # the same gaps step by step, with their intervals, for plans that took turns
+        "paired_gaps_compared": [paired_gap(r["samples"], best["samples"]) for r in compared],
         "repeat_spread_median": statistics.median(spreads) if spreads else None,
         "repeat_spread_max": max(spreads) if spreads else None,
         # the pick and every plan within CONTEND of the fastest set apart from it (or within

@@ -80,11 +80,27 @@ def test_a_gap_is_resolved_only_by_intervals_narrower_than_it(monkeypatch, tmp_p
     assert out["resolved"] and out["pick_ratio"] == pytest.approx(1.0 / 1.3)
     assert out["gap_pick_best"] == pytest.approx(0.3)
     assert max(out["median_ci_compared"]) < 0.03
-    # the same gap under steps spread +-60 % is not
-    measured = [[_steps(1.30, 0.6)] * 2, [_steps(1.00, 0.6)] * 2, [_steps(2.0, 0.6)],
+    # the same gap under steps spread +-60 %, the spells falling on the two plans apart
+    # (one's slow steps meet the other's fast ones), is not
+    measured = [[_steps(1.30, 0.6)] * 2, [_steps(1.00, 0.6)[::-1]] * 2, [_steps(2.0, 0.6)],
                 [_steps(3.0, 0.6)]]
     out, _ = _run(monkeypatch, tmp_path, [1.0, 1.1, 2.0, 3.0], measured)
     assert not out["resolved"] and min(out["median_ci_compared"]) > 0.15
+    gap, width = out["paired_gaps_compared"][0]
+    assert width > 0.15
+
+
+def test_plans_taking_turns_are_compared_step_by_step(monkeypatch, tmp_path):
+    # both plans' steps spread +-60 % by the same spells of load (they took turns): each
+    # median alone is known to no better than +-15 %, their 30 % gap step by step exactly
+    measured = [[_steps(1.30, 0.6)] * 2, [_steps(1.00, 0.6)] * 2, [_steps(2.0, 0.6)],
+                [_steps(3.0, 0.6)]]
+    out, _ = _run(monkeypatch, tmp_path, [1.0, 1.1, 2.0, 3.0], measured)
+    assert min(out["median_ci_compared"]) > 0.15
+    assert out["paired_gaps_compared"][0] == pytest.approx((0.3, 0.0), abs=1e-9)
+    assert out["resolved"]
+    # measured apart (different step counts), the independent intervals decide
+    assert bench_plan.paired_gap([1.0] * 8, [1.0] * 9) is None
 
 
 def test_median_interval_narrows_with_more_steps():
