@@ -50,13 +50,15 @@ def plans_of(nproc: int, global_batch: int) -> list[Plan]:
 def predicted_order(cfg, plans: list[Plan]) -> list[str]:
     """The plans as the time model ranks them (fastest first), this machine measured."""
     from model.planner.microbench import load_measured_cluster
-    from model.planner.shapes import Shapes, encode
-    from model.planner.time_model import step_time
+    from model.planner.search import predict_plan
+    from model.planner.shapes import Shapes
 
     nproc = plans[0].world_size
     cluster = load_measured_cluster("local", nproc, cache_dir=cfg.runs_dir / "cache" / "microbench")
-    t = step_time(Shapes.from_configs(cfg.model, cfg.train, cluster), cluster, encode(plans))
-    return [plans[i].describe() for i in np.argsort(t["step"])]
+    shapes = Shapes.from_configs(cfg.model, cfg.train, cluster)
+    seconds = {p.describe(): predict_plan(shapes, cluster, p, nproc, cfg.train.global_batch)
+               .predictions["step_time_s"] for p in plans}
+    return sorted(seconds, key=seconds.get)
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ the launch.
 """
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import sys
@@ -100,8 +99,6 @@ def run_spec(spec: Any) -> None:
                     _append(records, {"index": i, "round": r, "plan": plans[i].describe(),
                                       "step_time_s": statistics.median(times[i]),
                                       "step_times_s": times[i]})
-        del trainers
-        gc.collect()
     finally:
         dist.destroy_process_group()
 
