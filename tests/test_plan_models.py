@@ -15,7 +15,7 @@ from model.planner.memory_model import (
 )
 from model.planner.plan import Plan, stage_layers
 from model.planner.shapes import REC_FULL, REC_NONE, REC_SEL, Shapes, encode
-from model.planner.time_model import TRAINER_FRAMEWORK, bubble_fraction, step_time
+from model.planner.time_model import TRAINER_FRAMEWORK, bubble_fraction, crowded_stall, step_time
 
 
 def _mem(shapes: Shapes, **plan) -> dict[str, float]:
@@ -529,6 +529,28 @@ def test_a_pipeline_whose_busy_ranks_fit_the_cores_runs_at_the_measured_alone_sp
     assert work(alone, 1) == pytest.approx(work(own, 1) * 2 / 3, rel=0.01)
     # Data parallelism has every rank busy all the time.
     assert work(alone, 2) == pytest.approx(work(own, 2))
+
+
+def test_crowded_ranks_pay_the_measured_stall_at_each_wait_on_another_rank() -> None:
+    s = Shapes(4, 128, 4, 4, 512, 64, 128, llama=True, dtype="float32")
+    plans = encode([Plan(pp=2, dp=2, micro_batch=8, grad_accum=1, schedule="gpipe", sharding="ddp"),
+                    Plan(pp=2, dp=2, micro_batch=4, grad_accum=2, schedule="1f1b", sharding="ddp"),
+                    Plan(pp=1, dp=4, micro_batch=4, grad_accum=2, sharding="ddp"),
+                    Plan(pp=1, dp=4, micro_batch=4, grad_accum=2, sharding="zero2")])
+    stalls = {"receive_stall_us": 5000.0, "ddp_stall_us": 20000.0}
+    crowded = _cpu_cluster(cores_per_node=2, alone_speedup=2.0, **stalls)
+    # pp 2: half the stages receive an activation, half a gradient, per micro-batch; DDP's
+    # all-reduce once a step; FSDP's collectives are measured with every rank busy
+    assert list(crowded_stall(crowded, plans)) == pytest.approx([0.025, 0.03, 0.02, 0.0])
+    shared = step_time(s, _cpu_cluster(cores_per_node=2, alone_speedup=2.0), plans)
+    extra = step_time(s, crowded, plans)["step"] - shared["step"]
+    # one micro-batch on 2 stages keeps 2 of the 4 ranks busy, one per core: no stall
+    assert extra[0] == 0.0
+    # every rank busy: each wait stalls
+    assert extra[1:] == pytest.approx(crowded_stall(crowded, plans)[1:])
+    # a rank per core: nothing stalls
+    own = step_time(s, _cpu_cluster(**stalls), plans)
+    assert own["step"] == pytest.approx(step_time(s, _cpu_cluster(), plans)["step"])
 
 
 def test_tensor_parallel_host_cost_applies_to_tp_plans_only() -> None:

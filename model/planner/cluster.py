@@ -95,6 +95,12 @@ class Cluster:
     """With more ranks than cores: how much faster a block runs when only one rank per core
     is busy than when every rank is (measured; above ranks/cores when oversubscription's
     context switches cost time). 0: ranks/cores."""
+    receive_stall_us: float = 0.0
+    """With more ranks than cores and every rank busy: what a pipeline stage's receive costs
+    beyond its transfer (measured: the ranks that arrive first idle until the last one's
+    time slice comes round). 0: nothing."""
+    ddp_stall_us: float = 0.0
+    """The same for DDP's gradient all-reduce, which runs beside the backward (measured)."""
     gemm_sms: int = 0
     """Streaming multiprocessors / compute units per device; > 0 turns on tile and wave
     quantisation of GEMMs (output tiles of ``gemm_tile`` x ``gemm_tile`` run in waves of
@@ -225,8 +231,9 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
     for key in ("kernel_overhead_us", "reserved_gb", "fragmentation", "comm_overlap",
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
                 "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
-                "cores_per_node", "alone_speedup", "gemm_tile", "attention_efficiency",
-                "tp_comm_overlap", "tp_comm_scale", "node_write_gbps",
+                "cores_per_node", "alone_speedup", "receive_stall_us",
+                "ddp_stall_us", "gemm_tile",
+                "attention_efficiency", "tp_comm_overlap", "tp_comm_scale", "node_write_gbps",
                 "filesystem_write_gbps"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)

@@ -7,7 +7,8 @@ copy bandwidth, the fixed host costs of a GPT block, a micro-batch, an AdamW ste
 tensor, an FSDP2 unit and DTensor tensor parallelism (per block and per micro-batch), a
 small real GPT's forward + backward (which scales the kernel rates down to what a real
 block reaches, see ``block_rate_scale``; with more ranks than cores, timed again with one
-rank per core running, ``alone_speedup``; and under tp=2, ``tp_comm_scale``), and
+rank per core running, ``alone_speedup``, and the stalls of waits on other ranks while they
+all compute, ``receive_stall_us`` and ``ddp_stall_us``; and under tp=2, ``tp_comm_scale``), and
 all-reduce / all-gather / reduce-scatter / send-recv time at a small and a large size over
 gloo (latency from the small, bus bandwidth from the difference).
 The result is cached as JSON keyed by hostname, rank count and torch version.
@@ -100,17 +101,23 @@ HOST_ROUNDS = 5
 reference GPT sets the block rate every prediction scales with."""
 
 
-def _gpt_fwd_bwd_seconds(model: Any, micro_batch: int, repeat: int, rounds: int = 1) -> float:
-    """Mean seconds of one forward + backward (cross-entropy) of ``model`` on random tokens."""
+def _gpt_fwd_bwd_seconds(model: Any, micro_batch: int, repeat: int, rounds: int = 1,
+                         then: Any = None) -> float:
+    """Mean seconds of one forward + backward (cross-entropy) of ``model`` (a GPT, or one
+    wrapped in DistributedDataParallel) on random tokens, each followed by ``then()`` when
+    given."""
     import torch
     import torch.nn.functional as F
 
-    vocab, seq = model.cfg.vocab_size, model.cfg.max_seq_len
+    cfg = getattr(model, "module", model).cfg
+    vocab, seq = cfg.vocab_size, cfg.max_seq_len
     x = torch.randint(0, vocab, (micro_batch, seq + 1))
 
     def run() -> None:
         logits = model(x[:, :-1])
         F.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1)).backward()
+        if then is not None:
+            then()
 
     return _time(run, repeat, rounds)
 
@@ -187,7 +194,8 @@ def _reference_gpt(rank: int, alone_ranks: int, repeat: int = 5) -> dict[str, fl
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(**REFERENCE_GPT))
-    busy, ratios = [], []
+    synced = torch.nn.parallel.DistributedDataParallel(model) if alone_ranks else None
+    busy, ratios, stalls = [], [], []
     for _ in range(HOST_ROUNDS):
         dist.barrier()
         busy.append(_gpt_fwd_bwd_seconds(model, REFERENCE_MICRO_BATCH, repeat))
@@ -196,11 +204,42 @@ def _reference_gpt(rank: int, alone_ranks: int, repeat: int = 5) -> dict[str, fl
             if rank < alone_ranks:
                 ratios.append(busy[-1] / _gpt_fwd_bwd_seconds(model, REFERENCE_MICRO_BATCH,
                                                               repeat))
+            stalls.append(_stalls(rank, model, synced, busy[-1], repeat))
     dist.barrier()
     out = {"reference_gpt_s": statistics.median(busy)}
     if ratios:
         out["reference_gpt_alone_s"] = out["reference_gpt_s"] / statistics.median(ratios)
+        for kind in stalls[0]:
+            out[f"{kind}_stall_s"] = max(statistics.median(s[kind] for s in stalls), 0.0)
     return out
+
+
+def _stalls(rank: int, model: Any, synced: Any, busy_s: float, repeat: int) -> dict[str, float]:
+    """What a wait on other ranks costs beyond its transfer when every rank computes on
+    shared cores: the ranks that arrive first idle until the last one's time slice comes
+    round, and a woken rank queues behind the ranks still computing.
+
+    Each is the reference forward + backward followed by a wait, less the step alone
+    (``busy_s``, measured just before) and the transfer with nothing else running:
+    ``receive``, an activation exchanged with a neighbour rank (a pipeline stage's receive);
+    ``ddp``, the step under DistributedDataParallel (``synced``) over every rank, whose
+    gradient all-reduce runs beside the backward."""
+    import torch
+    import torch.distributed as dist
+
+    cfg = model.cfg
+    activation = torch.zeros(REFERENCE_MICRO_BATCH * cfg.max_seq_len * cfg.d_model)
+    exchange = _collective("send_recv", rank, dist.get_world_size(), activation.numel())
+    gradients = torch.zeros(sum(p.numel() for p in model.parameters()))
+    dist.barrier()
+    received = _gpt_fwd_bwd_seconds(model, REFERENCE_MICRO_BATCH, repeat, then=exchange)
+    dist.barrier()
+    exchanged = _time(exchange, repeat)
+    dist.barrier()
+    in_ddp = _gpt_fwd_bwd_seconds(synced, REFERENCE_MICRO_BATCH, repeat)
+    dist.barrier()
+    reduced = _time(lambda: dist.all_reduce(gradients), repeat)
+    return {"receive": received - busy_s - exchanged, "ddp": in_ddp - busy_s - reduced}
 
 
 def _reference_shapes() -> Any:
@@ -448,6 +487,8 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
         "cores_per_node": float(len(os.sched_getaffinity(0))),
         "alone_speedup": (host["reference_gpt_s"] / host["reference_gpt_alone_s"]
                           if "reference_gpt_alone_s" in host else 0.0),
+        "receive_stall_us": host.get("receive_stall_s", 0.0) * 1e6,
+        "ddp_stall_us": host.get("ddp_stall_s", 0.0) * 1e6,
         "links": {"node": {"group": nproc, "bandwidth_gbps": link_bw, "latency_us": link_lat}},
         "collectives": collectives,
     }

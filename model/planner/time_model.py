@@ -416,17 +416,33 @@ def _shared_cores_compute(cluster: Any, plans: dict[str, np.ndarray], slots: np.
     itself (``alone_speedup`` faster, measured; else ranks/cores). The busy work is the mean
     stage's: a rank idle behind a slower stage lends its core too. With fewer micro-batches
     than stages only min(ga, pp) of the pp stages hold one at a time; when those ranks fit
-    the cores, none waits for a core and the critical path alone sets the time. With a core
-    per rank (GPUs) it is the critical path."""
+    the cores, none waits for a core and the critical path alone sets the time. Ranks
+    crowded onto the cores also stall at each wait on another rank (``crowded_stall``). With
+    a core per rank (GPUs) it is the critical
+    path."""
     pp, ga = plans["pp"], plans["ga"]
     ranks = np.minimum(plans["tp"] * pp * plans["dp"], cluster.ranks_per_node)
     cores = cluster.cores_per_node
     share = np.maximum(1.0, ranks / cores) if cores else np.ones_like(slots, dtype=float)
     speedup = np.where(share > 1, cluster.alone_speedup or share, 1.0)
-    crowded = ranks * np.minimum(ga, pp) / pp > cores
-    busy = ga * np.where(share > 1, mean_stage, stage_compute)
+    crowded = (share > 1) & (ranks * np.minimum(ga, pp) / pp > cores)
+    busy = ga * np.where(share > 1, mean_stage, stage_compute) \
+        + np.where(crowded, crowded_stall(cluster, plans), 0.0)
     busy = np.where((share > 1) & ~crowded, 0.0, busy)
     return np.maximum(busy, _critical_path(plans, slots, stage_compute, mean_stage) / speedup)
+
+
+def crowded_stall(cluster: Any, plans: dict[str, np.ndarray]) -> np.ndarray:
+    """Seconds a step's waits on other ranks cost a rank crowded onto shared cores, beyond
+    the transfers priced elsewhere: a stage's receives (an activation forward and a gradient
+    back per micro-batch and chunk, none at the pipeline's ends: 2 (pp - 1) / pp of them on
+    average, ``receive_stall_us`` each) and DDP's gradient all-reduce (``ddp_stall_us``).
+    Tensor-parallel and FSDP collectives are left out: their costs (``tp_comm_scale``,
+    ``fsdp_unit_overhead_us``) are measured with every rank busy."""
+    pp, dp = plans["pp"], plans["dp"]
+    receives = 2 * plans["ga"] * plans["v"] * (pp - 1) / pp
+    ddp = (dp > 1) & (plans["shard"] == DDP)
+    return (receives * cluster.receive_stall_us + np.where(ddp, cluster.ddp_stall_us, 0.0)) * 1e-6
 
 
 def _critical_path(plans: dict[str, np.ndarray], slots: np.ndarray, stage_compute: np.ndarray,
