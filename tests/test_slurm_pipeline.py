@@ -3,11 +3,11 @@ and the helpers the Slurm tests share (starting the driver, reading Parsl's bloc
 Slurm's records).
 
 Training runs as 2 gloo ranks launched by srun inside a Slurm job that Parsl's SlurmProvider
-submits for the MPIExecutor. The first test cancels that job mid-training and checks that
-Parsl retries the app in a new job and training resumes from the last complete checkpoint.
-The second kills the driver mid-training and checks that the training job ends by itself.
-The third measures the plan stage's candidates as ranks in an allocation. A whole pipeline
-on the cluster, every stage checked, is ``test_slurm_multinode.py``'s.
+submits for the MPIExecutor. The first test kills the driver mid-training and checks that
+the training job ends by itself. The second measures the plan stage's candidates as ranks
+in an allocation. A whole pipeline on the cluster, every stage checked, is
+``test_slurm_multinode.py``'s; a cancelled training job and a lost node, each retried in a
+new job, ``test_slurm_node_loss.py``'s.
 """
 from __future__ import annotations
 
@@ -34,16 +34,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 # A cancelled job is noticed within 30 s (heartbeat and job polling), yet a worker starved
 # on a busy 2-core box is not mistaken for a lost one.
 SLURM_SETTINGS = ["site.walltime=00:15:00", "site.heartbeat_threshold=30", "site.retries=1"]
-
-
-@pytest.fixture
-def slurm_runs_dir(slurm_env, tmp_path: Path, request: pytest.FixtureRequest) -> Path:  # noqa: F811
-    """A fresh runs dir holding the session's microbenchmark, once Slurm is known to be up
-    (the measurement is not made for a test that skips)."""
-    runs_dir = tmp_path / "runs"
-    runs_dir.mkdir()
-    request.getfixturevalue("seed_microbench")(runs_dir)
-    return runs_dir
 
 
 @contextlib.contextmanager
@@ -173,58 +163,6 @@ def wait_for_slurm_to_finish(job_ids: list[str], timeout: float = 60) -> None:
         if all(j in jobcomp_states() for j in job_ids):
             return
         time.sleep(1)
-
-
-def _cancel_after_first_checkpoint(runs_dir: Path, found: dict, stop: threading.Event) -> None:
-    """Once a complete checkpoint exists, scancel the running training job."""
-    while not stop.is_set():
-        ckpts = complete_checkpoints(runs_dir)
-        jobs = train_block_jobs(runs_dir)
-        if ckpts and "0" in jobs:
-            found["checkpoint"] = min(ckpts)
-            found["job"] = jobs["0"]
-            found["cancelled_at"] = time.time()
-            subprocess.run(["scancel", jobs["0"]], check=True, timeout=30)
-            return
-        time.sleep(0.2)
-
-
-@pytest.mark.timeout(1500)
-def test_cancelled_training_job_is_retried_and_resumes(slurm_runs_dir):
-    runs_dir = slurm_runs_dir
-    steps, every = 60, 10
-    # every checkpoint kept: the one seen before the cancel is looked at after the run
-    proc = start_cli(runs_dir, f"train.steps={steps}", f"train.checkpoint_every={every}",
-                     "train.keep_last=100")
-    with watching(_cancel_after_first_checkpoint, runs_dir) as found:
-        output = wait_cli(proc, runs_dir, timeout=1200)
-    assert "job" in found, "training finished before a checkpoint could be cancelled"
-
-    parents, children = pipeline_stage_runs(runs_dir)
-    assert parents[0].info.status == "FINISHED"
-    assert children["train"].info.status == "FINISHED", output[-3000:]
-
-    # Parsl replaced the cancelled block (job) with a new one and reran the ranks there.
-    jobs = train_block_jobs(runs_dir)
-    assert set(jobs) == {"0", "1"}, jobs
-    wait_for_slurm_to_finish(list(jobs.values()))
-    states = jobcomp_states()
-    assert jobs["0"] == found["job"] and states[jobs["0"]][1].startswith("CANCELLED")
-    assert srun_steps(jobs["1"]), f"no srun step of retry job {jobs['1']}"
-
-    # Training resumed: the checkpoint from before the cancel was not rewritten, the run ended
-    # at the requested step with every step's loss, and the last checkpoint is newer.
-    train_dir, summary = train_summary(runs_dir)
-    # The stage publishes its work directory when done: look the checkpoint up there.
-    first = train_dir / "checkpoints" / found["checkpoint"].name
-    resumed_from = int(first.name.split("-")[1])
-    assert resumed_from > 0
-    assert first.is_dir() and first.stat().st_mtime < found["cancelled_at"], (
-        f"{first} was rewritten after the cancel: training restarted from scratch"
-    )
-    assert summary["steps_done"] == steps and len(summary["losses"]) == steps
-    final = train_dir / "checkpoints" / Path(summary["checkpoint"]).name
-    assert final.name == f"step-{steps:08d}" and final.stat().st_mtime > found["cancelled_at"]
 
 
 @pytest.mark.timeout(900)
