@@ -25,14 +25,13 @@ from stages import tracking
 from tests.test_scaling import point_runs, read_csv, stage_dirs
 from tests.test_slurm_launch import slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import multinode  # noqa: F401 - fixture
+from tests.test_slurm_pipeline import SLURM_SETTINGS
 from workflows import scaling
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 DEVICES = (2, 4)
 RANKS_PER_NODE = 2
-# A cancelled or lost block is noticed within 30 s; one retry for a node that hiccups.
-SLURM_SETTINGS = ["site.walltime=00:15:00", "site.heartbeat_threshold=30", "site.retries=1"]
 
 
 def run_study(runs_dir: Path, out: Path, mode: str, login_addr: str) -> str:
