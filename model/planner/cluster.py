@@ -231,10 +231,9 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
     for key in ("kernel_overhead_us", "reserved_gb", "fragmentation", "comm_overlap",
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
                 "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
-                "cores_per_node", "alone_speedup", "receive_stall_us",
-                "ddp_stall_us", "gemm_tile",
-                "attention_efficiency", "tp_comm_overlap", "tp_comm_scale", "node_write_gbps",
-                "filesystem_write_gbps"):
+                "cores_per_node", "alone_speedup", "receive_stall_us", "ddp_stall_us",
+                "gemm_tile", "attention_efficiency", "tp_comm_overlap", "tp_comm_scale",
+                "node_write_gbps", "filesystem_write_gbps"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
     if "attention_kernel" in raw:

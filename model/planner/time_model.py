@@ -417,9 +417,8 @@ def _shared_cores_compute(cluster: Any, plans: dict[str, np.ndarray], slots: np.
     stage's: a rank idle behind a slower stage lends its core too. With fewer micro-batches
     than stages only min(ga, pp) of the pp stages hold one at a time; when those ranks fit
     the cores, none waits for a core and the critical path alone sets the time. Ranks
-    crowded onto the cores also stall at each wait on another rank (``crowded_stall``). With
-    a core per rank (GPUs) it is the critical
-    path."""
+    crowded onto the cores also stall at each wait on another rank (``crowded_stall``).
+    With a core per rank (GPUs) it is the critical path."""
     pp, ga = plans["pp"], plans["ga"]
     ranks = np.minimum(plans["tp"] * pp * plans["dp"], cluster.ranks_per_node)
     cores = cluster.cores_per_node
