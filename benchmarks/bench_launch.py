@@ -3,11 +3,12 @@
 One short training (the tiny test model, 2 steps, 2 gloo ranks, no checkpoint) is launched
 ``--repeats`` times each way, alternating so that the box's drift falls on both alike:
 
-- ``launcher``: ``python -m stages.launch --spec`` (``stages.launch.LocalRanks``: the ranks
-  are its children and meet at a rendezvous file; the launcher imports no torch);
-- ``torchrun``: what the launcher ran before it started its ranks itself, ``python -m
-  torch.distributed.run --standalone --nproc-per-node 2 -m stages.train_worker --spec``
-  (the light launcher process around it left out).
+- ``launcher``: ``python -m stages.launch --spec`` (``stages.launch.LocalRanks``: rank 0 is
+  its child and forks the other ranks once it has imported torch and the trainer,
+  ``stages.forked_ranks``; the launcher itself imports no torch);
+- ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node 2 -m
+  stages.train_worker --spec``: every rank a fresh interpreter that imports torch and the
+  trainer itself, and torchrun imports torch as well.
 
 Printed per way: the median wall seconds and CPU seconds (user + system of the command and
 every process it waited for) of one launch; and the ratios torchrun / launcher. The last line
@@ -36,7 +37,7 @@ PLAN = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
 
 
 def torchrun_command(spec_path: Path, spec: RankSpec) -> list[str]:
-    """What the launcher ran before it started its ranks itself."""
+    """The same ranks under torchrun: each starts (and imports) on its own."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(spec.nproc), *rank_command(spec_path, spec)[1:]]
 

@@ -168,30 +168,27 @@ def local_command(spec_path: str | Path, python: str = sys.executable) -> list[s
     return [python, "-m", "stages.launch", "--spec", str(spec_path)]
 
 
-FAILED_RANKS_GRACE_S = 30.0
-"""After one rank failed, the others get SIGTERM, then SIGKILL this much later (torchrun's
-rule): a rank stuck in a collective with the failed one may not end by itself."""
-
-
 class LocalRanks:
-    """The ``nproc`` ranks of a one-node spec, started here as children of this process.
+    """The ``nproc`` ranks of a one-node spec, started here: rank 0 as a child of this
+    process, the others forked from it (``stages.forked_ranks``), so that the worker's
+    imports are paid once per launch.
 
-    Each rank runs ``rank_command`` with its identity (``dist_env.local_rank_variables``)
-    and meets the others at a fresh rendezvous file (torch's FileStore): no port is chosen,
-    so concurrent launches cannot collide, and nothing heavier than this module is imported
-    to start them (torchrun would import torch, seconds of CPU per launch). The ranks share
-    one process group (``pgid``, so that they are killed together, and out of reach of a
-    signal to the caller's group) and one pipe for their merged stdout and stderr
-    (``stdout``); each dies with this process (``_arm_parent_death_signal``). When one rank
-    fails the others are stopped (``FAILED_RANKS_GRACE_S``); ``wait`` gives the first
-    failure's exit code (128 + the signal for a rank killed by one), else 0.
+    Rank 0 runs ``rank_command`` with its identity (``dist_env.local_rank_variables``); the
+    ranks meet at a fresh rendezvous file (torch's FileStore): no port is chosen, so
+    concurrent launches cannot collide, and nothing heavier than this module is imported
+    here (torchrun would import torch, seconds of CPU per launch). The ranks share one
+    process group (``pgid``, so that they are killed together, and out of reach of a signal
+    to the caller's group) and one pipe for their merged stdout and stderr (``stdout``);
+    rank 0 dies with this process and the others with rank 0 (parent-death signals). When
+    one rank fails rank 0 stops the others (``forked_ranks.FAILED_RANKS_GRACE_S``); ``wait``
+    gives the first failure's exit code (128 + the signal for a rank killed by one), else 0.
     """
 
     def __init__(self, spec_path: str | Path, spec: RankSpec, env: dict[str, str]) -> None:
         import tempfile
-        import threading
 
         from model.parallel.dist_env import local_rank_variables
+        from stages.forked_ranks import FORK_PEERS_VAR
 
         if spec.nodes != 1:
             raise ValueError(
@@ -201,65 +198,33 @@ class LocalRanks:
         self._rendezvous = tempfile.mkdtemp(prefix="ranks-")
         store = str(Path(self._rendezvous) / "store")
         read_end, write_end = os.pipe()
-        self.ranks: list[subprocess.Popen] = []
-        self.pgid = 0  # rank 0's pid once it runs: the group every rank joins
         try:
-            for rank in range(spec.nproc):
-                self.ranks.append(subprocess.Popen(
-                    rank_command(spec_path, spec),
-                    env={**env, **local_rank_variables(rank, spec.nproc, store)},
-                    cwd=REPO_ROOT, stdout=write_end, stderr=write_end, process_group=self.pgid,
-                    preexec_fn=_arm_parent_death_signal))  # noqa: PLW1509 (one prctl)
-                self.pgid = self.ranks[0].pid
+            self.rank0 = subprocess.Popen(
+                rank_command(spec_path, spec),
+                env={**env, **local_rank_variables(0, spec.nproc, store), FORK_PEERS_VAR: "1"},
+                cwd=REPO_ROOT, stdout=write_end, stderr=write_end, process_group=0,
+                preexec_fn=_arm_parent_death_signal)  # noqa: PLW1509 (one prctl)
         except BaseException:
-            self.kill()
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
             raise
         finally:
             os.close(write_end)
+        self.pgid = self.rank0.pid
         self.stdout = open(read_end, errors="replace")  # noqa: SIM115 - closed in wait
-        self.failed: int | None = None
-        self._done = threading.Event()
-        self._watch = threading.Thread(target=self._stop_all_on_a_failure, daemon=True)
-        self._watch.start()
-
-    def _stop_all_on_a_failure(self) -> None:
-        while not self._done.wait(0.1):
-            codes = [rank.poll() for rank in self.ranks]
-            if all(code is not None for code in codes):
-                return
-            bad = [code for code in codes if code not in (None, 0, OUT_OF_TIME_EXIT)]
-            if bad:
-                self.failed = bad[0]
-                self._signal(signal.SIGTERM)
-                if not self._done.wait(FAILED_RANKS_GRACE_S):
-                    self.kill()
-                return
-
-    def _signal(self, signum: int) -> None:
-        if self.pgid:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signum)
 
     def kill(self) -> None:
-        """SIGKILL every rank still running; reap them."""
-        if any(rank.poll() is None for rank in self.ranks):
-            self._signal(signal.SIGKILL)
-            for rank in self.ranks:
-                with contextlib.suppress(ProcessLookupError):
-                    rank.kill()
-        for rank in self.ranks:
-            rank.wait()
+        """SIGKILL every rank still running; reap rank 0 (rank 0 reaps the others)."""
+        if self.rank0.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+        self.rank0.wait()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def wait(self) -> int:
         """Wait for every rank; the launch's exit code."""
-        codes = [rank.wait() for rank in self.ranks]
-        self._done.set()
-        self._watch.join()
+        code = self.rank0.wait()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
-        failed = self.failed if self.failed is not None else next(
-            (code for code in codes if code != 0), 0)
-        return 128 - failed if failed < 0 else failed
+        return 128 - code if code < 0 else code
 
 
 def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
@@ -407,12 +372,29 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     ``USER_ERROR_EXIT`` and one line on stderr; ``OutOfTime`` ends it with
     ``OUT_OF_TIME_EXIT`` (0 under torchrun, which counts any other code as a failure);
     anything else propagates. A hung rank shows where it waits: ``kill -USR2 <pid>`` prints
-    the stack of each of its threads to its stderr (``STACKS_SIGNAL``).
+    the stack of each of its threads to its stderr (``STACKS_SIGNAL``). Rank 0 of a local
+    launch first forks the launch's other ranks and ends with the launch's exit code
+    (``stages.forked_ranks``).
     """
+    from stages.forked_ranks import fork_peers
+
+    die_with_parent()
+    peers = fork_peers(_arm_parent_death_signal, ok=(0, OUT_OF_TIME_EXIT))
+    if peers is None:
+        return _run_rank(description, run, argv)
+    try:
+        code = _run_rank(description, run, argv)
+    except BaseException:  # what the interpreter would print; the peers are stopped first
+        traceback.print_exc()
+        code = 1
+    return peers.finish(code)
+
+
+def _run_rank(description: str, run: Callable[[RankSpec], Any], argv: list[str] | None) -> int:
+    """This rank's part of ``rank_main``."""
     import argparse
     import faulthandler
 
-    die_with_parent()
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--spec", required=True, help="path of the rank spec (JSON)")

@@ -13,7 +13,7 @@ The ranks vote after every step, all stop after the same one with its checkpoint
 the logger rank writes ``out-of-time.json`` and every rank ends with the out-of-time exit
 (``stages.launch.OutOfTime``). A rank stuck in a collective still ends: Slurm sends
 SIGKILL ``KillWait`` seconds after its SIGTERM, the local launcher 30 s after its own
-(``stages.launch.FAILED_RANKS_GRACE_S``).
+(``stages.forked_ranks.FAILED_RANKS_GRACE_S``).
 
 Each step is logged once in the stage's MLflow run, however often the ranks were started:
 before training, the logger rank asks which steps the run already holds (``logged_through``)

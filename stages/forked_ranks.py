@@ -1,0 +1,149 @@
+"""The ranks of a local launch forked from rank 0, so that torch is imported once per launch.
+
+A rank's start-up is mostly imports (torch, its distributed and DTensor modules, the trainer:
+about 2.8 CPU seconds); the ranks of one machine would each pay it. The local launcher
+(``stages.launch.LocalRanks``) therefore starts rank 0 alone, with ``FORK_PEERS_VAR`` set;
+rank 0 has imported its worker module by the time ``stages.launch.rank_main`` runs, and
+there forks ranks 1 .. n-1 (``fork_peers``). A forked rank is the same program at the same
+point, so it keeps the command line the tests and ``ps`` see (``python -m <worker> --spec``),
+its stdout and stderr (the launcher's pipe) and its process group (the launch's); it gets
+its own identity (``dist_env.local_rank_variables``) and dies with rank 0 (parent-death
+signal), as rank 0 dies with the launcher.
+
+Rank 0 keeps the launcher's rule for failures (``ForkedPeers``): when one rank fails the
+others get SIGTERM, then SIGKILL ``FAILED_RANKS_GRACE_S`` later, and rank 0 exits with the
+first failure's code (128 + the signal for a rank killed by one), else with a peer's
+out-of-time code, else 0. Fork is safe here: importing the workers starts no thread (one
+thread, checked in ``fork_peers``), no accelerator is initialised before the ranks set up
+their devices, and the process group starts after the fork. Ranks under srun or torchrun
+are started one by one by those launchers and fork nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+from model.parallel.dist_env import STORE_FILE_VAR, local_rank_variables
+
+FORK_PEERS_VAR = "FRONTIER_LLM_FORK_PEERS"
+"""Set by the local launcher on rank 0: fork the launch's other ranks."""
+FAILED_RANKS_GRACE_S = 30.0
+"""After one rank failed, the others get SIGTERM, then SIGKILL this much later (torchrun's
+rule): a rank stuck in a collective with the failed one may not end by itself."""
+POLL_S = 0.1
+
+
+def exit_code(status: int) -> int:
+    """A process exit code for a ``waitpid`` status: 128 + the signal for a killed process."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def launch_code(codes: list[int], ok: tuple[int, ...]) -> int:
+    """The launch's exit code from its ranks' codes in the order they ended: the first
+    failure (a code outside ``ok``), else the first non-zero code, else 0."""
+    return next((c for c in codes if c not in ok), next((c for c in codes if c != 0), 0))
+
+
+class ForkedPeers:
+    """Rank 0's view of the ranks it forked: a thread reaps them as they end, stops the rest
+    when one fails, and ``finish`` waits for them all before rank 0 exits."""
+
+    def __init__(self, pids: list[int], ok: tuple[int, ...]) -> None:
+        self.running = set(pids)
+        self.codes: list[int] = []  # in the order the ranks ended, rank 0 included
+        self._ok = ok
+        self._lock = threading.Lock()
+        self._failed_at: float | None = None
+        self._finishing = False  # rank 0 waits in ``finish``
+        self._watch = threading.Thread(target=self._watch_peers, daemon=True)
+        self._watch.start()
+
+    def _ended(self, code: int) -> None:
+        """Record one rank's exit; the first failure sends SIGTERM to the running peers."""
+        self.codes.append(code)
+        if code not in self._ok and self._failed_at is None:
+            self._failed_at = time.monotonic()
+            self._signal(signal.SIGTERM)
+
+    def _signal(self, signum: int) -> None:
+        for pid in self.running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def _reap(self, block: bool) -> None:
+        for pid in list(self.running):
+            try:
+                done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its code is unknown
+                self.running.discard(pid)
+                continue
+            if done:
+                self.running.discard(pid)
+                self._ended(exit_code(status))
+
+    def _watch_peers(self) -> None:
+        """Reap the peers as they end. Once the grace after a failure is over, kill the rest;
+        and if rank 0 is not yet waiting in ``finish`` (stuck in a collective with a dead
+        peer, say), end rank 0 too, with the launch's code."""
+        while True:
+            with self._lock:
+                self._reap(block=False)
+                failed_at = self._failed_at
+                if failed_at is None or self._finishing:
+                    if not self.running:
+                        return
+                if failed_at is not None and time.monotonic() - failed_at > FAILED_RANKS_GRACE_S:
+                    self._signal(signal.SIGKILL)
+                    self._reap(block=True)
+                    if not self._finishing:
+                        _flush()
+                        os._exit(launch_code(self.codes, self._ok))
+                    return
+            time.sleep(POLL_S)
+
+    def finish(self, own_code: int) -> int:
+        """Rank 0 ended its work with ``own_code``: wait for the peers (stopped first if
+        anything failed) and return the launch's exit code."""
+        with self._lock:
+            self._finishing = True
+            self._ended(own_code)
+        self._watch.join()
+        return launch_code(self.codes, self._ok)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+def fork_peers(arm_parent_death_signal, ok: tuple[int, ...]) -> ForkedPeers | None:
+    """In rank 0 of a local launch (``FORK_PEERS_VAR`` set): fork ranks 1 .. n-1 and return
+    them as ``ForkedPeers``; None in every other process (a forked rank included).
+
+    ``arm_parent_death_signal`` is called in each forked rank (so it dies with rank 0);
+    ``ok`` holds the exit codes that are not failures."""
+    if not os.environ.pop(FORK_PEERS_VAR, None):
+        return None
+    if threading.active_count() > 1:  # a thread would be lost in the forked copies
+        raise RuntimeError(f"{FORK_PEERS_VAR} is set in a process that runs threads "
+                           f"({threading.enumerate()}): ranks cannot be forked from it")
+    world = int(os.environ["LOCAL_WORLD_SIZE"])
+    store = os.environ[STORE_FILE_VAR]
+    _flush()  # or the forked ranks print what rank 0 had buffered again
+    rank0, pids = os.getpid(), []
+    for rank in range(1, world):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(local_rank_variables(rank, world, store))
+            arm_parent_death_signal()
+            if os.getppid() != rank0:  # rank 0 died before the signal was armed
+                os._exit(1)
+            return None
+        pids.append(pid)
+    return ForkedPeers(pids, ok)
