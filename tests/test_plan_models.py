@@ -553,6 +553,22 @@ def test_crowded_ranks_pay_the_measured_stall_at_each_wait_on_another_rank() -> 
     assert own["step"] == pytest.approx(step_time(s, _cpu_cluster(), plans)["step"])
 
 
+def test_crowded_fsdp_groups_pay_their_share_of_the_measured_unit_overhead() -> None:
+    s = Shapes(4, 128, 4, 4, 512, 64, 128, llama=True, dtype="float32")
+    plans = encode([Plan(pp=2, dp=2, micro_batch=4, grad_accum=2, schedule="gpipe",
+                         sharding="zero2"),
+                    Plan(pp=1, dp=4, micro_batch=4, grad_accum=2, sharding="zero2")])
+    unit = 0.01
+    units = np.array([2 + 1, 4 + 1])  # the widest stage's blocks and the rest
+    for cores, share in ((2, np.array([0.5, 1.0])), (0, np.array([1.0, 1.0]))):
+        base = step_time(s, _cpu_cluster(cores_per_node=cores), plans)
+        priced = step_time(s, _cpu_cluster(cores_per_node=cores,
+                                           fsdp_unit_overhead_us=unit * 1e6), plans)
+        # measured with all 4 ranks in one group: a group of 2 of 4 ranks on 2 cores waits
+        # while the other 2 compute; with a core per rank every group pays it whole
+        assert priced["dp_exposed"] - base["dp_exposed"] == pytest.approx(2 * units * unit * share)
+
+
 def test_tensor_parallel_host_cost_applies_to_tp_plans_only() -> None:
     s = Shapes(4, 128, 4, 4, 512, 2048, 128, llama=True, dtype="float32")
     plans = encode([Plan(tp=2, micro_batch=4, grad_accum=2, sharding="none"),

@@ -359,7 +359,9 @@ def _dp_comm(s: Shapes, cluster: Any, plans: dict[str, np.ndarray], blocks: _Blo
     (``rank_counts.mean_unit_gathers`` replays the schedule). This trainer reduces float32
     gradients (``GRADIENT_REDUCE_BYTES``), the published frameworks the compute
     dtype. What overlaps hides behind the backward (reductions) or forward (gathers)
-    window, up to ``comm_overlap``."""
+    window, up to ``comm_overlap``. FSDP's measured cost per unit (``fsdp_unit_overhead_us``,
+    every rank of the node in one group) is paid in part, dp / ranks, where ranks share
+    cores: one group waits while the node's other ranks compute."""
     tp, dp, ga, shard = plans["tp"], plans["dp"], plans["ga"], plans["shard"]
     single = plans["pp"] == 1
     layer_params = s.layer_matrix_params / tp + s.layer_norm_params
@@ -386,7 +388,12 @@ def _dp_comm(s: Shapes, cluster: Any, plans: dict[str, np.ndarray], blocks: _Blo
                  np.where(shard == ZERO3, zero3_syncs * hidden(reduce_scatter, backward_window)
                           + zero3_gathers * hidden(all_gather, forward_window), 0.0)))
     fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
-    exposed = exposed + np.where(fsdp, ga * units * cluster.fsdp_unit_overhead_us * 1e-6, 0.0)
+    # measured with every rank of the node in one group; on shared cores a group of dp of
+    # the ranks waits while the others compute, so it pays its share of the wait
+    ranks, share = _core_share(cluster, plans)
+    lockstep = np.where(share > 1, dp / ranks, 1.0)
+    exposed = exposed + np.where(fsdp, ga * units * cluster.fsdp_unit_overhead_us * 1e-6
+                                 * lockstep, 0.0)
     exposed = np.where((dp == 1) | (shard == NOSHARD), 0.0, exposed)
     raw = np.where(shard == DDP, all_reduce, np.where(
         shard == ZERO2, reduce_scatter + zero2_gathers * all_gather,
@@ -406,6 +413,15 @@ def _optimizer_time(s: Shapes, cluster: Any, plans: dict[str, np.ndarray], block
         + tensors * cluster.optimizer_overhead_us * 1e-6
 
 
+def _core_share(cluster: Any, plans: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks on a node, ranks per core): the share is 1 with a core per rank (GPUs, or
+    a site that gives no core count)."""
+    ranks = np.minimum(plans["tp"] * plans["pp"] * plans["dp"], cluster.ranks_per_node)
+    cores = cluster.cores_per_node
+    share = np.maximum(1.0, ranks / cores) if cores else np.ones(np.shape(ranks))
+    return ranks, share
+
+
 def _shared_cores_compute(cluster: Any, plans: dict[str, np.ndarray], slots: np.ndarray,
                           stage_compute: np.ndarray, mean_stage: np.ndarray) -> np.ndarray:
     """Compute seconds of a step before the optimizer, on ranks that may share cores.
@@ -420,9 +436,8 @@ def _shared_cores_compute(cluster: Any, plans: dict[str, np.ndarray], slots: np.
     crowded onto the cores also stall at each wait on another rank (``crowded_stall``).
     With a core per rank (GPUs) it is the critical path."""
     pp, ga = plans["pp"], plans["ga"]
-    ranks = np.minimum(plans["tp"] * pp * plans["dp"], cluster.ranks_per_node)
+    ranks, share = _core_share(cluster, plans)
     cores = cluster.cores_per_node
-    share = np.maximum(1.0, ranks / cores) if cores else np.ones_like(slots, dtype=float)
     speedup = np.where(share > 1, cluster.alone_speedup or share, 1.0)
     crowded = (share > 1) & (ranks * np.minimum(ga, pp) / pp > cores)
     busy = ga * np.where(share > 1, mean_stage, stage_compute) \
