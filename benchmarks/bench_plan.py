@@ -395,7 +395,7 @@ def microbench_figures(cfg, nproc: int) -> dict:
     keep = ("peak_tflops", "hbm_bandwidth_gbps", "layer_overhead_us", "microbatch_overhead_us",
             "optimizer_overhead_us", "fsdp_unit_overhead_us", "tp_layer_overhead_us",
             "tp_microbatch_overhead_us", "tp_comm_scale", "alone_speedup", "receive_stall_us",
-            "ddp_stall_us", "kernel_overhead_us")
+            "ddp_stall_us", "stall_after_us", "kernel_overhead_us")
     out = {k: f[k] for k in keep if k in f}
     ar = f.get("collectives", {}).get("all_reduce")
     if ar:

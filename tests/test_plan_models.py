@@ -553,6 +553,24 @@ def test_crowded_ranks_pay_the_measured_stall_at_each_wait_on_another_rank() -> 
     assert own["step"] == pytest.approx(step_time(s, _cpu_cluster(), plans)["step"])
 
 
+def test_a_receive_stalls_in_proportion_to_the_compute_it_follows() -> None:
+    plans = encode([Plan(pp=2, dp=2, micro_batch=1, grad_accum=8, schedule="gpipe",
+                         sharding="ddp"),
+                    Plan(pp=2, dp=2, micro_batch=4, grad_accum=2, schedule="1f1b",
+                         sharding="ddp"),
+                    Plan(pp=2, dp=2, micro_batch=4, grad_accum=4, schedule="interleaved_1f1b",
+                         virtual_stages=2, sharding="ddp")])
+    cluster = _cpu_cluster(cores_per_node=2, receive_stall_us=8000.0, stall_after_us=40000.0)
+    stage = np.array([0.02, 0.08, 0.08])  # one micro-batch's forward + backward per stage
+    receives = np.array([8, 2, 8])  # 2 (pp - 1) / pp per micro-batch and chunk
+    # between receives a chunk's forward or backward, stage / (2 v): 10, 40 and 20 ms after a
+    # 40 ms reference: a quarter, all (at most), half of the measured stall
+    follows = np.array([0.25, 1.0, 0.5])
+    assert crowded_stall(cluster, plans, stage) == pytest.approx(receives * follows * 0.008)
+    no_reference = _cpu_cluster(cores_per_node=2, receive_stall_us=8000.0)
+    assert crowded_stall(no_reference, plans, stage) == pytest.approx(receives * 0.008)
+
+
 def test_crowded_fsdp_groups_pay_their_share_of_the_measured_unit_overhead() -> None:
     s = Shapes(4, 128, 4, 4, 512, 64, 128, llama=True, dtype="float32")
     plans = encode([Plan(pp=2, dp=2, micro_batch=4, grad_accum=2, schedule="gpipe",

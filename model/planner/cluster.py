@@ -101,6 +101,9 @@ class Cluster:
     time slice comes round). 0: nothing."""
     ddp_stall_us: float = 0.0
     """The same for DDP's gradient all-reduce, which runs beside the backward (measured)."""
+    stall_after_us: float = 0.0
+    """The compute (every rank busy) each stall was measured after: a wait that follows less
+    compute stalls less (``time_model.crowded_stall``). 0: the stalls as measured."""
     gemm_sms: int = 0
     """Streaming multiprocessors / compute units per device; > 0 turns on tile and wave
     quantisation of GEMMs (output tiles of ``gemm_tile`` x ``gemm_tile`` run in waves of
@@ -232,8 +235,8 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
                 "layer_overhead_us", "microbatch_overhead_us", "optimizer_overhead_us",
                 "fsdp_unit_overhead_us", "tp_layer_overhead_us", "tp_microbatch_overhead_us",
                 "cores_per_node", "alone_speedup", "receive_stall_us", "ddp_stall_us",
-                "gemm_tile", "attention_efficiency", "tp_comm_overlap", "tp_comm_scale",
-                "node_write_gbps", "filesystem_write_gbps"):
+                "stall_after_us", "gemm_tile", "attention_efficiency", "tp_comm_overlap",
+                "tp_comm_scale", "node_write_gbps", "filesystem_write_gbps"):
         if key in raw:
             optional[key] = _num(raw, key, where, positive=False)
     if "attention_kernel" in raw:

@@ -489,6 +489,9 @@ def summarise(raw: dict[str, Any], nproc: int) -> dict[str, Any]:
                           if "reference_gpt_alone_s" in host else 0.0),
         "receive_stall_us": host.get("receive_stall_s", 0.0) * 1e6,
         "ddp_stall_us": host.get("ddp_stall_s", 0.0) * 1e6,
+        # the stalls follow a whole reference step: the compute a rank waits behind
+        "stall_after_us": (host["reference_gpt_s"] * 1e6 if "receive_stall_s" in host
+                           else 0.0),
         "links": {"node": {"group": nproc, "bandwidth_gbps": link_bw, "latency_us": link_lat}},
         "collectives": collectives,
     }

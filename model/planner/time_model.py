@@ -441,22 +441,31 @@ def _shared_cores_compute(cluster: Any, plans: dict[str, np.ndarray], slots: np.
     speedup = np.where(share > 1, cluster.alone_speedup or share, 1.0)
     crowded = (share > 1) & (ranks * np.minimum(ga, pp) / pp > cores)
     busy = ga * np.where(share > 1, mean_stage, stage_compute) \
-        + np.where(crowded, crowded_stall(cluster, plans), 0.0)
+        + np.where(crowded, crowded_stall(cluster, plans, mean_stage), 0.0)
     busy = np.where((share > 1) & ~crowded, 0.0, busy)
     return np.maximum(busy, _critical_path(plans, slots, stage_compute, mean_stage) / speedup)
 
 
-def crowded_stall(cluster: Any, plans: dict[str, np.ndarray]) -> np.ndarray:
+def crowded_stall(cluster: Any, plans: dict[str, np.ndarray],
+                  stage_compute: np.ndarray | float = np.inf) -> np.ndarray:
     """Seconds a step's waits on other ranks cost a rank crowded onto shared cores, beyond
     the transfers priced elsewhere: a stage's receives (an activation forward and a gradient
     back per micro-batch and chunk, none at the pipeline's ends: 2 (pp - 1) / pp of them on
     average, ``receive_stall_us`` each) and DDP's gradient all-reduce (``ddp_stall_us``).
-    Tensor-parallel and FSDP collectives are left out: their costs (``tp_comm_scale``,
-    ``fsdp_unit_overhead_us``) are measured with every rank busy."""
-    pp, dp = plans["pp"], plans["dp"]
-    receives = 2 * plans["ga"] * plans["v"] * (pp - 1) / pp
+
+    A woken rank queues behind the ranks still computing, so a receive stalls in proportion
+    to the compute it follows: a chunk's forward or backward of one micro-batch, on average
+    ``stage_compute`` (one micro-batch's forward + backward on the stage) / (2 v), against the
+    reference step the stall was measured after (``stall_after_us``), at most the whole
+    measured stall. Tensor-parallel and FSDP collectives are left out: their costs
+    (``tp_comm_scale``, ``fsdp_unit_overhead_us``) are measured with every rank busy."""
+    pp, dp, v = plans["pp"], plans["dp"], plans["v"]
+    receives = 2 * plans["ga"] * v * (pp - 1) / pp
+    after = cluster.stall_after_us * 1e-6
+    follows = np.minimum(1.0, stage_compute / (2 * v) / after) if after > 0 else 1.0
     ddp = (dp > 1) & (plans["shard"] == DDP)
-    return (receives * cluster.receive_stall_us + np.where(ddp, cluster.ddp_stall_us, 0.0)) * 1e-6
+    return (receives * follows * cluster.receive_stall_us
+            + np.where(ddp, cluster.ddp_stall_us, 0.0)) * 1e-6
 
 
 def _critical_path(plans: dict[str, np.ndarray], slots: np.ndarray, stage_compute: np.ndarray,
