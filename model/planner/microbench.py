@@ -8,7 +8,8 @@ tensor, an FSDP2 unit and DTensor tensor parallelism (per block and per micro-ba
 small real GPT's forward + backward (which scales the kernel rates down to what a real
 block reaches, see ``block_rate_scale``; with more ranks than cores, timed again with one
 rank per core running, ``alone_speedup``, and the stalls of waits on other ranks while they
-all compute, ``receive_stall_us`` and ``ddp_stall_us``; and under tp=2, ``tp_comm_scale``), and
+all compute, ``receive_stall_us`` and ``ddp_stall_us``, with the step they follow,
+``stall_after_us``; and under tp=2, ``tp_comm_scale``), and
 all-reduce / all-gather / reduce-scatter / send-recv time at a small and a large size over
 gloo (latency from the small, bus bandwidth from the difference).
 The result is cached as JSON keyed by hostname, rank count and torch version.
