@@ -37,10 +37,15 @@ rule): a rank stuck in a collective with the failed one may not end by itself.""
 POLL_S = 0.1
 
 
+def shell_exit_code(returncode: int) -> int:
+    """A return code (negative: killed by that signal) as a shell reports it: 128 + the
+    signal for a killed process."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def exit_code(status: int) -> int:
-    """A process exit code for a ``waitpid`` status: 128 + the signal for a killed process."""
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code
+    """The exit code of a ``waitpid`` status (``shell_exit_code``)."""
+    return shell_exit_code(os.waitstatus_to_exitcode(status))
 
 
 def launch_code(codes: list[int], ok: tuple[int, ...]) -> int:

@@ -222,9 +222,11 @@ class LocalRanks:
 
     def wait(self) -> int:
         """Wait for every rank; the launch's exit code."""
+        from stages.forked_ranks import shell_exit_code
+
         code = self.rank0.wait()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
-        return 128 - code if code < 0 else code
+        return shell_exit_code(code)
 
 
 def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
