@@ -19,7 +19,9 @@
    times a small plan's steps, are paid once; then the plans take turns step by step, so a
    spell of load on the box falls on all of them alike): a survey, every plan for 2 rounds
    of --steps steps; then a contest, the pick and the two fastest (when within 10 % of the
-   fastest) for --rounds rounds of --contest-steps steps more. A plan's figure is the median
+   fastest) for --rounds rounds of --contest-steps steps more, and a further contest (two at
+   most) beside the pick and the fastest for plans only the survey measured that come within
+   10 % of the fastest after it (``unmatched``). A plan's figure is the median
    of all its steps (each build's warm-up step left out), with its 95 % interval.
    Reported: pick_ratio (measured tokens/s of the planner's pick / measured best, and what the
    survey alone gave, ``pick_ratio_survey``), the step-time MAPE of the raw
@@ -216,6 +218,9 @@ CONTEND = 0.10
 contenders, measured again (a second launch)."""
 MAX_CONTENDERS = 2
 """At most this many of the fastest are contenders (the pick besides)."""
+MAX_RECONTESTS = 2
+"""Further contest launches at most, each for the plans the contests left unmatched
+(``unmatched``)."""
 TOLERANCE = 0.05
 """What a pick may lose (1 - the pick_ratio target): a gap under it needs no resolving."""
 Z95 = 1.96
@@ -262,15 +267,27 @@ def _resolved(samples: list[list[float]], i: int, best: int) -> bool:
     return max(wi, wb) < max(abs(mi / mb - 1), TOLERANCE) / 2
 
 
+def unmatched(samples: list[list[float]], ok: list[int], contested: set[int]) -> list[int]:
+    """Plans measured only in the survey whose median is within CONTEND of the fastest
+    contested plan's: a survey's few steps, from another launch, cannot set them apart from
+    plans measured since, so they contest too (at most MAX_CONTENDERS, fastest first)."""
+    medians = {i: statistics.median(samples[i]) for i in ok}
+    fastest = min(medians[i] for i in contested)
+    near = sorted((i for i in ok if i not in contested
+                   and medians[i] <= (1 + CONTEND) * fastest), key=medians.get)
+    return near[:MAX_CONTENDERS]
+
+
 def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, steps: int,
                     rounds: int = 3, contest_steps: int = 20) -> dict:
-    """Measure a setting's plans in two launches (``stages.plan.measure_plans``: one start-up
-    each, the plans taking turns step by step, so a spell of load hits them alike): a
-    survey, every plan for SURVEY_ROUNDS rounds of ``steps`` steps; then a contest, the
-    contenders (the pick and the plans within CONTEND of the fastest, at most MAX_CONTENDERS
-    of them) for ``rounds`` rounds of ``contest_steps`` more. A plan's figure is the median
-    of all its steps (each build's first step, the warm-up, left out), with a 95 % interval
-    (``median_ci``)."""
+    """Measure a setting's plans in two launches or more (``stages.plan.measure_plans``:
+    one start-up each, the plans taking turns step by step, so a spell of load hits them
+    alike): a survey, every plan for SURVEY_ROUNDS rounds of ``steps`` steps; then a contest,
+    the contenders (the pick and the plans within CONTEND of the fastest, at most
+    MAX_CONTENDERS of them) for ``rounds`` rounds of ``contest_steps`` more; then, at most
+    MAX_RECONTESTS times, the same for the plans the contests left ``unmatched``, beside the
+    pick and the fastest contested plan. A plan's figure is the median of all its steps (each
+    build's first step, the warm-up, left out), with a 95 % interval (``median_ci``)."""
     plans, n_valid = candidates(cfg, nproc, max_plans)
     print(f"[local] {label} on {nproc} ranks: {n_valid} valid plans, measuring {len(plans)}",
           flush=True)
@@ -309,6 +326,15 @@ def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, ste
         contenders = sorted(set(near[:MAX_CONTENDERS]) | ({0} if 0 in ok else set()))
         if len(contenders) > 1 and rounds > 0:
             measure(contenders, rounds, contest_steps, "contest")
+            contested = set(contenders)
+            for k in range(1, MAX_RECONTESTS + 1):
+                newcomers = unmatched(samples, ok, contested)
+                if not newcomers:
+                    break
+                lead = min(contested, key=lambda i: statistics.median(samples[i]))
+                again = sorted(set(newcomers) | {lead} | ({0} if 0 in ok else set()))
+                measure(again, rounds, contest_steps, f"recontest{k}")
+                contested |= set(again)
     ok = [i for i in range(len(plans)) if samples[i]]
     if not ok:
         return {"label": label, "nproc": nproc, "ok": False, "errors": list(failed.values())}

@@ -72,6 +72,25 @@ def test_every_plan_is_surveyed_then_the_contenders_contest_in_one_launch(monkey
     assert slow["median_s"] == pytest.approx(1.10, rel=0.03)
 
 
+def test_a_plan_only_the_survey_measured_contests_once_it_beats_the_contenders(monkeypatch,
+                                                                              tmp_path):
+    # plan 3 was fourth in the survey (not a contender); the contest then measured the pick
+    # and the two fastest 10-18 % slower than the survey had them, so plan 3's survey median
+    # leads: it is measured again beside the pick, which the same launch shows faster
+    measured = [[_steps(1.00, 0.02), _steps(1.10, 0.02), _steps(1.10, 0.02)],
+                [_steps(0.95, 0.02), _steps(1.12, 0.02)],
+                [_steps(0.97, 0.02), _steps(1.15, 0.02)],
+                [_steps(0.98, 0.02), None, _steps(1.14, 0.02)],
+                [_steps(3.0, 0.02)], [_steps(4.0, 0.02)]]
+    out, launches = _run(monkeypatch, tmp_path, [1.0, 1.05, 1.1, 1.2, 3.0, 4.0], measured)
+    assert launches == [([0, 1, 2, 3, 4, 5], 2, 6), ([0, 1, 2], 3, 20), ([0, 3], 3, 20)]
+    assert out["best"] == out["pick"] and out["pick_ratio"] == 1.0 and out["launches"] == 3
+    # without the further contest plan 3's 16 survey steps alone would have been the best
+    assert bench_plan.unmatched([[1.1] * 4, [1.12] * 4, [1.15] * 4, [0.98] * 4],
+                                [0, 1, 2, 3], {0, 1, 2}) == [3]
+    assert bench_plan.unmatched([[1.1] * 4, [1.3] * 4], [0, 1], {0}) == []  # 18 % slower
+
+
 def test_a_gap_is_resolved_only_by_intervals_narrower_than_it(monkeypatch, tmp_path):
     # the pick is 30 % slower than plan 1, both measured to +-2 %: resolved
     measured = [[_steps(1.30, 0.02)] * 2, [_steps(1.00, 0.02)] * 2, [_steps(2.0, 0.02)],
