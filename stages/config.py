@@ -120,6 +120,13 @@ class SiteConfig:
     max_workers: int = 2
     """Parallel Parsl workers for the light stages: on this machine (local), per compute node
     of the tokenize block (slurm, frontier)."""
+    login_workers: Literal["processes", "threads"] = "processes"
+    """How the Parsl workers on the submitting machine (the login node; locally every stage's
+    Python apps and the launcher of its ranks) run: "processes" (a HighThroughputExecutor:
+    an interchange, a worker pool and worker processes, apps in parallel beyond the GIL) or
+    "threads" (Parsl's ThreadPoolExecutor inside the driver: nothing to start, the stages'
+    libraries imported once; for small runs, whose apps take less than starting the workers
+    does). Ranks and compute-node workers are processes either way."""
     tokenize_nodes: int = 1
     """Compute nodes of the tokenize block (slurm, frontier): one Slurm job of this many nodes,
     one worker pool of site.max_workers workers on each; the input shards spread over them."""

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from parsl.executors import HighThroughputExecutor, MPIExecutor
+from parsl.executors import HighThroughputExecutor, MPIExecutor, ThreadPoolExecutor
 from parsl.executors.errors import InvalidResourceSpecification
 from parsl.jobs.states import JobState, JobStatus
 from parsl.launchers import SimpleLauncher, SrunLauncher
@@ -211,6 +211,55 @@ def test_local_config(tmp_path):
     assert by_label["cpu"].max_workers_per_node == 3
     assert by_label["train"].max_workers_per_node == 1
     assert ranks_resource_spec(cfg, TRAIN.shape(cfg)) is None
+
+
+def test_login_workers_as_threads_start_no_worker_processes(tmp_path):
+    """site.login_workers=threads: the executors of this machine are the driver's thread
+    pools (cpu: site.max_workers threads; train: one, one launch at a time); under Slurm only
+    the login node's, the compute and allocation blocks keep their worker processes."""
+    cfg = load_config(None, ["site.max_workers=3", "site.login_workers=threads"])
+    by_label = {e.label: e for e in make_parsl_config(cfg, tmp_path).executors}
+    assert {label: (type(e), e.max_threads) for label, e in by_label.items()} == {
+        "cpu": (ThreadPoolExecutor, 3), "train": (ThreadPoolExecutor, 1)}
+    slurm = load_config(None, ["site.name=slurm", "site.login_workers=threads"])
+    kinds = {e.label: type(e) for e in make_parsl_config(slurm, tmp_path).executors}
+    assert kinds == {"cpu": ThreadPoolExecutor, "compute": HighThroughputExecutor,
+                     "train": MPIExecutor, "evaluate": MPIExecutor}
+    with pytest.raises(ConfigError, match="site.login_workers"):
+        load_config(None, ["site.login_workers=fibers"])
+
+
+def test_apps_in_threads_each_write_to_their_own_log(tmp_path):
+    """Two apps running at once as threads of one process: each one's prints and warnings land
+    in its own log, and the process's own output stays where it was."""
+    import contextlib
+    import io
+    import threading
+
+    from workflows.apps import _logged
+
+    both_inside = threading.Barrier(2)
+
+    def app(name: str) -> None:
+        with _logged(str(tmp_path / f"{name}.log")):
+            both_inside.wait()
+            for i in range(50):
+                print(f"{name} {i}")
+            print(f"{name} done", file=sys.stderr)
+            both_inside.wait()
+
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        threads = [threading.Thread(target=app, args=(name,)) for name in ("a", "b")]
+        for thread in threads:
+            thread.start()
+        print("driver line")
+        for thread in threads:
+            thread.join()
+    for name in ("a", "b"):
+        lines = (tmp_path / f"{name}.log").read_text().splitlines()
+        assert lines == [f"{name} {i}" for i in range(50)] + [f"{name} done"]
+    assert "driver line" in console.getvalue() and " 0\n" not in console.getvalue()
 
 
 def test_local_ranks_command():

@@ -13,10 +13,12 @@ in Parsl's worker logs. No app knows a stage by name.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from parsl import bash_app, python_app
 from parsl.app.python import PythonApp
@@ -24,16 +26,56 @@ from parsl.app.python import PythonApp
 from workflows.executors import EXECUTOR_LABELS
 
 
+class _ThreadRoutedStream:
+    """sys.stdout or sys.stderr sent, thread by thread, where ``_logged`` points it: apps that
+    run as threads of one process (``site.login_workers: threads``) each write to their own
+    log, which a process-wide ``contextlib.redirect_stdout`` cannot do."""
+
+    def __init__(self, default: TextIO) -> None:
+        self.default = default
+        self.local = threading.local()
+
+    def _target(self) -> TextIO:
+        return getattr(self.local, "stream", None) or self.default
+
+    def write(self, text: str) -> int:
+        return self._target().write(text)
+
+    def flush(self) -> None:
+        self._target().flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(self._target(), name)
+
+
+_ROUTING = threading.Lock()
+
+
+def _routed(name: str) -> _ThreadRoutedStream:
+    """``sys.<name>`` as a ``_ThreadRoutedStream`` (put in place once)."""
+    with _ROUTING:
+        stream = getattr(sys, name)
+        if not isinstance(stream, _ThreadRoutedStream):
+            stream = _ThreadRoutedStream(stream)
+            setattr(sys, name, stream)
+        return stream
+
+
 @contextlib.contextmanager
 def _logged(log_path: str) -> Iterator[None]:
-    """Send this app's stdout/stderr to ``log_path`` (line buffered, appended)."""
+    """Send this app's (this thread's) stdout/stderr to ``log_path`` (line buffered,
+    appended)."""
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    with (
-        open(log_path, "a", buffering=1) as log,
-        contextlib.redirect_stdout(log),
-        contextlib.redirect_stderr(log),
-    ):
-        yield
+    streams = [_routed("stdout"), _routed("stderr")]
+    with open(log_path, "a", buffering=1) as log:
+        previous = [getattr(s.local, "stream", None) for s in streams]
+        for stream in streams:
+            stream.local.stream = log
+        try:
+            yield
+        finally:
+            for stream, before in zip(streams, previous):
+                stream.local.stream = before
 
 
 def stage_app(ctx, name: str, cfg, force: bool, log_path: str,

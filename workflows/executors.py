@@ -38,7 +38,9 @@ laptop, a generic Slurm cluster and Frontier is a config change, never a code ch
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import shlex
 import signal
 import subprocess
@@ -47,10 +49,10 @@ import threading
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from parsl.config import Config
-from parsl.executors import HighThroughputExecutor, MPIExecutor
+from parsl.executors import HighThroughputExecutor, MPIExecutor, ThreadPoolExecutor
 from parsl.jobs.states import JobState
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
@@ -78,6 +80,9 @@ BIN_DIR = Path(sys.executable).parent
 
 LOCAL_RANKS_LABEL = "train"
 """Locally, the one executor that starts every ranks stage's launcher."""
+
+LOGIN_LABELS = ("cpu", LOCAL_RANKS_LABEL)
+"""The executors whose workers may be the driver's threads (``site.login_workers``)."""
 
 ALLOCATION_LABELS = tuple(stage.name for stage in STAGES if stage.worker)
 """Under slurm/frontier: the executors of the stages that may run ranks or apps in an
@@ -107,7 +112,7 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
     # executor (no interchange, no local worker pool).
     allocations = allocation_stages(cfg, running)
     if site == "local":
-        executors = [cpu_executor(cfg), *([local_train_executor()] if allocations else [])]
+        executors = [cpu_executor(cfg), *([local_train_executor(cfg)] if allocations else [])]
     elif site in SLURM_SITES:
         check_site(cfg)
         compute = any(shape.placement == COMPUTE for _, shape in stage_shapes(cfg, running))
@@ -146,9 +151,15 @@ def start_parsl(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path,
         signal.signal(signal.SIGINT, interactive_handler)
 
 
-def stop_parsl(dfk: Any, interrupted: bool = False) -> None:
+def stop_parsl(dfk: Any, interrupted: bool = False, keep: Collection[int] = ()) -> None:
     """Stop Parsl (``dfk.cleanup()``, ``parsl.clear()``) within a deadline, also when its
     interchanges are gone.
+
+    Apps on a ThreadPoolExecutor (``site.login_workers: threads``) run in this process and
+    cannot be stopped, but what they wait on can: when ``interrupted``, this process's child
+    processes but ``keep`` (the driver's own: its watchdog, its MLflow server) and Parsl's
+    interchanges are stopped first (``stop_children``): a launcher and its ranks, a
+    microbenchmark's ranks.
 
     A SIGTERM sent to the driver's whole process group (``timeout``, ``scancel`` of a job
     that runs the driver, a closed terminal) kills the interchanges along with the driver.
@@ -170,6 +181,10 @@ def stop_parsl(dfk: Any, interrupted: bool = False) -> None:
     handler = dfk.config.retry_handler
     if isinstance(handler, functools.partial) and "stopping" in handler.keywords:
         handler.keywords["stopping"].set()  # apps failed by the shutdown are not retried
+    if interrupted and any(e.label in LOGIN_LABELS and isinstance(e, ThreadPoolExecutor)
+                           for e in dfk.executors.values()):
+        interchanges = (getattr(e, "interchange_proc", None) for e in dfk.executors.values())
+        stop_children({*keep, *(proc.pid for proc in interchanges if proc is not None)})
     dfk.job_status_poller._kill_event.set()  # no new query to an interchange that may be gone
     deadline = time.monotonic() + (INTERCHANGE_EXIT_GRACE_S if interrupted else 0.0)
     for executor in dfk.executors.values():
@@ -192,6 +207,42 @@ def stop_parsl(dfk: Any, interrupted: bool = False) -> None:
                 process.kill()
             _cancel_blocks(executor)
     parsl.clear()
+
+
+def stop_children(keep: Collection[int] = (), grace_s: float = 5.0) -> None:
+    """SIGTERM this process's children but ``keep``, with their descendants; SIGKILL to those
+    left after ``grace_s``."""
+    import psutil
+
+    doomed = []
+    for child in psutil.Process().children():
+        if child.pid in keep:
+            continue
+        try:
+            doomed += [child, *child.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for proc in doomed:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, left = psutil.wait_procs(doomed, timeout=grace_s)
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
+def exit_driver(code: int) -> NoReturn:
+    """End the driver with ``code``. Python waits at exit for the threads of a thread pool
+    still in an app (``site.login_workers: threads``), which nothing can stop; an interrupted
+    driver has marked their stages failed already, so it ends without waiting for them."""
+    # Parsl names a ThreadPoolExecutor's threads "ThreadPoolExecutor-<label>_<n>".
+    app_threads = tuple(f"ThreadPoolExecutor-{label}_" for label in LOGIN_LABELS)
+    if code == 130 and any(t.name.startswith(app_threads) and t.is_alive()
+                           for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 INTERCHANGE_EXIT_GRACE_S = 3.0
@@ -306,14 +357,24 @@ def _local_htex(label: str, workers: int) -> HighThroughputExecutor:
     )
 
 
-def cpu_executor(cfg: PipelineConfig) -> HighThroughputExecutor:
+def _login_executor(cfg: PipelineConfig, label: str,
+                    workers: int) -> HighThroughputExecutor | ThreadPoolExecutor:
+    """``workers`` workers on the submitting machine: worker processes (an HTEX) or threads
+    of the driver (``site.login_workers``)."""
+    if cfg.site.login_workers == "threads":
+        return ThreadPoolExecutor(label=label, max_threads=workers)
+    return _local_htex(label, workers)
+
+
+def cpu_executor(cfg: PipelineConfig) -> HighThroughputExecutor | ThreadPoolExecutor:
     """Light stages: ``site.max_workers`` workers on the submitting machine."""
-    return _local_htex("cpu", cfg.site.max_workers)
+    return _login_executor(cfg, "cpu", cfg.site.max_workers)
 
 
-def local_train_executor() -> HighThroughputExecutor:
-    """One worker whose bash app runs the launcher, so light stages never queue behind training."""
-    return _local_htex("train", 1)
+def local_train_executor(cfg: PipelineConfig) -> HighThroughputExecutor | ThreadPoolExecutor:
+    """One worker whose bash app runs the launcher, so light stages never queue behind training
+    and one launch at a time has this machine's cores."""
+    return _login_executor(cfg, "train", 1)
 
 
 def _heartbeat(cfg: PipelineConfig) -> dict[str, int]:

@@ -150,4 +150,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from workflows.executors import exit_driver
+
+    exit_driver(main())

@@ -376,6 +376,11 @@ class PipelineSession:
         self._watched.remove((ctx, runs))
         return results
 
+    def _own_processes(self) -> list[int]:
+        """The processes this session started itself (its watchdog, its MLflow server)."""
+        server = self.server.proc if self.server is not None else None
+        return [proc.pid for proc in (self.watchdog, server) if proc is not None]
+
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
         from workflows import executors
 
@@ -385,7 +390,7 @@ class PipelineSession:
                   "stages failed", file=sys.stderr, flush=True)
         try:
             if self.dfk is not None:
-                executors.stop_parsl(self.dfk, interrupted)
+                executors.stop_parsl(self.dfk, interrupted, keep=self._own_processes())
         finally:
             for sig, handler in self._handlers.items():
                 signal.signal(sig, handler)

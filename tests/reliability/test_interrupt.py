@@ -1,8 +1,8 @@
 """Ctrl-C and SIGTERM stop everything; training ranks never outlive their launcher.
 
-The pipeline CLI runs for real (Parsl's interchange and worker pools, ``stages.launch``,
-gloo ranks, the SQLite MLflow store) on a training long enough to be
-interrupted. After the driver is signalled, it must exit promptly, leave no process of its
+The pipeline CLI runs for real (Parsl's interchange and worker pools, or its thread pool in
+the driver; ``stages.launch``, gloo ranks, the SQLite MLflow store) on a training long enough
+to be interrupted. After the driver is signalled, it must exit promptly, leave no process of its
 runs dir behind, and record the interrupted stage as failed on disk and in MLflow. A killed
 launcher (``stages.launch``, run as the local ranks app runs it) must take its
 ranks with it, so nothing writes into the stage directory afterwards.
@@ -93,22 +93,28 @@ def train_status(runs: Path) -> dict:
     return json.loads(found[0].read_text())
 
 
-@pytest.mark.parametrize("how", ["SIGTERM to the driver", "SIGINT to its process group",
-                                 "SIGTERM to its process group"])
+@pytest.mark.parametrize("how, workers", [
+    ("SIGTERM to the driver", "processes"), ("SIGTERM to the driver", "threads"),
+    ("SIGINT to its process group", "threads"), ("SIGTERM to its process group", "processes"),
+])
 def test_a_signal_stops_every_process_and_marks_training_failed(
-    how: str, tokenized_runs_dir: Path, drivers: list[Driver]
+    how: str, workers: str, tokenized_runs_dir: Path, drivers: list[Driver]
 ) -> None:
     runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
     # Ctrl-C in a terminal signals the whole foreground group with SIGINT; timeout, scancel
     # and a closed terminal signal it with SIGTERM, which kills Parsl's interchanges too.
+    # With the apps in the driver's threads, a SIGTERM to the driver alone reaches none of
+    # the processes they started: the driver stops them itself.
     group = "group" in how
-    drivers.append(start_pipeline(runs_dir, *LONG_TRAINING, new_session=group))
+    drivers.append(start_pipeline(runs_dir, *LONG_TRAINING, f"site.login_workers={workers}",
+                                  new_session=group))
     driver = drivers[-1]
     training_under_way(driver)
     tree = process_tree(driver)
     kinds = " ".join(" ".join(p.cmdline()) for p in tree if p.is_running())
-    for part in ("process_worker_pool", "stages.launch", "stages.train_worker"):
+    for part in ("stages.launch", "stages.train_worker"):
         assert part in kinds, f"no {part} among the pipeline's processes: {kinds[:2000]}"
+    assert ("process_worker_pool" in kinds) == (workers == "processes"), kinds[:2000]
 
     if group:  # the driver leads a session of its own: this signals none of the tests
         os.killpg(driver.proc.pid, signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
@@ -211,7 +217,8 @@ def test_shutdown_ends_when_the_poller_waits_on_a_dead_interchange(runs_dir: Pat
     from stages.config import load_config
     from workflows import executors
 
-    cfg = load_config(REPO / CONFIG, [f"tracking.runs_dir={runs_dir}"])
+    cfg = load_config(REPO / CONFIG, [f"tracking.runs_dir={runs_dir}",
+                                      "site.login_workers=processes"])
     dfk = executors.start_parsl(cfg, runs_dir, runs_dir / "parsl")
     wait_for("two worker pools", lambda: len(processes_of(runs_dir)) >= 2)
     for executor in dfk.executors.values():

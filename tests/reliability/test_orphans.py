@@ -49,7 +49,9 @@ def test_kill_9_of_the_driver_leaves_no_process_and_the_rerun_resumes(
     tokenized_runs_dir: Path, drivers: list[Driver]  # noqa: F811 - the fixture
 ) -> None:
     runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
-    overrides = (*TRAINING, "site.retries=0")
+    # Worker processes: the interchanges and worker pools a dead driver leaves are the
+    # watchdog's hardest sweep (the pools are not its children).
+    overrides = (*TRAINING, "site.retries=0", "site.login_workers=processes")
     drivers.append(start_pipeline(runs_dir, *overrides))
     first = drivers[-1]
     poll(f"a checkpoint at step >= {KILL_AFTER}",
