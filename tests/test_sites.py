@@ -248,8 +248,9 @@ def test_apps_in_threads_each_write_to_their_own_log(tmp_path):
             print(f"{name} done", file=sys.stderr)
             both_inside.wait()
 
-    console = io.StringIO()
-    with contextlib.redirect_stdout(console):
+    console, errors = io.StringIO(), io.StringIO()
+    # Both streams replaced for the test, so the routing goes with them when it ends.
+    with contextlib.redirect_stdout(console), contextlib.redirect_stderr(errors):
         threads = [threading.Thread(target=app, args=(name,)) for name in ("a", "b")]
         for thread in threads:
             thread.start()
@@ -260,6 +261,7 @@ def test_apps_in_threads_each_write_to_their_own_log(tmp_path):
         lines = (tmp_path / f"{name}.log").read_text().splitlines()
         assert lines == [f"{name} {i}" for i in range(50)] + [f"{name} done"]
     assert "driver line" in console.getvalue() and " 0\n" not in console.getvalue()
+    assert errors.getvalue() == ""
 
 
 def test_local_ranks_command():
