@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import shlex
 import signal
 import subprocess
@@ -49,7 +48,7 @@ import threading
 import time
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from parsl.config import Config
 from parsl.executors import HighThroughputExecutor, MPIExecutor, ThreadPoolExecutor
@@ -229,20 +228,6 @@ def stop_children(keep: Collection[int] = (), grace_s: float = 5.0) -> None:
     for proc in left:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-
-
-def exit_driver(code: int) -> NoReturn:
-    """End the driver with ``code``. Python waits at exit for the threads of a thread pool
-    still in an app (``site.login_workers: threads``), which nothing can stop; an interrupted
-    driver has marked their stages failed already, so it ends without waiting for them."""
-    # Parsl names a ThreadPoolExecutor's threads "ThreadPoolExecutor-<label>_<n>".
-    app_threads = tuple(f"ThreadPoolExecutor-{label}_" for label in LOGIN_LABELS)
-    if code == 130 and any(t.name.startswith(app_threads) and t.is_alive()
-                           for t in threading.enumerate()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
 
 
 INTERCHANGE_EXIT_GRACE_S = 3.0

@@ -20,7 +20,13 @@ from stages.config import ConfigError, PipelineConfig, load_config
 from stages.outputs import StageResult
 from stages.registry import STAGE_ORDER, declaration, upstream
 from stages.selection import StageDecision, decide_stages
-from workflows.session import PipelineFailed, PipelineSession, check_runs_dir
+from workflows.session import (
+    INTERRUPTED_EXIT,
+    PipelineFailed,
+    PipelineSession,
+    check_runs_dir,
+    exit_driver,
+)
 
 
 def describe(plans: list[StageDecision], cfg: PipelineConfig) -> str:
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         check_runs_dir(cfg.runs_dir)
         run_pipeline(cfg, args.only, args.start, args.force)
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED_EXIT
     except ConfigError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -150,6 +156,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from workflows.executors import exit_driver
-
     exit_driver(main())

@@ -49,7 +49,13 @@ from stages.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
 from stages.outputs import StageResult
 from stages.registry import STAGE_ORDER
 from stages.selection import decide_stages
-from workflows.session import PipelineFailed, PipelineSession, check_runs_dir
+from workflows.session import (
+    INTERRUPTED_EXIT,
+    PipelineFailed,
+    PipelineSession,
+    check_runs_dir,
+    exit_driver,
+)
 
 STUDY_STAGES = STAGE_ORDER[: STAGE_ORDER.index("train") + 1]
 """The stages each measured point runs (evaluation is no part of a throughput study)."""
@@ -606,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                               args.ranks_per_node)
         run_measured(points, args.mode, args.out)
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED_EXIT
     except (ConfigError, scaling.ScalingError, PlanError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -617,6 +623,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from workflows.executors import exit_driver
-
     exit_driver(main())

@@ -24,10 +24,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from stages import attempt as attempts
 from stages import locks, outputs, tracking
@@ -57,6 +58,26 @@ def check_runs_dir(runs_dir: Path) -> None:
             f"--runs-dir {runs_dir} is not writable ({error.strerror or error}): choose a "
             "directory you can write"
         ) from None
+
+
+INTERRUPTED_EXIT = 130
+"""A driver's exit status after Ctrl-C or SIGTERM (128 + SIGINT, as a shell reports Ctrl-C)."""
+
+
+def exit_driver(code: int) -> NoReturn:
+    """End the driver with ``code``. Python waits at exit for the threads of a thread pool
+    still in an app (``site.login_workers: threads``), which nothing can stop; an interrupted
+    driver has marked their stages failed already, so it ends without waiting for them."""
+    from workflows.executors import LOGIN_LABELS
+
+    # Parsl names a ThreadPoolExecutor's threads "ThreadPoolExecutor-<label>_<n>".
+    app_threads = tuple(f"ThreadPoolExecutor-{label}_" for label in LOGIN_LABELS)
+    if code == INTERRUPTED_EXIT and any(t.name.startswith(app_threads) and t.is_alive()
+                                        for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
