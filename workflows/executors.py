@@ -208,26 +208,20 @@ def stop_parsl(dfk: Any, interrupted: bool = False, keep: Collection[int] = ()) 
     parsl.clear()
 
 
-def stop_children(keep: Collection[int] = (), grace_s: float = 5.0) -> None:
-    """SIGTERM this process's children but ``keep``, with their descendants; SIGKILL to those
-    left after ``grace_s``."""
+def stop_children(keep: Collection[int] = ()) -> None:
+    """SIGTERM this process's children but ``keep``, with their descendants; SIGKILL those
+    left after the watchdog's grace (``watchdog.terminate_then_kill``)."""
     import psutil
+
+    from workflows.watchdog import terminate_then_kill
 
     doomed = []
     for child in psutil.Process().children():
         if child.pid in keep:
             continue
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             doomed += [child, *child.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    for proc in doomed:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.terminate()
-    _, left = psutil.wait_procs(doomed, timeout=grace_s)
-    for proc in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
+    terminate_then_kill(doomed)
 
 
 INTERCHANGE_EXIT_GRACE_S = 3.0

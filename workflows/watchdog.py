@@ -119,13 +119,18 @@ def stop_processes(run: str, seen: dict[int, float] | None = None,
         if not found:
             break
         stopped.update(process.pid for process in found)
-        for process in found:
-            _signal(process, "terminate")
-        _, left = psutil.wait_procs(found, timeout=grace_s)
-        for process in left:
-            _signal(process, "kill")
-        psutil.wait_procs(left, timeout=grace_s)
+        terminate_then_kill(found, grace_s)
     return len(stopped)
+
+
+def terminate_then_kill(processes: list[psutil.Process], grace_s: float = GRACE_S) -> None:
+    """SIGTERM ``processes``, SIGKILL those left after ``grace_s``, and wait for them."""
+    for process in processes:
+        _signal(process, "terminate")
+    _, left = psutil.wait_procs(processes, timeout=grace_s)
+    for process in left:
+        _signal(process, "kill")
+    psutil.wait_procs(left, timeout=grace_s)
 
 
 def _signal(process: psutil.Process, how: str) -> None:
