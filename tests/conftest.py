@@ -181,6 +181,20 @@ def isolated_session() -> Path:
     return session_dir
 
 
+@pytest.fixture(autouse=True)
+def forked_local_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local launches made in a test's own process (``stages.launch.run_local``: the inline
+    executor, the pipeline run by ``main(argv)``) fork their rank 0 from a warm interpreter
+    that has imported torch and the trainer (``tests.rank_zygote.ForkedLocalRanks``) instead
+    of starting a fresh one: seconds of imports a launch. The ranks, their rendezvous and
+    files are a real launch's. Launchers and drivers started as processes of their own
+    (``python -m stages.launch``, ``python -m workflows.pipeline``) start theirs as always."""
+    import stages.launch
+    from tests.rank_zygote import ForkedLocalRanks
+
+    monkeypatch.setattr(stages.launch, "LocalRanks", ForkedLocalRanks)
+
+
 @pytest.fixture(scope="session")
 def microbench_cache(isolated_session: Path) -> Path:
     """This machine's microbenchmark for MICROBENCH_NPROC ranks, measured once; its JSON file."""

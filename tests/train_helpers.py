@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from model.parallel.dist_env import local_rank_variables
 from stages.config import load_config
-from stages.launch import STACKS_SIGNAL, RankSpec, local_command, rank_environment
+from stages.forked_ranks import FORK_PEERS_VAR
+from stages.launch import RankSpec, rank_environment
+from tests.rank_zygote import run_forked
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,33 +34,39 @@ def run_worker(
     out_dir: Path, plan: dict[str, Any], nproc: int, *overrides: str, steps: int | None = None,
     timeout: int = 240,
 ) -> dict[str, Any]:
-    """Run stages.train_worker on ``nproc`` gloo ranks (``stages.launch``; plain python for 1).
-
-    Returns the summary.
-    """
+    """Run stages.train_worker on ``nproc`` gloo ranks, as ``stages.launch`` starts them (plain
+    ``python -m stages.train_worker`` for 1), forked from this worker's warm interpreter
+    (``tests.rank_zygote``). Returns the summary."""
     cfg = tiny_config(*overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = RankSpec(worker="stages.train_worker", nproc=nproc, nodes=1,
                     out_dir=str(out_dir.resolve()), config=cfg.to_dict(), plan=plan, steps=steps)
     spec_path = spec.write(out_dir / "spec.json")
-    if nproc == 1:  # no launcher: the worker runs as a single process
-        cmd = [sys.executable, "-m", "stages.train_worker", "--spec", str(spec_path)]
-    else:
-        cmd = local_command(spec_path)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=rank_environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        stdout, stderr = _stacks_and_kill(proc)
-        raise AssertionError(f"{nproc} ranks did not end in {timeout} s; their stacks "
-                             f"(stages.launch.STACKS_SIGNAL):\n{stdout[-3000:]}\n{stderr[-12000:]}"
-                             ) from None
-    proc = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    if proc.returncode != 0:
-        raise AssertionError(f"{nproc} ranks failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}"
-                             f"\n{proc.stderr[-6000:]}")
+    code, stdout, stderr = run_ranks(spec.worker, spec_path, nproc, timeout)
+    if code != 0:
+        raise AssertionError(f"{nproc} ranks failed (rc {code}):\n{stdout[-3000:]}"
+                             f"\n{stderr[-6000:]}")
     return json.loads((out_dir / "summary.json").read_text())
+
+
+def run_ranks(worker: str, spec_path: Path, nproc: int, timeout: float) -> tuple[int, str, str]:
+    """The ``nproc`` ranks of the spec at ``spec_path`` as a forked launch
+    (``tests.rank_zygote``): their exit code as a shell reports it, stdout and stderr. A launch
+    that runs past ``timeout`` prints its ranks' stacks and fails the test."""
+    env = rank_environment()
+    with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
+        if nproc > 1:  # the identity and rendezvous stages.launch.LocalRanks gives rank 0
+            env.update(local_rank_variables(0, nproc, str(Path(scratch) / "store")))
+            env[FORK_PEERS_VAR] = "1"
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        try:
+            code = run_forked(worker, ["--spec", str(spec_path)], env, out, err, timeout)
+        except TimeoutError:
+            raise AssertionError(
+                f"{nproc} ranks did not end in {timeout} s; their stacks (stages.launch."
+                f"STACKS_SIGNAL):\n{out.read_text()[-3000:]}\n{err.read_text()[-12000:]}"
+            ) from None
+        return code, out.read_text(errors="replace"), err.read_text(errors="replace")
 
 
 def worker_ranks(root: psutil.Process) -> list[psutil.Process]:
@@ -72,19 +79,3 @@ def worker_ranks(root: psutil.Process) -> list[psutil.Process]:
             if module and module[0].startswith("stages.") and module[0].endswith("_worker"):
                 found.append(proc)
     return found
-
-
-def _stacks_and_kill(proc: subprocess.Popen) -> tuple[str, str]:
-    """Ask every rank under ``proc`` for its stacks, then kill them all; the output."""
-    root = psutil.Process(proc.pid)
-    tree = [root]
-    with contextlib.suppress(psutil.Error):
-        tree += root.children(recursive=True)
-    for rank in worker_ranks(root):
-        with contextlib.suppress(psutil.Error):
-            rank.send_signal(STACKS_SIGNAL)
-    time.sleep(2.0)  # the stacks are written by the ranks' own signal handlers
-    for process in reversed(tree):
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    return proc.communicate()

@@ -623,14 +623,19 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
 def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: int,
                       steps: int = 1, warmup: int = 1,
                       initializer: Callable[[], None] | None = None) -> Rehearsal:
-    """``rehearse`` in a fresh (spawned) interpreter, its RehearsalError re-raised here.
+    """``rehearse`` in a process of its own, its RehearsalError re-raised here.
 
     One rank per process: DTensor caches device meshes by value, so a second rehearsal in
     the same process would reach collectives bound to the first one's destroyed process
     group ("Could not resolve the process group registered under the name ...").
     ``initializer`` runs first in the child (the plan stage's makes it die with its parent).
+
+    The child is forked from multiprocessing's fork server, which has imported this module
+    (torch, DTensor, the trainer) once and rehearsed nothing: a plan stage's rehearsals, two
+    per plan, then cost their work, not seconds of imports each.
     """
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context,
                                                 initializer=initializer) as pool:
         return pool.submit(rehearse, model_cfg, train_cfg, plan, rank, None, steps,

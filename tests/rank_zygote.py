@@ -1,0 +1,307 @@
+"""Warm rank launches for the tests: torch and the trainer imported once per pytest worker.
+
+A launch's rank 0 spends about 2.5 CPU seconds importing torch, its DTensor and checkpoint
+modules and the trainer before it does anything; the tests that run the trainer directly
+(``train_helpers.run_worker``) launch it dozens of times. ``launch`` instead asks a zygote,
+one interpreter per pytest worker that has imported the ranks' modules and started no
+thread, to fork the launch:
+
+- the zygote forks a launch process (its own process group, dying with the zygote), which
+  takes the request's environment, working directory and output files, and forks rank 0;
+- rank 0 runs ``python -m <worker> --spec <path>``'s main as ``__main__`` (``runpy``), with
+  the identity variables and rendezvous file of ``stages.launch.LocalRanks``, and forks its
+  peers as under the local launcher (``stages.forked_ranks``); a one-rank launch gets no
+  identity variables, as a plain ``python -m <worker>`` would;
+- the launch process ends with rank 0's code as a shell reports it; the zygote answers with
+  it.
+
+So the ranks, their rendezvous, gloo, their files and exit codes are those of a real local
+launch; only the exec of a fresh interpreter is skipped. What the launcher itself does
+(streaming, the exit-code mapping, killing) is tested where it is the subject
+(``test_forked_ranks.py``, the pipeline and reliability tests). A variable torch reads at
+import time comes from the zygote's environment (the session's), not the request's.
+
+The protocol is one JSON line each way on the zygote's stdin and stdout: a request
+``{"module", "argv", "env", "cwd", "stdout", "stderr"}``, then ``{"pid": <launch pid>}``
+when the launch started and ``{"code": <exit code>}`` when it ended.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+# What the workers (``stages.train_worker``, ``eval_worker``, ``measure_worker``) import at
+# their top and on their first step; not the workers themselves, which run as ``__main__``.
+PRELOAD = ("torch.distributed", "torch.distributed.checkpoint", "model.training.trainer",
+           "model.training.checkpoint", "model.training.batches", "model.training.metrics",
+           "model.evaluation.generate", "model.evaluation.loss", "model.parallel.dist_env",
+           "model.planner.plan", "data_prep.atomic", "data_prep.loader", "data_prep.store",
+           "stages.config", "stages.launch", "stages.forked_ranks")
+
+
+def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
+    """In the forked launch process: become the launch and end with rank 0's code."""
+    from stages.forked_ranks import shell_exit_code
+    from stages.launch import STACKS_SIGNAL, die_with_parent
+
+    os.setpgid(0, 0)
+    die_with_parent()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd, out in zip((1, 2), outputs):
+        os.dup2(out, fd)
+    # The stacks signal is for the ranks (``stacks_then_kill``); its default would end this
+    # process, and rank 0 with it.
+    signal.signal(STACKS_SIGNAL, signal.SIG_IGN)
+    rank0 = os.fork()
+    if rank0 == 0:
+        signal.signal(STACKS_SIGNAL, signal.SIG_DFL)
+        _rank_zero(request)
+    _, status = os.waitpid(rank0, 0)
+    os._exit(shell_exit_code(os.waitstatus_to_exitcode(status)))
+
+
+def _rank_zero(request: dict[str, Any]) -> None:
+    """In rank 0: run the worker module as ``python -m`` would; never returns."""
+    import runpy
+
+    code = 1
+    try:
+        sys.argv = [request["module"], *request["argv"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+def serve() -> None:
+    """The zygote's loop: import the ranks' modules, then fork a launch per request."""
+    import importlib
+
+    from stages.launch import die_with_parent
+
+    die_with_parent()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    replies = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        request = json.loads(line)
+        # opened here, before the fork: a reader of a FIFO sees its writer once "pid" is sent
+        outputs = tuple(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                        for name in ("stdout", "stderr"))
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            _launch_process(request, outputs)
+        for fd in outputs:
+            os.close(fd)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        replies.flush()
+        _, status = os.waitpid(pid, 0)
+        replies.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        replies.flush()
+
+
+class Zygote:
+    """One zygote process: one launch at a time (``start``, then ``finish``)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from tests.rank_zygote import serve; serve()"],
+            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.busy = False
+
+    def close(self) -> None:
+        """End the zygote (and with it any launch still running)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def start(self, module: str, argv: list[str], env: dict[str, str], stdout: Path,
+              stderr: Path) -> int:
+        """Fork ``python -m module *argv`` with ``env``, its output to the two paths; the
+        launch's pid, which is also its process group."""
+        request = {"module": module, "argv": argv, "env": env, "cwd": str(REPO),
+                   "stdout": str(stdout), "stderr": str(stderr)}
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the rank zygote ended (exit {self.proc.wait()})")
+        return json.loads(reply)["pid"]
+
+    def finish(self) -> int:
+        """Wait for the launch; its exit code as a shell reports it (128 + a signal)."""
+        assert self.proc.stdout is not None
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the rank zygote ended (exit {self.proc.wait()})")
+        code = json.loads(reply)["code"]
+        return 128 - code if code < 0 else code
+
+
+_zygotes: list[Zygote] = []
+_pool_lock = threading.Lock()
+
+
+@atexit.register
+def _close_all() -> None:
+    for zygote in _zygotes:
+        zygote.close()
+
+
+@contextlib.contextmanager
+def idle_zygote() -> Iterator[Zygote]:
+    """An idle zygote of this process, started with the ranks' environment when none is
+    idle (launches from several threads each get one), for the duration of one launch."""
+    from stages.launch import rank_environment
+
+    with _pool_lock:
+        _zygotes[:] = [z for z in _zygotes if z.proc.poll() is None]
+        zygote = next((z for z in _zygotes if not z.busy), None)
+        if zygote is None:
+            zygote = Zygote(rank_environment())
+            _zygotes.append(zygote)
+        zygote.busy = True
+    try:
+        yield zygote
+    finally:
+        zygote.busy = False
+
+
+def stacks_then_kill(pgid: int, grace_s: float = 2.0) -> None:
+    """Ask every process of a launch for its Python stacks, then SIGKILL the launch."""
+    from stages.launch import STACKS_SIGNAL
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, STACKS_SIGNAL)
+    time.sleep(grace_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def run_forked(module: str, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path,
+               timeout: float) -> int:
+    """``python -m module *argv`` as a forked launch; its exit code. Past ``timeout`` the
+    ranks print their stacks to ``stderr``, are killed, and TimeoutError is raised."""
+    with idle_zygote() as zygote:
+        pgid = zygote.start(module, argv, env, stdout, stderr)
+        timed_out = threading.Event()
+
+        def expire() -> None:
+            timed_out.set()
+            stacks_then_kill(pgid)
+
+        timer = threading.Timer(timeout, expire)
+        timer.start()
+        try:
+            code = zygote.finish()
+        finally:
+            timer.cancel()
+    if timed_out.is_set():
+        raise TimeoutError(f"the launch ran past {timeout} s")
+    return code
+
+
+class _ForkedRankZero:
+    """What ``LocalRanks`` keeps of rank 0 (``wait``, ``poll``, ``pid``), for a forked launch."""
+
+    def __init__(self, zygote: Zygote, pid: int, release) -> None:
+        self.pid, self._zygote, self._release = pid, zygote, release
+        self.returncode: int | None = None
+        self._lock = threading.Lock()
+
+    def wait(self) -> int:
+        with self._lock:
+            if self.returncode is None:
+                try:
+                    self.returncode = self._zygote.finish()
+                finally:
+                    self._release()
+            return self.returncode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+
+class ForkedLocalRanks:
+    """``stages.launch.LocalRanks`` with rank 0 forked from a zygote: the same identity
+    variables, rendezvous, fork of the peers, process group and merged output (a FIFO in
+    place of a pipe). Multi-node specs go to ``LocalRanks``, which refuses them."""
+
+    def __new__(cls, spec_path, spec, env):  # noqa: ANN001, ANN204 - LocalRanks' signature
+        from stages.launch import LocalRanks
+
+        if spec.nodes != 1:
+            return LocalRanks(spec_path, spec, env)
+        return super().__new__(cls)
+
+    def __init__(self, spec_path: str | Path, spec, env: dict[str, str]) -> None:  # noqa: ANN001
+        import shutil
+        import tempfile
+
+        from model.parallel.dist_env import local_rank_variables
+        from stages.forked_ranks import FORK_PEERS_VAR
+
+        self._rendezvous = tempfile.mkdtemp(prefix="ranks-")
+        store = str(Path(self._rendezvous) / "store")
+        fifo = Path(self._rendezvous) / "output"
+        os.mkfifo(fifo)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(reader, True)
+        pool = idle_zygote()
+        zygote = pool.__enter__()
+        try:
+            pid = zygote.start(spec.worker, ["--spec", str(spec_path)],
+                               {**env, **local_rank_variables(0, spec.nproc, store),
+                                FORK_PEERS_VAR: "1"}, fifo, fifo)
+        except BaseException:
+            pool.__exit__(None, None, None)
+            os.close(reader)
+            shutil.rmtree(self._rendezvous, ignore_errors=True)
+            raise
+        self.rank0 = _ForkedRankZero(zygote, pid, lambda: pool.__exit__(None, None, None))
+        self.pgid = pid
+        self.stdout = open(reader, errors="replace")  # noqa: SIM115 - closed by run_local
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running; reap the launch."""
+        import shutil
+
+        if self.rank0.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pgid, signal.SIGKILL)
+        self.rank0.wait()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+    def wait(self) -> int:
+        """Wait for every rank; the launch's exit code."""
+        import shutil
+
+        code = self.rank0.wait()
+        shutil.rmtree(self._rendezvous, ignore_errors=True)
+        return code
