@@ -15,12 +15,12 @@ The session fails if anything wrote MLflow's cwd defaults (``mlflow.db``, ``mlru
 ``mlartifacts/``) into the repository root.
 
 The plan stage measures this machine (``model.planner.microbench``) and caches the result
-under ``<runs dir>/cache/microbench/``. That measurement is made once per session
-(``microbench_cache``) and copied into each test's runs dir (``seed_microbench``,
-``runs_dir``), so no test measures it again.
+under ``<runs dir>/cache/microbench/``. That measurement is made once per test run,
+shared by the pytest-xdist workers (``microbench_cache``, ``made_once``), and copied into
+each test's runs dir (``seed_microbench``, ``runs_dir``), so no test measures it again.
 
 A new MLflow SQLite store costs seconds of schema migration. One store is created and
-migrated per session (``migrated_store``); ``seed_store`` copies it to where a test's
+migrated per test run (``migrated_store``); ``seed_store`` copies it to where a test's
 tracker or driver will look (``<dir>/mlflow.db``), and ``runs_dir`` comes with a copy. The
 project takes an existing, migrated store as is, so a copy behaves as a new store would.
 Stores made from nothing are still tested: ``tests/reliability/test_tracking_start.py``.
@@ -196,12 +196,39 @@ def forked_local_launches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="session")
-def microbench_cache(isolated_session: Path) -> Path:
-    """This machine's microbenchmark for MICROBENCH_NPROC ranks, measured once; its JSON file."""
+def made_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """A function ``made_once(name, make)``: the directory ``name`` that ``make(directory)``
+    filled, made once per test run. The pytest-xdist workers of one run share it (they are
+    processes of one run, with one temporary root): the first to ask makes it while holding
+    a file lock, the others wait for it and read it. A make that failed is made again by the
+    next to ask. Only for what tests read and never change."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "made-once"
+    root.mkdir(exist_ok=True)
+
+    def made(name: str, make: Callable[[Path], None]) -> Path:
+        target, done = root / name, root / f"{name}.done"
+        with FileLock(str(root / f"{name}.lock")):
+            if not done.exists():
+                shutil.rmtree(target, ignore_errors=True)
+                target.mkdir()
+                make(target)
+                done.touch()
+        return target
+
+    return made
+
+
+@pytest.fixture(scope="session")
+def microbench_cache(made_once: Callable[..., Path]) -> Path:
+    """This machine's microbenchmark for MICROBENCH_NPROC ranks, measured once per test run
+    (``made_once``); its JSON file."""
     from model.planner.microbench import cache_file, measured_cluster_fields
 
-    cache_dir = isolated_session / "microbench"
-    measured_cluster_fields(MICROBENCH_NPROC, cache_dir=cache_dir)
+    cache_dir = made_once("microbench",
+                          lambda d: measured_cluster_fields(MICROBENCH_NPROC, cache_dir=d))
     path = cache_file(MICROBENCH_NPROC, cache_dir)
     assert path.is_file(), f"the microbenchmark left no cache file at {path}"
     return path
@@ -231,18 +258,20 @@ def seed_microbench(microbench_cache: Path) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
-def migrated_store(isolated_session: Path) -> Path:
-    """An MLflow SQLite store created and migrated once per session; its database file.
+def migrated_store(made_once: Callable[..., Path]) -> Path:
+    """An MLflow SQLite store created and migrated once per test run (``made_once``); its
+    database file.
 
     It holds only what MLflow puts in every new store (its ``Default`` experiment, whose
     artifact root MLflow resolves against the current directory: the repository root, the
     directory the tests start drivers in)."""
     from stages import tracking
 
-    path = isolated_session / "migrated-store" / "mlflow.db"
-    path.parent.mkdir()
-    with contextlib.chdir(REPO):
-        tracking.MlflowClient(f"sqlite:///{path}").search_experiments()
+    def make(directory: Path) -> None:
+        with contextlib.chdir(REPO):
+            tracking.MlflowClient(f"sqlite:///{directory / 'mlflow.db'}").search_experiments()
+
+    path = made_once("migrated-store", make) / "mlflow.db"
     assert path.is_file(), f"MLflow made no store at {path}"
     return path
 
@@ -276,21 +305,23 @@ def runs_dir(tmp_path: Path, seed_microbench: Callable[[Path], Path],
 
 
 @pytest.fixture(scope="session")
-def micro_tokenize_output(tmp_path_factory: pytest.TempPathFactory,
-                          seed_microbench: Callable[..., Path],
+def micro_tokenize_output(made_once: Callable[..., Path], seed_microbench: Callable[..., Path],
                           seed_store: Callable[[Path], str]) -> Path:
-    """The micro preset's published tokenize output, made once per session by the pipeline's
-    command line (``--only tokenize``); its stage directory."""
+    """The micro preset's published tokenize output, made once per test run (``made_once``)
+    by the pipeline's command line (``--only tokenize``); its stage directory."""
     import subprocess
     import sys
 
-    runs = tmp_path_factory.mktemp("micro-tokenized") / "runs"
-    seed_microbench(runs)
-    seed_store(runs)
-    proc = subprocess.run([sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-                           "--runs-dir", str(runs), "--only", "tokenize"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    def make(directory: Path) -> None:
+        runs = directory / "runs"
+        seed_microbench(runs)
+        seed_store(runs)
+        proc = subprocess.run([sys.executable, "-m", "workflows.pipeline", "--config", "micro",
+                               "--runs-dir", str(runs), "--only", "tokenize"], cwd=REPO,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    runs = made_once("micro-tokenized", make) / "runs"
     (published,) = [p for p in (runs / "stages" / "tokenize").iterdir()
                     if p.is_dir() and "." not in p.name]
     return published

@@ -51,8 +51,9 @@ PRELOAD = ("torch.distributed", "torch.distributed.checkpoint", "model.training.
 
 
 def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
-    """In the forked launch process: become the launch and end with rank 0's code."""
-    from stages.forked_ranks import shell_exit_code
+    """In the forked launch process: become the launch, fork its processes (rank 0 alone, or
+    one per identity in ``request["ranks"]``), end with the launch's code."""
+    from stages.forked_ranks import launch_code, shell_exit_code
     from stages.launch import STACKS_SIGNAL, die_with_parent
 
     os.setpgid(0, 0)
@@ -65,24 +66,42 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     for fd, out in zip((1, 2), outputs):
         os.dup2(out, fd)
     # The stacks signal is for the ranks (``stacks_then_kill``); its default would end this
-    # process, and rank 0 with it.
+    # process, and the ranks with it.
     signal.signal(STACKS_SIGNAL, signal.SIG_IGN)
-    rank0 = os.fork()
-    if rank0 == 0:
-        signal.signal(STACKS_SIGNAL, signal.SIG_DFL)
-        _rank_zero(request)
-    _, status = os.waitpid(rank0, 0)
-    os._exit(shell_exit_code(os.waitstatus_to_exitcode(status)))
+    running = []
+    for identity in request.get("ranks") or [{}]:
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(STACKS_SIGNAL, signal.SIG_DFL)
+            os.environ.update(identity)
+            _run_main(request)
+        running.append(pid)
+    codes = []
+    while running:
+        pid, status = os.wait()
+        running.remove(pid)
+        codes.append(shell_exit_code(os.waitstatus_to_exitcode(status)))
+        if codes[-1] != 0:  # as torchrun: one failed rank ends the others
+            for peer in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(peer, signal.SIGKILL)
+    os._exit(launch_code(codes, ok=(0,)))
 
 
-def _rank_zero(request: dict[str, Any]) -> None:
-    """In rank 0: run the worker module as ``python -m`` would; never returns."""
+def _run_main(request: dict[str, Any]) -> None:
+    """In a rank: run the module as ``python -m`` would, or the script as ``python PATH``
+    would; never returns."""
     import runpy
 
     code = 1
     try:
-        sys.argv = [request["module"], *request["argv"]]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        if "module" in request:
+            sys.argv = [request["module"], *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [request["path"], *request["argv"]]
+            sys.path.insert(0, str(Path(request["path"]).parent))
+            runpy.run_path(request["path"], run_name="__main__")
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
@@ -140,11 +159,12 @@ class Zygote:
             self.proc.kill()
             self.proc.wait()
 
-    def start(self, module: str, argv: list[str], env: dict[str, str], stdout: Path,
-              stderr: Path) -> int:
-        """Fork ``python -m module *argv`` with ``env``, its output to the two paths; the
-        launch's pid, which is also its process group."""
-        request = {"module": module, "argv": argv, "env": env, "cwd": str(REPO),
+    def start(self, target: dict[str, Any], argv: list[str], env: dict[str, str],
+              stdout: Path, stderr: Path) -> int:
+        """Fork a launch of ``target`` (``{"module": name}``, ``python -m``; or ``{"path":
+        script}``, with ``"ranks"``, one identity per process) with ``argv`` and ``env``,
+        its output to the two paths; the launch's pid, which is also its process group."""
+        request = {**target, "argv": argv, "env": env, "cwd": str(REPO),
                    "stdout": str(stdout), "stderr": str(stderr)}
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -204,12 +224,12 @@ def stacks_then_kill(pgid: int, grace_s: float = 2.0) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def run_forked(module: str, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path,
-               timeout: float) -> int:
-    """``python -m module *argv`` as a forked launch; its exit code. Past ``timeout`` the
-    ranks print their stacks to ``stderr``, are killed, and TimeoutError is raised."""
+def run_forked(target: dict[str, Any], argv: list[str], env: dict[str, str], stdout: Path,
+               stderr: Path, timeout: float) -> int:
+    """A forked launch (``Zygote.start``); its exit code. Past ``timeout`` the ranks print
+    their stacks to ``stderr``, are killed, and TimeoutError is raised."""
     with idle_zygote() as zygote:
-        pgid = zygote.start(module, argv, env, stdout, stderr)
+        pgid = zygote.start(target, argv, env, stdout, stderr)
         timed_out = threading.Event()
 
         def expire() -> None:
@@ -225,6 +245,19 @@ def run_forked(module: str, argv: list[str], env: dict[str, str], stdout: Path, 
     if timed_out.is_set():
         raise TimeoutError(f"the launch ran past {timeout} s")
     return code
+
+
+def torchrun_ranks(nproc: int) -> list[dict[str, str]]:
+    """The identities ``torchrun --standalone --nproc-per-node nproc`` gives its ranks: they
+    meet at a free port of this machine (``init_process_group``'s ``env://``)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for r in range(nproc)]
 
 
 class _ForkedRankZero:
@@ -276,7 +309,7 @@ class ForkedLocalRanks:
         pool = idle_zygote()
         zygote = pool.__enter__()
         try:
-            pid = zygote.start(spec.worker, ["--spec", str(spec_path)],
+            pid = zygote.start({"module": spec.worker}, ["--spec", str(spec_path)],
                                {**env, **local_rank_variables(0, spec.nproc, store),
                                 FORK_PEERS_VAR: "1"}, fifo, fifo)
         except BaseException:

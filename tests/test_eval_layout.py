@@ -3,9 +3,6 @@ tp=2 x pp=2 gloo ranks (no process holds all of it), or tp=2 x dp=2 (two replica
 the windows), gives one process's loss and tokens."""
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,9 +13,8 @@ from model.evaluation.generate import generate_tokens
 from model.evaluation.loss import heldout_loss
 from model.gpt import GPT
 from model.training.checkpoint import load_for_inference
-from stages.launch import rank_environment
+from tests.train_helpers import run_script_ranks
 
-REPO = Path(__file__).resolve().parent.parent
 # init_std 0.2: decided (not near-uniform) next-token logits, so greedy picks are not ties.
 SHAPES = {
     "llama-gqa": {"family": "llama", "n_kv_heads": 2},
@@ -80,12 +76,10 @@ def test_layout_loss_and_greedy_tokens_equal_one_process(tmp_path, case, tp, pp)
     expected = heldout_loss(one, ArrayReader(), 16, 160, 3, progress_seconds=0)
     greedy = [generate_tokens(one, p, 10) for p in PROMPTS]
     (tmp_path / "worker.py").write_text(WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", "4", str(tmp_path / "worker.py"), str(ckpt),
-           json.dumps(dataclasses.asdict(cfg)), str(tmp_path / "out.json"), str(tp), str(pp)]
-    proc = subprocess.run(cmd, cwd=REPO, env=rank_environment(), capture_output=True, text=True,
-                          timeout=240, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    code, _, stderr = run_script_ranks(
+        tmp_path / "worker.py", [str(ckpt), json.dumps(dataclasses.asdict(cfg)),
+                                 str(tmp_path / "out.json"), str(tp), str(pp)], 4, timeout=240)
+    assert code == 0, stderr[-4000:]
     got = json.loads((tmp_path / "out.json").read_text())
     assert (got["tokens"], got["windows"]) == (expected["tokens"], expected["windows"]) == (160, 10)
     assert got["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-6)

@@ -35,6 +35,7 @@ from model.evaluation.import_hf import ImportHFError, import_hf, model_config_fr
 from model.gpt import GPT
 from model.training.checkpoint import load_for_inference
 from tests.test_import_hf import max_diff, tokens
+from tests.train_helpers import run_script_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -497,17 +498,13 @@ dist.destroy_process_group()
 def test_training_layout_tp2_pp2_computes_transformers_logits(imported, tmp_path):
     """Every family's import spread over 4 gloo ranks as LayoutModel (tp2 x pp2; the tied
     ones with the head copy on the last stage): per-token losses and last-position logits
-    equal transformers' within 1e-5 (one torchrun for all of them)."""
-    from stages.launch import rank_environment
-
+    equal transformers' within 1e-5 (one launch of 4 ranks, as torchrun's, for all of them)."""
     cases = {f: (str(imported(f)[2]), 2, 2) for f in sorted(FAMILIES)}
     (tmp_path / "worker.py").write_text(LAYOUT_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", "4", str(tmp_path / "worker.py"), json.dumps(cases),
-           str(tmp_path / "out.json")]
-    proc = subprocess.run(cmd, cwd=REPO, env=rank_environment(), capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    code, _, stderr = run_script_ranks(tmp_path / "worker.py",
+                                       [json.dumps(cases), str(tmp_path / "out.json")], 4,
+                                       timeout=300)
+    assert code == 0, stderr[-4000:]
     got = json.loads((tmp_path / "out.json").read_text())
     for family in sorted(FAMILIES):
         hf = imported(family)[0]

@@ -29,7 +29,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from tests.test_slurm_pipeline import (
     wait_cli,
     wait_for_slurm_to_finish,
 )
+from tests.train_helpers import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -88,17 +88,17 @@ def node_addr(host: str) -> str:
 
 
 def run_on_one_node(spec_path: Path, out_dir: Path) -> dict:
-    """The same rank spec as 4 ranks on this machine (``stages.launch``), without tracking."""
+    """The same rank spec as 4 ranks on this machine, as the local launcher starts them
+    (``train_helpers.run_ranks``), without tracking or the cluster's variables."""
     spec = json.loads(spec_path.read_text())
     spec.update(nodes=1, out_dir=str(out_dir), tracking=None)
     out_dir.mkdir(parents=True)
     local_spec = out_dir / "spec.json"
     local_spec.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.run([sys.executable, "-m", "stages.launch", "--spec", str(local_spec)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code, stdout, stderr = run_ranks(spec["worker"], local_spec, spec["nproc"], timeout=600,
+                                     base_env=env)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
     return json.loads((out_dir / "summary.json").read_text())
 
 

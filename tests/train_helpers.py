@@ -13,7 +13,7 @@ from model.parallel.dist_env import local_rank_variables
 from stages.config import load_config
 from stages.forked_ranks import FORK_PEERS_VAR
 from stages.launch import RankSpec, rank_environment
-from tests.rank_zygote import run_forked
+from tests.rank_zygote import run_forked, torchrun_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,23 +49,41 @@ def run_worker(
     return json.loads((out_dir / "summary.json").read_text())
 
 
-def run_ranks(worker: str, spec_path: Path, nproc: int, timeout: float) -> tuple[int, str, str]:
+def run_ranks(worker: str, spec_path: Path, nproc: int, timeout: float,
+              base_env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """The ``nproc`` ranks of the spec at ``spec_path`` as a forked launch
     (``tests.rank_zygote``): their exit code as a shell reports it, stdout and stderr. A launch
-    that runs past ``timeout`` prints its ranks' stacks and fails the test."""
-    env = rank_environment()
+    that runs past ``timeout`` prints its ranks' stacks and fails the test. ``base_env``:
+    the environment the launch starts from (default this process's)."""
+    env = rank_environment(base_env)
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
         if nproc > 1:  # the identity and rendezvous stages.launch.LocalRanks gives rank 0
             env.update(local_rank_variables(0, nproc, str(Path(scratch) / "store")))
             env[FORK_PEERS_VAR] = "1"
         out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
         try:
-            code = run_forked(worker, ["--spec", str(spec_path)], env, out, err, timeout)
+            code = run_forked({"module": worker}, ["--spec", str(spec_path)], env, out, err,
+                              timeout)
         except TimeoutError:
             raise AssertionError(
                 f"{nproc} ranks did not end in {timeout} s; their stacks (stages.launch."
                 f"STACKS_SIGNAL):\n{out.read_text()[-3000:]}\n{err.read_text()[-12000:]}"
             ) from None
+        return code, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+
+def run_script_ranks(script: Path, argv: list[str], nproc: int, timeout: float
+                     ) -> tuple[int, str, str]:
+    """``torchrun --standalone --nproc-per-node nproc script *argv``, its ranks forked
+    (``tests.rank_zygote``): their exit code as a shell reports it, stdout and stderr."""
+    with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
+        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+        try:
+            code = run_forked({"path": str(script), "ranks": torchrun_ranks(nproc)}, argv,
+                              rank_environment(), out, err, timeout)
+        except TimeoutError:
+            raise AssertionError(f"{script} on {nproc} ranks did not end in {timeout} s; "
+                                 f"their stacks:\n{err.read_text()[-12000:]}") from None
         return code, out.read_text(errors="replace"), err.read_text(errors="replace")
 
 
