@@ -33,7 +33,7 @@ from data_prep.atomic import write_json_atomic
 from data_prep.store import SplitReader, open_store
 from model.evaluation.generate import generate_text
 from model.evaluation.loss import heldout_loss
-from model.parallel.dist_env import DistEnv, from_environ
+from model.parallel.dist_env import DistEnv, from_environ, start_process_group
 from model.training.checkpoint import load_for_inference
 from stages.config import config_from_dict
 from stages.launch import RankSpec, rank_main
@@ -72,10 +72,7 @@ def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
 
 def _init_gloo(env: DistEnv) -> None:
     # gloo even on GPU nodes: model.evaluation.loss all-reduces its sums as CPU tensors.
-    os.environ["MASTER_ADDR"] = env.master_addr
-    os.environ["MASTER_PORT"] = str(env.master_port)
-    dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(minutes=10))
+    start_process_group(env, "gloo")
 
 
 def run_single(spec: RankSpec) -> dict[str, Any]:

@@ -40,6 +40,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stages.launch import LocalRanks, RankSpec
+
 REPO = Path(__file__).resolve().parent.parent
 # What the workers (``stages.train_worker``, ``eval_worker``, ``measure_worker``) import at
 # their top and on their first step; not the workers themselves, which run as ``__main__``.
@@ -281,25 +283,20 @@ class _ForkedRankZero:
         return self.returncode
 
 
-class ForkedLocalRanks:
+class ForkedLocalRanks(LocalRanks):
     """``stages.launch.LocalRanks`` with rank 0 forked from a zygote: the same identity
     variables, rendezvous, fork of the peers, process group and merged output (a FIFO in
-    place of a pipe). Multi-node specs go to ``LocalRanks``, which refuses them."""
+    place of a pipe); ``kill`` and ``wait`` are LocalRanks' own."""
 
-    def __new__(cls, spec_path, spec, env):  # noqa: ANN001, ANN204 - LocalRanks' signature
-        from stages.launch import LocalRanks
-
-        if spec.nodes != 1:
-            return LocalRanks(spec_path, spec, env)
-        return super().__new__(cls)
-
-    def __init__(self, spec_path: str | Path, spec, env: dict[str, str]) -> None:  # noqa: ANN001
+    def __init__(self, spec_path: str | Path, spec: RankSpec, env: dict[str, str]) -> None:
         import shutil
         import tempfile
 
         from model.parallel.dist_env import local_rank_variables
         from stages.forked_ranks import FORK_PEERS_VAR
 
+        if spec.nodes != 1:
+            super().__init__(spec_path, spec, env)  # which refuses it, saying why
         self._rendezvous = tempfile.mkdtemp(prefix="ranks-")
         store = str(Path(self._rendezvous) / "store")
         fifo = Path(self._rendezvous) / "output"
@@ -320,21 +317,3 @@ class ForkedLocalRanks:
         self.rank0 = _ForkedRankZero(zygote, pid, lambda: pool.__exit__(None, None, None))
         self.pgid = pid
         self.stdout = open(reader, errors="replace")  # noqa: SIM115 - closed by run_local
-
-    def kill(self) -> None:
-        """SIGKILL every rank still running; reap the launch."""
-        import shutil
-
-        if self.rank0.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pgid, signal.SIGKILL)
-        self.rank0.wait()
-        shutil.rmtree(self._rendezvous, ignore_errors=True)
-
-    def wait(self) -> int:
-        """Wait for every rank; the launch's exit code."""
-        import shutil
-
-        code = self.rank0.wait()
-        shutil.rmtree(self._rendezvous, ignore_errors=True)
-        return code

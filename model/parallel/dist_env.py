@@ -102,6 +102,27 @@ def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
 
 
+def start_process_group(env: DistEnv, backend: str, device_id: torch.device | None = None
+                        ) -> None:
+    """Start the default process group of ``env``'s rank, meeting its peers where its
+    launcher said: an in-memory store for one process (no port to collide), the rendezvous
+    file of a local launch (``STORE_FILE_VAR``: concurrent launches cannot collide), else
+    ``MASTER_ADDR:MASTER_PORT`` (srun, torchrun)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(minutes=10)
+    if env.world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif env.store_file:
+        dist.init_process_group(backend, init_method=f"file://{env.store_file}", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout, device_id=device_id)
+    else:
+        os.environ["MASTER_ADDR"] = env.master_addr
+        os.environ["MASTER_PORT"] = str(env.master_port)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, device_id=device_id)
+
+
 def init_distributed(env: DistEnv) -> torch.device:
     """Start the default process group (nccl/rccl on GPU, gloo on CPU).
 
@@ -120,21 +141,6 @@ def init_distributed(env: DistEnv) -> torch.device:
         torch.set_num_threads(threads)
         retain_freed_memory()  # a CPU rank's tensors are host memory: no page faults a step
         backend = "gloo"
-    if not dist.is_initialized() and env.world_size == 1:
-        # One process: an in-memory store, so no port is needed (or can collide).
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    elif not dist.is_initialized() and env.store_file:
-        dist.init_process_group(backend, init_method=f"file://{env.store_file}", rank=env.rank,
-                                world_size=env.world_size, timeout=timedelta(minutes=10),
-                                device_id=device if device.type == "cuda" else None)
-    elif not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = env.master_addr
-        os.environ["MASTER_PORT"] = str(env.master_port)
-        dist.init_process_group(
-            backend,
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=timedelta(minutes=10),
-            device_id=device if device.type == "cuda" else None,
-        )
+    if not dist.is_initialized():
+        start_process_group(env, backend, device if device.type == "cuda" else None)
     return device
