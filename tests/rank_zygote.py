@@ -1,19 +1,23 @@
 """Warm rank launches for the tests: torch and the trainer imported once per pytest worker.
 
 A launch's rank 0 spends about 2.5 CPU seconds importing torch, its DTensor and checkpoint
-modules and the trainer before it does anything; the tests that run the trainer directly
-(``train_helpers.run_worker``) launch it dozens of times. ``launch`` instead asks a zygote,
-one interpreter per pytest worker that has imported the ranks' modules and started no
-thread, to fork the launch:
+modules and the trainer before it does anything; the tests launch ranks hundreds of times.
+Instead they ask a zygote, an interpreter of their own process that has imported the ranks'
+modules and started no thread, to fork the launch (``run_forked``; ``ForkedLocalRanks``
+in place of ``stages.launch.LocalRanks``; ``train_helpers.run_worker``, ``run_ranks`` and
+``run_script_ranks`` on top):
 
 - the zygote forks a launch process (its own process group, dying with the zygote), which
-  takes the request's environment, working directory and output files, and forks rank 0;
-- rank 0 runs ``python -m <worker> --spec <path>``'s main as ``__main__`` (``runpy``), with
-  the identity variables and rendezvous file of ``stages.launch.LocalRanks``, and forks its
-  peers as under the local launcher (``stages.forked_ranks``); a one-rank launch gets no
-  identity variables, as a plain ``python -m <worker>`` would;
-- the launch process ends with rank 0's code as a shell reports it; the zygote answers with
-  it.
+  takes the request's environment, working directory and output files (a FIFO for
+  ``ForkedLocalRanks``, which streams it as the launcher's pipe);
+- for a worker module, the launch process forks rank 0, which runs ``python -m <worker>``'s
+  main as ``__main__`` (``runpy``) with the identity variables and rendezvous file the
+  local launcher gives it, and forks its peers as under that launcher
+  (``stages.forked_ranks``); a one-rank launch without identity variables is a plain
+  ``python -m <worker>``. For a script, it forks one process per identity in the request,
+  as ``torchrun --standalone`` gives them (``torchrun_ranks``);
+- the launch process ends with the launch's code as a shell reports it; the zygote answers
+  with it.
 
 So the ranks, their rendezvous, gloo, their files and exit codes are those of a real local
 launch; only the exec of a fresh interpreter is skipped. What the launcher itself does
@@ -22,8 +26,8 @@ launch; only the exec of a fresh interpreter is skipped. What the launcher itsel
 import time comes from the zygote's environment (the session's), not the request's.
 
 The protocol is one JSON line each way on the zygote's stdin and stdout: a request
-``{"module", "argv", "env", "cwd", "stdout", "stderr"}``, then ``{"pid": <launch pid>}``
-when the launch started and ``{"code": <exit code>}`` when it ended.
+(``Zygote.start``), then ``{"pid": <launch pid>}`` when the launch started and
+``{"code": <exit code>}`` when it ended.
 """
 from __future__ import annotations
 
