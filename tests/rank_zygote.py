@@ -40,7 +40,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +68,7 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     os.environ.update(request["env"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
+    os.close(null)
     for fd, out in zip((1, 2), outputs):
         os.dup2(out, fd)
     # The stacks signal is for the ranks (``stacks_then_kill``); its default would end this
@@ -186,8 +186,9 @@ class Zygote:
         reply = self.proc.stdout.readline()
         if not reply:
             raise RuntimeError(f"the rank zygote ended (exit {self.proc.wait()})")
-        code = json.loads(reply)["code"]
-        return 128 - code if code < 0 else code
+        from stages.forked_ranks import shell_exit_code
+
+        return shell_exit_code(json.loads(reply)["code"])
 
 
 _zygotes: list[Zygote] = []
@@ -200,10 +201,10 @@ def _close_all() -> None:
         zygote.close()
 
 
-@contextlib.contextmanager
-def idle_zygote() -> Iterator[Zygote]:
-    """An idle zygote of this process, started with the ranks' environment when none is
-    idle (launches from several threads each get one), for the duration of one launch."""
+def acquire_zygote() -> Zygote:
+    """An idle zygote of this process, marked busy (``release`` it after one launch); one is
+    started with the ranks' environment when none is idle (launches from several threads
+    each get one)."""
     from stages.launch import rank_environment
 
     with _pool_lock:
@@ -213,10 +214,21 @@ def idle_zygote() -> Iterator[Zygote]:
             zygote = Zygote(rank_environment())
             _zygotes.append(zygote)
         zygote.busy = True
-    try:
-        yield zygote
-    finally:
-        zygote.busy = False
+    return zygote
+
+
+def release(zygote: Zygote) -> None:
+    """Give a zygote back to the pool once its launch ended."""
+    zygote.busy = False
+
+
+def local_launch_env(env: dict[str, str], nproc: int, store: str) -> dict[str, str]:
+    """``env`` with what ``stages.launch.LocalRanks`` gives rank 0 of an ``nproc``-rank
+    launch: its identity, the rendezvous file ``store``, and the ask to fork its peers."""
+    from model.parallel.dist_env import local_rank_variables
+    from stages.forked_ranks import FORK_PEERS_VAR
+
+    return {**env, **local_rank_variables(0, nproc, store), FORK_PEERS_VAR: "1"}
 
 
 def stacks_then_kill(pgid: int, grace_s: float = 2.0) -> None:
@@ -234,7 +246,8 @@ def run_forked(target: dict[str, Any], argv: list[str], env: dict[str, str], std
                stderr: Path, timeout: float) -> int:
     """A forked launch (``Zygote.start``); its exit code. Past ``timeout`` the ranks print
     their stacks to ``stderr``, are killed, and TimeoutError is raised."""
-    with idle_zygote() as zygote:
+    zygote = acquire_zygote()
+    try:
         pgid = zygote.start(target, argv, env, stdout, stderr)
         timed_out = threading.Event()
 
@@ -248,6 +261,8 @@ def run_forked(target: dict[str, Any], argv: list[str], env: dict[str, str], std
             code = zygote.finish()
         finally:
             timer.cancel()
+    finally:
+        release(zygote)
     if timed_out.is_set():
         raise TimeoutError(f"the launch ran past {timeout} s")
     return code
@@ -269,8 +284,8 @@ def torchrun_ranks(nproc: int) -> list[dict[str, str]]:
 class _ForkedRankZero:
     """What ``LocalRanks`` keeps of rank 0 (``wait``, ``poll``, ``pid``), for a forked launch."""
 
-    def __init__(self, zygote: Zygote, pid: int, release) -> None:
-        self.pid, self._zygote, self._release = pid, zygote, release
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.pid, self._zygote = pid, zygote
         self.returncode: int | None = None
         self._lock = threading.Lock()
 
@@ -280,7 +295,7 @@ class _ForkedRankZero:
                 try:
                     self.returncode = self._zygote.finish()
                 finally:
-                    self._release()
+                    release(self._zygote)
             return self.returncode
 
     def poll(self) -> int | None:
@@ -296,9 +311,6 @@ class ForkedLocalRanks(LocalRanks):
         import shutil
         import tempfile
 
-        from model.parallel.dist_env import local_rank_variables
-        from stages.forked_ranks import FORK_PEERS_VAR
-
         if spec.nodes != 1:
             super().__init__(spec_path, spec, env)  # which refuses it, saying why
         self._rendezvous = tempfile.mkdtemp(prefix="ranks-")
@@ -307,17 +319,15 @@ class ForkedLocalRanks(LocalRanks):
         os.mkfifo(fifo)
         reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
         os.set_blocking(reader, True)
-        pool = idle_zygote()
-        zygote = pool.__enter__()
+        zygote = acquire_zygote()
         try:
             pid = zygote.start({"module": spec.worker}, ["--spec", str(spec_path)],
-                               {**env, **local_rank_variables(0, spec.nproc, store),
-                                FORK_PEERS_VAR: "1"}, fifo, fifo)
+                               local_launch_env(env, spec.nproc, store), fifo, fifo)
         except BaseException:
-            pool.__exit__(None, None, None)
+            release(zygote)
             os.close(reader)
             shutil.rmtree(self._rendezvous, ignore_errors=True)
             raise
-        self.rank0 = _ForkedRankZero(zygote, pid, lambda: pool.__exit__(None, None, None))
+        self.rank0 = _ForkedRankZero(zygote, pid)
         self.pgid = pid
         self.stdout = open(reader, errors="replace")  # noqa: SIM115 - closed by run_local

@@ -9,11 +9,9 @@ from typing import Any
 
 import psutil
 
-from model.parallel.dist_env import local_rank_variables
 from stages.config import load_config
-from stages.forked_ranks import FORK_PEERS_VAR
 from stages.launch import RankSpec, rank_environment
-from tests.rank_zygote import run_forked, torchrun_ranks
+from tests.rank_zygote import local_launch_env, run_forked, torchrun_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,19 +55,10 @@ def run_ranks(worker: str, spec_path: Path, nproc: int, timeout: float,
     the environment the launch starts from (default this process's)."""
     env = rank_environment(base_env)
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
-        if nproc > 1:  # the identity and rendezvous stages.launch.LocalRanks gives rank 0
-            env.update(local_rank_variables(0, nproc, str(Path(scratch) / "store")))
-            env[FORK_PEERS_VAR] = "1"
-        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        try:
-            code = run_forked({"module": worker}, ["--spec", str(spec_path)], env, out, err,
-                              timeout)
-        except TimeoutError:
-            raise AssertionError(
-                f"{nproc} ranks did not end in {timeout} s; their stacks (stages.launch."
-                f"STACKS_SIGNAL):\n{out.read_text()[-3000:]}\n{err.read_text()[-12000:]}"
-            ) from None
-        return code, out.read_text(errors="replace"), err.read_text(errors="replace")
+        if nproc > 1:  # what stages.launch.LocalRanks gives rank 0
+            env = local_launch_env(env, nproc, str(Path(scratch) / "store"))
+        return _forked({"module": worker}, ["--spec", str(spec_path)], env, Path(scratch),
+                       f"{nproc} ranks", timeout)
 
 
 def run_script_ranks(script: Path, argv: list[str], nproc: int, timeout: float
@@ -77,14 +66,22 @@ def run_script_ranks(script: Path, argv: list[str], nproc: int, timeout: float
     """``torchrun --standalone --nproc-per-node nproc script *argv``, its ranks forked
     (``tests.rank_zygote``): their exit code as a shell reports it, stdout and stderr."""
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
-        out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-        try:
-            code = run_forked({"path": str(script), "ranks": torchrun_ranks(nproc)}, argv,
-                              rank_environment(), out, err, timeout)
-        except TimeoutError:
-            raise AssertionError(f"{script} on {nproc} ranks did not end in {timeout} s; "
-                                 f"their stacks:\n{err.read_text()[-12000:]}") from None
-        return code, out.read_text(errors="replace"), err.read_text(errors="replace")
+        return _forked({"path": str(script), "ranks": torchrun_ranks(nproc)}, argv,
+                       rank_environment(), Path(scratch), f"{script} on {nproc} ranks", timeout)
+
+
+def _forked(target: dict[str, Any], argv: list[str], env: dict[str, str], scratch: Path,
+            what: str, timeout: float) -> tuple[int, str, str]:
+    """``rank_zygote.run_forked`` with its output in ``scratch``: the exit code, stdout and
+    stderr; past ``timeout``, an AssertionError with the ranks' stacks."""
+    out, err = scratch / "stdout", scratch / "stderr"
+    try:
+        code = run_forked(target, argv, env, out, err, timeout)
+    except TimeoutError:
+        raise AssertionError(
+            f"{what} did not end in {timeout} s; their stacks (stages.launch.STACKS_SIGNAL):"
+            f"\n{out.read_text()[-3000:]}\n{err.read_text()[-12000:]}") from None
+    return code, out.read_text(errors="replace"), err.read_text(errors="replace")
 
 
 def worker_ranks(root: psutil.Process) -> list[psutil.Process]:
