@@ -66,8 +66,9 @@ from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
 from data_prep.tokenizer import load_tokenizer
 from data_prep.writer import directory_bytes
-from stages import tokenize, tracking
-from stages.config import load_config
+from stages import tokenize
+from stages.mechanism import tracking
+from stages.mechanism.config import load_config
 
 
 def log(message: str) -> None:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.results import write_results
 from model.parallel.host_memory import RETAIN_VAR
 from model.planner.plan import Plan
-from stages.config import load_config
+from stages.mechanism.config import load_config
 
 MICRO_BATCHES = (8, 4, 2)
 SETTINGS = {"n1": (1, 8), "n2": (2, 16)}  # ranks, global batch

@@ -3,9 +3,10 @@
 One short training (the tiny test model, 2 steps, 2 gloo ranks, no checkpoint) is launched
 ``--repeats`` times each way, alternating so that the box's drift falls on both alike:
 
-- ``launcher``: ``python -m stages.launch --spec`` (``stages.launch.LocalRanks``: rank 0 is
+- ``launcher``: ``python -m stages.mechanism.launch --spec``
+  (``stages.mechanism.launch.LocalRanks``: rank 0 is
   its child and forks the other ranks once it has imported torch and the trainer,
-  ``stages.forked_ranks``; the launcher itself imports no torch);
+  ``stages.mechanism.forked_ranks``; the launcher itself imports no torch);
 - ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node 2 -m
   stages.train_worker --spec``: every rank a fresh interpreter that imports torch and the
   trainer itself, and torchrun imports torch as well.
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_results
-from stages.launch import RankSpec, local_command, rank_command, rank_environment
+from stages.mechanism.launch import RankSpec, local_command, rank_command, rank_environment
 from tests.train_helpers import tiny_config
 
 PLAN = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}

@@ -69,7 +69,7 @@ from model.planner.cluster import load_cluster
 from model.planner.microbench import cache_file, load_measured_cluster
 from model.planner.search import enumerate_plans, evaluate, search
 from model.planner.shapes import Shapes, decode
-from stages.config import load_config
+from stages.mechanism.config import load_config
 from stages.plan import choose, fixed_fields, measure_plans
 
 SMALL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "train.global_batch=8"]

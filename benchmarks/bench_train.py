@@ -52,7 +52,7 @@ TINY_MODEL = ModelConfig(family="llama", n_layers=2, d_model=32, n_heads=4, voca
 
 def make_tracker(tmp: Path):
     """A real MLflow run in a SQLite store under ``tmp`` (so logging cost is included)."""
-    from stages import tracking
+    from stages.mechanism import tracking
 
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     experiment = tracking.ensure_experiment(uri, "bench-train", tmp)

@@ -1,6 +1,7 @@
 """Per-rank held-out evaluation: ``python -m stages.eval_worker --spec SPEC.json``.
 
-Launched by ``stages.launch`` locally or srun under Slurm (rank identity from either environment,
+Launched by ``stages.mechanism.launch`` locally or srun under Slurm (rank identity from either
+environment,
 ``model.parallel.dist_env.from_environ``); with no launcher it runs as a single process. Every rank
 loads the checkpoint, computes the loss over its round-robin share of the validation
 windows (``model.evaluation.loss.heldout_loss``, sums all-reduced), and rank 0 writes
@@ -13,7 +14,8 @@ replicas split the windows, and every rank also runs the greedy and sampled gene
 ``eval.prompts`` (the same tokens on every rank); rank 0 writes ``generations.json``, then
 ``loss.json``.
 
-The ``stages.launch.RankSpec`` (written by ``stages.evaluate.prepare``) carries the config,
+The ``stages.mechanism.launch.RankSpec`` (written by ``stages.evaluate.prepare``) carries the
+config,
 the store and the output directory; its ``extra`` holds "checkpoint", "split", "sources"
 ([[start, stop, name], ...]), "tokenizer" and "layout" (None: every rank holds the model).
 """
@@ -35,8 +37,8 @@ from model.evaluation.generate import generate_text
 from model.evaluation.loss import heldout_loss
 from model.parallel.dist_env import DistEnv, from_environ, start_process_group
 from model.training.checkpoint import load_for_inference
-from stages.config import config_from_dict
-from stages.launch import RankSpec, rank_main
+from stages.mechanism.config import config_from_dict
+from stages.mechanism.launch import RankSpec, rank_main
 
 LOSS_FILE = "loss.json"
 GENERATIONS_FILE = "generations.json"  # training layout: the ranks' generations

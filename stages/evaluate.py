@@ -23,7 +23,7 @@ in this process when ``eval.ranks`` is 1.
 plan's tp x pp layout (``eval.ranks`` = tp*pp*k) and each loads only its shard of the
 checkpoint; they compute the loss and the generations (rank 0 also writes
 ``generations.json``), and ``finalize`` never loads the model. lm-eval tasks are refused
-with that layout (``stages.config.EvalConfig``); the export is streamed either way.
+with that layout (``stages.mechanism.config.EvalConfig``); the export is streamed either way.
 
 All of it is logged to the stage's MLflow run, and the export is logged as an MLflow
 ``transformers`` model with a signature (``eval.log_model``).
@@ -44,11 +44,11 @@ from data_prep.store import SplitReader, StoreInfo, open_store
 from model.config import vocab_fit_problem
 from model.evaluation.loss import plan_windows
 from model.evaluation.shards import DEFAULT_SHARD_BYTES
-from stages import tracking
-from stages.checks import EvaluationError, check_evaluate, ranks_problem
-from stages.config import PipelineConfig
-from stages.launch import SPEC_FILE, RankSpec
-from stages.registry import declaration
+from stages.mechanism import tracking
+from stages.mechanism.checks import EvaluationError, check_evaluate, ranks_problem
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.launch import SPEC_FILE, RankSpec
+from stages.mechanism.registry import declaration
 
 SPLIT = "validation"
 LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
@@ -219,7 +219,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
 
     Refuses (EvaluationError) a store whose tokenizer differs from the checkpoint's, a store
     without a validation split or with too few tokens, and a model family that cannot be
-    exported. Returns the path of the ranks' ``stages.launch.RankSpec``.
+    exported. Returns the path of the ranks' ``stages.mechanism.launch.RankSpec``.
     """
     from model.evaluation.export_hf import hf_architecture
 

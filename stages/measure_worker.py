@@ -57,7 +57,7 @@ def run_spec(spec: Any) -> None:
     from model.planner.plan import Plan
     from model.training.batches import synthetic_batch_factory
     from model.training.trainer import Trainer
-    from stages.config import config_from_dict
+    from stages.mechanism.config import config_from_dict
 
     cfg = config_from_dict(spec.config)
     plans = [Plan.from_dict(raw) for raw in spec.extra["plans"]]
@@ -105,7 +105,7 @@ def run_spec(spec: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: ``--spec PATH``."""
-    from stages.launch import rank_main
+    from stages.mechanism.launch import rank_main
 
     return rank_main(__doc__.splitlines()[0], run_spec, argv)
 

@@ -34,9 +34,9 @@ from model.planner.run_cost import plan_run_cost
 from model.planner.search import SearchResult, explain, predict_plan, search, validate_plan
 from model.planner.shapes import Shapes
 from model.training.files import SUMMARY_FILE
-from stages import launch
-from stages.launch import SPEC_FILE, RankSpec
-from stages.registry import TRAIN_WORKER  # measures with stages.train_worker (in the key)
+from stages.mechanism import launch
+from stages.mechanism.launch import SPEC_FILE, RankSpec
+from stages.mechanism.registry import TRAIN_WORKER  # measures with stages.train_worker (in the key)
 
 MEASURE_STEPS = 4
 MEASURE_DIR = "measure"
@@ -92,7 +92,7 @@ def load_model_file(path: str | Path) -> tuple[ModelConfig, TrainConfig | None, 
         raise PlanError(f"{path}: expected a mapping")
     if "model" in raw and isinstance(raw["model"], dict):
         if {"train", "parallel", "data"} & set(raw):
-            from stages.config import load_config
+            from stages.mechanism.config import load_config
 
             cfg = load_config(path)
             return cfg.model, cfg.train, cfg
@@ -412,7 +412,7 @@ def prepare(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> s
     """Measured refinement, first step (``parallel.refine_top_k`` > 0): the search, then a
     rank spec for each of its top ``refine_top_k`` plans, each on the plan's
     ``parallel.nproc`` ranks over ``parallel.nodes`` nodes, and the series spec that runs
-    them one after another in the stage's allocation (``stages.launch.RankSpec.series``);
+    them one after another in the stage's allocation (``stages.mechanism.launch.RankSpec.series``);
     returns the series spec's path. Only this search runs where the stage's apps run (the
     login node under Slurm unless the stage rehearses); the measurements are ranks."""
     out_dir = Path(out_dir)

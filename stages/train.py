@@ -1,7 +1,8 @@
 """The train stage's work, a ranks stage: validate and write the rank spec, then collect.
 
 ``prepare`` makes every check before any rank starts and writes the ranks' spec.json; the
-ranks (``stages.train_worker``) are launched from it by ``stages.launch`` locally or srun under
+ranks (``stages.train_worker``) are launched from it by ``stages.mechanism.launch`` locally or
+srun under
 Slurm; ``finalize`` reads their summary.json.
 """
 from __future__ import annotations
@@ -14,10 +15,10 @@ from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan
 from model.training.files import CHECKPOINTS_DIR, LOSS_CURVE_FILE, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
-from stages.checks import checkpoint_cadence_problem, predicted_step_time
-from stages.config import PipelineConfig
-from stages.launch import OUT_OF_TIME_FILE, RANK_ERROR_FILE, SPEC_FILE, RankSpec
-from stages.registry import declaration
+from stages.mechanism.checks import checkpoint_cadence_problem, predicted_step_time
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.launch import OUT_OF_TIME_FILE, RANK_ERROR_FILE, SPEC_FILE, RankSpec
+from stages.mechanism.registry import declaration
 
 INIT_DIR = "init"  # train.init_from imported from Hugging Face
 

@@ -1,6 +1,7 @@
 """Per-rank training entry: ``python -m stages.train_worker --spec SPEC.json``.
 
-Launched by ``stages.launch`` (its own ranks locally, srun under Slurm; rank identity from either
+Launched by ``stages.mechanism.launch`` (its own ranks locally, srun under Slurm; rank identity
+from either
 environment). The ``RankSpec`` holds the pipeline config, the plan, the token store (or
 None for synthetic tokens), the output directory, the tracking run and an optional step
 override. Rank (last pipeline stage, dp 0, tp 0) writes ``out_dir/summary.json``.
@@ -11,9 +12,9 @@ ahead of the walltime, ``#SBATCH --signal``) and SIGTERM (the walltime itself, a
 are set first thing, before torch is imported, so a signal during start-up is kept too.
 The ranks vote after every step, all stop after the same one with its checkpoint written,
 the logger rank writes ``out-of-time.json`` and every rank ends with the out-of-time exit
-(``stages.launch.OutOfTime``). A rank stuck in a collective still ends: Slurm sends
+(``stages.mechanism.launch.OutOfTime``). A rank stuck in a collective still ends: Slurm sends
 SIGKILL ``KillWait`` seconds after its SIGTERM, the local launcher 30 s after its own
-(``stages.forked_ranks.FAILED_RANKS_GRACE_S``).
+(``stages.mechanism.forked_ranks.FAILED_RANKS_GRACE_S``).
 
 Each step is logged once in the stage's MLflow run, however often the ranks were started:
 before training, the logger rank asks which steps the run already holds (``logged_through``)
@@ -58,8 +59,8 @@ from model.planner.plan import Plan  # noqa: E402
 from model.training.batches import synthetic_batch_factory  # noqa: E402
 from model.training.metrics import SPOOL_FILE, BackgroundSink, spool_lines  # noqa: E402
 from model.training.trainer import Trainer  # noqa: E402
-from stages.config import config_from_dict  # noqa: E402
-from stages.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
+from stages.mechanism.config import config_from_dict  # noqa: E402
+from stages.mechanism.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
 
 
 def make_batch_factory(spec: RankSpec, cfg):
@@ -123,7 +124,7 @@ def logged_through(uri: str, run_id: str, spool: Path) -> int:
     logged; one rule then covers a rerun of the pipeline and a retry. Where the store cannot
     be read the spool alone decides, and one line says so (steps already in the store may
     then be logged twice)."""
-    from stages.tracking import last_step
+    from stages.mechanism.tracking import last_step
 
     spooled = [record["step"] for record in map(json.loads, spool_lines(spool))
                if record.get("run_id") == run_id and LOGGED_METRIC in record.get("metrics", {})]
@@ -155,7 +156,7 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             trainer.job = this_job(spec)
         tracking = spec.tracking
         if tracking and trainer.is_logger:
-            from stages.tracking import Tracker
+            from stages.mechanism.tracking import Tracker
 
             # A lost tracking server must not stall training: one short try per write (MLflow
             # retries for minutes by default); what fails is spooled and sent later.

@@ -183,16 +183,18 @@ def isolated_session() -> Path:
 
 @pytest.fixture(autouse=True)
 def forked_local_launches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Local launches made in a test's own process (``stages.launch.run_local``: the inline
+    """Local launches made in a test's own process (``stages.mechanism.launch.run_local``: the
+    inline
     executor, the pipeline run by ``main(argv)``) fork their rank 0 from a warm interpreter
     that has imported torch and the trainer (``tests.rank_zygote.ForkedLocalRanks``) instead
     of starting a fresh one: seconds of imports a launch. The ranks, their rendezvous and
     files are a real launch's. Launchers and drivers started as processes of their own
-    (``python -m stages.launch``, ``python -m workflows.pipeline``) start theirs as always."""
-    import stages.launch
+    (``python -m stages.mechanism.launch``, ``python -m workflows.pipeline``) start theirs as
+    always."""
+    import stages.mechanism.launch
     from tests.rank_zygote import ForkedLocalRanks
 
-    monkeypatch.setattr(stages.launch, "LocalRanks", ForkedLocalRanks)
+    monkeypatch.setattr(stages.mechanism.launch, "LocalRanks", ForkedLocalRanks)
 
 
 @pytest.fixture(scope="session")
@@ -265,7 +267,7 @@ def migrated_store(made_once: Callable[..., Path]) -> Path:
     It holds only what MLflow puts in every new store (its ``Default`` experiment, whose
     artifact root MLflow resolves against the current directory: the repository root, the
     directory the tests start drivers in)."""
-    from stages import tracking
+    from stages.mechanism import tracking
 
     def make(directory: Path) -> None:
         with contextlib.chdir(REPO):
@@ -279,7 +281,8 @@ def migrated_store(made_once: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def seed_store(migrated_store: Path) -> Callable[[Path], str]:
     """A function that copies the session's migrated store to ``<directory>/mlflow.db``, the
-    default store of a runs dir (``stages.tracking.default_tracking_uri``), and returns its
+    default store of a runs dir (``stages.mechanism.tracking.default_tracking_uri``), and returns
+    its
     ``sqlite:///`` URI. The directory must not have a store yet."""
 
     def seed(directory: Path) -> str:
@@ -332,7 +335,7 @@ def tokenized_runs_dir(runs_dir: Path, micro_tokenize_output: Path) -> Path:
     """``runs_dir`` holding a copy of the micro preset's tokenize output (its paths rewritten
     to the copy), which a micro pipeline reuses: for tests about the stages after it, which
     then reach training sooner. Tokenizing itself is tested where it is asserted."""
-    from stages.outputs import OUTPUTS_FILE, relocate, write_outputs
+    from stages.mechanism.outputs import OUTPUTS_FILE, relocate, write_outputs
 
     target = runs_dir / "stages" / "tokenize" / micro_tokenize_output.name
     shutil.copytree(micro_tokenize_output, target)

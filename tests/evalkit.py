@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from stages import tracking
-from stages.attempt import PipelineContext
-from stages.config import PipelineConfig, load_config
-from stages.inline import run_stage
-from stages.outputs import OUTPUTS_FILE
-from stages.registry import STAGE_ORDER, declaration, upstream
+from stages.mechanism import tracking
+from stages.mechanism.attempt import PipelineContext
+from stages.mechanism.config import PipelineConfig, load_config
+from stages.mechanism.inline import run_stage
+from stages.mechanism.outputs import OUTPUTS_FILE
+from stages.mechanism.registry import STAGE_ORDER, declaration, upstream
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,8 @@ def open_pipeline(cfg: PipelineConfig, name: str = "pipeline") -> PipelineContex
 
 def run_stages(cfg: PipelineConfig, ctx: PipelineContext,
                names: tuple[str, ...] = STAGE_ORDER, done: dict | None = None) -> dict:
-    """Run (or reuse) stages in order through stages.inline.run_stage; name -> StageResult."""
+    """Run (or reuse) stages in order through stages.mechanism.inline.run_stage; name ->
+    StageResult."""
     results = dict(done or {})
     for name in names:
         inputs = {u: results[u] for u in upstream(name)}

@@ -21,9 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import tracking
-from stages.attempt import PipelineContext
-from stages.outputs import OUTPUTS_FILE, stage_dir
+from stages.mechanism import tracking
+from stages.mechanism.attempt import PipelineContext
+from stages.mechanism.outputs import OUTPUTS_FILE, stage_dir
 from tests.evalkit import StageRun, driver_records
 
 REPO = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ A launch's rank 0 spends about 2.5 CPU seconds importing torch, its DTensor and 
 modules and the trainer before it does anything; the tests launch ranks hundreds of times.
 Instead they ask a zygote, an interpreter of their own process that has imported the ranks'
 modules and started no thread, to fork the launch (``run_forked``; ``ForkedLocalRanks``
-in place of ``stages.launch.LocalRanks``; ``train_helpers.run_worker``, ``run_ranks`` and
+in place of ``stages.mechanism.launch.LocalRanks``; ``train_helpers.run_worker``, ``run_ranks`` and
 ``run_script_ranks`` on top):
 
 - the zygote forks a launch process (its own process group, dying with the zygote), which
@@ -13,7 +13,7 @@ in place of ``stages.launch.LocalRanks``; ``train_helpers.run_worker``, ``run_ra
 - for a worker module, the launch process forks rank 0, which runs ``python -m <worker>``'s
   main as ``__main__`` (``runpy``) with the identity variables and rendezvous file the
   local launcher gives it, and forks its peers as under that launcher
-  (``stages.forked_ranks``); a one-rank launch without identity variables is a plain
+  (``stages.mechanism.forked_ranks``); a one-rank launch without identity variables is a plain
   ``python -m <worker>``. For a script, it forks one process per identity in the request,
   as ``torchrun --standalone`` gives them (``torchrun_ranks``);
 - the launch process ends with the launch's code as a shell reports it; the zygote answers
@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.launch import LocalRanks, RankSpec
+from stages.mechanism.launch import LocalRanks, RankSpec
 
 REPO = Path(__file__).resolve().parent.parent
 # What the workers (``stages.train_worker``, ``eval_worker``, ``measure_worker``) import at
@@ -52,14 +52,14 @@ PRELOAD = ("torch.distributed", "torch.distributed.checkpoint", "model.training.
            "model.training.checkpoint", "model.training.batches", "model.training.metrics",
            "model.evaluation.generate", "model.evaluation.loss", "model.parallel.dist_env",
            "model.planner.plan", "data_prep.atomic", "data_prep.loader", "data_prep.store",
-           "stages.config", "stages.launch", "stages.forked_ranks")
+           "stages.mechanism.config", "stages.mechanism.launch", "stages.mechanism.forked_ranks")
 
 
 def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     """In the forked launch process: become the launch, fork its processes (rank 0 alone, or
     one per identity in ``request["ranks"]``), end with the launch's code."""
-    from stages.forked_ranks import launch_code, shell_exit_code
-    from stages.launch import STACKS_SIGNAL, die_with_parent
+    from stages.mechanism.forked_ranks import launch_code, shell_exit_code
+    from stages.mechanism.launch import STACKS_SIGNAL, die_with_parent
 
     os.setpgid(0, 0)
     die_with_parent()
@@ -126,7 +126,7 @@ def serve() -> None:
     """The zygote's loop: import the ranks' modules, then fork a launch per request."""
     import importlib
 
-    from stages.launch import die_with_parent
+    from stages.mechanism.launch import die_with_parent
 
     die_with_parent()
     for name in PRELOAD:
@@ -186,7 +186,7 @@ class Zygote:
         reply = self.proc.stdout.readline()
         if not reply:
             raise RuntimeError(f"the rank zygote ended (exit {self.proc.wait()})")
-        from stages.forked_ranks import shell_exit_code
+        from stages.mechanism.forked_ranks import shell_exit_code
 
         return shell_exit_code(json.loads(reply)["code"])
 
@@ -205,7 +205,7 @@ def acquire_zygote() -> Zygote:
     """An idle zygote of this process, marked busy (``release`` it after one launch); one is
     started with the ranks' environment when none is idle (launches from several threads
     each get one)."""
-    from stages.launch import rank_environment
+    from stages.mechanism.launch import rank_environment
 
     with _pool_lock:
         _zygotes[:] = [z for z in _zygotes if z.proc.poll() is None]
@@ -223,17 +223,17 @@ def release(zygote: Zygote) -> None:
 
 
 def local_launch_env(env: dict[str, str], nproc: int, store: str) -> dict[str, str]:
-    """``env`` with what ``stages.launch.LocalRanks`` gives rank 0 of an ``nproc``-rank
+    """``env`` with what ``stages.mechanism.launch.LocalRanks`` gives rank 0 of an ``nproc``-rank
     launch: its identity, the rendezvous file ``store``, and the ask to fork its peers."""
     from model.parallel.dist_env import local_rank_variables
-    from stages.forked_ranks import FORK_PEERS_VAR
+    from stages.mechanism.forked_ranks import FORK_PEERS_VAR
 
     return {**env, **local_rank_variables(0, nproc, store), FORK_PEERS_VAR: "1"}
 
 
 def stacks_then_kill(pgid: int, grace_s: float = 2.0) -> None:
     """Ask every process of a launch for its Python stacks, then SIGKILL the launch."""
-    from stages.launch import STACKS_SIGNAL
+    from stages.mechanism.launch import STACKS_SIGNAL
 
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, STACKS_SIGNAL)
@@ -303,7 +303,7 @@ class _ForkedRankZero:
 
 
 class ForkedLocalRanks(LocalRanks):
-    """``stages.launch.LocalRanks`` with rank 0 forked from a zygote: the same identity
+    """``stages.mechanism.launch.LocalRanks`` with rank 0 forked from a zygote: the same identity
     variables, rendezvous, fork of the peers, process group and merged output (a FIFO in
     place of a pipe); ``kill`` and ``wait`` are LocalRanks' own."""
 

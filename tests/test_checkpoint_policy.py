@@ -29,11 +29,16 @@ from model.training.checkpoint import (
     vote,
 )
 from model.training.validate import TrainSetupError
-from stages import outputs, train
-from stages.checks import checkpoint_cadence_problem, predicted_step_time, walltime_seconds
-from stages.config import ConfigError, load_config
-from stages.preflight import preflight
-from stages.selection import stage_keys
+from stages import train
+from stages.mechanism import outputs
+from stages.mechanism.checks import (
+    checkpoint_cadence_problem,
+    predicted_step_time,
+    walltime_seconds,
+)
+from stages.mechanism.config import ConfigError, load_config
+from stages.mechanism.preflight import preflight
+from stages.mechanism.selection import stage_keys
 from tests.train_helpers import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

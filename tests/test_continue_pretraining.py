@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.training.batches import SyntheticBatches
-from stages.config import ConfigError, load_config
+from stages.mechanism.config import ConfigError, load_config
 from tests.test_import_hf import LLAMA, hf_model
 from tests.train_helpers import TINY, run_worker
 

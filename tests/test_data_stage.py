@@ -16,9 +16,10 @@ from data_prep.corpus import split_key, validation_flags
 from data_prep.errors import DataError, StoreError
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
-from stages import tokenize, tracking
-from stages.inline import run_work
-from stages.registry import declaration
+from stages import tokenize
+from stages.mechanism import tracking
+from stages.mechanism.inline import run_work
+from stages.mechanism.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 from tests.test_data_tokenizer import big_vocab_tokenizer
 
@@ -319,7 +320,7 @@ def test_a_removed_part_is_encoded_again_and_only_it(tmp_path: Path, seed_store,
     longer passes tokenize's reuse check, so the stage continues from it (same directory,
     same MLflow run): the removed part is encoded again, the others are kept, and the store
     holds the same tokens as before."""
-    from stages.selection import decide_stages
+    from stages.mechanism.selection import decide_stages
     from tests.evalkit import micro_config, open_pipeline, run_stages
 
     seed_store(tmp_path)

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from stages import evaluate, tracking
+from stages import evaluate
 from stages.eval_worker import LOSS_FILE
-from stages.inline import run_work
-from stages.launch import RankSpec
-from stages.registry import declaration
+from stages.mechanism import tracking
+from stages.mechanism.inline import run_work
+from stages.mechanism.launch import RankSpec
+from stages.mechanism.registry import declaration
 
 EVALUATE = declaration("evaluate")
 

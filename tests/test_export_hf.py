@@ -110,8 +110,8 @@ def test_export_of_tp2_pp2_checkpoint_matches(tmp_path):
     """Train 2 steps under tp=2 x pp=2 (4 gloo ranks), export the DCP checkpoint, compare."""
     from model.planner.plan import Plan
     from model.training.checkpoint import load_for_inference
-    from stages.config import load_config
-    from stages.launch import RankSpec, run_local
+    from stages.mechanism.config import load_config
+    from stages.mechanism.launch import RankSpec, run_local
 
     cfg = load_config("micro", [f"tracking.runs_dir={tmp_path}", "train.global_batch=2",
                                 "train.steps=2", "train.checkpoint_every=0"])

@@ -1,4 +1,4 @@
-"""Ranks forked from rank 0 (stages.forked_ranks): identities, the launch's exit code, the
+"""Ranks forked from rank 0 (stages.mechanism.forked_ranks): identities, the launch's exit code, the
 failure rule and dying with rank 0, on real forked processes (each case in a fresh
 interpreter, never forked from pytest's)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from stages.forked_ranks import exit_code, launch_code
-from stages.launch import OUT_OF_TIME_EXIT, REPO_ROOT
+from stages.mechanism.forked_ranks import exit_code, launch_code
+from stages.mechanism.launch import OUT_OF_TIME_EXIT, REPO_ROOT
 
 OK = (0, OUT_OF_TIME_EXIT)
 GRACE_S = 1.0
@@ -22,9 +22,9 @@ GRACE_S = 1.0
 PROGRAM = """
 import json, os, signal, sys, time
 from pathlib import Path
-import stages.forked_ranks as forked
+import stages.mechanism.forked_ranks as forked
 from model.parallel.dist_env import local_rank_variables
-from stages.launch import _arm_parent_death_signal
+from stages.mechanism.launch import _arm_parent_death_signal
 
 forked.FAILED_RANKS_GRACE_S = {grace}
 out = Path({out!r})

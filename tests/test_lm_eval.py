@@ -16,8 +16,8 @@ from data_prep.store import SplitReader
 from model.evaluation.generate import generate_tokens
 from model.evaluation.lm_eval_adapter import GPTHarnessLM, run_tasks
 from model.training.checkpoint import load_for_inference
-from stages import tracking
 from stages.evaluate import heldout_documents
+from stages.mechanism import tracking
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture
 # The first test also builds the session's pipeline (several minutes on 2 busy cores).

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import keys, tracking
-from stages.config import ConfigError, load_config
-from stages.registry import STAGE_ORDER
+from stages.mechanism import keys, tracking
+from stages.mechanism.config import ConfigError, load_config
+from stages.mechanism.registry import STAGE_ORDER
 from tests.conftest import Console
 from tests.micro_cli import SESSION_OVERRIDES, History, children
 from workflows.pipeline import decide_stages

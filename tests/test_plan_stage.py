@@ -14,12 +14,13 @@ from mlflow.tracking import MlflowClient
 from model.planner.calibration import load_calibration
 from model.planner.microbench import load_measured_cluster
 from model.planner.plan import Plan, PlanError
-from stages import measure_worker, tracking
+from stages import measure_worker
 from stages import plan as plan_stage
-from stages.config import load_config
-from stages.inline import run_work
-from stages.launch import RankSpec
-from stages.registry import declaration
+from stages.mechanism import tracking
+from stages.mechanism.config import load_config
+from stages.mechanism.inline import run_work
+from stages.mechanism.launch import RankSpec
+from stages.mechanism.registry import declaration
 
 PLAN = declaration("plan")
 

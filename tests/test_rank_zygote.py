@@ -6,7 +6,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from stages.launch import USER_ERROR_EXIT, RankSpec
+from stages.mechanism.launch import USER_ERROR_EXIT, RankSpec
 from tests.train_helpers import run_ranks, run_worker, tiny_config
 
 DDP2 = {"dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "ddp"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import load_config
+from stages.mechanism.config import load_config
 from workflows.dry_run import batch_script
 from workflows.frontier import SiteError, check_site, walltime_bin
 from workflows.pipeline import main
@@ -124,7 +124,7 @@ def test_a_hub_corpus_without_a_budget_is_refused_on_slurm_sites() -> None:
     """Tokenize would stream the whole split inside one compute job: an error with the fix
     in the report, and a refusal before any work; locally it streams the whole split."""
     from data_prep.errors import DataError
-    from stages.checks import check_tokenize, hub_budget_problem
+    from stages.mechanism.checks import check_tokenize, hub_budget_problem
 
     rows = report("frontier-175b", "data.max_documents=null")
     assert rows["corpus"].verdict == "error" and "set data.max_documents=N" in rows["corpus"].fix

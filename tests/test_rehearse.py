@@ -1,6 +1,7 @@
 """The rehearsal (``model.training.rehearse``) against the same steps on real gloo ranks.
 
-Two real CPU ranks (``stages.launch``, gloo, a 4-layer d=64 GQA LLaMA) run each layout family
+Two real CPU ranks (``stages.mechanism.launch``, gloo, a 4-layer d=64 GQA LLaMA) run each layout
+family
 below through the real trainer, measured by ``measure_steps`` on real tensors; the same
 plans are rehearsed rank by rank on fake tensors in a fake process group. Per rank: the
 peak memory must agree within 10 %, FLOPs and bytes per collective kind and mesh dimension
@@ -307,8 +308,8 @@ def test_plan_stage_rehearses_by_default_off_the_local_cluster(tmp_path: Path,
                                                               runs_dir: Path) -> None:
     from model.config import ParallelConfig
     from stages import plan as plan_stage
-    from stages import tracking
-    from stages.config import load_config
+    from stages.mechanism import tracking
+    from stages.mechanism.config import load_config
 
     assert ParallelConfig().rehearse is None
     runs = runs_dir  # the session's measurement and migrated store
@@ -352,8 +353,8 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     from model.planner.cluster import load_cluster
     from model.training import rehearse
     from stages import plan as plan_stage
-    from stages import tracking
-    from stages.config import load_config
+    from stages.mechanism import tracking
+    from stages.mechanism.config import load_config
 
     rehearsed: dict[tuple, object] = {}
     real = rehearse.rehearse_isolated

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from model.planner.scaling import FRONTIER_NODES, efficiencies, frontier_ladder, point_batch
-from stages import tracking
+from stages.mechanism import tracking
 from workflows import scaling
 
 REPO = Path(__file__).resolve().parent.parent

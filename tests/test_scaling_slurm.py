@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import tracking
+from stages.mechanism import tracking
 from tests.test_scaling import point_runs, read_csv, stage_dirs
 from tests.test_slurm_launch import slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import multinode  # noqa: F401 - fixture

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import ConfigError, SiteConfig, load_config
-from stages.launch import RankSpec
+from stages.mechanism.config import ConfigError, SiteConfig, load_config
+from stages.mechanism.launch import RankSpec
 from workflows.dry_run import batch_script, srun_line
 from workflows.executors import worker_init
 from workflows.ranks import ranks_command
@@ -157,7 +157,7 @@ def test_hostile_values_in_the_ranks_command_arrive_literally(tmp_path):
 
 
 def _shape(cfg):
-    from stages.registry import declaration
+    from stages.mechanism.registry import declaration
 
     return declaration("train").shape(cfg)
 

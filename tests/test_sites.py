@@ -22,10 +22,10 @@ from parsl.jobs.states import JobState, JobStatus
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
-from stages.config import ConfigError, load_config
-from stages.launch import REPO_ROOT, USER_ERROR_EXIT, RankSpec, run_local
-from stages.registry import declaration
-from stages.shape import RANKS, StageShape
+from stages.mechanism.config import ConfigError, load_config
+from stages.mechanism.launch import REPO_ROOT, USER_ERROR_EXIT, RankSpec, run_local
+from stages.mechanism.registry import declaration
+from stages.mechanism.shape import RANKS, StageShape
 from workflows.dry_run import batch_script, dry_run_text, srun_line
 from workflows.executors import (
     BIN_DIR,
@@ -268,7 +268,7 @@ def test_local_ranks_command():
     cfg = load_config(None, ["parallel.nproc=4"])
     command = ranks_command(cfg, _spec(4), "/runs/train/spec.json")
     assert command.splitlines()[-1] == (
-        f"exec {sys.executable} -m stages.launch --spec /runs/train/spec.json"
+        f"exec {sys.executable} -m stages.mechanism.launch --spec /runs/train/spec.json"
     )
     assert "export OMP_NUM_THREADS=1" in command
     with pytest.raises(SiteError, match="parallel.nodes=1"):
@@ -358,7 +358,8 @@ def test_a_launcher_whose_own_log_fills_the_disk_still_reports_its_ranks(tmp_pat
                     timeout_s=120)
     path = spec.write(tmp_path / "spec.json")
     with open("/dev/full", "w") as full:  # every write: ENOSPC
-        done = subprocess.run([sys.executable, "-m", "stages.launch", "--spec", str(path)],
+        done = subprocess.run([sys.executable, "-m", "stages.mechanism.launch", "--spec",
+        str(path)],
                               cwd=REPO_ROOT, stdout=full, stderr=subprocess.PIPE, text=True,
                               timeout=120, check=False)
     assert done.returncode == 0, done.stderr
@@ -434,7 +435,7 @@ def test_local_executors_run_without_venv_on_path(tmp_path):
         "import sys, parsl\n"
         "from pathlib import Path\n"
         "from parsl import bash_app, python_app\n"
-        "from stages.config import load_config\n"
+        "from stages.mechanism.config import load_config\n"
         "from workflows import executors\n"
         "@python_app(executors=['cpu'])\n"
         "def square(x):\n    return x * x\n"

@@ -36,10 +36,10 @@ import numpy as np
 import pytest
 
 from data_prep.store import SPLITS, SplitReader, open_store
-from stages import tracking
-from stages.config import load_config
-from stages.inline import run_work
-from stages.registry import STAGE_ORDER, declaration
+from stages.mechanism import tracking
+from stages.mechanism.config import load_config
+from stages.mechanism.inline import run_work
+from stages.mechanism.registry import STAGE_ORDER, declaration
 from tests.test_data_common import make_tracker
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_pipeline import (

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from stages import tracking
+from stages.mechanism import tracking
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parent.parent

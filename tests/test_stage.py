@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from stages import keys, outputs, tracking
-from stages.attempt import PipelineContext
-from stages.config import load_config
-from stages.inline import run_stage
+from stages.mechanism import keys, outputs, tracking
+from stages.mechanism.attempt import PipelineContext
+from stages.mechanism.config import load_config
+from stages.mechanism.inline import run_stage
 from tests.stagekit import declare
 
 

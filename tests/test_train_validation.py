@@ -11,9 +11,9 @@ from model.parallel.dims import LayoutError, ParallelDims
 from model.planner.plan import Plan
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages import train
-from stages.inline import run_work
-from stages.launch import RankSpec
-from stages.registry import declaration
+from stages.mechanism.inline import run_work
+from stages.mechanism.launch import RankSpec
+from stages.mechanism.registry import declaration
 from tests.train_helpers import tiny_config
 
 TOKENIZE = declaration("tokenize")

@@ -1,7 +1,7 @@
 """Out of time: a signal to the ranks stops them at a step boundary with a checkpoint, the
 launch exits with the out-of-time code, and resuming ends with the uninterrupted losses.
 
-Real gloo ranks through the local launch path (``python -m stages.launch``: its ranks on
+Real gloo ranks through the local launch path (``python -m stages.mechanism.launch``: its ranks on
 this machine), as the workflow's local ranks app runs them. The first launch gets SIGUSR1
 (what Slurm sends ahead of the walltime) on one rank only: the ranks must still agree on
 the step they stop at. The second launch resumes there and gets SIGTERM (the walltime
@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from model.training.checkpoint import latest_checkpoint
-from stages.launch import (
+from stages.mechanism.launch import (
     OUT_OF_TIME_EXIT,
     OUT_OF_TIME_FILE,
     STACKS_SIGNAL,
@@ -50,10 +50,12 @@ def write_spec(out_dir: Path) -> Path:
 
 def launch(spec_path: Path, log: Path, signum: int | None, rank: int,
            timeout: float = 240) -> tuple[int, str]:
-    """``python -m stages.launch --spec``; once a progress line shows the ranks stepping (past
+    """``python -m stages.mechanism.launch --spec``; once a progress line shows the ranks stepping
+    (past
     where they started), send ``signum`` to the ``rank``-th rank. Exit code and output."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.launch", "--spec", str(spec_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "stages.mechanism.launch", "--spec",
+        str(spec_path)],
                                 cwd=REPO, env=rank_environment(), stdout=out,
                                 stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout

@@ -9,8 +9,8 @@ from typing import Any
 
 import psutil
 
-from stages.config import load_config
-from stages.launch import RankSpec, rank_environment
+from stages.mechanism.config import load_config
+from stages.mechanism.launch import RankSpec, rank_environment
 from tests.rank_zygote import local_launch_env, run_forked, torchrun_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +32,8 @@ def run_worker(
     out_dir: Path, plan: dict[str, Any], nproc: int, *overrides: str, steps: int | None = None,
     timeout: int = 240,
 ) -> dict[str, Any]:
-    """Run stages.train_worker on ``nproc`` gloo ranks, as ``stages.launch`` starts them (plain
+    """Run stages.train_worker on ``nproc`` gloo ranks, as ``stages.mechanism.launch`` starts them
+    (plain
     ``python -m stages.train_worker`` for 1), forked from this worker's warm interpreter
     (``tests.rank_zygote``). Returns the summary."""
     cfg = tiny_config(*overrides)
@@ -55,7 +56,7 @@ def run_ranks(worker: str, spec_path: Path, nproc: int, timeout: float,
     the environment the launch starts from (default this process's)."""
     env = rank_environment(base_env)
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
-        if nproc > 1:  # what stages.launch.LocalRanks gives rank 0
+        if nproc > 1:  # what stages.mechanism.launch.LocalRanks gives rank 0
             env = local_launch_env(env, nproc, str(Path(scratch) / "store"))
         return _forked({"module": worker}, ["--spec", str(spec_path)], env, Path(scratch),
                        f"{nproc} ranks", timeout)
@@ -79,7 +80,8 @@ def _forked(target: dict[str, Any], argv: list[str], env: dict[str, str], scratc
         code = run_forked(target, argv, env, out, err, timeout)
     except TimeoutError:
         raise AssertionError(
-            f"{what} did not end in {timeout} s; their stacks (stages.launch.STACKS_SIGNAL):"
+            f"{what} did not end in {timeout} s; their stacks "
+            "(stages.mechanism.launch.STACKS_SIGNAL):"
             f"\n{out.read_text()[-3000:]}\n{err.read_text()[-12000:]}") from None
     return code, out.read_text(errors="replace"), err.read_text(errors="replace")
 

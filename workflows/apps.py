@@ -4,7 +4,8 @@ Single-app stages, and the prepare / part / finalize steps of multi-part stages,
 Python apps on the executor of the stage's placement (``workflows.executors.executor_label``:
 "cpu" locally; "cpu", "compute" or the stage's own allocation under Slurm); the ranks of a
 ranks stage run as one bash app on the executor of its allocation
-(``workflows.executors.allocation_label``: ``stages.launch`` locally, ``$PARSL_MPI_PREFIX``
+(``workflows.executors.allocation_label``: ``stages.mechanism.launch`` locally,
+``$PARSL_MPI_PREFIX``
 under Slurm). Parsl fixes an app's executors when the app is made, so each app is made once
 per executor label here (``apps_on``, ``ranks_app_on``), from one plain function. Every python app
 sends its prints to a log file that the driver tails, since worker output is otherwise only
@@ -80,9 +81,9 @@ def _logged(log_path: str) -> Iterator[None]:
 
 def stage_app(ctx, name: str, cfg, force: bool, log_path: str,
               parsl_resource_specification=None, **upstream):
-    """Run a whole single-app stage (``stages.inline.run_stage``)."""
-    from stages.inline import run_stage
-    from stages.registry import declaration
+    """Run a whole single-app stage (``stages.mechanism.inline.run_stage``)."""
+    from stages.mechanism.inline import run_stage
+    from stages.mechanism.registry import declaration
 
     with _logged(log_path):
         return run_stage(ctx, declaration(name), cfg, upstream, force)
@@ -91,10 +92,10 @@ def stage_app(ctx, name: str, cfg, force: bool, log_path: str,
 def begin_app(ctx, name: str, cfg, force: bool, log_path: str,
               parsl_resource_specification=None, **upstream):
     """Open a multi-part stage (fan-out or ranks) and run its ``prepare`` step; the
-    ``stages.attempt.Attempt`` (``reused`` set when the output is reused, else
+    ``stages.mechanism.attempt.Attempt`` (``reused`` set when the output is reused, else
     ``prepared`` holds what ``prepare`` returned)."""
-    from stages import attempt as attempts
-    from stages.registry import declaration
+    from stages.mechanism import attempt as attempts
+    from stages.mechanism.registry import declaration
 
     stage = declaration(name)
     with _logged(log_path):
@@ -115,7 +116,7 @@ def begin_app(ctx, name: str, cfg, force: bool, log_path: str,
 def part_app(name: str, cfg, attempt, index: int, log_path: str,
              parsl_resource_specification=None) -> dict[str, Any] | None:
     """One part of a fan-out stage (e.g. one input shard of tokenize); no-op when reused."""
-    from stages.registry import declaration
+    from stages.mechanism.registry import declaration
 
     if attempt.reused is not None:
         return None
@@ -130,8 +131,8 @@ def finish_app(ctx, name: str, cfg, attempt, log_path: str, *parts, after=None,
     ``parts`` are a fan-out stage's part results; ``after`` is the ranks app's future, only
     waited for.
     """
-    from stages import attempt as attempts
-    from stages.registry import declaration
+    from stages.mechanism import attempt as attempts
+    from stages.mechanism.registry import declaration
 
     if attempt.reused is not None:
         return attempt.reused
@@ -150,7 +151,7 @@ def finish_app(ctx, name: str, cfg, attempt, log_path: str, *parts, after=None,
 def ranks_app(cfg, attempt, stdout=None, stderr=None, parsl_resource_specification=None):
     """The shell command that starts every rank from the spec the stage's ``prepare`` wrote
     (``true`` when the stage is reused)."""
-    from stages.launch import RankSpec
+    from stages.mechanism.launch import RankSpec
     from workflows.ranks import ranks_command
 
     if attempt.reused is not None:

@@ -18,9 +18,9 @@ from parsl.providers import SlurmProvider
 from parsl.providers.slurm.template import template_string as SLURM_TEMPLATE
 from parsl.utils import wtime_to_minutes
 
-from stages.config import PipelineConfig
-from stages.launch import RankSpec
-from stages.shape import RANKS, StageShape
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.launch import RankSpec
+from stages.mechanism.shape import RANKS, StageShape
 from workflows.executors import (
     allocation_label,
     compute_executor,
@@ -158,7 +158,7 @@ def dry_run_text(cfg: PipelineConfig, run_dir: Path) -> str:
     stages = ranks_stages(cfg)
     if cfg.site.name == "local":
         launches = "; ".join(
-            f"{name} runs {shape.nproc} ranks on this machine (python -m stages.launch)"
+            f"{name} runs {shape.nproc} ranks on this machine (python -m stages.mechanism.launch)"
             for name, shape in stages
         )
         return (

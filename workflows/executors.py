@@ -12,7 +12,8 @@ The executors:
   shard, finalize). Its workers connect back to the interchange on the login node at
   ``site.address``, encrypted.
 - the allocations, where the multi-rank apps run. Locally one executor, ``train``: a
-  one-worker HTEX whose bash app calls ``stages.launch`` for every ranks stage. On Slurm sites
+  one-worker HTEX whose bash app calls ``stages.mechanism.launch`` for every ranks stage. On Slurm
+  sites
   each stage with ranks or placed in an allocation has a block of its own, sized for it and
   labelled with the stage's name: ``train`` (the training ranks; ``parallel.nodes`` nodes,
   ``site.walltime``, Slurm's signal ahead of the end) and ``evaluate`` (its ranks, or its one
@@ -27,13 +28,14 @@ The executors:
   nodes. Every stage's ranks are launched by one command builder
   (``workflows.ranks.ranks_command``), so they start the same way on every site.
 
-A stage says where its Python apps run by its shape's ``placement`` (stages.shape:
+A stage says where its Python apps run by its shape's ``placement`` (stages.mechanism.shape:
 login, compute, allocation); ``executor_label`` is the one place that maps a stage's
 placement to an executor for a site, ``allocation_label`` the one that names the executor of
 its ranks. Only the driver, the plan stage, train's prepare / finalize and
 MLflow's SQLite writes of those stay on the login node.
 
-All site settings come from ``cfg.site`` (stages/config.py SiteConfig), so moving between a
+All site settings come from ``cfg.site`` (stages/mechanism/config.py SiteConfig), so moving
+between a
 laptop, a generic Slurm cluster and Frontier is a config change, never a code change.
 """
 from __future__ import annotations
@@ -56,9 +58,9 @@ from parsl.jobs.states import JobState
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
-from stages.config import PipelineConfig
-from stages.registry import STAGES, declaration
-from stages.shape import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.registry import STAGES, declaration
+from stages.mechanism.shape import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS
 from workflows.failures import retry_cost
 from workflows.frontier import (
     FRONTIER_MODULES,

@@ -33,7 +33,7 @@ from parsl.dataflow.errors import DependencyError
 from parsl.executors.high_throughput.errors import ManagerLost
 
 from data_prep.atomic import STORAGE_ERRNOS
-from stages.launch import OUT_OF_TIME_EXIT, USER_ERROR_EXIT, read_out_of_time
+from stages.mechanism.launch import OUT_OF_TIME_EXIT, USER_ERROR_EXIT, read_out_of_time
 
 NEVER_RETRY = 1e9  # a cost above any retry budget
 

@@ -24,10 +24,10 @@ import shlex
 from collections.abc import Collection
 from pathlib import PurePosixPath
 
-from stages.checks import evaluation_memory_problem
-from stages.config import ConfigError, PipelineConfig
-from stages.registry import STAGE_ORDER, declaration
-from stages.shape import ALLOCATION, RANKS, StageShape
+from stages.mechanism.checks import evaluation_memory_problem
+from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.mechanism.registry import STAGE_ORDER, declaration
+from stages.mechanism.shape import ALLOCATION, RANKS, StageShape
 
 SLURM_SITES = ("slurm", "frontier")
 """The sites whose stages run in Slurm jobs Parsl submits (the other one: local)."""

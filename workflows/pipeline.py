@@ -4,7 +4,7 @@ It resolves the configuration, decides per stage whether to run, reuse or force 
 one MLflow parent run, loads the site's Parsl config and chains the stage apps:
 
     tokenize -> plan -> train -> evaluate, each submitted by its declared shape
-    (stages.shape.StageShape): one app; prepare -> one app per part -> finalize; or
+    (stages.mechanism.shape.StageShape): one app; prepare -> one app per part -> finalize; or
     prepare -> the ranks app -> finalize.
 
 ``--only STAGE`` recomputes that stage alone and ``--from STAGE`` recomputes it and every
@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stages import keys, tracking
-from stages.config import ConfigError, PipelineConfig, load_config
-from stages.outputs import StageResult
-from stages.registry import STAGE_ORDER, declaration, upstream
-from stages.selection import StageDecision, decide_stages
+from stages.mechanism import keys, tracking
+from stages.mechanism.config import ConfigError, PipelineConfig, load_config
+from stages.mechanism.outputs import StageResult
+from stages.mechanism.registry import STAGE_ORDER, declaration, upstream
+from stages.mechanism.selection import StageDecision, decide_stages
 from workflows.session import (
     INTERRUPTED_EXIT,
     PipelineFailed,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = readiness(cfg)
             print(readiness_text(rows))
             return 2 if any(r.verdict == "error" for r in rows) else 0
-        from stages.preflight import preflight
+        from stages.mechanism.preflight import preflight
         from workflows.frontier import check_site
 
         check_site(cfg)  # e.g. Frontier without site.account: before any run is opened

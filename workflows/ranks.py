@@ -3,7 +3,8 @@ environment, and the one command that starts them.
 
 Both ranks stages (training, and evaluation when eval.ranks > 1) start through
 ``ranks_command``, so they start the same way on every site: locally ``python -m
-stages.launch`` (its ranks started on this machine); on slurm/frontier ``$PARSL_MPI_PREFIX``, the
+stages.mechanism.launch`` (its ranks started on this machine); on slurm/frontier
+``$PARSL_MPI_PREFIX``, the
 ``srun`` line Parsl's MPIExecutor composes from ``ranks_resource_spec`` (nodes, ranks per
 node, ``SITE_SRUN_OPTIONS``), one worker per rank. ``rank_env`` is what every rank gets
 exported first: the project on PYTHONPATH, its OpenMP threads (``rank_cores``) and, on
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from model.parallel.threads import rank_threads_env
-from stages.config import PipelineConfig
-from stages.launch import (
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.launch import (
     OUT_OF_TIME_EXIT,
     OUT_OF_TIME_FILE,
     RANK_ERROR_FILE,
@@ -33,7 +34,7 @@ from stages.launch import (
     USER_ERROR_EXIT,
     RankSpec,
 )
-from stages.shape import StageShape
+from stages.mechanism.shape import StageShape
 from workflows.frontier import (
     FRONTIER_CORES_PER_RANK,
     FRONTIER_NCCL_NET,
@@ -173,7 +174,8 @@ def _worker_python(cfg: PipelineConfig) -> str:
 def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) -> str:
     """The shell command that starts every rank of a rank spec (the ranks app's command).
 
-    local: ``python -m stages.launch`` (the ranks started on this machine, dying with its Parsl
+    local: ``python -m stages.mechanism.launch`` (the ranks started on this machine, dying with
+    its Parsl
     worker); slurm/frontier: ``$PARSL_MPI_PREFIX`` (the srun line Parsl composes from
     ``ranks_resource_spec``) runs one worker per rank. Either way the command exits
     ``USER_ERROR_EXIT`` when a rank refused its input, so the workflow does not retry it,
@@ -192,7 +194,7 @@ def ranks_command(cfg: PipelineConfig, spec: RankSpec, spec_path: str | Path) ->
                 f"site.name=local runs on one node but the stage asks for {spec.nodes}: "
                 "set parallel.nodes=1 or use site.name=slurm"
             )
-        return "\n".join([*exports, f"exec {python} -m stages.launch --spec {path}"])
+        return "\n".join([*exports, f"exec {python} -m stages.mechanism.launch --spec {path}"])
     address = master_addr_lines() if cfg.site.name == "frontier" else []
     if spec.series:
         return "\n".join([*exports, *address, *_series_lines(cfg, spec, python), "exit 0"])

@@ -21,7 +21,7 @@ from typing import Any
 
 from model.planner.plan import Plan
 from model.planner.scaling import FRONTIER_NODES
-from stages.checks import (
+from stages.mechanism.checks import (
     EVAL_BYTES_PER_PARAM,
     checkpoint_cadence_problem,
     evaluation_host_gb,
@@ -30,8 +30,8 @@ from stages.checks import (
     predicted_step_time,
     walltime_seconds,
 )
-from stages.config import PipelineConfig
-from stages.registry import declaration
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.registry import declaration
 from workflows.frontier import FRONTIER_NODE_MEMORY_GB, runs_dir_problem, walltime_bin
 
 
@@ -71,8 +71,8 @@ def job_finding(what: str, cfg: PipelineConfig, nodes: int, walltime: str,
 def _plan_of(cfg: PipelineConfig) -> tuple[Plan, list[dict[str, Any]] | None, float | None, str]:
     """(the plan, its rehearsal records or None, the device's GB or None, where it came
     from): the plan stage's published output for this config, else the planner's search."""
-    from stages import outputs
-    from stages.selection import stage_keys
+    from stages.mechanism import outputs
+    from stages.mechanism.selection import stage_keys
 
     found = outputs.find_succeeded(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
     if found is not None:

@@ -7,7 +7,8 @@ configuration's sequences per device (the global batch grows with the devices), 
 scaling keeps its global batch (``model.planner.scaling.point_batch``). The plan stage
 chooses each point's layout; ``--fix tp=1`` (any plan field the parallel section has)
 fixes a layout family. Stage outputs are reused by key exactly as in the pipeline
-(``stages.selection.decide_stages``, ``workflows.session.PipelineSession``): the token store
+(``stages.mechanism.selection.decide_stages``, ``workflows.session.PipelineSession``): the token
+store
 is made once, and running the same study again recomputes nothing.
 
 On a Slurm site a point spans ``devices / ranks per node`` nodes (``--ranks-per-node``, by
@@ -44,11 +45,11 @@ from data_prep.atomic import write_text_atomic
 from model.planner import scaling
 from model.planner.plan import CONFIG_FIELDS, LAYOUT_FIELDS, PlanError
 from model.training.files import SUMMARY_FILE
-from stages import keys, tracking
-from stages.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
-from stages.outputs import StageResult
-from stages.registry import STAGE_ORDER
-from stages.selection import decide_stages
+from stages.mechanism import keys, tracking
+from stages.mechanism.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
+from stages.mechanism.outputs import StageResult
+from stages.mechanism.registry import STAGE_ORDER
+from stages.mechanism.selection import decide_stages
 from workflows.session import (
     INTERRUPTED_EXIT,
     PipelineFailed,

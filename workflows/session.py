@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from stages import attempt as attempts
-from stages import locks, outputs, tracking
-from stages.config import ConfigError, PipelineConfig
-from stages.outputs import StageResult
-from stages.registry import declaration
-from stages.selection import StageDecision
-from stages.shape import ALLOCATION, FAN_OUT, RANKS, SINGLE, StageShape
+from stages.mechanism import attempt as attempts
+from stages.mechanism import locks, outputs, tracking
+from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.mechanism.outputs import StageResult
+from stages.mechanism.registry import declaration
+from stages.mechanism.selection import StageDecision
+from stages.mechanism.shape import ALLOCATION, FAN_OUT, RANKS, SINGLE, StageShape
 from workflows import failures as failures_mod
 from workflows import tracking_server, watchdog
 
@@ -268,7 +268,7 @@ def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> St
     work_dir = outputs.work_dir(runs_dir, run.name, run.key)
     message = f"{type(error).__name__}: {error}"
     if isinstance(error, BashExitFailure):
-        from stages.launch import read_rank_error
+        from stages.mechanism.launch import read_rank_error
 
         rank_message = read_rank_error(work_dir, run.ranks_log)
         message = rank_message or f"the ranks exited with code {error.exitcode}"
@@ -291,7 +291,7 @@ def _fail_open_attempt(ctx: attempts.PipelineContext, begun: concurrent.futures.
         return
     status = outputs.read_status(attempt.work_dir)
     if status and status["state"] == "running":
-        from stages.launch import read_rank_error
+        from stages.mechanism.launch import read_rank_error
 
         said = read_rank_error(attempt.work_dir, ranks_log)
         if said is not None:  # the rank's own reason, not only the launcher's exit code

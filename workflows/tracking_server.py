@@ -21,8 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from stages import tracking
-from stages.config import ConfigError, PipelineConfig
+from stages.mechanism import tracking
+from stages.mechanism.config import ConfigError, PipelineConfig
 
 READY_TIMEOUT_S = 120.0
 """How long the driver waits for the server to answer /health (a loaded login node)."""

@@ -6,7 +6,7 @@ runs only if the driver lives to run it. Killed outright, it leaves Parsl's inte
 the local worker pools, the launcher and the ranks training on with nobody to
 wait for them, its MLflow runs RUNNING and its stage ``running`` in ``status.json``.
 
-So the driver exports its run marker (``stages.locks.RUN_ENV``: ``<host>:<pid>:<start
+So the driver exports its run marker (``stages.mechanism.locks.RUN_ENV``: ``<host>:<pid>:<start
 time>``) before it starts anything; every process it starts inherits it, and so does
 everything those start (environments are inherited, and no launcher here clears it). It
 then starts this watchdog in a session of its own (a signal to the driver's process group
@@ -25,7 +25,7 @@ gone it
 3. marks the driver's parent run and its RUNNING descendant runs KILLED in MLflow;
 
 and exits. It carries the marker itself, so the dead driver's stage locks are not broken
-(``stages.locks.is_stale``) before all of this is done. A driver that ends by its own
+(``stages.mechanism.locks.is_stale``) before all of this is done. A driver that ends by its own
 shutdown stops its watchdog (``stop``: SIGTERM, on which it exits at once).
 
 Processes on other hosts (Slurm's compute nodes) are not its business: their worker pools
@@ -48,8 +48,8 @@ from typing import Any
 
 import psutil
 
-from stages import locks
-from stages.launch import project_environment
+from stages.mechanism import locks
+from stages.mechanism.launch import project_environment
 
 POLL_S = 0.5  # how often the watchdog looks for its driver
 SNAPSHOT_S = 2.0  # how often it notes the driver's descendants
@@ -163,7 +163,7 @@ def fail_running_stages(runs_dir: Path, run: str, reason: str) -> list[Path]:
     """Rewrite to ``failed`` (with ``reason``) each stage attempt's ``status.json`` that says
     ``running`` while its key's lock names ``run``: the attempts the dead driver had open.
     The work directories rewritten."""
-    from stages import outputs
+    from stages.mechanism import outputs
 
     failed = []
     for status_path in sorted(runs_dir.glob(f"stages/*/*{outputs.PARTIAL_SUFFIX}/"
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             seen, noted = descendants(args.driver) or seen, time.monotonic()
         time.sleep(POLL_S)
 
-    from stages import tracking
+    from stages.mechanism import tracking
 
     # The client (importing mlflow takes seconds) is built while the processes get their grace.
     client: list[Any] = []

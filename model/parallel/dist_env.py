@@ -1,6 +1,7 @@
 """Rank identity from the local launcher, torchrun or Slurm, and process-group start-up.
 
-The same entry point runs under ``stages.launch``'s local launcher (``local_rank_variables``:
+The same entry point runs under ``stages.mechanism.launch``'s local launcher
+(``local_rank_variables``:
 RANK/LOCAL_RANK/WORLD_SIZE and a rendezvous file, ``STORE_FILE_VAR``, so that no port is
 chosen and none can collide), under ``torchrun`` (RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR set)
 and under ``srun`` (SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; the rendezvous host is the

@@ -63,7 +63,7 @@ def plot_losses(losses: list[float], first_step: int, path: str | Path) -> Path:
 
 SPOOL_FILE = "metrics_spool.jsonl"  # in the training stage's directory
 MAX_BATCH_VALUES = 1000  # values in one MLflow log_batch request (the server's limit)
-IMPORT_COMMAND = "python -m stages.tracking import-metrics"
+IMPORT_COMMAND = "python -m stages.mechanism.tracking import-metrics"
 
 
 def spool_lines(path: str | Path) -> list[str]:
@@ -169,7 +169,7 @@ class BackgroundSink:
     """Sends per-step metrics to a tracker from one background thread, in order; while the
     tracking store is away it keeps them in a local spool and training goes on.
 
-    ``sink`` is a ``stages.tracking.Tracker`` (``uri``, ``run_id``, ``send_metrics``,
+    ``sink`` is a ``stages.mechanism.tracking.Tracker`` (``uri``, ``run_id``, ``send_metrics``,
     ``log_artifact``, ``flush``). Metrics are sent in batches every ``send_every_s``
     (default: the tracker's ``flush_seconds``) or every 500 values; a write (an MLflow batch
     to SQLite or a server) takes tens of milliseconds and never runs on the training thread.
@@ -181,7 +181,7 @@ class BackgroundSink:
     does not stop training: the records are kept in memory, go to the spool at the next
     flush, and one line says so. Delivery is tried again every ``retry_every_s`` and at each
     flush; when the store answers, the spool is sent in order, then removed, and one line
-    says so. A spool left after training is sent by ``python -m stages.tracking
+    says so. A spool left after training is sent by ``python -m stages.mechanism.tracking
     import-metrics SPOOL``. A spool left by an earlier attempt is sent first. Without a
     spool, a failed write is raised by the next ``flush`` (as are failed artifact uploads).
     """

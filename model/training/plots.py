@@ -1,6 +1,7 @@
 """PNG plots of training and evaluation metrics (matplotlib, headless Agg backend).
 
-Inputs are plain (step, value) series, e.g. ``stages.tracking.metric_history`` of the train
+Inputs are plain (step, value) series, e.g. ``stages.mechanism.tracking.metric_history`` of the
+train
 run, so the plots need neither MLflow nor a display. Each file is written atomically.
 """
 from __future__ import annotations

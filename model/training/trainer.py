@@ -101,7 +101,7 @@ class BatchSource(Protocol):
 
 
 class MetricSink(Protocol):
-    """The subset of stages.tracking.Tracker the trainer uses."""
+    """The subset of stages.mechanism.tracking.Tracker the trainer uses."""
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...

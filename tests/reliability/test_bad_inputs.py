@@ -6,7 +6,7 @@ that no traceback reached the console, and that no stage the run failed left a p
 output that says ``succeeded`` (a ``.partial`` directory is fine).
 
 The fast cases stop before any work: config loading, the stages' pre-flight checks
-(``stages.preflight``), the runs dir and site checks; they also assert that no Parsl run
+(``stages.mechanism.preflight``), the runs dir and site checks; they also assert that no Parsl run
 directory was made. They run in this process, through ``workflows.pipeline.main(argv)``
 (the ``pipeline_main`` fixture); a config error and an input error also run as real
 ``python -m workflows.pipeline`` processes, the console a user sees. The slow ones go
@@ -32,7 +32,7 @@ import pytest
 from data_prep.config import TokenizerConfig
 from data_prep.sources import stdlib_files
 from data_prep.tokenizer import save_tokenizer, train_tokenizer
-from stages.registry import STAGE_ORDER
+from stages.mechanism.registry import STAGE_ORDER
 from tests.conftest import Console
 
 REPO = Path(__file__).resolve().parents[2]
@@ -365,9 +365,9 @@ def test_parallel_settings_that_cannot_work(case: Case, tokenized, tmp_path: Pat
     failed: <error>", no traceback, nothing published) is the unknown-cluster case's,
     which fails in the same stage through the real command line."""
     from model.planner.plan import PlanError
-    from stages.config import load_config
-    from stages.inline import run_work
-    from stages.registry import declaration
+    from stages.mechanism.config import load_config
+    from stages.mechanism.inline import run_work
+    from stages.mechanism.registry import declaration
     from tests.test_data_common import make_tracker
 
     source, first, _ = tokenized
@@ -390,8 +390,8 @@ def test_parallel_settings_that_cannot_work(case: Case, tokenized, tmp_path: Pat
 def test_preflight_checks_exactly_the_stages_the_driver_computes(tokenized) -> None:
     """Pre-flight and the driver agree on what a run reuses: a published tokenize output is
     not checked again (its inputs may be gone), the stages after it are."""
-    from stages.config import load_config
-    from stages.preflight import stages_to_compute
+    from stages.mechanism.config import load_config
+    from stages.mechanism.preflight import stages_to_compute
 
     runs, _, _ = tokenized
     cfg = load_config(MICRO, ["parallel.cluster=nosuch", f"tracking.runs_dir={runs}"])

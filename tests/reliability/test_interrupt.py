@@ -1,10 +1,11 @@
 """Ctrl-C and SIGTERM stop everything; training ranks never outlive their launcher.
 
 The pipeline CLI runs for real (Parsl's interchange and worker pools, or its thread pool in
-the driver; ``stages.launch``, gloo ranks, the SQLite MLflow store) on a training long enough
+the driver; ``stages.mechanism.launch``, gloo ranks, the SQLite MLflow store) on a training long
+enough
 to be interrupted. After the driver is signalled, it must exit promptly, leave no process of its
 runs dir behind, and record the interrupted stage as failed on disk and in MLflow. A killed
-launcher (``stages.launch``, run as the local ranks app runs it) must take its
+launcher (``stages.mechanism.launch``, run as the local ranks app runs it) must take its
 ranks with it, so nothing writes into the stage directory afterwards.
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ import psutil
 import pytest
 
 from model.training.checkpoint import latest_checkpoint
-from stages import tracking
-from stages.launch import RankSpec, rank_environment
+from stages.mechanism import tracking
+from stages.mechanism.launch import RankSpec, rank_environment
 from tests.reliability.test_resume import (
     CONFIG,
     RANK_MODULE,
@@ -112,7 +113,7 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
     training_under_way(driver)
     tree = process_tree(driver)
     kinds = " ".join(" ".join(p.cmdline()) for p in tree if p.is_running())
-    for part in ("stages.launch", "stages.train_worker"):
+    for part in ("stages.mechanism.launch", "stages.train_worker"):
         assert part in kinds, f"no {part} among the pipeline's processes: {kinds[:2000]}"
     assert ("process_worker_pool" in kinds) == (workers == "processes"), kinds[:2000]
 
@@ -147,7 +148,7 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
 
 
 def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
-    """The local ranks app's own command (``python -m stages.launch --spec``, which it
+    """The local ranks app's own command (``python -m stages.mechanism.launch --spec``, which it
     execs) on a long training: once the ranks have written a checkpoint, the launcher is
     SIGKILLed; the ranks are gone within RANKS_GONE_WITHIN_S and
     nothing writes a checkpoint afterwards. How the driver takes a ranks app that failed is
@@ -160,14 +161,15 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path) -> None:
                          plan={"dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "ddp"}
                          ).write(out_dir / "spec.json")
     with open(tmp_path / "launch.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.launch", "--spec", str(spec_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "stages.mechanism.launch", "--spec",
+        str(spec_path)],
                                 cwd=REPO, env=rank_environment(), stdout=log,
                                 stderr=subprocess.STDOUT)
     saved = out_dir / "checkpoints"
     try:
         wait_for("two ranks and a checkpoint", lambda: len(ranks_of(out_dir)) == 2
                  and latest_checkpoint(saved) is not None, timeout=240)
-        (launcher,) = runs_module(out_dir, "stages.launch")
+        (launcher,) = runs_module(out_dir, "stages.mechanism.launch")
         launcher.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         while ranks_of(out_dir) and time.monotonic() - killed < RANKS_GONE_WITHIN_S:
@@ -214,7 +216,7 @@ def test_shutdown_ends_when_the_poller_waits_on_a_dead_interchange(runs_dir: Pat
     # the same signal killed blocks forever, and Parsl's cleanup joins the poller forever.
     import threading
 
-    from stages.config import load_config
+    from stages.mechanism.config import load_config
     from workflows import executors
 
     cfg = load_config(REPO / CONFIG, [f"tracking.runs_dir={runs_dir}",

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from stages import attempt, outputs, tracking
-from stages.config import load_config
-from stages.keys import ANY_STAGE, CODE_PACKAGES, code_hashes
-from stages.registry import STAGE_ORDER, declaration
-from stages.selection import decide_stages, stage_keys
+from stages.mechanism import attempt, outputs, tracking
+from stages.mechanism.config import load_config
+from stages.mechanism.keys import ANY_STAGE, CODE_PACKAGES, code_hashes
+from stages.mechanism.registry import STAGE_ORDER, declaration
+from stages.mechanism.selection import decide_stages, stage_keys
 from workflows.pipeline import describe
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,7 @@
 """One attempt per stage key: pipelines on one runs dir wait for each other and reuse.
 
-Real processes (multiprocessing), a real SQLite MLflow store, stages.attempt's begin/finish as the
+Real processes (multiprocessing), a real SQLite MLflow store, stages.mechanism.attempt's
+begin/finish as the
 pipeline's apps call them."""
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from stages import keys, locks, outputs, tracking
-from stages.attempt import PipelineContext
-from stages.config import load_config
-from stages.inline import run_stage
+from stages.mechanism import keys, locks, outputs, tracking
+from stages.mechanism.attempt import PipelineContext
+from stages.mechanism.config import load_config
+from stages.mechanism.inline import run_stage
 from tests.stagekit import declare
 
 SLEEP_S = 2.0

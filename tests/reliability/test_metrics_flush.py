@@ -16,7 +16,7 @@ from pathlib import Path
 
 from model.training.checkpoint import checkpoint_problem, load_extra
 from model.training.metrics import BackgroundSink
-from stages import tracking
+from stages.mechanism import tracking
 from tests.train_helpers import REPO, tiny_config
 
 # One rank: the production sink wiring, then SIGKILL itself as step ``kill_at + 1`` begins.
@@ -27,8 +27,8 @@ from model.planner.plan import Plan
 from model.training.batches import SyntheticBatches
 from model.training.metrics import BackgroundSink
 from model.training.trainer import Trainer
-from stages.config import config_from_dict
-from stages.tracking import Tracker
+from stages.mechanism.config import config_from_dict
+from stages.mechanism.tracking import Tracker
 
 args = json.loads(sys.argv[1])
 cfg = config_from_dict(args["config"])

@@ -3,7 +3,7 @@
 A real ``mlflow server`` (SQLite backend) on a free localhost port is stopped while one
 production training rank (``stages.train_worker`` with its ``BackgroundSink`` and spool)
 trains. Either it comes back before the end and the rank delivers what it kept, or it stays
-away and ``python -m stages.tracking import-metrics`` delivers the spool afterwards. The
+away and ``python -m stages.mechanism.tracking import-metrics`` delivers the spool afterwards. The
 rank pauses at chosen steps (a gate file per step) so the test can stop and start the
 server between steps; the time the training thread spends in metric calls is measured.
 """
@@ -22,8 +22,8 @@ import pytest
 
 from model.training.checkpoint import load_extra
 from model.training.metrics import SPOOL_FILE, append_spool, deliver_spool, spool_lines
-from stages import tracking
-from stages.launch import RankSpec, rank_environment
+from stages.mechanism import tracking
+from stages.mechanism.launch import RankSpec, rank_environment
 from tests.train_helpers import REPO, tiny_config
 
 KEYS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "peak_memory_gb")
@@ -144,7 +144,8 @@ def _steps(uri: str, run_id: str, key: str) -> list[int]:
 
 def _import(spool: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "stages.tracking", "import-metrics", str(spool),
+    return subprocess.run([sys.executable, "-m", "stages.mechanism.tracking", "import-metrics",
+    str(spool),
                            *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120, check=False)
 

@@ -1,6 +1,6 @@
 """Nothing outlives a driver killed with ``kill -9``; the next run resumes its training.
 
-The pipeline CLI runs for real (Parsl's interchanges and worker pools, ``stages.launch``,
+The pipeline CLI runs for real (Parsl's interchanges and worker pools, ``stages.mechanism.launch``,
 the local launcher, gloo ranks, the SQLite MLflow store). Once training has a checkpoint the driver
 gets SIGKILL, so none of its own shutdown runs: its watchdog (``workflows.watchdog``) must
 stop every process of the run within ``GONE_WITHIN_S`` and mark the run's MLflow runs
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import locks, tracking
+from stages.mechanism import locks, tracking
 from tests.reliability.test_interrupt import alive, drivers, process_tree  # noqa: F401 - fixture
 from tests.reliability.test_resume import (
     KILL_AFTER,

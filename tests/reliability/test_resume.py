@@ -184,7 +184,7 @@ def assert_one_train_run(runs: Path, key: str, losses: list[float]) -> None:
     """The store of ``runs`` holds one train run for ``key``, FINISHED under the newest
     pipeline run, whose "loss" history has each step 1..len(losses) once with ``losses``; its
     ``attempts`` tags name each pipeline run (oldest first) that worked on it."""
-    from stages import tracking
+    from stages.mechanism import tracking
 
     uri = tracking.default_tracking_uri(runs)
     every = tracking.search_runs(uri, "micro")
@@ -301,10 +301,10 @@ def test_retry_resumes_a_killed_rank_within_the_run(
 def test_a_resumable_stage_continues_its_run_and_counts_the_attempts(tmp_path: Path) -> None:
     """The stage mechanism alone (no ranks): a resumable stage that failed is continued by
     the next pipeline run in the same MLflow run, which moves under it and keeps the error."""
-    from stages import tracking
-    from stages.attempt import PipelineContext
-    from stages.config import load_config
-    from stages.inline import run_stage
+    from stages.mechanism import tracking
+    from stages.mechanism.attempt import PipelineContext
+    from stages.mechanism.config import load_config
+    from stages.mechanism.inline import run_stage
     from tests.stagekit import declare
 
     uri = tracking.default_tracking_uri(tmp_path)

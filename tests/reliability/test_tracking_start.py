@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import tracking
+from stages.mechanism import tracking
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import tracking
+from stages.mechanism import tracking
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

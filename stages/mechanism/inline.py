@@ -2,7 +2,7 @@
 
 ``run_stage`` is the inline executor: ``begin`` (reuse or open an attempt), then by the
 stage's shape ``run``; or ``prepare``, every ``part`` in turn, ``finalize``; or ``prepare``,
-the ranks on this machine (``stages.launch.run_local``), ``finalize``; then
+the ranks on this machine (``stages.mechanism.launch.run_local``), ``finalize``; then
 ``finish``, or ``fail`` with the error. The pipeline runs the same steps as Parsl apps
 (``workflows.apps``); tests and notebooks run stages with this, without Parsl.
 """
@@ -12,12 +12,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from stages import launch
-from stages.attempt import PipelineContext, begin, fail, finish
-from stages.config import PipelineConfig
-from stages.outputs import StageResult
-from stages.registry import StageDeclaration
-from stages.shape import FAN_OUT, SINGLE
+from stages.mechanism import launch
+from stages.mechanism.attempt import PipelineContext, begin, fail, finish
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.outputs import StageResult
+from stages.mechanism.registry import StageDeclaration
+from stages.mechanism.shape import FAN_OUT, SINGLE
 
 
 def run_work(stage: StageDeclaration, cfg: PipelineConfig, inputs: dict[str, dict],

@@ -1,18 +1,21 @@
 """One stage's turn in a pipeline invocation: reuse its output, or attempt it and publish.
 
-``begin`` looks for a succeeded output with the stage's key (``stages.keys``) and returns an
+``begin`` looks for a succeeded output with the stage's key (``stages.mechanism.keys``) and
+returns an
 ``Attempt`` either way: ``attempt.reused`` holds the reused result, else the attempt owns
-the key's lock and its ``.partial`` work directory (``stages.outputs``) and has an MLflow
+the key's lock and its ``.partial`` work directory (``stages.mechanism.outputs``) and has an MLflow
 child run. ``finish`` publishes the outputs, ``fail`` records the error; both release the
 lock, in whichever process they run. The split lets the work between them run anywhere:
-Parsl fan-out apps, training ranks launched by ``stages.launch`` or srun (``workflows.apps``), or
-this process (``stages.inline``).
+Parsl fan-out apps, training ranks launched by ``stages.mechanism.launch`` or srun
+(``workflows.apps``), or
+this process (``stages.mechanism.inline``).
 
-One attempt per key at a time: ``begin`` takes the lock ``<key>.lock`` (``stages.locks``) in
+One attempt per key at a time: ``begin`` takes the lock ``<key>.lock``
+(``stages.mechanism.locks``) in
 the name of the pipeline driver (``PipelineContext.driver``), waiting while another live
 driver holds it, and looks for a succeeded output again once it has it (so a pipeline that
 waited reuses what the other one made). The driver keeps its locks fresh with
-``stages.locks.Heartbeat``.
+``stages.mechanism.locks.Heartbeat``.
 
 One MLflow run per stage key holds a resumable stage's whole history: an attempt that
 continues an unfinished ``<key>.partial`` (a rerun of the pipeline after a failure, a kill
@@ -32,17 +35,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages import keys, locks, outputs, tracking
-from stages.config import PipelineConfig
-from stages.outputs import StageResult
-from stages.registry import StageDeclaration
+from stages.mechanism import keys, locks, outputs, tracking
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.outputs import StageResult
+from stages.mechanism.registry import StageDeclaration
 
 
 @dataclass
 class PipelineContext:
     """What every stage needs to know about the pipeline invocation (picklable).
 
-    ``code`` is the per-stage code hash (``stages.keys.code_hashes``, computed once by the
+    ``code`` is the per-stage code hash (``stages.mechanism.keys.code_hashes``, computed once by the
     driver), or one string used for every stage. ``driver`` owns the stage locks this
     pipeline takes, whichever process takes them; ``lock_stale_s`` is how old a lock's
     heartbeat may get before another pipeline takes it as abandoned. ``tracking_uri`` is

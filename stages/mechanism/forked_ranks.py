@@ -2,8 +2,8 @@
 
 A rank's start-up is mostly imports (torch, its distributed and DTensor modules, the trainer:
 about 2.8 CPU seconds); the ranks of one machine would each pay it. The local launcher
-(``stages.launch.LocalRanks``) therefore starts rank 0 alone, with ``FORK_PEERS_VAR`` set;
-rank 0 has imported its worker module by the time ``stages.launch.rank_main`` runs, and
+(``stages.mechanism.launch.LocalRanks``) therefore starts rank 0 alone, with ``FORK_PEERS_VAR`` set;
+rank 0 has imported its worker module by the time ``stages.mechanism.launch.rank_main`` runs, and
 there forks ranks 1 .. n-1 (``fork_peers``). A forked rank is the same program at the same
 point, so it keeps the command line the tests and ``ps`` see (``python -m <worker> --spec``),
 its stdout and stderr (the launcher's pipe) and its process group (the launch's); it gets

@@ -1,6 +1,6 @@
 """Stage keys: what decides a stage's output, hashed.
 
-A stage's output directory is ``<runs_dir>/stages/<name>/<key>`` (``stages.outputs``). The
+A stage's output directory is ``<runs_dir>/stages/<name>/<key>`` (``stages.mechanism.outputs``). The
 key is the first 16 hex digits of the SHA-256 of the JSON of its *ingredients*
 (``key_ingredients``):
 
@@ -10,7 +10,8 @@ key is the first 16 hex digits of the SHA-256 of the JSON of its *ingredients*
 - ``inputs``: the keys of the upstream stages it consumes;
 - ``code``: the hash of the code that produces the output (``code_hashes``): the bytes of
   every ``.py`` file under ``stages/``, ``model/`` and ``data_prep/`` that the stage's work
-  module, its rank worker and the stage mechanism (``stages.attempt``) reach through imports
+  module, its rank worker and the stage mechanism (``stages.mechanism.attempt``) reach through
+  imports
   (``import``/``from ... import``, and dotted module names written as strings), closed
   transitively and with every parent package's ``__init__.py`` (the registry and the
   pre-flight checks excepted: they declare and refuse, they never shape an output); plus
@@ -31,11 +32,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from stages import outputs
-from stages.config import PipelineConfig
-from stages.registry import STAGE_ORDER, declaration
+from stages.mechanism import outputs
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.registry import STAGE_ORDER, declaration
 
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
 CODE_PACKAGES = ("stages", "model", "data_prep")
 # The code that reads configs/clusters/*.yaml (a path: a dotted module name written here
 # would make every stage's code include it).
@@ -43,9 +44,9 @@ CLUSTER_SOURCE = Path("model/planner/cluster.py")
 # Not followed into a stage's code: what the registry declares enters a key as the sections
 # and inputs themselves (following it would put every stage's code into every key), and the
 # pre-flight checks only refuse inputs, they never shape an output.
-NOT_CODE = frozenset({"stages.registry", "stages.checks"})
+NOT_CODE = frozenset({"stages.mechanism.registry", "stages.mechanism.checks"})
 # The stage mechanism (attempt, outputs, keys, locks, tracking) is part of every stage's code.
-MECHANISM = ("stages", "stages.attempt")
+MECHANISM = ("stages", "stages.mechanism.attempt")
 ANY_STAGE = "*"  # code_hashes() entry for a stage outside STAGE_ORDER: all sources
 _PKG = "|".join(CODE_PACKAGES)
 # Dotted project module names anywhere (imports, worker modules named in strings), and the

@@ -1,7 +1,7 @@
 """Which stages an invocation runs, reuses, forces or skips, from the config alone.
 
 The one home of the rule the driver (``workflows.pipeline``), the pre-flight checks
-(``stages.preflight``) and the scaling studies share: a stage whose key already succeeded
+(``stages.mechanism.preflight``) and the scaling studies share: a stage whose key already succeeded
 is reused; ``--only``/``--from``/``--force`` recompute the selected stages.
 """
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stages import keys, outputs
-from stages.config import ConfigError, PipelineConfig
-from stages.outputs import StageResult
-from stages.registry import STAGE_ORDER, declaration
+from stages.mechanism import keys, outputs
+from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.mechanism.outputs import StageResult
+from stages.mechanism.registry import STAGE_ORDER, declaration
 
 
 @dataclass
@@ -29,7 +29,8 @@ class StageDecision:
 def stage_ingredients(
     cfg: PipelineConfig, code: dict[str, str] | str
 ) -> dict[str, dict[str, Any]]:
-    """Every stage's key ingredients (``stages.keys.key_ingredients``), from the config and
+    """Every stage's key ingredients (``stages.mechanism.keys.key_ingredients``), from the config
+    and
     the code hashes alone (no work done)."""
     made: dict[str, str] = {}
     found: dict[str, dict[str, Any]] = {}
@@ -43,7 +44,7 @@ def stage_ingredients(
 
 
 def stage_keys(cfg: PipelineConfig, code: dict[str, str] | str | None = None) -> dict[str, str]:
-    """Every stage's key (``code``: ``stages.keys.code_hashes()`` when not given)."""
+    """Every stage's key (``code``: ``stages.mechanism.keys.code_hashes()`` when not given)."""
     code = keys.code_hashes() if code is None else code
     return {n: keys.key_of(i) for n, i in stage_ingredients(cfg, code).items()}
 
@@ -57,7 +58,8 @@ def decide_stages(
     ``--only STAGE`` recomputes that stage, reuses the stages before it (they must exist)
     and skips the stages after it; ``--from STAGE`` recomputes it and every later stage.
 
-    ``code`` is the per-stage code hash the keys use (``stages.keys.code_hashes()`` when not
+    ``code`` is the per-stage code hash the keys use (``stages.mechanism.keys.code_hashes()`` when
+    not
     given; the driver computes it once and passes the same to its PipelineContext)."""
     ingredients = stage_ingredients(cfg, keys.code_hashes() if code is None else code)
     stage_keys = {n: keys.key_of(i) for n, i in ingredients.items()}
@@ -72,7 +74,8 @@ def decide_stages(
     for name in STAGE_ORDER:
         existing = outputs.find_succeeded(runs_dir, name, stage_keys[name])
         damage = declaration(name).output_problem(existing.outputs) if existing else None
-        if damage:  # run again, a resumable stage from what is whole (stages.attempt.begin)
+        # Damaged: run again, a resumable stage from what is whole (attempt.begin).
+        if damage:
             existing = None
         if only and STAGE_ORDER.index(name) > STAGE_ORDER.index(only):
             plans.append(StageDecision(name, stage_keys[name], "skip", existing))

@@ -42,9 +42,9 @@ from typing import Any, TextIO
 
 from data_prep.atomic import storage_error, write_json_atomic
 from model.parallel.threads import rank_threads_env
-from stages.shape import StageShape
+from stages.mechanism.shape import StageShape
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SPEC_FILE = "spec.json"
 """What a ranks stage's ``prepare`` writes in its work directory: the ranks' ``RankSpec``."""
 RANK_ERROR_FILE = "rank-error.json"
@@ -165,12 +165,12 @@ def rank_command(spec_path: str | Path, spec: RankSpec, python: str = sys.execut
 def local_command(spec_path: str | Path, python: str = sys.executable) -> list[str]:
     """The argv that starts every rank of the spec at ``spec_path`` on this machine: this
     module's own command line (``main``)."""
-    return [python, "-m", "stages.launch", "--spec", str(spec_path)]
+    return [python, "-m", "stages.mechanism.launch", "--spec", str(spec_path)]
 
 
 class LocalRanks:
     """The ``nproc`` ranks of a one-node spec, started here: rank 0 as a child of this
-    process, the others forked from it (``stages.forked_ranks``), so that the worker's
+    process, the others forked from it (``stages.mechanism.forked_ranks``), so that the worker's
     imports are paid once per launch.
 
     Rank 0 runs ``rank_command`` with its identity (``dist_env.local_rank_variables``); the
@@ -188,7 +188,7 @@ class LocalRanks:
         import tempfile
 
         from model.parallel.dist_env import local_rank_variables
-        from stages.forked_ranks import FORK_PEERS_VAR
+        from stages.mechanism.forked_ranks import FORK_PEERS_VAR
 
         if spec.nodes != 1:
             raise ValueError(
@@ -222,7 +222,7 @@ class LocalRanks:
 
     def wait(self) -> int:
         """Wait for every rank; the launch's exit code."""
-        from stages.forked_ranks import shell_exit_code
+        from stages.mechanism.forked_ranks import shell_exit_code
 
         code = self.rank0.wait()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
@@ -376,9 +376,9 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     anything else propagates. A hung rank shows where it waits: ``kill -USR2 <pid>`` prints
     the stack of each of its threads to its stderr (``STACKS_SIGNAL``). Rank 0 of a local
     launch first forks the launch's other ranks and ends with the launch's exit code
-    (``stages.forked_ranks``).
+    (``stages.mechanism.forked_ranks``).
     """
-    from stages.forked_ranks import fork_peers
+    from stages.mechanism.forked_ranks import fork_peers
 
     die_with_parent()
     peers = fork_peers(_arm_parent_death_signal, ok=(0, OUT_OF_TIME_EXIT))
@@ -423,7 +423,7 @@ def _run_rank(description: str, run: Callable[[RankSpec], Any], argv: list[str] 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m stages.launch --spec PATH``: start the spec's ranks on this machine.
+    """``python -m stages.mechanism.launch --spec PATH``: start the spec's ranks on this machine.
 
     The workflow's local ranks app runs this: it dies with its Parsl worker and the ranks die
     with it. Exits ``USER_ERROR_EXIT`` when a rank refused its input, ``OUT_OF_TIME_EXIT``

@@ -3,7 +3,8 @@
 One ``StageDeclaration`` per stage, in pipeline order. The workflow, the key mechanism and
 the pre-flight checks read these and know no stage by name. A declaration is light: it
 imports only the configuration and the shape arithmetic; the module that does the stage's
-work (``module``, under one of the protocols of ``stages.shape``) is imported only where the
+work (``module``, under one of the protocols of ``stages.mechanism.shape``) is imported only where
+the
 work runs (``StageDeclaration.work``).
 
 Adding a stage: write its work module (``run``; or ``prepare``/``part``/``finalize``; or
@@ -18,9 +19,9 @@ from types import ModuleType
 from typing import Any
 
 from model.planner.cluster import is_measured, rehearses
-from stages import checks
-from stages.config import PipelineConfig
-from stages.shape import (
+from stages.mechanism import checks
+from stages.mechanism.config import PipelineConfig
+from stages.mechanism.shape import (
     ALLOCATION,
     COMPUTE,
     FAN_OUT,
@@ -39,13 +40,15 @@ class StageDeclaration:
     - ``sections``: the config sections its key hashes (and its MLflow run records);
     - ``upstream``: the stages whose outputs (and keys) it consumes;
     - ``resumable``: a failed attempt's work directory is kept to continue from;
-    - ``shape``: how it runs for a config (``stages.shape.StageShape``);
+    - ``shape``: how it runs for a config (``stages.mechanism.shape.StageShape``);
     - ``module``: the work module; ``worker``: the rank worker module of a ranks stage (both
       named so the key's code hash follows them);
-    - ``check``: a cheap pre-flight of its inputs, run before any work (``stages.checks``);
-    - ``verify``: a cheap check of a published output before it is reused (``stages.checks``):
+    - ``check``: a cheap pre-flight of its inputs, run before any work
+      (``stages.mechanism.checks``);
+    - ``verify``: a cheap check of a published output before it is reused
+      (``stages.mechanism.checks``):
       a problem it names makes the stage run again, a resumable one continuing from that
-      output (``stages.attempt.begin``), so only what is damaged is redone;
+      output (``stages.mechanism.attempt.begin``), so only what is damaged is redone;
     - ``ranks_log``, ``activity``: where a local run of its ranks logs and what it is called.
     """
 

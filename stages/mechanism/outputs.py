@@ -5,7 +5,7 @@ succeeded, the MLflow run that made it, the key's ingredients) and ``outputs.jso
 later stages read). Work happens in ``<key>.partial/``; ``publish`` renames it to
 ``<key>/`` only once the stage finished, so a failed or interrupted stage never leaves
 output a later run could take as done. ``<key>.lock`` beside it is held by the one attempt
-at that key (``stages.locks``).
+at that key (``stages.mechanism.locks``).
 """
 from __future__ import annotations
 

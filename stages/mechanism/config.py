@@ -20,7 +20,7 @@ import yaml
 from data_prep.config import DataConfig, TokenizerConfig
 from model.config import ModelConfig, ParallelConfig, TrainConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
 
 
@@ -63,7 +63,8 @@ class EvalConfig:
     """Processes that compute the held-out loss data-parallel (windows dealt round-robin,
     sums all-reduced over gloo: the result does not depend on it). 1: computed inside the
     evaluate stage's own process (Parsl "cpu" executor, the submitting node), no launch.
-    > 1: ranks started like the training ranks (``stages.launch`` locally; srun on slurm/frontier,
+    > 1: ranks started like the training ranks (``stages.mechanism.launch`` locally; srun on
+    slurm/frontier,
     inside the training job's allocation), all on one node: on slurm a non-exclusive job
     asks for at least this many CPUs per node, on Frontier it must be <= 8 (one rank per
     GCD). Generations, lm-eval and the export run once, in the stage's driver-side app.

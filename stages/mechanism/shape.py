@@ -80,7 +80,7 @@ class FanOutWork(Protocol):
 
 
 class RanksWork(Protocol):
-    """``prepare`` writes a ``stages.launch.RankSpec`` and returns its path; the launcher
+    """``prepare`` writes a ``stages.mechanism.launch.RankSpec`` and returns its path; the launcher
     starts the ranks from it; ``finalize`` reads what they wrote and returns the outputs."""
 
     def prepare(self, cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> str: ...

@@ -2,8 +2,8 @@
 
 A check reads no more than the start of a file and writes nothing. It raises a
 ``ValueError`` subclass (``ConfigError``, ``DataError``, ``EvaluationError``) whose message
-names the setting and the fix. ``stages.preflight`` runs the check of every stage a run
-will compute (the declarations in ``stages.registry`` name them); each stage's own work
+names the setting and the fix. ``stages.mechanism.preflight`` runs the check of every stage a run
+will compute (the declarations in ``stages.mechanism.registry`` name them); each stage's own work
 checks the whole input again as it reads it. Imports stay light (no torch, datasets or
 MLflow), so a bad input costs a second.
 """
@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from model.config import TrainConfig
-from stages.config import ConfigError, PipelineConfig, SiteConfig
+from stages.mechanism.config import ConfigError, PipelineConfig, SiteConfig
 
 
 class EvaluationError(ValueError):
@@ -50,7 +50,7 @@ def token_store_problem(outputs: dict[str, Any]) -> str | None:
     directories alone (no chunk is read): a missing manifest or part; None when whole.
 
     A part removed after its chunk failed its checksum is found here, so the next run
-    re-encodes just that part (``stages.attempt.begin``)."""
+    re-encodes just that part (``stages.mechanism.attempt.begin``)."""
     from data_prep.errors import StoreError
     from data_prep.store import open_store
 
@@ -168,8 +168,8 @@ def check_train(cfg: PipelineConfig) -> None:
                 f"{LOCAL_RANKS_PER_CORE * cores} ({LOCAL_RANKS_PER_CORE} per core) run here: "
                 "lower parallel.nproc, or run on a Slurm site (--site slurm or frontier)")
         return
-    from stages import outputs
-    from stages.selection import stage_keys
+    from stages.mechanism import outputs
+    from stages.mechanism.selection import stage_keys
 
     plan = outputs.find_succeeded(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
     if plan is None:

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from stages import locks
-from stages.config import ConfigError
+from stages.mechanism import locks
+from stages.mechanism.config import ConfigError
 
 # import mlflow writes a telemetry file unless told not to.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -450,10 +450,10 @@ def _spool_tracking_uri(spool: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m stages.tracking import-metrics SPOOL [--tracking-uri URI]``."""
+    """``python -m stages.mechanism.tracking import-metrics SPOOL [--tracking-uri URI]``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m stages.tracking",
+    parser = argparse.ArgumentParser(prog="python -m stages.mechanism.tracking",
                                      description="MLflow tools of the pipeline")
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import-metrics",
