@@ -2,12 +2,12 @@
 
 For each preset (default: configs/frontier-22b.yaml, -175b and -1t at their
 ``parallel.nproc`` GCDs) the planner picks the plan as the plan stage does
-(``stages.plan.choose`` on the preset's cluster with the preset's fixed fields), then with
-``--top K`` the next best plans that differ in memory, and each of their busiest ranks
+(``model.planner.choose.choose`` on the preset's cluster with the preset's fixed fields), then
+with ``--top K`` the next best plans that differ in memory, and each of their busiest ranks
 (the first and the last pipeline stage) is rehearsed by
-``stages.plan.rehearsal_records`` (``model.training.rehearse``: the real trainer, one warm-up
-and one measured training step on fake tensors in a fake process group of the plan's world
-size), each in a fresh process so that its host peak RSS is its own. Recorded per rank:
+``model.planner.rehearsal.rehearsal_records`` (``model.training.rehearse``: the real trainer,
+one warm-up and one measured training step on fake tensors in a fake process group of the
+plan's world size), each in a fresh process so that its host peak RSS is its own. Recorded per rank:
 wall seconds of the rehearsal and of the whole process, host peak RSS and the RSS before
 the rehearsal (after imports and the plan search), the rehearsed peak memory (tensor bytes,
 and with the cluster's margins) beside the memory model's (with margins, and its states +
@@ -65,10 +65,11 @@ def ranked_plans(preset: str, devices: int | None, top: int) -> tuple[Any, Any, 
     then the search's next best, skipping plans that hold the same memory as one already
     listed (selective recompute with a flash kernel stores what no recompute stores), up to
     ``top`` plans."""
+    from model.planner.choose import choose, fixed_fields
     from model.planner.memory_model import memory_breakdown
     from model.planner.microbench import load_measured_cluster
     from model.planner.shapes import Shapes, encode
-    from stages.plan import choose, fixed_fields, load_model_file
+    from workflows.plan import load_model_file
 
     model_cfg, train_cfg, full = load_model_file(ROOT / "configs" / f"{preset}.yaml")
     world = devices or full.parallel.nproc
@@ -121,8 +122,8 @@ def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0)
     """In this process: rehearse the first or last stage's rank of the preset's plan number
     ``index`` (0: the plan the stage chooses)."""
     t0 = time.perf_counter()
+    from model.planner.rehearsal import rehearsal_records
     from model.training.rehearse import busiest_ranks
-    from stages.plan import rehearsal_records
     if preset.startswith(f"{STUDY}:"):  # index -1: the study's own plan
         model_cfg, train_cfg, cluster, plan, world = study_run(preset.split(":", 1)[1])
     else:
@@ -148,7 +149,8 @@ def remodel(record: dict[str, Any]) -> dict[str, Any]:
     figures are measurements and stay."""
     from model.planner.microbench import load_measured_cluster
     from model.planner.plan import Plan
-    from stages.plan import load_model_file, modeled_rank_memory
+    from model.planner.rehearsal import modeled_rank_memory
+    from workflows.plan import load_model_file
 
     if "error" in record:
         return record

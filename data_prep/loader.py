@@ -14,11 +14,19 @@ tokens, under ``seq_len``) is never a target; ``unused_fraction`` gives the shar
 sizes: two stores of the same corpus with different shard counts hold the same tokens but
 not the same windows.
 
-Shuffle (``shuffle=True``). Each epoch permutes the blocks (seeded by seed and epoch) and
-takes them ``group_blocks`` at a time; each block's windows are permuted and the group's
-blocks are interleaved evenly (round robin for equal blocks), so any run of consecutive
-windows draws the same share from every block of its group. Reading a group decompresses
-each of its chunks once and serves every window from memory.
+Shuffle (``shuffle=True``). Each epoch permutes the blocks of the whole split (seeded by
+seed and epoch) and cuts that order into groups of ``group_blocks`` blocks or one fewer
+(``ceil(blocks / group_blocks)`` groups of near-equal size, so an epoch never ends on a
+group of a few blocks); each block's windows are permuted and the group's blocks are
+interleaved evenly (round robin for equal blocks), so any run of consecutive windows draws
+the same share from every block of its group. A group is a uniform random sample of the
+store, and every step draws its windows from ``min(global_batch, group size)`` different
+blocks of it. Reading a group decompresses each of its chunks once and serves every window
+from memory. ``group_blocks`` defaults to as many blocks as ``GROUP_BYTES`` of decoded
+tokens hold (``default_group_blocks``: 256 blocks of 65,536 uint16 tokens), so a store of
+up to that many blocks is one group an epoch and every step mixes the whole store; a step
+that drew from 8 blocks for hundreds of steps (the old default of 8 at 511 windows a block)
+trains on a few chunks at a time and its loss jumps when the group changes.
 
 Global order. The window sequence depends only on the store, split, seq_len, seed and
 group_blocks, never on dp_size: global batch ``s`` is the windows at positions
@@ -45,7 +53,32 @@ import torch
 from data_prep.errors import DataError
 from data_prep.store import SplitReader, StoreInfo
 
-STATE_VERSION = 2  # 2: windows inside chunks (1 ran across them)
+STATE_VERSION = 3  # 3: groups of near-equal size, default group_blocks by bytes; 2: windows
+# inside chunks (1 ran across them)
+
+GROUP_BYTES = 32 * 2**20
+"""Decoded tokens one group of blocks holds by default (the loader's cache keeps up to two
+groups' worth, across a rank's slots)."""
+MIN_GROUP_BLOCKS, MAX_GROUP_BLOCKS = 8, 1024
+"""Bounds of the default ``group_blocks`` (the upper one bounds a group's window sort)."""
+
+
+def default_group_blocks(block_tokens: int, itemsize: int) -> int:
+    """Blocks of ``block_tokens`` tokens of ``itemsize`` bytes that ``GROUP_BYTES`` hold,
+    within ``[MIN_GROUP_BLOCKS, MAX_GROUP_BLOCKS]``."""
+    return int(np.clip(GROUP_BYTES // max(1, block_tokens * itemsize),
+                       MIN_GROUP_BLOCKS, MAX_GROUP_BLOCKS))
+
+
+def radical_inverse(k: int) -> float:
+    """The base-2 van der Corput value of ``k``: its binary digits mirrored behind the point
+    (0, 0.5, 0.25, 0.75, 0.125, ...), a sequence that spreads any prefix evenly in [0, 1)."""
+    value, scale = 0.0, 0.5
+    while k:
+        k, bit = divmod(k, 2)
+        value += bit * scale
+        scale /= 2
+    return value
 
 
 class TokenWindowLoader:
@@ -53,22 +86,24 @@ class TokenWindowLoader:
 
     def __init__(self, store: StoreInfo | str | Path, split: str, seq_len: int, global_batch: int,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True,
-                 group_blocks: int = 8, cache_chunks: int | None = None) -> None:
+                 group_blocks: int | None = None, cache_chunks: int | None = None) -> None:
         if seq_len < 1 or global_batch < 1:
             raise ValueError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be >= 1")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         if global_batch % dp_size:
             raise ValueError(f"global_batch={global_batch} is not divisible by dp_size={dp_size}")
-        if group_blocks < 1:
+        if group_blocks is not None and group_blocks < 1:
             raise ValueError(f"group_blocks must be >= 1, got {group_blocks}")
         self.seq_len, self.global_batch = seq_len, global_batch
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed, self.shuffle, self.group_blocks = seed, shuffle, group_blocks
+        self.seed, self.shuffle = seed, shuffle
         self.split = split
         # Decoded blocks are cached here; the reader's chunk cache only spans adjacent blocks.
         self.reader = SplitReader(store, split, cache_chunks or 4)
         self._lay_out_blocks()
+        self.group_blocks = group_blocks or default_group_blocks(
+            self.block_tokens, np.dtype(self.reader.info.dtype).itemsize)
         if self.num_windows < 1:
             raise DataError(
                 f"split {split!r} of {self.reader.info.path} has {self.reader.num_tokens} tokens, "
@@ -76,7 +111,7 @@ class TokenWindowLoader:
                 f"{self.block_tokens} tokens: lower seq_len or add data"
             )
         self.consumed = 0  # windows consumed by the whole dp group
-        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._epoch_cache: tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._group_cache: tuple[int, int, np.ndarray] | None = None
         self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
 
@@ -141,30 +176,42 @@ class TokenWindowLoader:
     def epoch(self) -> int:
         return self.consumed // self.num_windows
 
-    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(block order, end position of each group, each block's place in the order) for
-        ``epoch``."""
+    def group_bounds(self) -> np.ndarray:
+        """Where each group starts in an epoch's block order, then the block count:
+        ``ceil(blocks / group_blocks)`` groups whose sizes differ by at most one block."""
+        groups = -(-self.num_blocks // self.group_blocks)
+        return np.arange(groups + 1, dtype=np.int64) * self.num_blocks // groups
+
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(block order, end position of each group, each block's place in the order, each
+        group's first place and the block count: ``group_bounds``) for ``epoch``."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
             sizes = self.block_windows_of(order)[1]
-            per_group = np.add.reduceat(sizes, np.arange(0, self.num_blocks, self.group_blocks))
+            bounds = self.group_bounds()
+            per_group = np.add.reduceat(sizes, bounds[:-1])
             place = np.empty(self.num_blocks, dtype=np.int64)
             place[order] = np.arange(self.num_blocks)
-            self._epoch_cache = (epoch, order, np.cumsum(per_group), place)
-        return self._epoch_cache[1], self._epoch_cache[2], self._epoch_cache[3]
+            self._epoch_cache = (epoch, order, np.cumsum(per_group), place, bounds)
+        return self._epoch_cache[1:]
 
-    def _group_windows(self, epoch: int, group: int, order: np.ndarray) -> np.ndarray:
+    def _group_windows(self, epoch: int, group: int, order: np.ndarray,
+                       bounds: np.ndarray) -> np.ndarray:
         """The window sequence of one group of blocks: each block's windows permuted, the
-        blocks interleaved evenly (window ``i`` of a block of ``n`` sits at fraction
-        ``(i + 0.5) / n`` of the group; ties go to the block's place in the group)."""
+        blocks interleaved evenly (window ``i`` of the block in slot ``k``, of ``n``
+        windows, sits at fraction ``(i + radical_inverse(k)) / n`` of the group; ties go to
+        the slot). The offsets visit the slots of each round in bit-reversed order, so a
+        run of ``2**j`` windows of a round draws one window from each of ``2**j`` equal
+        slot ranges: sorted by slot, a batch's rows split among the dp ranks by slot range
+        also when the group has more blocks than the batch has rows."""
         if self._group_cache is None or self._group_cache[:2] != (epoch, group):
-            blocks = order[group * self.group_blocks : (group + 1) * self.group_blocks]
+            blocks = order[bounds[group] : bounds[group + 1]]
             firsts, counts, _ = self.block_windows_of(blocks)
             windows, spread, slot = [], [], []
             for k, (first, n) in enumerate(zip(firsts.tolist(), counts.tolist(), strict=True)):
                 rng = np.random.default_rng([self.seed, epoch, group + 1, k])
                 windows.append(first + rng.permutation(n))
-                spread.append((np.arange(n) + 0.5) / n)
+                spread.append((np.arange(n) + radical_inverse(k)) / n)
                 slot.append(np.full(n, k))
             sequence = np.lexsort((np.concatenate(slot), np.concatenate(spread)))
             self._group_cache = (epoch, group, np.concatenate(windows)[sequence])
@@ -179,35 +226,38 @@ class TokenWindowLoader:
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            order, group_ends, _ = self._epoch_order(int(epoch))
+            order, group_ends, _, bounds = self._epoch_order(int(epoch))
             pos = within[mask]
             groups = np.searchsorted(group_ends, pos, side="right")
             starts = np.where(groups > 0, group_ends[np.maximum(groups - 1, 0)], 0)
             result = np.empty(len(pos), dtype=np.int64)
             for group in np.unique(groups):
                 sel = groups == group
-                group_windows = self._group_windows(int(epoch), int(group), order)
+                group_windows = self._group_windows(int(epoch), int(group), order, bounds)
                 result[sel] = group_windows[pos[sel] - starts[sel]]
             out[mask] = result
         return out
 
     def batch_windows(self, first: int) -> np.ndarray:
         """The windows of the global batch at sequence position ``first``, in row order:
-        by the block's slot in its group (its place in the epoch's block order modulo
-        ``group_blocks``), then epoch, group and sequence position. The even interleave gives
-        every slot the same share of a batch, so dp rank ``r`` reads the blocks of slots near
-        ``r * group_blocks / dp_size`` of whichever groups the batch spans (one batch may end
-        a group and begin the next): each rank keeps to its own blocks."""
+        by the block's slot in its group (its place in the epoch's block order less its
+        group's first place), then epoch, group and sequence position. The even interleave
+        gives every slot the same share of a batch, so dp rank ``r`` reads the blocks of
+        slots near ``r * group_size / dp_size`` of whichever groups the batch spans (one
+        batch may end a group and begin the next): each rank keeps to its own blocks."""
         windows = self.window_indices(first, self.global_batch)
         if not self.shuffle:
             return windows
         positions = np.arange(first, first + self.global_batch, dtype=np.int64)
         epochs = positions // self.num_windows
-        place = np.empty(self.global_batch, dtype=np.int64)
+        group = np.empty(self.global_batch, dtype=np.int64)
+        slot = np.empty(self.global_batch, dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
-            place[mask] = self._epoch_order(int(epoch))[2][self.block_of(windows[mask])]
-        group, slot = np.divmod(place, self.group_blocks)
+            _, _, place_of, bounds = self._epoch_order(int(epoch))
+            place = place_of[self.block_of(windows[mask])]
+            group[mask] = np.searchsorted(bounds, place, side="right") - 1
+            slot[mask] = place - bounds[group[mask]]
         return windows[np.lexsort((positions, group, epochs, slot))]
 
     def window_index(self, position: int) -> int:
@@ -280,6 +330,11 @@ class TokenWindowLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (dp_size and global_batch may differ from when it was saved)."""
         mine = self.state_dict()
+        if state.get("version") != mine["version"]:
+            raise ValueError(
+                f"loader state version {state.get('version')!r} was saved by a loader that "
+                f"orders windows differently (this one writes {mine['version']}): continue "
+                "that training with the code that saved it, or start it again")
         for key in ("version", "split", "seq_len", "seed", "shuffle", "group_blocks", "num_tokens",
                     "tokenizer_hash"):
             if state.get(key) != mine[key]:

@@ -1,6 +1,7 @@
 """Open a finished token store and read token ranges from it (see the package docstring)."""
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from data_prep.chunk_files import ChunkFile, open_chunk_file
+from data_prep.chunk_files import CRC_BYTES, MISSING, ChunkFile, open_chunk_file
 from data_prep.errors import StoreError
 
 FORMAT_VERSION = 1
@@ -226,3 +227,47 @@ class SplitReader:
             path = Path(self.info.path) / part["path"] / "doc_offsets"
             out.append(zarr.open_array(str(path), mode="r")[1:] + self.starts[i])
         return np.concatenate(out)
+
+
+def content_digest(path: str | Path) -> str:
+    """SHA-256 of what a complete store holds, cheaply: its manifest (less the time it was
+    written), its tokenizer file and the stored CRC32C of every chunk of every array (read
+    from each chunk's tail, so no chunk is decompressed). Two stores with the same digest
+    serve the same tokens, whatever run, host or path made them."""
+    root = Path(path)
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest.pop("created", None)
+    for split in manifest.get("splits", {}).values():
+        for part in split.get("parts", []):
+            part.pop("host", None)  # which node encoded a part does not change its tokens
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
+    digest.update((root / manifest.get("tokenizer_file", "tokenizer.json")).read_bytes())
+    for meta_path in sorted(root.rglob("zarr.json")):
+        digest.update(meta_path.relative_to(root).as_posix().encode())
+        meta = json.loads(meta_path.read_text())
+        if meta.get("node_type") != "array":
+            continue
+        sharding = meta["codecs"][0]
+        per_shard = 1
+        if sharding.get("name") == "sharding_indexed":
+            outer = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+            per_shard = outer // sharding["configuration"]["chunk_shape"][0]
+        for shard_file in sorted((meta_path.parent / "c").rglob("*"),
+                                 key=lambda p: p.relative_to(meta_path.parent).parts):
+            if not shard_file.is_file():
+                continue
+            digest.update(shard_file.relative_to(root).as_posix().encode())
+            with open(shard_file, "rb") as file:
+                if sharding.get("name") != "sharding_indexed":
+                    digest.update(file.read())
+                    continue
+                size = per_shard * 16 + CRC_BYTES
+                file.seek(-size, 2)
+                index = np.frombuffer(file.read(size)[:-CRC_BYTES], dtype="<u8").reshape(-1, 2)
+                for offset, nbytes in index:
+                    if offset == MISSING:
+                        digest.update(b"missing")
+                        continue
+                    file.seek(int(offset + nbytes) - CRC_BYTES)
+                    digest.update(file.read(CRC_BYTES))
+    return digest.hexdigest()[:16]

@@ -249,6 +249,11 @@ class TrainConfig:
     """Final learning rate of the cosine decay as a fraction of lr."""
     warmup_steps: int = 5
     """Linear warm-up steps."""
+    decay_steps: int | None = None
+    """The step at which the cosine decay reaches min_lr_ratio (then stays there); None: at
+    train.steps. Fix it (e.g. to the longest training you may extend to) and the schedule no
+    longer depends on train.steps, so raising train.steps continues a training exactly as an
+    uninterrupted run of the new length would have gone."""
     weight_decay: float = 0.1
     """AdamW weight decay (not applied to norms and biases)."""
     beta1: float = 0.9
@@ -263,11 +268,13 @@ class TrainConfig:
     """Compute dtype: float32, or bfloat16 mixed precision where the device supports it."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0: only at the end)."""
-    checkpoint_minutes: float | None = None
+    checkpoint_minutes: float | str | None = None
     """Also save a checkpoint once this many minutes of training have passed since the last
     save returned (or since training started in this attempt), whichever of this and
     checkpoint_every comes first; None: by step count only. Rank 0's clock decides for all
-    ranks."""
+    ranks. ``auto``: the interval that loses least work to failures (Young/Daly, from the
+    save time and the allocation's failure rate: model.planner.failures), resolved to
+    minutes by the train stage before its ranks start."""
     keep_last: int = 2
     """Keep the newest K complete checkpoints; older ones are deleted after each new save
     (never the one this attempt resumed from, nor one kept by keep_every)."""
@@ -288,6 +295,39 @@ class TrainConfig:
     a Hugging Face LLaMA/GPT-NeoX directory or one of our checkpoints (``step-N``). The model
     shape is taken from it (a conflicting model.* setting is an error); the optimizer, the
     schedule and the data start afresh. A checkpoint of this run, once written, wins."""
+    resume_from: str | None = None
+    """Continue another training of the same model and data instead of starting at step 0:
+    ``auto`` (the newest training of this config whose key differs only by code or
+    train.steps), a train stage key, or a checkpoint directory (``.../step-N``). Weights,
+    optimizer, schedule position and data order all continue. None: only a rise of
+    train.steps continues on its own (docs/reruns.md)."""
+    step_checks: bool = True
+    """Check every step's loss and gradient norm on every rank (one small all-reduce a step):
+    a non-finite one skips the step's update, a loss spike or max_bad_steps bad steps in a row
+    roll back to the newest checkpoint, skipping the data since it (docs/training.md)."""
+    max_bad_steps: int = 3
+    """Roll back after this many non-finite steps in a row (each one alone is skipped)."""
+    spike_deviations: float | None = 6.0
+    """A loss spike: more than this many robust deviations (1.4826 x the median absolute
+    deviation) above the median of the last spike_window good losses; None: no spike rule."""
+    spike_window: int = 50
+    """Good steps the spike rule looks back on; it judges nothing until it has seen them."""
+    spike_min_rise: float = 1.0
+    """A spike must also exceed that median by this fraction of it (1.0: twice the median).
+    A quiet curve's tiny deviation never makes a wobble a spike, nor a shift in the data a
+    spike: the tiny preset's healthy curve rises up to 54 % where the loader moves to
+    another group of blocks (step 256)."""
+    max_rollbacks: int = 5
+    """Stop with an error after this many rollbacks in one training."""
+    slow_rank_every: int = 50
+    """Gather every rank's busy seconds per step every N steps (one all-gather of a float)
+    and log the slowest over the median rank; 0: never."""
+    slow_rank_ratio: float = 1.5
+    """Name on the console the ranks busier per step than this multiple of the median rank."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer than this for its peers fails the job, naming the ranks
+    that did not arrive and what each was last doing (docs/training.md, "A hung collective").
+    Longer than the slowest step and checkpoint save or load; changes no output."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every"):
@@ -296,12 +336,33 @@ class TrainConfig:
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+        _require(self.decay_steps is None or self.decay_steps > self.warmup_steps,
+                 f"train.decay_steps must be null or > train.warmup_steps={self.warmup_steps}, "
+                 f"got {self.decay_steps}")
         _require(self.grad_clip >= 0, "train.grad_clip must be >= 0")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every must be >= 0")
-        _require(self.checkpoint_minutes is None or self.checkpoint_minutes > 0,
+        minutes = self.checkpoint_minutes
+        _require(minutes is None or minutes == "auto" or (
+                     not isinstance(minutes, str) and minutes > 0),
                  f"train.checkpoint_minutes must be > 0 minutes or null (by step count only), "
-                 f"got {self.checkpoint_minutes}")
+                 f"or auto (the interval that loses least work to failures), got {minutes!r}")
         _require(self.keep_last >= 1, f"train.keep_last must be >= 1 (the newest checkpoint is "
                  f"always kept), got {self.keep_last}")
         _require(self.keep_every is None or self.keep_every > 0,
                  f"train.keep_every must be > 0 steps or null, got {self.keep_every}")
+        _require(self.max_bad_steps >= 1, f"train.max_bad_steps must be >= 1, got "
+                 f"{self.max_bad_steps}")
+        _require(self.spike_deviations is None or self.spike_deviations > 0,
+                 f"train.spike_deviations must be > 0 or null, got {self.spike_deviations}")
+        _require(self.spike_window >= 3, f"train.spike_window must be >= 3 steps, got "
+                 f"{self.spike_window}")
+        _require(self.spike_min_rise >= 0, f"train.spike_min_rise must be >= 0, got "
+                 f"{self.spike_min_rise}")
+        _require(self.max_rollbacks >= 0, f"train.max_rollbacks must be >= 0, got "
+                 f"{self.max_rollbacks}")
+        _require(self.slow_rank_every >= 0, f"train.slow_rank_every must be >= 0 (0: never), "
+                 f"got {self.slow_rank_every}")
+        _require(self.slow_rank_ratio > 1, f"train.slow_rank_ratio must be > 1, got "
+                 f"{self.slow_rank_ratio}")
+        _require(self.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0 "
+                 f"seconds, got {self.collective_timeout_s}")

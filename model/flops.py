@@ -4,28 +4,42 @@ Parameters, by part (``GPTParams``): per block the attention and MLP matrices, t
 biases and the two norms; the input embedding (vocab x d_model, a lookup), the final norm
 and the untied output head (vocab x d_model).
 
-FLOPs per token (forward + backward, matmuls only; Kaplan et al. / PaLM appendix B):
+FLOPs per token (forward + backward, matmuls only; Kaplan et al. / PaLM appendix B, with
+causal attention counted as the model computes it):
 
-    flops_per_token = 6 * N + 12 * n_layers * d_model * seq_len
+    flops_per_token = 6 * N + 6 * n_layers * d_model * seq_len
 
 where N is the number of non-embedding parameters (all transformer blocks, final norm and
 the output head; the input embedding is a lookup, not a matmul) and the second term is
 the attention score and value products (QK^T and AV: 2 matmuls x 2 FLOPs x 3 for
-forward+backward = 12 per layer per d_model per key position). Recompute FLOPs from
-activation checkpointing are NOT counted: this is model FLOPs utilisation (MFU), not
-hardware FLOPs utilisation. The trainer's measured MFU and the planner's predicted MFU
-both use this count.
+forward+backward = 12 per layer per d_model per key position), halved because the model's
+attention is causal: a token attends to the keys up to its own, seq_len / 2 of them on
+average, and the fused kernel (``scaled_dot_product_attention(is_causal=True)``) skips the
+masked half, as the planner's time model prices it. PaLM's full 12 counts the masked
+products as work done: with attention dominating a long sequence the "MFU" would then
+approach twice the kernels' efficiency and pass 100 %. Recompute FLOPs from activation
+checkpointing are NOT counted: this is model FLOPs utilisation (MFU), not hardware FLOPs
+utilisation. The trainer's measured MFU and the planner's predicted MFU both use this count.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from model.config import ModelConfig
+from model.parallel.threads import THREADS_VAR
 
-# Dense bf16 peak TFLOP/s per device (per GCD for MI250X). CPU: a nominal figure; pass the
-# real number as spec["peak_tflops"] when it matters.
-PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "mi250x": 191.5, "mi300x": 1307.0,
-               "cpu": 0.1}
+# Dense bf16 peak TFLOP/s per device (per GCD for MI250X), from the vendors' data sheets.
+# A CPU's peak is computed from the machine (``cpu_peak_tflops``).
+PEAK_TFLOPS = {"h200": 989.0, "h100": 989.0, "a100": 312.0, "mi250x": 191.5, "mi300x": 1307.0}
+
+CPU_FLOPS_PER_CYCLE = (("amx_bf16", True, 1024), ("avx512_bf16", True, 128),
+                       ("avx512f", False, 64), ("avx2", False, 32), ("avx", False, 16))
+"""(cpuinfo flag, bf16 only, FLOPs per cycle per core), widest first: two FMA units of the
+vector width (avx512f: 2 x 16 fp32 lanes x 2), AMX's bf16 tiles 1,024. The first flag a CPU
+has gives its rate (no flag known: 64); a bf16 row counts only for bfloat16 training."""
+
+CPU_CLOCK_FALLBACK_GHZ = 5.0
+"""Clock assumed when the machine does not say (above any CPU's): the peak stays a bound."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +97,7 @@ class GPTParams:
     def flops_per_token(self, seq_len: int) -> float:
         """Training model FLOPs per token at ``seq_len`` (see module docstring)."""
         return (6.0 * self.total(include_embedding=False)
-                + 12.0 * self.n_layers * self.d_model * seq_len)
+                + 6.0 * self.n_layers * self.d_model * seq_len)  # causal: half of PaLM's 12
 
 
 def param_count(cfg: ModelConfig, include_embedding: bool = True) -> int:
@@ -96,10 +110,50 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return GPTParams.from_config(cfg).flops_per_token(seq_len)
 
 
-def default_peak_tflops(device_type: str, device_name: str = "") -> float:
-    """Best-known bf16 peak for a device name (falls back to the CPU nominal figure)."""
+def default_peak_tflops(device_type: str, device_name: str = "",
+                        dtype: str = "bfloat16") -> float:
+    """The peak MFU is measured against: a GPU's dense bf16 peak by its name (989 for an
+    unknown GPU), a CPU's from this machine at ``dtype`` (``cpu_peak_tflops``)."""
+    if device_type == "cpu":
+        return cpu_peak_tflops(dtype)
     name = device_name.lower().replace(" ", "")
     for key, value in PEAK_TFLOPS.items():
-        if key != "cpu" and key in name:
+        if key in name:
             return value
-    return PEAK_TFLOPS["cpu"] if device_type == "cpu" else 989.0
+    return 989.0
+
+
+def cpu_peak_tflops(dtype: str = "float32", threads: int | None = None,
+                    cpuinfo: str | None = None) -> float:
+    """Peak TFLOP/s of one CPU rank: its cores (``threads``, default OMP_NUM_THREADS capped by
+    the cores this process may use) x the fastest clock the machine reports x the FLOPs per
+    cycle of its widest vector unit for ``dtype`` (``CPU_FLOPS_PER_CYCLE``). A bound no run
+    can pass, where the planner's measured rate (a block's speed with every rank busy,
+    ``configs/clusters/local.yaml``) is one a quieter machine beats: MFU against it read
+    108 % on this machine. ``cpuinfo``: /proc/cpuinfo's text (read when None)."""
+    import os
+    import re
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as file:
+                cpuinfo = file.read()
+        except OSError:
+            cpuinfo = ""
+    found = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+    flags = set(found.group(1).split()) if found else set()
+    per_cycle = next((rate for flag, bf16_only, rate in CPU_FLOPS_PER_CYCLE
+                      if flag in flags and (dtype == "bfloat16" or not bf16_only)), 64)
+    mhz = [float(v) for v in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", cpuinfo, re.M)]
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq") as file:
+            mhz.append(int(file.read()) / 1000)  # kHz
+    except (OSError, ValueError):
+        pass
+    ghz = max(mhz) / 1000 if mhz else CPU_CLOCK_FALLBACK_GHZ
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if threads is None:  # a rank runs the threads its launcher exported (model.parallel.threads)
+        wanted = os.environ.get(THREADS_VAR, "")
+        threads = int(wanted) if wanted.isdigit() and int(wanted) > 0 else (cores or 1)
+    threads = max(1, min(threads, cores or threads))
+    return ghz * per_cycle * threads / 1e3

@@ -15,9 +15,10 @@ replicas split the windows, and every rank also runs the greedy and sampled gene
 ``loss.json``.
 
 The ``stages.mechanism.launch.RankSpec`` (written by ``stages.evaluate.prepare``) carries the
-config,
-the store and the output directory; its ``extra`` holds "checkpoint", "split", "sources"
-([[start, stop, name], ...]), "tokenizer" and "layout" (None: every rank holds the model).
+config, the store and the output directory; its ``extra`` holds "checkpoint" (the one
+prepare chose: the train outputs', or the newest intact one before it when that one is
+damaged), "split", "sources" ([[start, stop, name], ...]), "tokenizer" and "layout" (None:
+every rank holds the model).
 """
 from __future__ import annotations
 
@@ -79,10 +80,18 @@ def _init_gloo(env: DistEnv) -> None:
 
 def run_single(spec: RankSpec) -> dict[str, Any]:
     """Evaluate the whole split in this process (no process group); write loss.json."""
-    result = evaluate_spec(spec)
+    with _node_metrics(spec, 0):
+        result = evaluate_spec(spec)
     result["windows_per_rank"] = [result["local_windows"]]
     write_loss(spec.out_dir, result)
     return result
+
+
+def _node_metrics(spec: RankSpec, local_rank: int):
+    """This node's system metrics in the stage run while the block runs (local rank 0)."""
+    from stages.mechanism.tracking import node_system_metrics
+
+    return node_system_metrics(config_from_dict(spec.config), spec.tracking, local_rank)
 
 
 def run_spec(spec: RankSpec) -> dict[str, Any]:
@@ -95,12 +104,14 @@ def run_spec(spec: RankSpec) -> dict[str, Any]:
         raise ValueError(f"{spec.out_dir}: launched on {env.world_size} rank(s) but the spec "
                          f"asks for eval.ranks={expected}: launch exactly that many ranks")
     if spec.extra.get("layout"):
-        return run_layout(spec, env)
+        with _node_metrics(spec, env.local_rank):
+            return run_layout(spec, env)
     if env.world_size == 1:
         return run_single(spec)
     _init_gloo(env)
     try:
-        result = evaluate_spec(spec, env.rank, env.world_size, env.local_rank)
+        with _node_metrics(spec, env.local_rank):
+            result = evaluate_spec(spec, env.rank, env.world_size, env.local_rank)
         per_rank: list[Any] = [None] * env.world_size
         dist.all_gather_object(per_rank, result["local_windows"])
         result["windows_per_rank"] = per_rank

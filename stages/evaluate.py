@@ -1,7 +1,8 @@
 """Stage evaluate: held-out loss/perplexity, generations, HF export, plots, MLflow model.
 
-Reads the trained checkpoint (``inputs["train"]["checkpoint"]``) and the token store
-(``inputs["tokenize"]["store"]``) and writes into ``out_dir``:
+Reads the trained checkpoint (``inputs["train"]["checkpoint"]``; when that one is damaged,
+the newest intact one before it, said in one console line: ``choose_checkpoint``) and the
+token store (``inputs["tokenize"]["store"]``) and writes into ``out_dir``:
 
 - ``report.json`` / ``report.md``: validation loss and perplexity (token-weighted over
   ``eval.max_tokens`` tokens of the validation split), per source, the number of ranks
@@ -42,6 +43,7 @@ from typing import Any
 from data_prep.atomic import write_text_atomic
 from data_prep.store import SplitReader, StoreInfo, open_store
 from model.config import vocab_fit_problem
+from model.evaluation.choice import CheckpointChoice, NoIntactCheckpoint, usable_checkpoint
 from model.evaluation.loss import plan_windows
 from model.evaluation.shards import DEFAULT_SHARD_BYTES
 from stages.mechanism import tracking
@@ -54,6 +56,9 @@ SPLIT = "validation"
 LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
 GENERATIONS_FILE = "generations.json"  # written by rank 0 with eval.layout=training
 EXPORT_SHARD_BYTES = DEFAULT_SHARD_BYTES  # safetensors shard size of the hf/ export
+# What to do when no checkpoint of the training is intact: train again (the train stage
+# recomputes from scratch; its published checkpoints are replaced once the new ones exist).
+RETRAIN = "rerun the training: python -m workflows.pipeline --from train"
 
 
 def training_layout(cfg: PipelineConfig, train_outputs: dict[str, Any]) -> dict[str, int] | None:
@@ -95,6 +100,22 @@ def training_tokenizer_hash(train_outputs: dict[str, Any]) -> tuple[str | None, 
         "the train outputs carry no tokenizer_hash, so the store it was trained on is unknown: "
         "rerun the train stage (python -m workflows.pipeline --from train)"
     )
+
+
+def choose_checkpoint(train_outputs: dict[str, Any]) -> CheckpointChoice:
+    """The checkpoint to evaluate and export: the one the train outputs name, or, when it is
+    damaged, the newest intact one before it (``model.evaluation.choice``), said in one
+    console line. EvaluationError, naming the fix, when none is intact."""
+    named = train_outputs.get("checkpoint")
+    if not named:
+        raise EvaluationError(f"the train outputs name no checkpoint: {RETRAIN}")
+    try:
+        choice = usable_checkpoint(named)
+    except NoIntactCheckpoint as err:
+        raise EvaluationError(f"{err}: {RETRAIN}") from None
+    if choice.skipped:
+        print(f"[evaluate] {choice.note('evaluating and exporting')}", flush=True)
+    return choice
 
 
 def check_inputs(cfg: PipelineConfig, store: StoreInfo, train_outputs: dict[str, Any]) -> str:
@@ -184,7 +205,9 @@ def report_markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Evaluation",
         "",
-        f"- checkpoint: `{report['checkpoint']}`",
+        f"- checkpoint: `{report['checkpoint']}` (step {report.get('checkpoint_step')})",
+        *[f"- skipped damaged checkpoint `{item['checkpoint']}`: {item['problem']}"
+          for item in report.get("checkpoint_skipped", [])],
         (f"- validation loss: **{report['val_loss']:.4f}** nats/token, perplexity "
         f"**{report['perplexity']:.2f}** over {report['tokens']:,} tokens "
         f"({report['windows']} windows of {report['seq_len']}, "
@@ -218,8 +241,10 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     """Every check before a rank starts; write ``out_dir/spec.json``.
 
     Refuses (EvaluationError) a store whose tokenizer differs from the checkpoint's, a store
-    without a validation split or with too few tokens, and a model family that cannot be
-    exported. Returns the path of the ranks' ``stages.mechanism.launch.RankSpec``.
+    without a validation split or with too few tokens, a model family that cannot be
+    exported, and a training without an intact checkpoint. Chooses the checkpoint
+    (``choose_checkpoint``) and tags the run with it (``checkpoint``, ``checkpoint_step``,
+    ``checkpoint_skipped``). Returns the path of the ranks' ``stages.mechanism.launch.RankSpec``.
     """
     from model.evaluation.export_hf import hf_architecture
 
@@ -238,13 +263,21 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     hf_class = hf_architecture(cfg.model)  # refuse an unexportable model before work
     check_evaluate(cfg)
     layout = training_layout(cfg, train_out)
+    choice = choose_checkpoint(train_out)
+    if tracker is not None:  # tags, not params: a retry may find another checkpoint intact
+        tracker.set_tags({"checkpoint": choice.path, "checkpoint_step": choice.step,
+                          "checkpoint_skipped": choice.note() or "none"})
     for name in (LOSS_FILE, GENERATIONS_FILE):
         (out_dir / name).unlink(missing_ok=True)
     spec = RankSpec.for_shape(
         declaration("evaluate").shape(cfg), out_dir=str(out_dir.resolve()),
         config=cfg.to_dict(), store=str(store.path),
+        tracking=({"uri": tracker.uri, "run_id": tracker.run_id}  # the nodes' system metrics
+                  if getattr(tracker, "run_id", None) else None),
         extra={
-            "checkpoint": str(train_out["checkpoint"]),
+            "checkpoint": str(choice.path),
+            "checkpoint_step": choice.step,
+            "checkpoint_skipped": choice.skipped_records(),
             "tokenizer": str(tok_out.get("tokenizer") or store.tokenizer_file),
             "split": SPLIT,
             "sources": [list(span) for span in split_sources(store, SPLIT)],
@@ -311,6 +344,8 @@ def _report(spec: RankSpec, store: StoreInfo, result: dict[str, Any],
     loss_keys = ("val_loss", "perplexity", "tokens", "windows", "seq_len", "per_source")
     return {
         "checkpoint": extra["checkpoint"],
+        "checkpoint_step": extra.get("checkpoint_step"),
+        "checkpoint_skipped": extra.get("checkpoint_skipped", []),
         "store": store.path,
         "split": extra["split"],
         **{k: result[k] for k in loss_keys},
@@ -376,6 +411,7 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
     outputs = {"report": str(report_path), "val_loss": result["val_loss"],
                "perplexity": result["perplexity"], "tokens": result["tokens"],
                "eval_ranks": result["ranks"], "hf_export": str(hf_dir),
+               "checkpoint": extra["checkpoint"], "checkpoint_step": extra.get("checkpoint_step"),
                "generations": str(gen_path)}
     if cfg.eval.log_model:
         outputs["model_uri"] = tracking.log_hf_model(

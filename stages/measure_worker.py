@@ -14,6 +14,7 @@ every step meet the same spells, so their steps compare where runs of steps did 
 step starts and ends at a barrier, so it is timed from the first rank's start to the last
 rank's end.
 
+``measure_plans`` launches it from the caller's process and reads what the ranks leave.
 Rank 0 appends one JSON line per (round, plan) to ``out_dir/MEASUREMENTS_FILE``: ``index``,
 ``round``, ``plan``, ``step_time_s`` (the median) and ``step_times_s`` (every timed step).
 A plan the trainer refuses (a ``ValueError`` from ``Plan.check``, raised alike on every rank
@@ -32,6 +33,9 @@ from typing import Any
 from model.parallel.threads import CPU_RANK_THREADS, THREADS_VAR
 
 MEASUREMENTS_FILE = "measurements.jsonl"
+MEASURE_WORKER = "stages.measure_worker"
+MEASURE_TIMEOUT_S = 900.0
+"""A launch that runs longer is killed (what it measured so far is kept)."""
 
 
 def round_order(n_plans: int, turn: int) -> list[int]:
@@ -101,6 +105,51 @@ def run_spec(spec: Any) -> None:
                                       "step_times_s": times[i]})
     finally:
         dist.destroy_process_group()
+
+
+def measure_plans(cfg: Any, plans: list[Any], out_dir: str | Path, steps: int, rounds: int,
+                  timeout_s: float = MEASURE_TIMEOUT_S) -> dict[str, Any]:
+    """Run every plan (one world size) for ``rounds`` rounds of ``steps`` steps of synthetic
+    tokens, all in one launch of local ranks (``stages.measure_worker``: one start-up, every
+    plan built once, the plans taking turns step by step).
+
+    Returns {"step_times": per plan, per round, the seconds of each step (each build's warm-up
+    step left out), "errors": per plan the refusal or None, "seconds": the launch's,
+    "failed": the launch's own error or None}; what a launch that failed midway measured is
+    kept."""
+    from stages.mechanism import launch
+    from stages.mechanism.launch import SPEC_FILE, RankSpec
+
+    worlds = {p.world_size for p in plans}
+    if len(worlds) != 1:
+        raise ValueError(f"plans measured in one launch share a world size; got {sorted(worlds)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MEASUREMENTS_FILE).unlink(missing_ok=True)
+    raw = cfg.to_dict()
+    raw["parallel"].update(nproc=plans[0].world_size, nodes=1)
+    raw["train"].update(checkpoint_every=0, checkpoint_minutes=None)
+    spec = RankSpec(worker=MEASURE_WORKER, nproc=plans[0].world_size, nodes=1,
+                    out_dir=str(out_dir.resolve()), config=raw, steps=steps, timeout_s=timeout_s,
+                    extra={"plans": [p.to_dict() for p in plans], "rounds": rounds})
+    path = spec.write(out_dir / SPEC_FILE)
+    t0 = time.perf_counter()
+    failed = None
+    try:
+        launch.run_local(path, out_dir / "worker.log", what="measurement", echo=False)
+    except launch.RanksFailed as error:
+        failed = str(error)[-1500:]
+    times: list[list[list[float]]] = [[] for _ in plans]
+    errors: list[str | None] = [None] * len(plans)
+    records = out_dir / MEASUREMENTS_FILE
+    for line in records.read_text().splitlines() if records.exists() else []:
+        record = json.loads(line)
+        if "error" in record:
+            errors[record["index"]] = record["error"]
+        else:
+            times[record["index"]].append(record["step_times_s"])
+    return {"step_times": times, "errors": errors, "seconds": time.perf_counter() - t0,
+            "failed": failed}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,10 +54,16 @@ os.environ.setdefault(THREADS_VAR, str(CPU_RANK_THREADS))  # before torch starts
 import torch.distributed as dist  # noqa: E402
 
 from data_prep.atomic import write_json_atomic  # noqa: E402
-from model.parallel.dist_env import from_environ, init_distributed  # noqa: E402
+from model.parallel.dist_env import from_environ, init_distributed, launch_id  # noqa: E402
 from model.planner.plan import Plan  # noqa: E402
 from model.training.batches import synthetic_batch_factory  # noqa: E402
 from model.training.metrics import SPOOL_FILE, BackgroundSink, spool_lines  # noqa: E402
+from model.training.progress_record import (  # noqa: E402
+    PROGRESS_DIR,
+    close_record,
+    explain_timeout,
+    open_record,
+)
 from model.training.trainer import Trainer  # noqa: E402
 from stages.mechanism.config import config_from_dict  # noqa: E402
 from stages.mechanism.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
@@ -148,7 +154,10 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
     plan = Plan.from_dict(spec.plan)
     env = from_environ()
     plan.check(cfg.model, cfg.train, env.world_size)
-    device = init_distributed(env)
+    timeout_s = cfg.train.collective_timeout_s  # a hang fails fast, naming who did not arrive
+    device = init_distributed(env, timeout_s, Path(spec.out_dir) / PROGRESS_DIR)
+    open_record(spec.out_dir, env.rank, env.world_size, launch_id(env), timeout_s, stop_requested)
+    sampler = None
     try:
         trainer = Trainer(cfg.model, cfg.train, plan, spec.out_dir, make_batch_factory(spec, cfg),
                           device, peak_tflops=spec.peak_tflops, stop_requested=stop_requested)
@@ -167,13 +176,24 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             # Metric writes happen on a background thread, off the training step.
             trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]),
                                              spool=spool)
+        from stages.mechanism.tracking import start_node_sampler
+
+        sampler = start_node_sampler(cfg, tracking, env.local_rank)  # one per node
         # A measurement (the plan stage's refinement) keeps no weights: no final save.
         summary = trainer.fit(spec.steps, save_final=spec.extra.get("save_final", True))
         if trainer.out_of_time is not None and trainer.is_logger:
             write_json_atomic(Path(spec.out_dir) / OUT_OF_TIME_FILE,
                               {**trainer.out_of_time, "signals": sorted(set(_asked)),
                                "job": trainer.job["id"]})
+    except RuntimeError as error:  # a collective that timed out: say who did not arrive
+        explained = explain_timeout(error)
+        if explained is None:
+            raise
+        raise explained from error
     finally:
+        close_record()
+        if sampler is not None:
+            sampler.stop()
         dist.destroy_process_group()
     if trainer.out_of_time is not None:
         raise OutOfTime(f"stopped after step {trainer.out_of_time['step']}")

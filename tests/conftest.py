@@ -14,8 +14,9 @@ imported, since Hugging Face libraries read their cache paths at import):
 The session fails if anything wrote MLflow's cwd defaults (``mlflow.db``, ``mlruns/``,
 ``mlartifacts/``) into the repository root.
 
-The plan stage measures this machine (``model.planner.microbench``) and caches the result
-under ``<runs dir>/cache/microbench/``. That measurement is made once per test run,
+The plan stage measures this machine (``model.planner.microbench``) once per machine and
+reads a runs dir's own copy under ``<runs dir>/cache/microbench/`` before the per-user cache.
+That measurement is made once per test run,
 shared by the pytest-xdist workers (``microbench_cache``, ``made_once``), and copied into
 each test's runs dir (``seed_microbench``, ``runs_dir``), so no test measures it again.
 

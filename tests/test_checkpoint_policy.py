@@ -30,15 +30,15 @@ from model.training.checkpoint import (
 )
 from model.training.validate import TrainSetupError
 from stages import train
-from stages.mechanism import outputs
 from stages.mechanism.checks import (
     checkpoint_cadence_problem,
     predicted_step_time,
     walltime_seconds,
 )
 from stages.mechanism.config import ConfigError, load_config
+from stages.mechanism.outputs import StageResult
 from stages.mechanism.preflight import preflight
-from stages.mechanism.selection import stage_keys
+from stages.mechanism.selection import StageDecision
 from tests.train_helpers import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -284,27 +284,27 @@ def test_without_a_step_time_or_a_walltime_nothing_is_checked() -> None:
     assert checkpoint_cadence_problem(never, tiny_config().site, 10.0) is None  # local
 
 
-def _publish_plan(cfg, step_time_s: float) -> None:
-    """A succeeded plan stage output for ``cfg``, as the plan stage leaves it."""
-    directory = outputs.stage_dir(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
-    directory.mkdir(parents=True)
-    (directory / outputs.STATUS_FILE).write_text(json.dumps({"state": "succeeded",
-                                                             "run_id": "r"}))
-    (directory / outputs.OUTPUTS_FILE).write_text(json.dumps(
-        {"plan": str(directory / "plan.json"), "predictions": {"step_time_s": step_time_s}}))
+def _decisions(step_time_s: float | None) -> list[StageDecision]:
+    """The driver's decisions for a run that reuses a plan stage output predicting
+    ``step_time_s`` (None: the plan stage runs in this invocation) and trains."""
+    plan = None
+    if step_time_s is not None:
+        plan = StageResult("plan", "k", "/nowhere", {"predictions": {"step_time_s": step_time_s}},
+                           "r", "r", True)
+    return [StageDecision("plan", "k" if plan else None, "reuse" if plan else "run", plan),
+            StageDecision("train", None, "run", None)]
 
 
 def test_preflight_refuses_it_when_the_plan_is_already_there(tmp_path: Path) -> None:
     cfg = tiny_config("site.name=slurm", "site.walltime=00:10:00", "train.steps=1000",
                       "train.checkpoint_every=500", f"tracking.runs_dir={tmp_path / 'runs'}",
                       "site.save_before_end_s=0")
-    assert "train" in preflight(cfg)  # no plan output yet: nothing to check against
-    _publish_plan(cfg, step_time_s=2.0)  # 500 steps = 1000 s > 600 s
+    assert "train" in preflight(cfg, _decisions(None))  # no plan yet: nothing to check against
     with pytest.raises(ConfigError, match=r"no checkpoint can land within one Slurm job.*"
                                           r"train\.checkpoint_every <= 300"):
-        preflight(cfg)
+        preflight(cfg, _decisions(2.0))  # 500 steps = 1000 s > 600 s
     cfg.train.checkpoint_minutes = 5
-    assert "train" in preflight(cfg)
+    assert "train" in preflight(cfg, _decisions(2.0))
 
 
 def test_the_train_stage_refuses_it_before_any_rank_starts(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def test_every_run_of_windows_draws_evenly_from_its_group(store: str) -> None:
 
 def test_a_rank_decodes_its_share_of_the_chunks_whatever_the_dp_degree(
         tmp_path_factory: pytest.TempPathFactory, seed_store) -> None:
-    """Chunks decompressed per window by one rank at dp=8 over dp=1: 1.0 here (the bound is
+    """Chunks decompressed per window by one rank at dp=8 over dp=1: 1.14 here (the bound is
     1.2), where a rank that decoded its whole group would read 8 times as many."""
     tmp = tmp_path_factory.mktemp("dp_reads")
     make_corpus(tmp / "corpus", n_docs=240, seed=5)
@@ -125,7 +125,8 @@ def test_a_rank_decodes_its_share_of_the_chunks_whatever_the_dp_degree(
     for dp in (1, 8):
         loader = TokenWindowLoader(big, "train", SEQ, 64, dp_rank=dp - 1, dp_size=dp, seed=1)
         assert loader.num_blocks >= 16, loader.num_blocks
-        steps = 2 * loader.group_blocks * loader.block_windows // 64  # two whole groups
+        # two whole groups, or the first epoch where one group holds the whole store
+        steps = min(2 * loader.group_blocks * loader.block_windows, loader.num_windows) // 64
         run_steps(loader, steps)
         reads[dp] = loader.reader.chunk_reads / (steps * loader.rows)
     ratio = reads[8] / reads[1]

@@ -17,7 +17,7 @@ from model.planner.published import (
     pick_versus_source,
     predict_row,
 )
-from stages.plan import main as plan_main
+from workflows.plan import main as plan_main
 
 # leave-one-source-out tokens/s MAPE per source (benchmarks/bench_plan.py --published)
 LOO_BOUND = {"narayanan2021": 0.10, "korthikanti2022": 0.10, "bigscience2022": 0.05,

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from model.config import ModelConfig, TrainConfig
+from model.planner.choose import choose
 from model.planner.cluster import ClusterError, load_cluster
 from model.planner.plan import Plan, PlanError
 from model.planner.search import search
 from model.planner.shapes import Shapes
-from stages.plan import choose
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE_T = ModelConfig(family="neox", n_layers=128, d_model=25600, n_heads=160, vocab_size=51200,
@@ -178,8 +178,9 @@ def test_cli_json(tmp_path: Path) -> None:
     shape.write_text(yaml.safe_dump({"num_layers": 48, "hidden_size": 6144,
                                      "num_attention_heads": 48, "vocab_size": 51200,
                                      "seq_length": 2048}))
-    out = subprocess.run([sys.executable, "-m", "stages.plan", "--model", str(shape), "--cluster",
-                          "frontier", "--devices", "1024", "--global-batch", "1024", "--json"],
+    out = subprocess.run([sys.executable, "-m", "workflows.plan", "--model", str(shape),
+                          "--cluster", "frontier", "--devices", "1024", "--global-batch", "1024",
+                          "--json"],
                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout.strip().splitlines()[-1])
@@ -188,8 +189,9 @@ def test_cli_json(tmp_path: Path) -> None:
         assert key in data
     assert data["tp"] * data["pp"] * data["dp"] == 1024
     assert data["micro_batch"] * data["grad_accum"] * data["dp"] == 1024
-    bad = subprocess.run([sys.executable, "-m", "stages.plan", "--model", str(shape), "--cluster",
-                          "frontier", "--devices", "4", "--global-batch", "8", "--json"],
+    bad = subprocess.run([sys.executable, "-m", "workflows.plan", "--model", str(shape),
+                          "--cluster", "frontier", "--devices", "4", "--global-batch", "8",
+                          "--json"],
                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=120)
     assert bad.returncode == 2 and "more devices" in bad.stderr
 
@@ -197,8 +199,8 @@ def test_cli_json(tmp_path: Path) -> None:
 def test_planner_refuses_what_training_refuses() -> None:
     """tp must divide the vocabulary and the MLP width too: the search never offers such a
     tp, a fixed one is refused with the rule, and every plan it ranks passes training's checks."""
+    from model.planner.choose import fixed_fields
     from model.training.validate import training_problems
-    from stages.plan import fixed_fields
     from tests.train_helpers import tiny_config
 
     cfg = tiny_config("model.n_heads=6", "model.n_kv_heads=null", "model.d_model=48",

@@ -12,6 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from model.planner.calibration import load_calibration
+from model.planner.choose import calibration_file
 from model.planner.microbench import load_measured_cluster
 from model.planner.plan import Plan, PlanError
 from stages import measure_worker
@@ -63,10 +64,13 @@ def test_stage_searches_writes_plan_and_logs(runs_dir: Path, microbench_cache: P
     assert {"plan_table.txt", "plan_comparison.png"} <= arts
     table = (out_dir / "plan_table.txt").read_text()
     assert "candidate plans fit" in table and plan.describe() in table
-    # The stage read this machine's figures from the runs dir's cache: nothing was measured.
+    # The stage read this machine's figures from the runs dir's copy: nothing was measured,
+    # and plan.json says where they came from.
     assert "[microbench] measuring" not in capfd.readouterr().out
     cached = runs_dir / "cache" / "microbench" / microbench_cache.name
     assert cached.read_bytes() == microbench_cache.read_bytes()
+    figures = {"cluster": "local", "figures": "cached", "source": str(cached)}
+    assert json.loads(Path(out["plan"]).read_text())["figures"] == figures == out["figures"]
 
 
 def test_measured_cluster_comes_from_the_cache_with_sane_figures(
@@ -74,6 +78,7 @@ def test_measured_cluster_comes_from_the_cache_with_sane_figures(
     cl = load_measured_cluster("local", 2, cache_dir=microbench_cache.parent)
     assert "[microbench] measuring" not in capfd.readouterr().out
     assert cl.measured and cl.ranks_per_node == 2 and cl.source == str(microbench_cache)
+    assert cl.figures == "cached"
     assert set(cl.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert all(v["bandwidth_gbps"] > 0 and v["latency_us"] > 0 for v in cl.collectives.values())
     assert cl.peak_tflops > 0 and cl.hbm_bandwidth_gbps > 0 and cl.layer_overhead_us >= 0
@@ -142,7 +147,7 @@ def test_refinement_measures_top_plans_and_keeps_calibration(runs_dir: Path) -> 
     assert plan.predictions["measured_tokens_per_s"] == pytest.approx(best["tokens_per_s"])
     arts = {a.path for a in MlflowClient(uri).list_artifacts(run_id)}
     assert {"predicted_vs_measured.png", "predicted_vs_measured.txt", "calibration.json"} <= arts
-    cal = load_calibration(plan_stage.calibration_path(cfg, type("C", (), {"name": "local"})))
+    cal = load_calibration(calibration_file(runs_dir, "local", 2))
     assert len(cal["points"]) == 2 and cal["compute_scale"] > 0
     # A later search (its own stage run) reads the calibration: its predictions now sit
     # near the measurements.
@@ -161,7 +166,7 @@ def test_plans_of_one_world_size_are_measured_in_one_launch(runs_dir: Path) -> N
              Plan(dp=2, micro_batch=3, grad_accum=1, sharding="ddp"),  # 3 x 2 is not 16
              Plan(pp=2, micro_batch=4, grad_accum=4, schedule="gpipe")]
     out_dir = runs_dir / "measure-many"
-    measured = plan_stage.measure_plans(cfg, plans, out_dir, steps=3, rounds=2)
+    measured = measure_worker.measure_plans(cfg, plans, out_dir, steps=3, rounds=2)
     assert measured["failed"] is None, measured["failed"]
     assert "global_batch" in measured["errors"][1] and not measured["step_times"][1]
     for i in (0, 2):
@@ -177,4 +182,4 @@ def test_plans_of_one_world_size_are_measured_in_one_launch(runs_dir: Path) -> N
     assert [measure_worker.round_order(2, turn) for turn in range(3)] == [[0, 1], [1, 0], [0, 1]]
     assert not list(out_dir.glob("plan*/checkpoints"))  # a measurement saves nothing
     with pytest.raises(ValueError, match="share a world size"):
-        plan_stage.measure_plans(cfg, [plans[0], Plan()], out_dir, 2, 1)
+        measure_worker.measure_plans(cfg, [plans[0], Plan()], out_dir, 2, 1)

@@ -126,7 +126,7 @@ def test_count_errors_name_what_one_side_lacks() -> None:
 
 def test_the_plan_stage_prints_the_counts_beside_the_rehearsal() -> None:
     """The rehearsal's console lines end with the planner's count errors, the worst named."""
-    from stages.plan import rehearsal_text
+    from model.planner.rehearsal import rehearsal_text
 
     record = {"rank": 0, "stage": "first", "peak_memory_gb": 50.0,
               "modeled_tensor_memory_gb": 44.0, "rehearsed_peak_memory_gb": 43.0,

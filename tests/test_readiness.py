@@ -10,16 +10,22 @@ from stages.mechanism.config import load_config
 from workflows.dry_run import batch_script
 from workflows.frontier import SiteError, check_site, walltime_bin
 from workflows.pipeline import main
-from workflows.readiness import readiness, readiness_text
+from workflows.readiness import plan_findings, readiness, readiness_text
 
 ROOT = Path(__file__).resolve().parents[1]
 LUSTRE = "/lustre/orion/abc123/scratch/user/runs"
 
 
+PACKED_ENV = "/lustre/orion/abc123/proj-shared/envs/frontier-llm.tar.gz"
+PROXY = "site.worker_init=export https_proxy=http://proxy.ccs.ornl.gov:3128/"
+
+
 def report(preset: str, *overrides: str) -> dict:
-    """Check name -> Finding for a Frontier preset with a Lustre runs dir."""
+    """Check name -> Finding for a Frontier preset with a Lustre runs dir, a packed
+    environment for the nodes' NVMe and the hub reached through OLCF's proxy."""
     cfg = load_config(str(ROOT / "configs" / f"{preset}.yaml"),
-                      ["site.account=abc123", f"tracking.runs_dir={LUSTRE}", *overrides])
+                      ["site.account=abc123", f"tracking.runs_dir={LUSTRE}",
+                       f"site.node_local_env={PACKED_ENV}", PROXY, *overrides])
     return {row.check: row for row in readiness(cfg)}
 
 
@@ -107,7 +113,8 @@ def test_the_compute_block_gets_its_own_walltime(tmp_path: Path) -> None:
 def test_dry_run_prints_the_report_and_exits_2_on_its_errors(
         capsys: pytest.CaptureFixture) -> None:
     args = ["--config", str(ROOT / "configs" / "frontier-175b.yaml"), "--dry-run",
-            "--runs-dir", LUSTRE, "--set", "site.account=abc123"]
+            "--runs-dir", LUSTRE, "--set", "site.account=abc123",
+            f"site.node_local_env={PACKED_ENV}", PROXY]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "# --- readiness ---" in out and "0 error(s)" in out
@@ -116,7 +123,8 @@ def test_dry_run_prints_the_report_and_exits_2_on_its_errors(
     assert "1 error(s)" in text and "set eval.layout=training eval.ranks=3072" in text
     # The table is the report's own text.
     cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"),
-                      ["site.account=abc123", f"tracking.runs_dir={LUSTRE}"])
+                      ["site.account=abc123", f"tracking.runs_dir={LUSTRE}",
+                       f"site.node_local_env={PACKED_ENV}", PROXY])
     assert readiness_text(readiness(cfg)) in out
 
 
@@ -134,3 +142,74 @@ def test_a_hub_corpus_without_a_budget_is_refused_on_slurm_sites() -> None:
     local = load_config("micro", ["data.source=hf:org/corpus"])
     assert hub_budget_problem(local) is None
     assert hub_budget_problem(load_config("configs/frontier-175b.yaml")) is None
+
+
+def test_the_report_prices_interruptions_and_the_checkpoint_interval(
+        capsys: pytest.CaptureFixture) -> None:
+    """Llama 3's rate on the 175B preset's 384 nodes: one interruption every 16.5 h; its
+    2.1 TB checkpoint takes 1.1 s, so Young/Daly checkpoints every 6.01 min, where the
+    preset's hourly checkpoint loses about three times the node-hours."""
+    from model.planner.failures import DEFAULT_FAILURES_PER_NODE_HOUR, RESTART_STARTUP_S
+
+    args = ["--config", str(ROOT / "configs" / "frontier-175b.yaml"), "--dry-run",
+            "--runs-dir", LUSTRE, "--set", "site.account=abc123",
+            f"site.node_local_env={PACKED_ENV}", PROXY]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[1] + " " + line.split()[2]: line for line in out.splitlines()
+             if line.startswith("#   ") and len(line.split()) > 3}
+    cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"), ["site.account=abc123"])
+    step = plan_findings(cfg)[1]  # the planner's step time, unrounded
+    assert f"{step:.4g} s/step" in out
+    hours = 10000 * step / 3600
+    failures = DEFAULT_FAILURES_PER_NODE_HOUR * 384 * hours
+    assert (f"ok       {failures:.3g} expected in {hours:.3g} h of training: 0.000158 per "
+            "node-hour x 384 node(s), one every 16.5 h (Llama 3 405B: 419 interruptions in 54 "
+            "days on 2,048 nodes of 8 GPUs)") in lines["interruptions ok"]
+    row = lines["checkpoint interval"]
+    assert "warning  Young/Daly 6.01 min (save 1.1 s): " in row
+    save = 1.0951  # 12 B x 175e9 parameters / 1,920 GB/s
+
+    def lost(interval_s: float) -> float:  # failures x (interval/2 + restart) + saves x save
+        seconds = (failures * (interval_s / 2 + RESTART_STARTUP_S + save)
+                   + 10000 * step / interval_s * save)
+        return seconds * 384 / 3600
+
+    assert f"{lost(360.66):,.0f} node-hours lost; configured 1 h: {lost(3600):,.0f} node-hours" \
+        in row
+    assert f"-> train.checkpoint_minutes=auto (6.01 min) loses {lost(3600) - lost(360.66):,.0f} " \
+        "fewer node-hours" in out
+
+    # auto takes Young/Daly's interval: the first checkpoint comes then, and nothing is wasted.
+    rows = report("frontier-175b", "train.checkpoint_minutes=auto",
+                  "site.failures_per_node_hour=1e-3")
+    interval = rows["checkpoint interval"]
+    best = (2 * save * 3600 / (1e-3 * 384)) ** 0.5 / 60  # MTBF 2.6 h
+    assert interval.verdict == "ok" and interval.value.startswith(f"Young/Daly {best:.3g} min")
+    assert f"configured {best:.3g} min" in interval.value
+    assert rows["first checkpoint"].value.startswith(f"after {best:.3g} min of training")
+    assert "one every 2.6 h (site.failures_per_node_hour=0.001)" in rows["interruptions"].value
+
+
+def test_walltimes_slurm_would_round_are_refused_with_the_whole_minutes(tmp_path: Path) -> None:
+    """Parsl hands sbatch whole minutes: 00:01:30 would run as 1 minute while the save before
+    the end is timed from 90 s, so it is refused before anything is rendered."""
+    from stages.mechanism.config import ConfigError
+
+    for setting, refusal in [
+            ("site.walltime=00:01:30", "site.walltime=00:01:30: Slurm takes whole minutes (at "
+             "least one); use 00:02:00 or 00:01:00"),
+            ("site.compute_walltime=11:59:59", "site.compute_walltime=11:59:59: Slurm takes "
+             "whole minutes (at least one); use 12:00:00 or 11:59:00"),
+            ("site.walltime=00:00:30", "site.walltime=00:00:30: Slurm takes whole minutes (at "
+             "least one); use 00:01:00"),
+            ("site.walltime=00:00:00", "site.walltime=00:00:00: Slurm takes whole minutes (at "
+             "least one); use 00:01:00")]:
+        with pytest.raises(ConfigError) as refused:
+            load_config(str(ROOT / "configs" / "frontier-175b.yaml"), [setting])
+        assert str(refused.value) == refusal
+    # whole minutes: what is rendered is what the signal is timed from
+    cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"),
+                      ["site.account=abc123", "site.walltime=00:02:00"])
+    script = batch_script(cfg, tmp_path, "train")
+    assert "#SBATCH --time=2" in script and "#SBATCH --signal=USR1@30" in script  # 120 s / 4

@@ -271,19 +271,19 @@ def test_stage_outputs_that_differ_from_the_given_shapes_are_refused() -> None:
 
 def test_plan_cli_prints_the_rehearsal_beside_the_model(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
-    """``python -m stages.plan ... --rehearse --json``: per rehearsed rank (first and last
+    """``python -m workflows.plan ... --rehearse --json``: per rehearsed rank (first and last
     stage) the model's peak and the rehearsed one under their own keys, equal to a direct
     rehearsal of the chosen plan."""
-    from stages import plan as plan_stage
+    from workflows import plan as plan_cli
 
     shape = tmp_path / "model.yaml"
     shape.write_text(json.dumps({"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
                                  "vocab_size": 512, "seq_length": 32}))
     args = ["--model", str(shape), "--cluster", "frontier", "--devices", "4",
             "--global-batch", "8", "--fix", "pp=2", "--fix", "tp=1", "--json"]
-    assert plan_stage.main(args) == 0
+    assert plan_cli.main(args) == 0
     assert "rehearsal" not in json.loads(capsys.readouterr().out)  # only when asked
-    assert plan_stage.main([*args, "--rehearse"]) == 0
+    assert plan_cli.main([*args, "--rehearse"]) == 0
     out = json.loads(capsys.readouterr().out)
     ranks = out["rehearsal"]
     assert [r["rank"] for r in ranks] == [0, out["dp"] * out["tp"]] and \
@@ -351,6 +351,7 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     import dataclasses
 
     from model.planner.cluster import load_cluster
+    from model.planner.rehearsal import rehearsal_records
     from model.training import rehearse
     from stages import plan as plan_stage
     from stages.mechanism import tracking
@@ -374,7 +375,7 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     lavish = Plan(dp=2, micro_batch=8, grad_accum=1, sharding="zero3", recompute="none")
     frugal = Plan(dp=2, micro_batch=1, grad_accum=8, sharding="zero3", recompute="full")
     bare = dataclasses.replace(load_cluster("frontier"), fragmentation=0.0, reserved_gb=0.0)
-    peaks = [plan_stage.rehearsal_records(cfg.model, cfg.train, p, bare, 2)[0][
+    peaks = [rehearsal_records(cfg.model, cfg.train, p, bare, 2)[0][
         "rehearsed_peak_memory_gb"] for p in (lavish, frugal)]
     assert peaks[0] > 1.5 * peaks[1]
     uri = tracking.default_tracking_uri(runs)

@@ -10,7 +10,7 @@ import pytest
 from model.flops import GPTParams
 from model.planner.cluster import load_cluster
 from model.planner.run_cost import checkpoint_seconds, plan_run_cost, run_cost
-from stages import plan as plan_stage
+from workflows import plan as plan_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESET_1T = str(ROOT / "configs" / "frontier-1t.yaml")
@@ -18,7 +18,7 @@ PRESET_175B = str(ROOT / "configs" / "frontier-175b.yaml")
 
 
 def params_1t() -> GPTParams:
-    model_cfg, _, _ = plan_stage.load_model_file(PRESET_1T)
+    model_cfg, _, _ = plan_cli.load_model_file(PRESET_1T)
     return GPTParams.from_config(model_cfg)
 
 
@@ -64,7 +64,7 @@ def test_steps_budget_and_bad_budgets() -> None:
             run_cost(**bad, **common)
     frontier = load_cluster("frontier")
     priced = plan_run_cost({"step_time_s": 2.0, "tokens_per_s": 4096.0},
-                           plan_stage.load_model_file(PRESET_1T)[0], 4, 2048, frontier, 16,
+                           plan_cli.load_model_file(PRESET_1T)[0], 4, 2048, frontier, 16,
                            steps=3)
     assert priced.devices_per_node == 8 and priced.nodes == 2 and priced.machine_devices == 75_264
 
@@ -72,7 +72,7 @@ def test_steps_budget_and_bad_budgets() -> None:
 def test_cli_tokens_and_train_steps(capsys: pytest.CaptureFixture[str]) -> None:
     """--tokens N prices N tokens (--json: under run_cost); without it train.steps is priced."""
     base = ["--cluster", "frontier", "--devices", "3072", "--global-batch", "1536"]
-    assert plan_stage.main(["--model", PRESET_1T, *base, "--tokens", "20e12", "--json"]) == 0
+    assert plan_cli.main(["--model", PRESET_1T, *base, "--tokens", "20e12", "--json"]) == 0
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     cost = data["run_cost"]
     assert cost["steps"] == 6_357_829 and cost["devices"] == 3072 and cost["nodes"] == 384
@@ -84,14 +84,14 @@ def test_cli_tokens_and_train_steps(capsys: pytest.CaptureFixture[str]) -> None:
     assert cost["train_flops"] == pytest.approx(1.2e26, rel=0.02)
     assert cost["machine_days"] == pytest.approx(cost["wall_days"] * 3072 / 75_264)
 
-    assert plan_stage.main(["--model", PRESET_175B, *base, "--top", "1"]) == 0
+    assert plan_cli.main(["--model", PRESET_175B, *base, "--top", "1"]) == 0
     text = capsys.readouterr().out
     assert "run cost:" in text and "10,000 steps x 3,145,728 tokens/step" in text
     assert "20 checkpoints x " in text and "s per step, in the wall-clock" in text
     assert "node-hours" in text and "days on the whole machine" in text
 
     with pytest.raises(SystemExit):
-        plan_stage.main(["--model", PRESET_1T, *base, "--tokens", "-5"])
+        plan_cli.main(["--model", PRESET_1T, *base, "--tokens", "-5"])
 
 
 def test_a_checkpoint_is_priced_from_the_file_systems_write_bandwidth() -> None:
@@ -106,7 +106,7 @@ def test_a_checkpoint_is_priced_from_the_file_systems_write_bandwidth() -> None:
     assert checkpoint_seconds(params, 4, load_cluster("h100")) is None  # no file-system figures
     common = dict(step_time_s=10.0, tokens_per_s=1.0, global_batch=2, seq_len=4, devices=8,
                   devices_per_node=8, params=GPTParams.from_config(
-                      plan_stage.load_model_file(PRESET_175B)[0]))
+                      plan_cli.load_model_file(PRESET_175B)[0]))
     cost = run_cost(steps=1000, checkpoint_s=50.0, checkpoint_every=100, **common)
     assert cost.checkpoints == 10 and cost.checkpoint_s_per_step == pytest.approx(0.5)
     assert cost.wall_s == pytest.approx(1000 * 10.0 + 10 * 50.0)

@@ -198,14 +198,148 @@ def test_values_parsl_writes_unquoted_are_refused_with_the_fix():
         load_config(None, [f"site.account={_yaml('abc 123')}"])
     with pytest.raises(ConfigError, match="site.partition='batch;id'"):
         load_config(None, [f"site.partition={_yaml('batch;id')}"])
-    with pytest.raises(ConfigError, match="site.address='10.0.0.1 x' is not a host name"):
+    with pytest.raises(ConfigError, match="site.address='10.0.0.1 x' holds ' ': it is not a "
+                                          "host name"):
         load_config(None, [f"site.address={_yaml('10.0.0.1 x')}"])
     # srun options go through Parsl's unquoted $PARSL_MPI_PREFIX: one word per option.
-    with pytest.raises(ConfigError, match=r"site.srun_options word '--comment=a b'.*PARSL_MPI"):
+    with pytest.raises(ConfigError, match=r"site.srun_options word='--comment=a b'.*PARSL_MPI"):
         load_config(None, ["site.srun_options=" + _yaml('-c7 --comment="a b"')])
-    with pytest.raises(ConfigError, match=r"site.srun_options word '\$\(id\)'"):
+    with pytest.raises(ConfigError, match=r"site.srun_options word='\$\(id\)' holds '\$' "
+                                          r"'\(' '\)'"):
         load_config(None, [f"site.srun_options={_yaml('-c7 $(id)')}"])
     with pytest.raises(ConfigError, match="does not split into srun options"):
         load_config(None, ["site.srun_options=" + _yaml('-c7 "open')])
     ok = load_config(None, ["site.srun_options=-c7 --gpu-bind=map_gpu:0,1 --export=ALL"])
     assert ok.site.srun_options == "-c7 --gpu-bind=map_gpu:0,1 --export=ALL"
+
+
+# --- every site value that reaches a shell, on every site -----------------------------------
+
+MARKER = "PWNED"
+HOSTILE_VALUES = {
+    "subshell": f"$(touch {MARKER})",
+    "backquotes": f"`touch {MARKER}`",
+    "semicolon": f"x;touch {MARKER}",
+    "newline": f"x\ntouch {MARKER}",
+}
+"""Each runs ``touch PWNED`` in the working directory wherever a shell reads it unquoted."""
+
+SITES = {
+    "local-processes": ["site.login_workers=processes"],
+    "local-threads": ["site.login_workers=threads"],
+    "slurm": ["site.name=slurm"],
+    "frontier": ["site.name=frontier", "site.account=ABC123", "parallel.nproc=8",
+                 "site.conda_env=/ccs/proj/abc123/env"],
+}
+
+
+def _site_config(site: str, field: str, value: str, where: Path):
+    """The site's config with ``field`` set to the hostile ``value`` (the runs dir: a
+    directory named ``value`` under ``where``), or the ConfigError refusing it."""
+    runs = (RUN_DIR if site == "frontier" else where) / "runs"
+    sets = [*SITES[site], f"tracking.runs_dir={_yaml(str(runs))}"]
+    if field == "runs_dir":
+        sets.append(f"tracking.runs_dir={_yaml(str(runs / value))}")
+    else:
+        sets.append(f"site.{field}={_yaml(value)}")
+    from workflows.frontier import check_site
+
+    try:
+        cfg = load_config(None, sets)
+        check_site(cfg)
+    except ConfigError as error:
+        return error
+    return cfg
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE_VALUES))
+@pytest.mark.parametrize("field", ["runs_dir", "account", "partition", "qos"])
+@pytest.mark.parametrize("site", list(SITES))
+def test_a_hostile_value_is_refused_naming_it_or_reaches_the_shell_inert(tmp_path, site, field,
+                                                                          kind):
+    """Refused: one line naming the setting and the characters. Accepted (only where no tool
+    writes it unquoted: the runs dir with the driver's threads): the site's commands run it
+    for real through bash, and it arrives as itself; nothing runs."""
+    from workflows.executors import make_parsl_config
+
+    value = HOSTILE_VALUES[kind]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    got = _site_config(site, field, value, tmp_path)
+    setting = "tracking.runs_dir" if field == "runs_dir" else f"site.{field}"
+    if isinstance(got, ConfigError):
+        message = str(got)
+        assert "\n" not in message.replace(repr(value)[1:-1], "")  # one line (the value as repr)
+        assert message.startswith(setting), message
+        bad = "\\n" if kind == "newline" else {"subshell": "$", "backquotes": "`",
+                                                "semicolon": ";"}[kind]
+        assert bad in message, message
+        return
+    assert (site, field) == ("local-threads", "runs_dir"), f"{site} accepted {setting}={value!r}"
+    config = make_parsl_config(got, got.runs_dir)  # threads: no worker command line to write
+    assert all(type(e).__name__ == "ThreadPoolExecutor" for e in config.executors)
+    # The local ranks command, for real: a one-rank launch whose spec lives under the runs dir.
+    spec_dir = got.runs_dir / "stages" / "train" / "k.partial"
+    spec_dir.mkdir(parents=True)
+    spec = RankSpec(worker="tests.killed_rank_worker", nproc=1, nodes=1, out_dir=str(spec_dir),
+                    config={}, extra={"victim": -1})
+    path = spec.write(spec_dir / "spec.json")
+    command = ranks_command(got, spec, path)
+    _bash_parses(command)
+    proc = subprocess.run(["bash", "-c", command], cwd=work, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert value in str(path) and not list(work.iterdir()) and not list(tmp_path.glob(MARKER))
+
+
+@pytest.mark.parametrize("site", ["slurm", "frontier"])
+def test_slurm_scripts_and_rank_lines_carry_hostile_paths_inert(tmp_path, site):
+    """What a Slurm site writes itself is quoted: its batch script parses, and its ranks'
+    command, run by bash with srun standing in, hands a hostile spec path over as one word."""
+    cfg = _site_config(site, "qos", "normal", tmp_path)
+    script = batch_script(cfg, RUN_DIR, "train")
+    _bash_parses(script)
+    spec_path = tmp_path / HOSTILE_VALUES["subshell"] / f"{HOSTILE_VALUES['semicolon']} `x`.json"
+    spec = RankSpec(worker="stages.train_worker", nproc=2, nodes=1, out_dir=str(tmp_path),
+                    config={})
+    command = ranks_command(cfg, spec, spec_path)
+    _bash_parses(command)
+    record = tmp_path / "srun.args"
+    env = _tools(tmp_path, {
+        "fake-srun": f'printf "%s\\0" "$@" > {shlex.quote(str(record))}',
+        "scontrol": "echo node1",
+        "hostname": "case $1 in -s) echo node1;; -i) echo 10.0.0.1;; esac",
+    })
+    env.update(PARSL_MPI_PREFIX="fake-srun --ntasks 2", PARSL_MPI_NODELIST="node1")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    proc = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True,
+                          text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    args = record.read_text().split("\0")[:-1]
+    worker = shlex.split(args[-1]) if site == "frontier" else args
+    assert str(spec_path) in worker, args
+    assert not list(work.iterdir()) and not list(tmp_path.rglob(MARKER))
+
+
+def test_local_worker_processes_refuse_a_parsl_dir_their_command_line_cannot_carry(tmp_path):
+    """Parsl writes its directory unquoted into the local worker pool's command line: the
+    configuration refuses one that would split or run, before Parsl starts."""
+    from workflows.executors import make_parsl_config
+    from workflows.frontier import SiteError
+
+    cfg = load_config(None, [f"tracking.runs_dir={tmp_path / 'runs'}"])
+    with pytest.raises(SiteError, match=r"tracking.runs_dir \(--runs-dir\)=.* holds ' ' '\$' '\('"):
+        make_parsl_config(cfg, tmp_path, parsl_dir=tmp_path / "$(touch PWNED)")
+    assert make_parsl_config(cfg, tmp_path, parsl_dir=tmp_path / "parsl-1").run_dir.endswith(
+        "parsl-1")
+
+
+def test_the_driver_refuses_a_hostile_runs_dir_before_any_work(tmp_path, pipeline_main):
+    """The reported case: worker processes (the tiny default) and a runs dir that runs ``id``."""
+    runs = tmp_path / "x" / f"$(id>{tmp_path}/pwned)"
+    console = pipeline_main("--runs-dir", str(runs))
+    assert console.returncode == 2 and "Traceback" not in console.stderr
+    assert console.stderr.startswith("config error: tracking.runs_dir (--runs-dir)=")
+    assert "'$' '(' ')' '>'" in console.stderr and "site.login_workers=threads" in console.stderr
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "x").exists()

@@ -809,7 +809,8 @@ def test_the_driver_refuses_an_off_lustre_runs_dir_before_any_work(tmp_path, mon
 def test_slurm_sites_refuse_runs_dir_characters_their_scripts_cannot_carry():
     for bad in ("/scratch/a b", "/scratch/$(id)", "/scratch/run%j", "/scratch/x;y", "/s/'q'"):
         cfg = load_config(None, ["site.name=slurm", f"tracking.runs_dir={bad}"])
-        with pytest.raises(SiteError, match="choose a path of letters, digits"):
+        with pytest.raises(SiteError, match=r"tracking.runs_dir \(--runs-dir\)=.*use only "
+                                            "letters, digits"):
             check_site(cfg)
     check_site(load_config(None, ["site.name=slurm", "tracking.runs_dir=/scratch/a_b-1.2+c"]))
     check_site(load_config(None, ["tracking.runs_dir=/scratch/run%j"]))  # local: as before

@@ -38,17 +38,23 @@ def _counting_stage(calls: list, fail: bool = False) -> types.ModuleType:
     return module
 
 
+def _key(cfg, inputs: dict[str, str], code: str, name: str = "train") -> str:
+    return keys.key_of(keys.key_ingredients(declare(name, ("train",)), cfg, inputs, code))
+
+
 def test_key_depends_on_sections_inputs_and_version():
     cfg = load_config()
-    base = keys.stage_key("train", cfg, ("train",), {"plan": "a"}, "1")
-    assert keys.stage_key("train", cfg, ("train",), {"plan": "a"}, "1") == base
-    assert keys.stage_key("train", cfg, ("train",), {"plan": "b"}, "1") != base
-    assert keys.stage_key("train", cfg, ("train",), {"plan": "a"}, "2") != base
-    changed = load_config(None, ["train.steps=7"])
-    assert keys.stage_key("train", changed, ("train",), {"plan": "a"}, "1") != base
-    # A section the stage does not read does not change its key.
-    other = load_config(None, ["eval.max_tokens=7"])
-    assert keys.stage_key("train", other, ("train",), {"plan": "a"}, "1") == base
+    base = _key(cfg, {"plan": "a"}, "1")
+    assert _key(cfg, {"plan": "a"}, "1") == base
+    assert _key(cfg, {"plan": "b"}, "1") != base
+    assert _key(cfg, {"plan": "a"}, "2") != base
+    changed = load_config(None, ["train.lr=0.01"])
+    assert _key(changed, {"plan": "a"}, "1") != base
+    # A section the stage does not read does not change its key, nor does how often the
+    # training logs or saves.
+    other = load_config(None, ["eval.max_tokens=7", "train.log_every=5",
+                               "train.checkpoint_every=3", "train.keep_last=4"])
+    assert _key(other, {"plan": "a"}, "1") == base
 
 
 def test_run_publishes_then_reuses_then_forces(tmp_path):
@@ -109,7 +115,7 @@ def test_failure_leaves_nothing_that_looks_done(tmp_path):
     ctx, cfg, calls = _context(tmp_path), load_config(), []
     with pytest.raises(RuntimeError, match="boom"):
         run_stage(ctx, COUNTING, cfg, {}, work=_counting_stage(calls, fail=True))
-    key = keys.stage_key("counting", cfg, ("train",), {}, "1.0")
+    key = keys.key_of(keys.key_ingredients(COUNTING, cfg, {}, "1.0"))
     final = outputs.stage_dir(tmp_path, "counting", key)
     assert not final.exists()
     status = outputs.read_status(final.with_name(key + ".partial"))

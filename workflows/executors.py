@@ -71,6 +71,7 @@ from workflows.frontier import (
     allocation_stages,
     check_site,
     node_local_env_lines,
+    runs_dir_chars_problem,
     stage_shapes,
     uses_plugin_module,
 )
@@ -109,13 +110,18 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
     training resumes from its last complete checkpoint.
     """
     site = cfg.site.name
+    run_dir_parsl = Path(parsl_dir or Path(run_dir) / "parsl")
+    check_site(cfg)
+    # Parsl writes its directory unquoted into the worker pools' command lines and scripts.
+    problem = runs_dir_chars_problem(cfg, run_dir_parsl)
+    if problem:
+        raise SiteError(problem)
     # Only the executors the running stages use: --only tokenize starts no training
     # executor (no interchange, no local worker pool).
     allocations = allocation_stages(cfg, running)
     if site == "local":
         executors = [cpu_executor(cfg), *([local_train_executor(cfg)] if allocations else [])]
     elif site in SLURM_SITES:
-        check_site(cfg)
         compute = any(shape.placement == COMPUTE for _, shape in stage_shapes(cfg, running))
         executors = [cpu_executor(cfg), *([compute_executor(cfg)] if compute else []),
                      *(slurm_allocation_executor(cfg, name) for name, _ in allocations)]
@@ -123,7 +129,7 @@ def make_parsl_config(cfg: PipelineConfig, run_dir: Path, parsl_dir: Path | None
         raise SiteError(f"site.name={site!r} is not one of local, slurm, frontier")
     return Config(
         executors=executors,
-        run_dir=str(parsl_dir or Path(run_dir) / "parsl"),
+        run_dir=str(run_dir_parsl),
         retries=cfg.site.retries,
         # User errors fail at once; lost workers and killed ranks are retried, in a new
         # block (``end_blocks``). Ranks out of time cost nothing.

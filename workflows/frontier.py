@@ -7,8 +7,9 @@ unless ``site.modules`` says otherwise, then OLCF's RCCL network plugin module
 own; with ``site.node_local_env`` each job copies the packed environment to its nodes'
 NVMe and runs from there (``node_local_env_lines``).
 
-``check_site`` holds every rule a site's settings must meet (Slurm sites: a runs dir whose
-characters survive Parsl's unquoted scripts; Frontier: an account, a runs dir on Lustre,
+``check_site`` holds every rule a site's settings must meet (a runs dir whose characters
+survive Parsl's unquoted scripts and command lines, wherever Parsl writes them; Slurm sites,
+for the driver: a controller that answers; Frontier: an account, a runs dir on Lustre,
 at most 8 ranks of any stage per node, at most one tokenize worker per core, one of
 site.conda_env and site.node_local_env, an evaluation that fits a node's memory); the
 driver calls it before any run is opened, and
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Collection
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from stages.mechanism.checks import evaluation_memory_problem
-from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.mechanism.config import ConfigError, PipelineConfig, unquoted_shell_problem
 from stages.mechanism.registry import STAGE_ORDER, declaration
 from stages.mechanism.shape import ALLOCATION, RANKS, StageShape
 
@@ -63,10 +66,17 @@ NODE_LOCAL_ENV_TAR = "/mnt/bb/$USER/frontier-llm-env.tar"
 NODE_LOCAL_CONSTRAINT = "nvme"
 """The Slurm constraint that gives a Frontier job its nodes' NVMe (#SBATCH -C nvme)."""
 
-SCRIPT_SAFE_PATH = re.compile(r"[A-Za-z0-9/._+,=@:-]+")
-"""The characters a runs dir may hold on a Slurm site: Parsl writes it unquoted into the
-batch script (#SBATCH --output, where sbatch also expands %), an unquoted here-document and
-the worker's command line."""
+NODE_LOCAL_ENV_NODES = 64
+"""Above this many nodes in one job a Frontier run needs site.node_local_env: every rank
+(8 a node) imports torch's thousands of files and ~1.5 GB of ROCm libraries from the shared
+file system at once, a start-up that grows with the node count and holds the whole
+allocation, where sbcast's copy to each node's NVMe costs about the same at any size
+(docs/frontier.md#the-python-environment-at-scale)."""
+
+FRONTIER_PROXY = "http://proxy.ccs.ornl.gov:3128/"
+"""OLCF's proxy, the compute nodes' only way out to the internet."""
+
+_PROXY_EXPORT = re.compile(r"\b(https_proxy|HTTPS_PROXY|all_proxy|ALL_PROXY)=\S")
 
 FRONTIER_GCDS_PER_NODE = 8
 """One training rank per MI250X GCD."""
@@ -122,8 +132,13 @@ def allocation_stages(cfg: PipelineConfig,
             if shape.kind == RANKS or shape.placement == ALLOCATION]
 
 
-def check_site(cfg: PipelineConfig, *, readiness_rules: bool = True) -> None:
+def check_site(cfg: PipelineConfig, *, readiness_rules: bool = True,
+               controller: bool = False) -> None:
     """The site settings' checks, before any work (the driver calls it first).
+
+    ``controller``: on a Slurm site also that a Slurm controller answers here
+    (``slurm_controller_problem``); the driver asks, the Parsl configuration and the dry
+    run (which may run on a laptop) do not.
 
     ``readiness_rules``: also the Frontier rules the dry run's readiness report shows as
     its rows instead of refusing at the first (``workflows.readiness``): where the runs dir
@@ -139,6 +154,13 @@ def check_site(cfg: PipelineConfig, *, readiness_rules: bool = True) -> None:
         )
     if site.name in SLURM_SITES:
         _check_slurm_site(cfg, readiness_rules)
+    problem = runs_dir_chars_problem(cfg)
+    if problem:
+        raise SiteError(problem)
+    if controller and site.name in SLURM_SITES:
+        problem = slurm_controller_problem(site.name)
+        if problem:
+            raise SiteError(problem)
 
 
 def runs_dir_problem(cfg: PipelineConfig) -> str | None:
@@ -170,15 +192,64 @@ def runs_dir_problem(cfg: PipelineConfig) -> str | None:
     return None
 
 
-def runs_dir_chars_problem(cfg: PipelineConfig) -> str | None:
-    """Why a Slurm site refuses the runs dir's characters (None: they are safe)."""
-    path = str(cfg.runs_dir)
-    if cfg.site.name not in SLURM_SITES or SCRIPT_SAFE_PATH.fullmatch(path):
+def parsl_writes_paths_unquoted(cfg: PipelineConfig) -> bool:
+    """Whether Parsl writes the runs dir (its own directory under it) unquoted into a shell
+    line: on Slurm sites (batch scripts, #SBATCH --output, the worker pool's command line)
+    and locally with worker processes (the HTEX worker pool's command line and its local
+    submit script). Threads of the driver (``site.login_workers=threads``) start no shell
+    with it; the ranks' command quotes every path (``workflows.ranks``)."""
+    return cfg.site.name in SLURM_SITES or cfg.site.login_workers == "processes"
+
+
+def runs_dir_chars_problem(cfg: PipelineConfig, path: str | Path | None = None) -> str | None:
+    """Why the site refuses the characters of the runs dir (or of ``path``, a directory
+    under it that Parsl writes); None where they are safe or nothing writes them unquoted.
+    The rule is ``unquoted_shell_problem``; on Slurm sites ``%`` is refused too (sbatch
+    expands it in #SBATCH --output)."""
+    if not parsl_writes_paths_unquoted(cfg):
         return None
-    bad = "".join(sorted({ch for ch in path if not SCRIPT_SAFE_PATH.fullmatch(ch)}))
-    return (f"the runs dir {path!r} (--runs-dir, tracking.runs_dir) holds {bad!r}: Parsl writes "
-            "it unquoted into the batch scripts and the worker's command line, where such "
-            "characters split or expand; choose a path of letters, digits and / . _ + , = @ : -")
+    where = ("Parsl writes it unquoted into the batch scripts and the worker pool's command "
+             "line" if cfg.site.name in SLURM_SITES else "with site.login_workers=processes "
+             "Parsl writes it unquoted into the worker pool's command line (or use "
+             "site.login_workers=threads)")
+    return unquoted_shell_problem("tracking.runs_dir (--runs-dir)",
+                                  str(path or cfg.runs_dir), where,
+                                  also_refuse="%" if cfg.site.name in SLURM_SITES else "")
+
+
+SLURM_PING = ("scontrol", "ping")
+"""The command that asks whether a Slurm controller answers from this machine."""
+
+SLURM_PING_TIMEOUT_S = 30.0
+
+
+def slurm_controller_problem(site: str, timeout_s: float = SLURM_PING_TIMEOUT_S) -> str | None:
+    """Why no Slurm job can be submitted from here (one line: the command that failed, what
+    it said, the fix); None when ``scontrol ping`` finds a controller up.
+
+    Without it the first sbatch of the run fails deep inside Parsl with Slurm's raw error
+    (a DNS lookup of the configuration, a refused connection) after the run was opened.
+    """
+    command = " ".join(SLURM_PING)
+    fix = (f"run the pipeline on a login node of the cluster (with SLURM_CONF set where the "
+           f"cluster needs it), or use --site local instead of site.name={site}")
+    try:
+        proc = subprocess.run(SLURM_PING, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+    except FileNotFoundError:
+        return (f"no Slurm controller reachable: {SLURM_PING[0]!r} is not on PATH (no Slurm "
+                f"client here; `{command}` failed): {fix}")
+    except subprocess.TimeoutExpired:
+        return (f"no Slurm controller reachable: `{command}` did not answer in "
+                f"{timeout_s:g} s: {fix}")
+    said = [line.strip() for line in (proc.stdout + "\n" + proc.stderr).splitlines()
+            if line.strip()]
+    down = [line for line in said if "DOWN" in line]
+    if proc.returncode == 0 and not any("primary" in line for line in down):
+        return None
+    errors = [line for line in said if "error" in line.lower() or "fatal" in line.lower()]
+    detail = (down or errors or said or [f"exit {proc.returncode}"])[0]
+    return f"no Slurm controller reachable: `{command}` failed ({detail}): {fix}"
 
 
 def node_local_env_lines(tarball: str) -> list[str]:
@@ -200,12 +271,67 @@ def node_local_env_lines(tarball: str) -> list[str]:
     ]
 
 
+def largest_job_nodes(cfg: PipelineConfig) -> int:
+    """Nodes of the run's largest job: the tokenize block, a stage's allocation."""
+    return max([cfg.site.tokenize_nodes] + [shape.nodes for _, shape in allocation_stages(cfg)])
+
+
+def node_local_env_problem(cfg: PipelineConfig) -> str | None:
+    """Why a Frontier run of more than ``NODE_LOCAL_ENV_NODES`` nodes in one job must not
+    import its Python environment from the shared file system, with the fix; None where
+    site.node_local_env is set, the jobs are small enough, or the site is not Frontier."""
+    site = cfg.site
+    nodes = largest_job_nodes(cfg)
+    if site.name != "frontier" or site.node_local_env or nodes <= NODE_LOCAL_ENV_NODES:
+        return None
+    where = (f"site.conda_env={site.conda_env}" if site.conda_env
+             else f"the submitting interpreter's {sys.prefix}")
+    unset = " and unset site.conda_env" if site.conda_env else ""
+    return (f"a job of {nodes} nodes runs {nodes * FRONTIER_GCDS_PER_NODE} ranks that all "
+            f"import torch from the shared file system ({where}); above "
+            f"{NODE_LOCAL_ENV_NODES} nodes that start-up storm holds the whole allocation: "
+            "pack the environment once (conda pack -p <env> -o "
+            "/lustre/orion/<project>/scratch/$USER/env.tar.gz, or venv-pack for a venv) and "
+            f"set site.node_local_env=<that tarball>{unset}; each job then copies it to its "
+            "nodes' NVMe with sbcast (#SBATCH -C nvme) and runs from there")
+
+
+def hub_sources(cfg: PipelineConfig) -> list[str]:
+    """The corpus's hub sources (``hf:<id>``)."""
+    data = cfg.data
+    sources = [data.source] if data.source else list(data.sources.values())
+    return [s for s in sources if s.startswith("hf:")]
+
+
+def proxy_configured(cfg: PipelineConfig) -> bool:
+    """Whether site.worker_init, the shell lines the compute nodes run before their workers
+    start, exports an https (or all) proxy, the way OLCF documents the compute nodes'
+    internet access."""
+    return bool(_PROXY_EXPORT.search(cfg.site.worker_init))
+
+
+def hub_fetch_problem(cfg: PipelineConfig) -> str | None:
+    """Why a Frontier run cannot fetch its hub corpus, with the fix; None without one, on
+    another site, or with a proxy configured. Tokenize streams a hub dataset in its prepare
+    step, on a compute node of the tokenize block, and Frontier's compute nodes reach the
+    internet only through OLCF's proxy."""
+    hub = hub_sources(cfg)
+    if cfg.site.name != "frontier" or not hub or proxy_configured(cfg):
+        return None
+    name = hub[0].removeprefix("hf:")
+    return (f"data.source {', '.join(hub)}: tokenize streams a hub dataset on a Frontier "
+            "compute node, which reaches the internet only through OLCF's proxy: fetch it "
+            "where the network is, on a login node or a data-transfer node (e.g. "
+            f"huggingface-cli download --repo-type dataset {name} --local-dir "
+            f"/lustre/orion/<project>/scratch/$USER/{name.split('/')[-1]}) and point "
+            "data.source at the downloaded files, or send the compute nodes through the "
+            f"proxy: --set \"site.worker_init=export https_proxy={FRONTIER_PROXY} "
+            f"http_proxy={FRONTIER_PROXY}\"")
+
+
 def _check_slurm_site(cfg: PipelineConfig, readiness_rules: bool) -> None:
     if cfg.site.name == "frontier":
         _check_frontier(cfg, readiness_rules)
-    problem = runs_dir_chars_problem(cfg)
-    if problem:
-        raise SiteError(problem)
 
 
 def _check_frontier(cfg: PipelineConfig, readiness_rules: bool) -> None:

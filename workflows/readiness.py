@@ -3,9 +3,11 @@ allocation, as one table (``--dry-run`` prints it on slurm and frontier sites).
 
 One row per check: the jobs (nodes x walltime, and on Frontier the job-size bin and its
 walltime limit), the plan (its predicted step time and device memory: rehearsed where the
-plan stage has rehearsed it, else modeled), when the first checkpoint lands, host memory of
-the evaluation, the Hugging Face export, the corpus, the runs dir's file system, and the
-whole run's time, jobs and node-hours. A row is ``ok``, ``warning`` (it cannot be checked
+plan stage has rehearsed it, else modeled), when the first checkpoint lands, the
+interruptions the training should expect and the checkpoint interval that loses least work
+to them (``model.planner.failures``) beside the configured one, host memory of the
+evaluation, the Hugging Face export, the corpus, the runs dir's file system, and the whole
+run's time, jobs and node-hours. A row is ``ok``, ``warning`` (it cannot be checked
 from here: said why) or ``error`` (a run would be refused, or fail, or waste its
 allocation: said how to fix it). Nothing is submitted, and nothing heavy is imported: the
 plan comes from the plan stage's output when it exists, else from the planner's search (a
@@ -13,12 +15,15 @@ few seconds on the login node, as the plan stage's own search).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model.config import TrainConfig
+from model.planner.failures import Interruptions, auto_checkpoint_minutes, config_interruptions
 from model.planner.plan import Plan
 from model.planner.scaling import FRONTIER_NODES
 from stages.mechanism.checks import (
@@ -32,7 +37,18 @@ from stages.mechanism.checks import (
 )
 from stages.mechanism.config import PipelineConfig
 from stages.mechanism.registry import declaration
-from workflows.frontier import FRONTIER_NODE_MEMORY_GB, runs_dir_problem, walltime_bin
+from stages.mechanism.selection import StageDecision, decide_stages, reused_outputs
+from workflows.frontier import (
+    FRONTIER_NODE_MEMORY_GB,
+    NODE_LOCAL_ENV_NODES,
+    hub_fetch_problem,
+    hub_sources,
+    largest_job_nodes,
+    node_local_env_problem,
+    proxy_configured,
+    runs_dir_problem,
+    walltime_bin,
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,10 @@ class Finding:
     value: str
     verdict: str = "ok"  # "ok", "warning" or "error"
     fix: str = ""
+
+
+def _node_hours(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
 
 
 def _hours(seconds: float) -> str:
@@ -68,32 +88,31 @@ def job_finding(what: str, cfg: PipelineConfig, nodes: int, walltime: str,
     return Finding(what, value)
 
 
-def _plan_of(cfg: PipelineConfig) -> tuple[Plan, list[dict[str, Any]] | None, float | None, str]:
+def _plan_of(cfg: PipelineConfig, found: dict[str, Any] | None
+             ) -> tuple[Plan, list[dict[str, Any]] | None, float | None, str]:
     """(the plan, its rehearsal records or None, the device's GB or None, where it came
-    from): the plan stage's published output for this config, else the planner's search."""
-    from stages.mechanism import outputs
-    from stages.mechanism.selection import stage_keys
-
-    found = outputs.find_succeeded(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
+    from): the plan stage's published output this invocation reuses (``found``: its
+    outputs), else the planner's search."""
     if found is not None:
-        rehearsal = found.outputs.get("rehearsal")
+        rehearsal = found.get("rehearsal")
         records = json.loads(Path(rehearsal).read_text()) if rehearsal else None
-        return Plan.from_json(found.outputs["plan"]), records, None, "the plan stage's output"
+        return Plan.from_json(found["plan"]), records, None, "the plan stage's output"
+    from model.planner.choose import choose, fixed_fields
     from model.planner.cluster import load_cluster
-    from stages import plan as plan_stage
 
     cluster = load_cluster(cfg.parallel.cluster)  # a cluster measured at plan time refuses
-    plan, _ = plan_stage.choose(cfg.model, cfg.train, cluster, cfg.parallel.nproc,
-                                plan_stage.fixed_fields(cfg.parallel))
+    plan, _ = choose(cfg.model, cfg.train, cluster, cfg.parallel.nproc,
+                     fixed_fields(cfg.parallel))
     return plan, None, cluster.memory_gb, "the planner's search (not yet rehearsed)"
 
 
-def plan_findings(cfg: PipelineConfig) -> tuple[list[Finding], float | None]:
+def plan_findings(cfg: PipelineConfig, found_plan: dict[str, Any] | None = None
+                  ) -> tuple[list[Finding], float | None]:
     """The plan's rows (its layout and step time, its device memory) and its step time."""
     from model.planner.cluster import ClusterError
 
     try:
-        plan, records, device, source = _plan_of(cfg)
+        plan, records, device, source = _plan_of(cfg, found_plan)
     except ClusterError:  # measured by a microbenchmark when the plan stage runs
         return [Finding("plan", f"parallel.cluster={cfg.parallel.cluster}", "warning",
                         "this cluster is measured where the plan stage runs: run it "
@@ -125,19 +144,80 @@ def plan_findings(cfg: PipelineConfig) -> tuple[list[Finding], float | None]:
     return rows, step
 
 
-def checkpoint_finding(cfg: PipelineConfig, step: float | None) -> Finding:
+def _resolved_train(cfg: PipelineConfig, figures: Interruptions) -> TrainConfig:
+    """``cfg.train`` with ``checkpoint_minutes: auto`` resolved as the train stage resolves
+    it; left ``auto`` when the save time is unknown (the interval row says so)."""
+    if cfg.train.checkpoint_minutes != "auto" or figures.best_interval_s is None:
+        return cfg.train
+    return dataclasses.replace(cfg.train, checkpoint_minutes=auto_checkpoint_minutes(figures))
+
+
+def checkpoint_interval_s(cfg: PipelineConfig, train: TrainConfig, step: float) -> float:
+    """Seconds of training between checkpoints as configured: the first of
+    ``train.checkpoint_every`` steps (0: only at the end), ``train.checkpoint_minutes``
+    (resolved) and the save before the walltime (when the signal leaves a step for it)."""
+    by_steps = min(train.checkpoint_every or train.steps, train.steps) * step
+    minutes = train.checkpoint_minutes
+    by_clock = minutes * 60 if isinstance(minutes, (int, float)) else math.inf
+    save = cfg.site.save_before_end()
+    before_end = walltime_seconds(cfg.site.walltime) - save if save > step else math.inf
+    return min(by_steps, by_clock, before_end)
+
+
+def checkpoint_finding(cfg: PipelineConfig, step: float | None,
+                       figures: Interruptions | None = None) -> Finding:
     """When the first checkpoint lands, and an error when none can land within one job."""
     if step is None:
         return Finding("first checkpoint", "unknown", "warning", "no predicted step time")
-    train = cfg.train
-    by_steps = min(train.checkpoint_every or train.steps, train.steps) * step
-    by_clock = train.checkpoint_minutes * 60 if train.checkpoint_minutes else math.inf
-    save = cfg.site.save_before_end()
-    before_end = walltime_seconds(cfg.site.walltime) - save if save > step else math.inf
-    first = min(by_steps, by_clock, before_end)
+    train = _resolved_train(cfg, figures or config_interruptions(cfg))
+    first = checkpoint_interval_s(cfg, train, step)
     problem = checkpoint_cadence_problem(train, cfg.site, step)
     value = f"after {_hours(first)} of training" + _checkpoint_write(cfg)
     return Finding("first checkpoint", value, "error" if problem else "ok", problem or "")
+
+
+WASTEFUL_INTERVAL = 1.5
+"""The configured interval is a warning when it loses this many times Young/Daly's work."""
+
+
+def failure_findings(cfg: PipelineConfig, step: float | None,
+                     figures: Interruptions | None = None) -> list[Finding]:
+    """The interruptions the whole training should expect, and the checkpoint interval that
+    loses least work to them (Young/Daly) beside the configured one, each with the
+    node-hours it loses (``model.planner.failures``)."""
+    figures = figures or config_interruptions(cfg)
+    if step is None:
+        return [Finding("interruptions", "unknown", "warning", "no predicted step time")]
+    run = cfg.train.steps * step
+    nodes = cfg.parallel.nodes
+    configured = checkpoint_interval_s(cfg, _resolved_train(cfg, figures), step)
+    mine = figures.lost(configured, run)
+    rows = [Finding("interruptions", f"{mine.failures:.3g} expected in {_hours(run)} of "
+                    f"training: {figures.rate_per_node_hour:.3g} per node-hour x {nodes} "
+                    f"node(s), one every {_hours(figures.mtbf_s)} ({figures.rate_source})")]
+    best = figures.best_interval_s
+    if best is None:
+        auto = cfg.train.checkpoint_minutes == "auto"
+        value = (f"configured {_hours(configured)}: {_node_hours(mine.node_hours)} node-hours "
+                 "lost to failures, plus saves of unknown cost")
+        fix = (f"{figures.unknown_save}: set node_write_gbps in the cluster file to price a "
+               "save" + (", which train.checkpoint_minutes=auto needs (or give it minutes)"
+                         if auto else ""))
+        rows.append(Finding("checkpoint interval", value, "error" if auto else "warning", fix))
+        return rows
+    ideal = figures.lost(best, run)
+    value = (f"Young/Daly {_hours(best)} (save {figures.save_s:.3g} s): "
+             f"{_node_hours(ideal.node_hours)} node-hours lost; configured "
+             f"{_hours(configured)}: {_node_hours(mine.node_hours)} node-hours lost")
+    if mine.node_hours > WASTEFUL_INTERVAL * ideal.node_hours:
+        saved = _node_hours(mine.node_hours - ideal.node_hours)
+        fix = (f"train.checkpoint_minutes=auto ({best / 60:.3g} min) loses {saved} fewer "
+               "node-hours")
+        if cfg.train.checkpoint_minutes == "auto":  # checkpoint_every saves sooner than auto
+            fix = (f"train.checkpoint_every saves more often than auto's {best / 60:.3g} min: "
+                   f"set train.checkpoint_every=0 to lose {saved} fewer node-hours")
+        return [*rows, Finding("checkpoint interval", value, "warning", fix)]
+    return [*rows, Finding("checkpoint interval", value)]
 
 
 def _checkpoint_write(cfg: PipelineConfig) -> str:
@@ -211,6 +291,45 @@ def corpus_finding(cfg: PipelineConfig) -> Finding:
     return Finding("corpus", f"{sum(sizes) / 1e9:.3g} GB on disk; {value}")
 
 
+def environment_finding(cfg: PipelineConfig) -> Finding:
+    """Where the ranks import Python from: node-local NVMe (site.node_local_env) or the shared
+    file system, an error on Frontier above ``NODE_LOCAL_ENV_NODES`` nodes in one job."""
+    site = cfg.site
+    nodes = largest_job_nodes(cfg)
+    if site.node_local_env:
+        return Finding("environment", f"{site.node_local_env} copied to each node's NVMe "
+                       f"(largest job {nodes} node(s))")
+    value = (f"site.conda_env={site.conda_env}" if site.conda_env else "the submitting "
+             "interpreter") + f" over the shared file system, largest job {nodes} node(s)"
+    problem = node_local_env_problem(cfg)
+    if problem:
+        return Finding("environment", value, "error", problem)
+    if site.name == "frontier":
+        return Finding("environment", f"{value} (up to {NODE_LOCAL_ENV_NODES} on Frontier)")
+    return Finding("environment", value, "warning", "the site's file systems are not known here")
+
+
+def corpus_fetch_finding(cfg: PipelineConfig, plans: list[StageDecision]) -> Finding | None:
+    """Where a hub corpus (``hf:``) is fetched: on a compute node, which on Frontier needs
+    OLCF's proxy (an error without one); None without a hub source."""
+    hub = hub_sources(cfg)
+    if not hub:
+        return None
+    tokenize = next((p for p in plans if p.name == "tokenize"), None)
+    if tokenize is not None and tokenize.action not in ("run", "force"):
+        how = "reused" if tokenize.action == "reuse" else "not run"
+        return Finding("corpus fetch", f"{', '.join(hub)}: tokenize is {how}, nothing is "
+                       "fetched")
+    where = f"{', '.join(hub)} streamed by tokenize on a compute node"
+    problem = hub_fetch_problem(cfg)
+    if problem:
+        return Finding("corpus fetch", where, "error", problem)
+    if proxy_configured(cfg):
+        return Finding("corpus fetch", f"{where} through the proxy site.worker_init exports")
+    return Finding("corpus fetch", where, "warning",
+                   "that the compute nodes reach the internet is not checked from here")
+
+
 def runs_dir_finding(cfg: PipelineConfig) -> Finding:
     """Where outputs, checkpoints and the MLflow store go: on Frontier, Lustre."""
     problem = runs_dir_problem(cfg) if cfg.site.name == "frontier" else None
@@ -247,8 +366,11 @@ def _jobs(total_s: float, walltime_s: int, save_before_end_s: int, step_s: float
     return math.ceil(total_s / max(walltime_s - save_before_end_s, step_s))
 
 
-def readiness(cfg: PipelineConfig) -> list[Finding]:
-    """Every row of the report for ``cfg`` on its Slurm site."""
+def readiness(cfg: PipelineConfig, plans: list[StageDecision] | None = None) -> list[Finding]:
+    """Every row of the report for ``cfg`` on its Slurm site; ``plans``: the driver's stage
+    decisions (decided here when not given), whose reused plan output the report reads."""
+    plans = decide_stages(cfg, None, None, False) if plans is None else plans
+    found_plan = reused_outputs(plans).get("plan")
     site = cfg.site
     short = site.compute_walltime or site.walltime
     rows = [job_finding("training job", cfg, cfg.parallel.nodes, site.walltime),
@@ -258,11 +380,15 @@ def readiness(cfg: PipelineConfig) -> list[Finding]:
     if cfg.parallel.refine_top_k > 0:  # the plan stage measures its candidates as ranks
         rows.insert(1, job_finding("measurement job", cfg, declaration("plan").shape(cfg).nodes,
                                    short, "site.compute_walltime"))
-    plan_rows, step = plan_findings(cfg)
+    plan_rows, step = plan_findings(cfg, found_plan)
     rows += plan_rows
-    rows.append(checkpoint_finding(cfg, step))
+    figures = config_interruptions(cfg)
+    rows.append(checkpoint_finding(cfg, step, figures))
+    rows += failure_findings(cfg, step, figures)
     rows += evaluation_findings(cfg)
     rows += [corpus_finding(cfg), runs_dir_finding(cfg), whole_run_finding(cfg, step)]
+    fetch = corpus_fetch_finding(cfg, plans)
+    rows += [environment_finding(cfg), *([fetch] if fetch else [])]
     return rows
 
 

@@ -96,7 +96,7 @@ class Point:
 def fix_overrides(fixes: list[str]) -> list[str]:
     """``--fix NAME=VALUE`` items as ``parallel.NAME=VALUE`` overrides, checked by the plan
     stage's parser; a field the parallel section does not have is a ConfigError."""
-    from stages.plan import parse_fix
+    from model.planner.choose import parse_fix
 
     try:
         fixed = parse_fix(fixes)
@@ -139,9 +139,9 @@ def point_nodes(cfg: PipelineConfig, devices: int, per_node: int | None = None) 
 
 def _check_formable(cfg: PipelineConfig) -> None:
     """Refuse, before any work, a point for which no layout can be formed at all."""
+    from model.planner.choose import fixed_fields
     from model.planner.search import enumerate_plans
     from model.planner.shapes import Shapes
-    from stages.plan import fixed_fields
 
     shapes = Shapes.from_configs(cfg.model, cfg.train)
     try:
@@ -202,16 +202,14 @@ def breakdown(cfg: PipelineConfig, plan: Any, cluster: Any | None = None) -> dic
     """The planner's step-time terms (seconds per step) for ``plan`` at ``cfg``'s point; the
     cluster is loaded as the plan stage loads it (a measured one from its cache)."""
     from model.planner.calibration import load_calibration
-    from model.planner.microbench import load_measured_cluster
+    from model.planner.choose import calibration_file, planning_cluster
     from model.planner.search import explain
     from model.planner.shapes import Shapes
-    from stages.plan import calibration_path
 
     world = cfg.parallel.nproc
     if cluster is None:
-        cluster = load_measured_cluster(cfg.parallel.cluster, world,
-                                        cache_dir=cfg.runs_dir / "cache" / "microbench")
-    cal = load_calibration(calibration_path(cfg, cluster))
+        cluster = planning_cluster(cfg.parallel.cluster, world, cfg.runs_dir)
+    cal = load_calibration(calibration_file(cfg.runs_dir, cluster.name, world))
     return explain(Shapes.from_configs(cfg.model, cfg.train, cluster), cluster, plan, world,
                    cfg.train.global_batch, cal)["step"]
 
@@ -341,8 +339,7 @@ def predict_points(configs: list[str], overrides: list[str], mode: str,
     A point where no plan fits (too few devices for the model, or no layout that divides
     the batch) keeps a row with the planner's reason in ``note``."""
     from model.config import TrainConfig
-    from model.planner.microbench import load_measured_cluster
-    from stages.plan import choose, fixed_fields, parse_fix
+    from model.planner.choose import choose, fixed_fields, parse_fix, planning_cluster
 
     extra = parse_fix(fixes)
     points: list[Point] = []
@@ -355,8 +352,7 @@ def predict_points(configs: list[str], overrides: list[str], mode: str,
         for n in devices or scaling.frontier_ladder():
             batch = scaling.point_batch(mode, base.train.global_batch, base.parallel.nproc, n)
             try:
-                cluster = load_measured_cluster(base.parallel.cluster, n,
-                                                cache_dir=base.runs_dir / "cache" / "microbench")
+                cluster = planning_cluster(base.parallel.cluster, n, base.runs_dir)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
             per_node = cluster.ranks_per_node

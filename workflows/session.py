@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 from stages.mechanism import attempt as attempts
 from stages.mechanism import locks, outputs, tracking
 from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.mechanism.keys import TRIGGERS
 from stages.mechanism.outputs import StageResult
 from stages.mechanism.registry import declaration
 from stages.mechanism.selection import StageDecision
@@ -48,6 +49,11 @@ def check_runs_dir(runs_dir: Path) -> None:
             f"--runs-dir {str(runs_dir)!r} contains white space, which Parsl's worker command "
             "lines cannot carry: choose a path without spaces"
         )
+    file = next((p for p in (runs_dir, *runs_dir.parents) if p.exists() and not p.is_dir()), None)
+    if file is not None:
+        what = "is a file" if file == runs_dir else f"is inside {file}, a file"
+        raise ConfigError(f"--runs-dir {runs_dir} {what}, not a directory: choose a directory "
+                          "(an existing one or a new path)")
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
         probe = runs_dir / f".write-probe-{os.getpid()}"
@@ -95,12 +101,29 @@ class StageRun:
     reused at planning time); ``attempt`` is the future of a multi-part stage's begin app."""
 
     name: str
-    key: str
+    key: str | None  # None: it hashes an upstream's output, known once that one is done
     log: str
     result: concurrent.futures.Future
     ranks_log: str | None = None
     attempt: concurrent.futures.Future | None = None
     futures: list[concurrent.futures.Future] = field(default_factory=list)  # apps, in order
+    upstream: dict[str, concurrent.futures.Future] = field(default_factory=dict)
+    cfg: PipelineConfig | None = None
+
+    def current_key(self, ctx: attempts.PipelineContext) -> str | None:
+        """The stage's key: decided by the driver, or by its begin app, or (for a one-app
+        stage that failed) resolved again from its upstream results, as that app did."""
+        if self.key:
+            return self.key
+        if self.attempt is not None and self.attempt.done() and self.attempt.exception() is None:
+            return self.attempt.result().key
+        if self.cfg is None or any(not f.done() or f.exception() for f in self.upstream.values()):
+            return None
+        from stages.mechanism.selection import digest_of, resolve
+
+        digests = {n: digest_of(f.result()) for n, f in self.upstream.items()}
+        return resolve(ctx.runs_dir, declaration(self.name), self.cfg, digests,
+                       ctx.code_for(self.name), ctx.triggers).key
 
 
 @dataclass
@@ -166,7 +189,8 @@ def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts
             result = on.single(ctx, p.name, cfg, force, log,
                                parsl_resource_specification=spec, **inputs)
             _hand_back_when_done(cfg, p.name, shape, result)
-            runs[p.name] = StageRun(p.name, p.key, log, result, futures=[result])
+            runs[p.name] = StageRun(p.name, p.key, log, result, futures=[result],
+                                    upstream=inputs, cfg=cfg)
             continue
         begun = on.begin(ctx, p.name, cfg, force, log, parsl_resource_specification=spec,
                          **inputs)
@@ -193,7 +217,7 @@ def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts
 
         _hand_back_when_done(cfg, p.name, shape, result)
         runs[p.name] = StageRun(p.name, p.key, log, result, ranks_log, begun,
-                                [begun, *parts, result])
+                                [begun, *parts, result], upstream=inputs, cfg=cfg)
 
 
 def _hand_back_when_done(cfg: PipelineConfig, name: str, shape: StageShape,
@@ -255,23 +279,26 @@ def wait_for_stages(runs: dict[str, StageRun], ctx: attempts.PipelineContext, lo
         if error is None:  # only upstream stages failed: this one never ran
             continue
         _fail_open_attempt(ctx, run.attempt, error, run.ranks_log)
-        failures.append(_describe_failure(run, error, runs_dir))
+        failures.append(_describe_failure(run, error, runs_dir, run.current_key(ctx)))
     if failures:
         raise PipelineFailed(failures)
     return done
 
 
-def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path) -> StageFailure:
-    """The stage's own message (a rank's, for ranks that refused their input) and its paths."""
+def _describe_failure(run: StageRun, error: BaseException, runs_dir: Path,
+                      key: str | None) -> StageFailure:
+    """The stage's own message (a rank's, for ranks that refused their input) and its paths
+    (``key``: the stage's key, None when it never got one)."""
     from parsl.app.errors import BashExitFailure
 
-    work_dir = outputs.work_dir(runs_dir, run.name, run.key)
+    work_dir = outputs.work_dir(runs_dir, run.name, key or "<no key>")
     message = f"{type(error).__name__}: {error}"
     if isinstance(error, BashExitFailure):
-        from stages.mechanism.launch import read_rank_error
+        from stages.mechanism.launch import read_killed_rank, read_rank_error
 
         rank_message = read_rank_error(work_dir, run.ranks_log)
-        message = rank_message or f"the ranks exited with code {error.exitcode}"
+        message = (rank_message or read_killed_rank(run.ranks_log)
+                   or f"the ranks exited with code {error.exitcode}")
     if isinstance(error, OSError) and error.errno in failures_mod.STORAGE_ERRNOS:
         message += (
             f" (while writing under {work_dir.parent}: free space or pass another --runs-dir)"
@@ -305,7 +332,8 @@ def fail_running(ctx: attempts.PipelineContext, runs: dict[str, StageRun]) -> No
     for run in runs.values():
         if not run.futures:
             continue
-        attempt = attempts.running_attempt(ctx, run.name, run.key)
+        key = run.current_key(ctx)
+        attempt = attempts.running_attempt(ctx, run.name, key) if key else None
         if attempt is not None:
             attempts.fail(ctx, attempt, KeyboardInterrupt("the pipeline was interrupted"))
 
@@ -314,7 +342,8 @@ class PipelineSession:
     """The lifecycle of one driver around its stages (see the module docstring).
 
     ``cfg`` gives the runs dir, the tracking store and the experiment; ``run_name`` and
-    ``tags`` name the MLflow parent run; ``label`` prefixes the driver's own lines.
+    ``tags`` name the MLflow parent run (``<run_name>-<its id's first 8 characters>``);
+    ``label`` prefixes the driver's own lines.
     """
 
     def __init__(self, cfg: PipelineConfig, run_name: str, tags: dict[str, str],
@@ -355,9 +384,18 @@ class PipelineSession:
         """The parent run, the heartbeat, the watchdog and the signal handlers."""
         self.experiment_id = tracking.ensure_experiment(
             self.uri, self.cfg.tracking.experiment or self.cfg.name, self.runs_dir)
+        closed = tracking.close_abandoned_runs(self.runs_dir, self.store_uri, self.uri)
+        if closed:
+            print(f"[{self.label}] marked FAILED {len(closed)} MLflow run(s) an earlier "
+                  "pipeline run on this runs dir left RUNNING (its store took no writes)",
+                  flush=True)
         self.parent_id = tracking.start_run(self.uri, self.experiment_id,
                                             f"{self.run_name}-{self.stamp}", tags=self.tags)
+        tracking.note_open_run(self.runs_dir, self.store_uri, self.parent_id)
         self.parent = tracking.Tracker(self.uri, self.parent_id)
+        # Named by what it does and its id's prefix (as its log directory), which tells two
+        # pipelines apart where the run list cuts names short; the id exists only now.
+        self.parent.set_tags({tracking.MLFLOW_RUN_NAME: f"{self.run_name}-{self.parent_id[:8]}"})
         self.parsl_dir = self.runs_dir / "parsl" / f"{self.stamp}-{os.getpid()}"
         self.log_root = self.runs_dir / "logs" / f"{self.stamp}-{self.parent_id[:8]}"
         self.log_root.mkdir(parents=True, exist_ok=True)
@@ -369,13 +407,14 @@ class PipelineSession:
                           for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
-    def context(self, code: dict[str, str] | str,
-                parent_run_id: str | None = None) -> attempts.PipelineContext:
+    def context(self, code: dict[str, str] | str, parent_run_id: str | None = None,
+                triggers: tuple[str, ...] = TRIGGERS) -> attempts.PipelineContext:
         """The context stages run with: this driver's locks, stage runs nested under
         ``parent_run_id`` (default: the session's parent run)."""
         return attempts.PipelineContext(str(self.runs_dir), self.uri, self.experiment_id,
                                         parent_run_id or self.parent_id, code,
-                                        driver=self.driver, store_uri=self.store_uri)
+                                        driver=self.driver, store_uri=self.store_uri,
+                                        triggers=triggers)
 
     def start_parsl(self, cfg: PipelineConfig, running: list[str] | None = None) -> None:
         """Load ``cfg``'s site (stopping a Parsl this session started before)."""
@@ -402,6 +441,29 @@ class PipelineSession:
         server = self.server.proc if self.server is not None else None
         return [proc.pid for proc in (self.watchdog, server) if proc is not None]
 
+    def _close_parent(self, status: str) -> None:
+        """End the parent run ``status``. A store on a full disk ends nothing: one line says
+        so, and the run stays recorded as unclosed for the next driver to mark FAILED with
+        its stage runs (``tracking.close_abandoned_runs``)."""
+        try:
+            self.parent.set_tags({"wall_seconds": f"{time.time() - self.started:.1f}"})
+            if status == "FAILED":  # stage runs whose own close failed (a full store) end too
+                tracking.end_run_tree(self.uri, self.parent_id, status, "the pipeline failed "
+                                      "before this run was closed", include_root=False)
+            tracking.end_run(self.uri, self.parent_id, status)
+        except OSError as error:
+            tracking.note_closed_run(self.runs_dir, self.parent_id, closed=False)
+            if error.errno not in failures_mod.STORAGE_ERRNOS:
+                raise
+            print(f"[{self.label}] {error}; this pipeline's MLflow runs stay RUNNING until the "
+                  "next pipeline run on this runs dir marks them FAILED", file=sys.stderr,
+                  flush=True)
+            return
+        except BaseException:
+            tracking.note_closed_run(self.runs_dir, self.parent_id, closed=False)
+            raise
+        tracking.note_closed_run(self.runs_dir, self.parent_id, closed=True)
+
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
         from workflows import executors
 
@@ -424,9 +486,7 @@ class PipelineSession:
             try:
                 self.heartbeat.stop()
                 locks.release_all(self.runs_dir, self.driver)  # stages that never finished
-                self.parent.set_tags({"wall_seconds": f"{time.time() - self.started:.1f}"})
-                tracking.end_run(self.uri, self.parent_id,
-                                 "FINISHED" if exc_type is None else "FAILED")
+                self._close_parent("FINISHED" if exc_type is None else "FAILED")
             finally:
                 if self.server is not None:
                     self.server.stop()

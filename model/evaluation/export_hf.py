@@ -397,10 +397,30 @@ def export_checkpoint(
                     tokenizer_file, eos_token)
 
 
+def _intact_hint(named: str, error: Exception) -> str:
+    """For a damaged ``step-N`` named on the command line: "; the newest intact checkpoint
+    beside it is ...". The command exports what it is told, never another step silently
+    (the evaluate stage falls back by itself: ``model.evaluation.choice``)."""
+    from model.evaluation.choice import usable_checkpoint
+    from model.training.checkpoint import CheckpointError
+
+    if not isinstance(error, CheckpointError):
+        return ""
+    try:
+        choice = usable_checkpoint(named)
+    except CheckpointError:
+        return ""
+    if not choice.skipped:
+        return ""
+    return (f"; the newest intact checkpoint beside it is step {choice.step}: export "
+            f"{choice.path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``python -m model.export_hf CHECKPOINT OUT [options]`` (see module doc).
 
-    Exit status 2, with the reason on stderr, for a checkpoint that cannot be exported.
+    Exit status 2, with the reason on stderr, for a checkpoint that cannot be exported (for
+    a damaged ``step-N``, naming the newest intact one beside it).
     """
     parser = argparse.ArgumentParser(prog="python -m model.export_hf", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                                 eos_token=args.eos_token, shard_bytes=args.shard_bytes,
                                 dtype=getattr(torch, args.dtype) if args.dtype else None)
     except (ExportError, CheckpointError) as err:
-        print(f"export_hf: {err}", file=sys.stderr)
+        print(f"export_hf: {err}{_intact_hint(args.checkpoint, err)}", file=sys.stderr)
         return 2
     files = sorted(p.name for p in out.glob("*.safetensors"))
     size = sum((out / f).stat().st_size for f in files)

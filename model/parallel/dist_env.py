@@ -17,6 +17,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from model.parallel.host_memory import retain_freed_memory
@@ -103,15 +104,62 @@ def from_environ(environ: dict[str, str] | None = None) -> DistEnv:
     return DistEnv(0, 0, 1, "127.0.0.1", int(env.get("MASTER_PORT", 29500)))
 
 
-def start_process_group(env: DistEnv, backend: str, device_id: torch.device | None = None
-                        ) -> None:
+DEFAULT_TIMEOUT_S = 600.0
+"""How long a collective may wait for its peers before it fails, unless the caller says
+(training: ``train.collective_timeout_s``)."""
+NCCL_TRACE_ENTRIES = "2000"
+"""The NCCL flight recorder's ring of recent collectives per rank (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
+unless already set): dumped when a collective times out (``nccl_flight_recorder``)."""
+
+
+def launch_id(env: DistEnv, environ: dict[str, str] | None = None) -> str:
+    """What the ranks of one launch share and no other launch does: the rendezvous file of a
+    local launch, the Slurm job step, torchrun's run and restart, else the rendezvous address.
+    A record left by an earlier launch in the same directory is told apart by it."""
+    e = os.environ if environ is None else environ
+    if env.store_file:
+        return env.store_file
+    if e.get("SLURM_JOB_ID"):
+        return f"slurm-{e['SLURM_JOB_ID']}.{e.get('SLURM_STEP_ID', '0')}"
+    if e.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun-{e['TORCHELASTIC_RUN_ID']}.{e.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"{env.master_addr}:{env.master_port}"
+
+
+def nccl_flight_recorder(trace_dir: str | Path | None) -> None:
+    """Have NCCL keep its flight recorder (the last ``NCCL_TRACE_ENTRIES`` collectives of each
+    rank, with their state) and dump it when a collective times out, to
+    ``trace_dir/nccl_trace_rank_<rank>`` (``torch.distributed.flight_recorder`` reads the
+    dumps); a setting already in the environment wins. Read by NCCL when the group starts."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", NCCL_TRACE_ENTRIES)
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if trace_dir is not None:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                              str(Path(trace_dir) / "nccl_trace_rank_"))
+
+
+def start_process_group(env: DistEnv, backend: str, device_id: torch.device | None = None,
+                        timeout_s: float = DEFAULT_TIMEOUT_S,
+                        trace_dir: str | Path | None = None) -> None:
     """Start the default process group of ``env``'s rank, meeting its peers where its
     launcher said: an in-memory store for one process (no port to collide), the rendezvous
     file of a local launch (``STORE_FILE_VAR``: concurrent launches cannot collide), else
-    ``MASTER_ADDR:MASTER_PORT`` (srun, torchrun)."""
-    import torch.distributed as dist
+    ``MASTER_ADDR:MASTER_PORT`` (srun, torchrun).
 
-    timeout = timedelta(minutes=10)
+    A collective that waits more than ``timeout_s`` for its peers fails (an error on gloo;
+    on NCCL the watchdog ends the rank after dumping the flight recorder to ``trace_dir``).
+    The groups made later without a timeout of their own (the device mesh's, the background
+    checkpoint writer's) get the same one, not torch's default of 30 minutes."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    # torch's default for a new group is read from these at each new_group call
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+    if backend == "nccl":
+        nccl_flight_recorder(trace_dir)
     if env.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     elif env.store_file:
@@ -124,8 +172,10 @@ def start_process_group(env: DistEnv, backend: str, device_id: torch.device | No
                                 timeout=timeout, device_id=device_id)
 
 
-def init_distributed(env: DistEnv) -> torch.device:
-    """Start the default process group (nccl/rccl on GPU, gloo on CPU).
+def init_distributed(env: DistEnv, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     trace_dir: str | Path | None = None) -> torch.device:
+    """Start the default process group (nccl/rccl on GPU, gloo on CPU), its collectives
+    failing after ``timeout_s`` (``start_process_group``).
 
     Returns this rank's device.
     """
@@ -143,5 +193,6 @@ def init_distributed(env: DistEnv) -> torch.device:
         retain_freed_memory()  # a CPU rank's tensors are host memory: no page faults a step
         backend = "gloo"
     if not dist.is_initialized():
-        start_process_group(env, backend, device if device.type == "cuda" else None)
+        start_process_group(env, backend, device if device.type == "cuda" else None,
+                            timeout_s, trace_dir)
     return device

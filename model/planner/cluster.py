@@ -146,6 +146,9 @@ class Cluster:
     measured: bool = False
     source: str = ""
     """File (or cache) the figures came from."""
+    figures: str = "file"
+    """How the figures were got: ``file`` (the cluster file's), ``cached`` (a microbenchmark
+    cache file, ``source``) or ``measured`` (measured by this process, then cached there)."""
 
     def __post_init__(self) -> None:
         k = self.kernel_overhead_us
@@ -262,7 +265,8 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
             raise ClusterError(f"{where}: stack_efficiency must be a factor in (0, 1.5], "
                                f"got {st!r}")
         optional["stack_efficiency"] = float(st)
-    known = set(REQUIRED) | set(optional) | {"measured", "collectives", "source", "notes"}
+    known = set(REQUIRED) | set(optional) | {"measured", "collectives", "source", "notes",
+                                             "figures"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ClusterError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
@@ -272,6 +276,7 @@ def cluster_from_dict(raw: dict[str, Any], where: str = "<cluster>") -> Cluster:
         hbm_bandwidth_gbps=_num(raw, "hbm_bandwidth_gbps", where), gemm_efficiency=eff,
         links=links, collectives=dict(raw.get("collectives") or {}),
         measured=bool(raw.get("measured", False)), source=str(raw.get("source", where)),
+        figures=str(raw.get("figures", "file")),
         **optional,
     )
 

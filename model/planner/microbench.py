@@ -12,13 +12,13 @@ all compute, ``receive_stall_us`` and ``ddp_stall_us``, with the step they follo
 ``stall_after_us``; and under tp=2, ``tp_comm_scale``), and
 all-reduce / all-gather / reduce-scatter / send-recv time at a small and a large size over
 gloo (latency from the small, bus bandwidth from the difference).
-The result is cached as JSON keyed by hostname, rank count and torch version.
+The figures are cached per machine (``model.planner.microbench_cache``): a plan made
+from them does not depend on the load of the moment.
 """
 from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.atomic import write_json_atomic
 from model.parallel.host_memory import retain_freed_memory
 from model.parallel.threads import rank_threads_env
 from model.planner.cluster import (
@@ -36,23 +35,14 @@ from model.planner.cluster import (
     load_cluster,
     read_cluster_file,
 )
+from model.planner.microbench_cache import cache_file, locked, read_cached, write_cached
+
+__all__ = ["cache_file", "load_measured_cluster", "measured_cluster_fields", "run_microbench",
+           "summarise"]
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 64, 256), (512, 256, 256), (1024, 512, 512))
 SIZES = (4 * 1024, 1024 * 1024, 8 * 1024 * 1024)  # bytes per rank for the collectives
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-
-
-def cache_file(nproc: int, cache_dir: str | Path | None = None) -> Path:
-    """Default cache path: <dir>/microbench-<host>-n<nproc>-torch<version>.json.
-
-    The version is the installed distribution's, read without importing torch (seconds),
-    which a plan stage reading a cached measurement never needs."""
-    from importlib.metadata import version
-
-    base = Path(cache_dir or os.environ.get("FRONTIER_LLM_CACHE")
-                or Path.home() / ".cache" / "frontier-llm")
-    host = socket.gethostname().replace("/", "_")
-    return base / f"microbench-{host}-n{nproc}-torch{version('torch').replace('+', '_')}.json"
 
 
 def _time(fn, repeat: int, rounds: int = 1) -> float:
@@ -512,43 +502,61 @@ def measured_cluster_fields(
     cache_path: str | Path | None = None,
     cache_dir: str | Path | None = None,
     refresh: bool = False,
+    read_first: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Cluster fields for this machine with nproc ranks, from the cache or a fresh measurement."""
-    path = Path(cache_path) if cache_path else cache_file(nproc, cache_dir)
-    if path.exists() and not refresh:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("nproc") == nproc and "fields" in data:
-                return {**data["fields"], "source": str(path)}
-        except (OSError, json.JSONDecodeError):
-            pass  # a broken cache is measured again
-    print(f"[microbench] measuring this machine with {nproc} ranks (cached in {path})", flush=True)
-    t0 = time.perf_counter()
-    raw = run_microbench(nproc)
-    fields = summarise(raw, nproc)
-    import torch
+    """Cluster fields for this machine with ``nproc`` ranks: a trusted cache file's
+    (``microbench_cache.read_cached``), else measured now and written to the cache.
 
-    data = {"nproc": nproc, "host": socket.gethostname(), "torch": torch.__version__,
-            "seconds": time.perf_counter() - t0, "fields": fields, "raw": raw}
-    write_json_atomic(path, data)
-    print(f"[microbench] done in {data['seconds']:.1f} s: {fields['peak_tflops'] * 1e3:.1f} "
+    The cache file is ``cache_path``, else ``cache_file(nproc, cache_dir)`` (the per-user
+    cache dir by default). ``read_first``, a directory, is read before it and never written
+    (a runs dir's own copy). ``refresh`` measures whatever is cached. The fields carry
+    ``source`` (the file) and ``figures`` (``cached`` or ``measured``)."""
+    target = Path(cache_path) if cache_path else cache_file(nproc, cache_dir)
+    candidates = [target]
+    if read_first is not None and cache_path is None:
+        candidates.insert(0, cache_file(nproc, read_first))
+
+    def cached() -> dict[str, Any] | None:
+        for path in candidates:
+            data, why = read_cached(path, nproc)
+            if data is not None:
+                return {**data["fields"], "source": str(path), "figures": "cached"}
+            if path.exists():
+                print(f"[microbench] not trusting {path}: {why}", flush=True)
+        return None
+
+    if not refresh and (found := cached()) is not None:
+        return found
+    with locked(target):
+        # another planner may have measured while this one waited for the lock
+        if not refresh and (found := cached()) is not None:
+            return found
+        print(f"[microbench] measuring this machine with {nproc} ranks (cached in {target})",
+              flush=True)
+        t0 = time.perf_counter()
+        raw = run_microbench(nproc)
+        fields = summarise(raw, nproc)
+        seconds = time.perf_counter() - t0
+        write_cached(target, nproc, fields, raw, seconds)
+    print(f"[microbench] done in {seconds:.1f} s: {fields['peak_tflops'] * 1e3:.1f} "
           f"GFLOP/s per rank, all-reduce {fields['links']['node']['bandwidth_gbps']:.2f} GB/s",
           flush=True)
-    return {**fields, "source": str(path)}
-
+    return {**fields, "source": str(target), "figures": "measured"}
 
 
 def load_measured_cluster(name_or_path: str | Path, nproc: int | None,
                           cache_path: str | Path | None = None,
-                          cache_dir: str | Path | None = None) -> Cluster:
-    """Load a cluster file; one that says ``measured: true`` is first measured on this machine
-    with ``nproc`` ranks (or read from the microbenchmark cache)."""
+                          cache_dir: str | Path | None = None,
+                          read_first: str | Path | None = None) -> Cluster:
+    """Load a cluster file; one that says ``measured: true`` gets this machine's figures for
+    ``nproc`` ranks (``measured_cluster_fields``: cached, or measured now)."""
     path, raw = read_cluster_file(name_or_path)
     if not raw.get("measured"):
         return load_cluster(path)
     if not nproc:
         raise ClusterError(f"{path} is measured at plan time: give the number of ranks (nproc)")
-    fields = measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir)
+    fields = measured_cluster_fields(nproc, cache_path=cache_path, cache_dir=cache_dir,
+                                     read_first=read_first)
     return cluster_from_dict({**raw, **fields}, str(path))
 
 

@@ -24,6 +24,10 @@ SHARDINGS = ("zero3", "zero2", "ddp", "none")
 RECOMPUTES = ("none", "selective", "full")
 
 
+FIGURES_KEY = "figures"
+"""plan.json's record of where the cluster's figures came from (not a plan field)."""
+
+
 class PlanError(ValueError):
     """A plan that cannot run for this model, batch and world size; the message says why."""
 
@@ -79,9 +83,11 @@ class Plan:
         plan.validate_fields()
         return plan
 
-    def to_json(self, path: str | Path) -> Path:
-        """Write plan.json atomically (data_prep.atomic)."""
-        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+    def to_json(self, path: str | Path, figures: dict[str, Any] | None = None) -> Path:
+        """Write plan.json atomically (data_prep.atomic); ``figures``, where the cluster's
+        figures came from (``model.planner.choose.figures_record``), goes beside the fields."""
+        out = self.to_dict() | ({FIGURES_KEY: figures} if figures is not None else {})
+        return write_text_atomic(path, json.dumps(out, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_json(cls, path: str | Path) -> Plan:
@@ -92,6 +98,8 @@ class Plan:
         except (OSError, json.JSONDecodeError) as exc:
             raise PlanError(f"cannot read plan file {path}: {exc}") from exc
         try:
+            if isinstance(raw, dict):
+                raw = {k: v for k, v in raw.items() if k != FIGURES_KEY}  # about, not of, it
             return cls.from_dict(raw)
         except PlanError as exc:
             raise PlanError(f"{path}: {exc}") from exc

@@ -214,20 +214,39 @@ def checkpoint_problem(
     return None
 
 
-def _choose(root: Path, checksum_limit: int) -> Path | None:
-    """The newest ``step-N`` under ``root`` that passes checkpoint_problem; report the others."""
+def checkpoint_step(ckpt_dir: str | Path) -> int | None:
+    """The step N of a ``step-N`` checkpoint directory (by its name), or None for another name."""
+    m = _STEP_DIR.match(Path(ckpt_dir).name)
+    return int(m.group(1)) if m else None
+
+
+def newest_intact(
+    root: str | Path, below: int | None = None, checksum_limit: int = CHECKSUM_LIMIT_BYTES
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest ``step-N`` under ``root`` that passes checkpoint_problem, or None; each
+    newer one skipped, newest first, with its problem). ``below``: only steps under it.
+
+    Prints nothing: ``latest_checkpoint`` (resume) and ``model.evaluation.choice``
+    (evaluation, export) each say what they skipped in their own words.
+    """
+    root = Path(root)
     if not root.is_dir():
-        return None
+        return None, []
     found = sorted(((int(m.group(1)), child) for child in root.iterdir()
-                    if (m := _STEP_DIR.match(child.name)) and child.is_dir()), reverse=True)
+                    if (m := _STEP_DIR.match(child.name)) and child.is_dir()
+                    and (below is None or int(m.group(1)) < below)), reverse=True)
     skipped: list[tuple[Path, str]] = []
-    chosen = None
     for _, child in found:
         problem = checkpoint_problem(child, checksum_limit)
         if problem is None:
-            chosen = child
-            break
+            return child, skipped
         skipped.append((child, problem))
+    return None, skipped
+
+
+def _choose(root: Path, checksum_limit: int) -> Path | None:
+    """The newest ``step-N`` under ``root`` that passes checkpoint_problem; report the others."""
+    chosen, skipped = newest_intact(root, checksum_limit=checksum_limit)
     fallback = f"falling back to {chosen}" if chosen else "no complete checkpoint is left"
     for path, problem in skipped:
         print(f"[checkpoint] skipping {path}: {problem}; {fallback}", file=sys.stderr, flush=True)

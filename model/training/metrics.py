@@ -301,3 +301,52 @@ class BackgroundSink:
                 return
             print(f"[metrics] artifact {path} was not sent to MLflow at {self.sink.uri} "
                   f"({type(error).__name__}); it stays in {Path(path).parent}", flush=True)
+
+
+# ------------------------------------------------ step health (model.training.health)
+def skip_metrics(record: dict[str, Any], total: int) -> dict[str, float]:
+    """The metrics of a skipped step (its record from ``StepHealth.record_skip``)."""
+    return {"skipped_step": 1.0, "skipped_batch": float(record["batch"]),
+            "skipped_steps_total": float(total)}
+
+
+def rollback_metrics(record: dict[str, Any], total: int) -> dict[str, float]:
+    """The metrics of a rollback (its record from ``StepHealth.record_rollback``), logged at
+    the step that caused it."""
+    return {"rollback": 1.0, "rollback_to_step": float(record["to_step"]),
+            "rollback_skipped_batches": float(len(record["batches"])),
+            "rollbacks_total": float(total)}
+
+
+def slow_rank_metrics(ratio: float, seconds: list[float]) -> dict[str, float]:
+    """The slowest rank's busy seconds per step over the median rank's, and which rank."""
+    return {"slow_rank_ratio": ratio,
+            "slowest_rank": float(max(range(len(seconds)), key=seconds.__getitem__))}
+
+
+# ------------------------------------------------ throughput labels (docs/training.md#metrics)
+MEDIAN_SUFFIX = "_median"
+"""Suffix of a figure at the median step time of the attempt so far (first step left out):
+``tokens_per_s_median``, ``tflops_per_device_median``, ``mfu_median``. Unsuffixed, a figure is
+one step's own, on the console and in MLflow alike."""
+
+
+def throughput(tokens: int, seconds: float, flops_per_token: float, devices: int,
+               peak_tflops: float, suffix: str = "") -> dict[str, float]:
+    """``tokens_per_s``, ``tflops_per_device`` and ``mfu`` (each name + ``suffix``) of
+    ``tokens`` trained in ``seconds`` on ``devices`` devices of ``peak_tflops`` each."""
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    tflops = flops_per_token * tokens_per_s / devices / 1e12
+    return {f"tokens_per_s{suffix}": tokens_per_s, f"tflops_per_device{suffix}": tflops,
+            f"mfu{suffix}": tflops / peak_tflops}
+
+
+def progress_line(step: int, steps: int, loss: float, last: dict[str, float],
+                  median: dict[str, float], median_s: float) -> str:
+    """The console's progress line, its figures under their MLflow names: this step's
+    ``tokens_per_s`` (``last``), then the ``_median`` ones (``median``, from ``throughput``
+    with ``MEDIAN_SUFFIX``) at ``median_s`` seconds a step, and the time left at that pace."""
+    m = MEDIAN_SUFFIX
+    return (f"[train] step {step}/{steps} loss {loss:.4f} tokens_per_s {last['tokens_per_s']:,.0f} "
+            f"tokens_per_s{m} {median[f'tokens_per_s{m}']:,.0f} mfu{m} {median[f'mfu{m}']:.3f} "
+            f"({median_s:.3f} s/step) ETA {median_s * (steps - step):.0f} s")

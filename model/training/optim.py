@@ -35,11 +35,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, has_dtensor: bool) -> to
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Multiplier of cfg.lr after ``step`` completed steps.
 
-    Linear warm-up, then cosine decay to min_lr_ratio.
+    Linear warm-up, then cosine decay to min_lr_ratio at ``decay_steps`` (default: ``steps``),
+    constant after it.
     """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
+    horizon = cfg.decay_steps if cfg.decay_steps is not None else cfg.steps
+    span = max(1, horizon - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine

@@ -21,12 +21,18 @@ returns with ``out_of_time`` set instead of writing the summary. The next job re
 Given ``job`` (its id, node count and start), the logger rank keeps ``jobs.json`` beside the
 checkpoints: one entry per job the training ran in, across attempts, updated at every save
 and at the end; the summary counts the jobs and the node-hours they spent.
+
+Step health (``model.training.health``, ``train.step_checks``): inside ``fit`` a step whose
+loss or gradient norm is not finite on any rank applies no update, a loss spike or a run of
+bad steps rolls back to the newest checkpoint and skips the batches since, and every
+``train.slow_rank_every`` steps the ranks' busy times are compared and slow ranks named.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -54,8 +60,19 @@ from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.planner.plan import Plan
 from model.training import checkpoint as ckpt
 from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
-from model.training.metrics import median_step_time, peak_memory_gb
+from model.training.health import Faults, SlowRanks, StepHealth, Verdict
+from model.training.metrics import (
+    MEDIAN_SUFFIX,
+    median_step_time,
+    peak_memory_gb,
+    progress_line,
+    rollback_metrics,
+    skip_metrics,
+    slow_rank_metrics,
+    throughput,
+)
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from model.training.progress_record import mark
 
 JOBS_FILE = "jobs.json"
 """The jobs a training ran in, beside its checkpoints (``record_job``, ``job_totals``)."""
@@ -179,10 +196,10 @@ class Trainer:
         ids = chunk_ids(self.pp_rank, plan.pp, plan.virtual_stages)
         self.chunks = [build_chunk(model_cfg, c, n_chunks) for c in ids]
         for chunk in self.chunks:
-            parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
-                              plan.sequence_parallel, self.param_dtype, train_cfg.compile,
-                              plan.recompute_layers)
-            with materialize():
+            with materialize():  # FSDP2 makes an (empty) buffer on the device
+                parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
+                                  plan.sequence_parallel, self.param_dtype, train_cfg.compile,
+                                  plan.recompute_layers)
                 chunk.to_empty(device=device)
                 chunk.init_weights(train_cfg.seed)
         self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
@@ -211,7 +228,7 @@ class Trainer:
         self.batches = make_batches(self.dp_rank, plan.dp)
         self.flops_per_token = flops_per_token(model_cfg, train_cfg.seq_len)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        self.peak_tflops = peak_tflops or default_peak_tflops(device.type, name)
+        self.peak_tflops = peak_tflops or default_peak_tflops(device.type, name, train_cfg.dtype)
         self.losses: list[float] = []
         self.step = 0
         self.iteration_times: list[float] = []
@@ -228,6 +245,14 @@ class Trainer:
         # logged again and each step is in the run once (``_log_step``).
         self.logged_through = 0
         self._stopping = False
+        # Step health (model.training.health): bad steps skipped, spikes rolled back, slow
+        # ranks named. ``checking`` is on only inside fit (train.step_checks): a bare
+        # train_step (the rehearsal's fake tensors, the plan's measurement) always updates.
+        self.health, self.slow_ranks = StepHealth(train_cfg, device), SlowRanks(train_cfg, device)
+        self.faults = Faults.from_environ()  # fault injection for tests and drills; None
+        self.checking = False
+        self.batch_index: int | None = None  # the global batch of the step in fit
+        self.verdict: Verdict | None = None  # the last checked step's
 
     # ---------------------------------------------------------------- one optimizer step
     def _autocast(self):
@@ -277,14 +302,24 @@ class Trainer:
                 allreduce_tied_gradient(self.tied_param, self.tied_group)
         else:
             loss = self._accumulate(inputs, targets)
+        mark("loss/norm all-reduce", self.step + 1)  # what each rank did last: a hang names it
+        if self.faults is not None and self.batch_index is not None:
+            loss = self.faults.poison(self.batch_index, loss, self.params)
         norm = clip_grad_norm_(self.params, self.cfg.grad_clip,
                                self.pp_group if self.plan.pp > 1 else None,
                                uncounted=[self.tied_param] if self.tied_head else ())
-        self.optimizer.step()
-        self.scheduler.step()
-        if loss is not None and self.plan.dp > 1:
+        self.verdict = None
+        if self.checking:
+            # Every rank agrees whether to apply the step (a non-finite loss or norm anywhere,
+            # or a loss spike, skips it) in the all-reduce that takes the dp mean of the loss.
+            mean, self.verdict = self.health.judge(loss, norm, self.tp_rank == 0, self.plan.dp)
+            loss = mean if loss is not None else None
+        elif loss is not None and self.plan.dp > 1:
             dist.all_reduce(loss, group=self.dp_group)  # gloo has no AVG
             loss = loss / self.plan.dp
+        if self.verdict is None or self.verdict.update:  # the schedule advances either way
+            self.optimizer.step()
+        self.scheduler.step()
         return loss, norm
 
     # ---------------------------------------------------------------- checkpoints
@@ -300,13 +335,15 @@ class Trainer:
         save's, or None. A background save still in progress is waited for (and published)
         first, so at most one is ever in flight.
         """
+        mark("checkpoint save", self.step)
         done = self.publish()
         # Rank 0 writes extra.pt, but the loss history lives on the logging rank.
-        history = [list(self.losses)]
+        history = [list(self.losses), self.health.state_dict()]
         dist.broadcast_object_list(history, src=self.logger_rank)
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "loader": self.batches.state_dict(), "rng": torch.get_rng_state(),
-                 "losses": history[0]}
+                 "losses": history[0], "health": history[1]}
+        self.health.saved()  # a later rollback comes back here
         asynchronous = self.cfg.async_checkpoint
         if asynchronous and self._ckpt_group is None:
             # Its own gloo group: the writer thread's collectives must not interleave with
@@ -339,14 +376,21 @@ class Trainer:
         latest = ckpt.latest_checkpoint(self.ckpt_root)
         if latest is None:
             return None
-        ckpt.check_model_shape(latest, self.model_cfg)
-        extra = ckpt.load_checkpoint(latest, self.model, self.optimizer,
+        self._restore(latest)
+        return latest
+
+    def _restore(self, path: Path, rollback: bool = False) -> None:
+        """Load the checkpoint at ``path`` (collective). A ``rollback`` leaves the data stream
+        where it is: the batches drawn since that checkpoint are skipped."""
+        ckpt.check_model_shape(path, self.model_cfg)
+        extra = ckpt.load_checkpoint(path, self.model, self.optimizer,
                                      tied_head=self.tied_head)
         self.scheduler.load_state_dict(extra["scheduler"])
-        self.batches.load_state_dict(extra["loader"])
+        if not rollback:
+            self.batches.load_state_dict(extra["loader"])
         torch.set_rng_state(extra["rng"])
         self.step, self.losses = int(extra["step"]), list(extra["losses"])
-        return latest
+        self.health.load_state_dict(extra.get("health"), rollback=rollback)
 
     # ---------------------------------------------------------------- the loop
     def fit(self, steps: int | None = None, save_final: bool = True) -> dict[str, Any] | None:
@@ -379,10 +423,13 @@ class Trainer:
         self.checkpoint_seconds = []
         self._clock = time.monotonic()
         self._stopping, self.out_of_time = False, None
+        self.checking = self.cfg.step_checks
+        self.slow_ranks.restart()
         while self.step < steps:
             start = time.perf_counter()
             lr = self.optimizer.param_groups[0]["lr"]
-            loss, norm = self.train_step(self.batches.next_batch())
+            mark("forward/backward", self.step + 1)
+            loss, norm = self.train_step(self._next_batch())
             if self.is_logger:
                 loss_value, norm_value = float(loss), float(norm)  # waits for the step
                 self.losses.append(loss_value)
@@ -390,6 +437,9 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             step_times.append(time.perf_counter() - start)
             self.step += 1
+            mark("step end", self.step)
+            if self._watch(loss, norm):  # rolled back to a checkpoint: go on from there
+                continue
             if self.is_logger and self.step % self.cfg.log_every == 0:
                 self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step)
             if self.is_logger and (self.step % max(1, steps // 10) == 0 or self.step == steps):
@@ -405,7 +455,78 @@ class Trainer:
         if self._stopping and self.step < steps:
             return self._stop(last_ckpt)
         self._record_job(last_step=self.step, outcome="completed")
+        self.checking = False
         return self._finish(step_times, first_step, tokens_per_step, last_ckpt)
+
+    # ---------------------------------------------------------------- step health
+    def _next_batch(self) -> torch.Tensor:
+        """The next batch of the stream, counted (``health.batches_drawn``); the fault
+        switch's dropped batches are drawn and thrown away, its slow rank stalls."""
+        while True:
+            batch = self.batches.next_batch()
+            self.batch_index = self.health.drew()
+            if self.faults is None or self.batch_index not in self.faults.drop_batches:
+                break
+        if self.faults is not None:
+            self.faults.stall()
+        return batch
+
+    def _watch(self, loss: torch.Tensor | None, norm: torch.Tensor) -> bool:
+        """After a step: act on its verdict (skip or roll back) and gather the ranks' busy
+        times when due. True when the step was rolled back (``self.step`` is then the
+        checkpoint's)."""
+        verdict = self.verdict
+        if verdict is not None and not verdict.update:
+            loss_value = float(loss) if loss is not None else None
+            if verdict.rollback and self._roll_back(verdict, loss_value):
+                return True
+            record = self.health.record_skip(self.step, self.batch_index, loss_value,
+                                             float(norm))
+            if self.is_logger:
+                why = "a loss spike" if verdict.spike else "not finite on some rank"
+                print(f"[train] step {self.step} skipped ({why}; loss {loss_value:.4g}, grad "
+                      f"norm {float(norm):.4g}): no update; batch {record['batch']} (sequences "
+                      f"{record['first_sequence']}-{record['last_sequence']}) recorded",
+                      flush=True)
+                self._log_event(skip_metrics(record, len(self.health.skipped)), self.step)
+        report = self.slow_ranks.after_step(self.step)
+        if report is not None and self.is_logger:
+            self._log_event(slow_rank_metrics(report.ratio, report.seconds), self.step)
+            if report.slow:
+                print(self.slow_ranks.describe(report), flush=True)
+        return False
+
+    def _roll_back(self, verdict: Verdict, loss: float | None) -> bool:
+        """Restore the newest checkpoint, skipping the batches drawn since (collective);
+        False when there is none to go back to."""
+        self.publish()  # a background save in flight is the newest good state
+        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        reason = ("loss spike" if verdict.spike
+                  else f"{self.health.bad_streak} bad steps in a row")
+        good = self.health.good
+        if verdict.spike and loss is not None and good:  # the ranks holding the loss
+            reason += (f" ({loss:.4g} against a median of {statistics.median(good):.4g} over "
+                       f"the last {len(good)} good steps)")
+        if latest is None:
+            if self.is_logger:
+                print(f"[train] step {self.step}: {reason}, but no checkpoint to roll back to",
+                      flush=True)
+            return False
+        step, batches = self.step, list(self.health.since_checkpoint)
+        self._restore(latest, rollback=True)
+        record = self.health.record_rollback(step, self.step, reason, str(latest), batches)
+        self.slow_ranks.restart()
+        if self.is_logger:
+            print(f"[train] step {step}: {reason}: rolled back to step {self.step} ({latest}), "
+                  f"skipping batches {batches[0]}-{batches[-1]} (sequences "
+                  f"{record['first_sequence']}-{record['last_sequence']})", flush=True)
+            self._log_event(rollback_metrics(record, len(self.health.rollbacks)), step)
+        return True
+
+    def _log_event(self, metrics: dict[str, float], step: int) -> None:
+        """Send a step-health metric (the logger rank), unless the run already holds it."""
+        if self.tracker is not None and step > self.logged_through:
+            self.tracker.log_metrics(metrics, step=step)
 
     def _stop(self, last_ckpt: Path | None) -> None:
         """Out of time: the step's checkpoint is published; say so and record the job."""
@@ -463,16 +584,19 @@ class Trainer:
         ledger = json.loads(path.read_text())
         return {**job_totals(ledger), "job_ledger": ledger}
 
-    def _throughput(self, step_time: float, tokens_per_step: int) -> dict[str, float]:
-        tokens_per_s = tokens_per_step / step_time if step_time > 0 else 0.0
-        tflops = self.flops_per_token * tokens_per_s / self.dims.world_size / 1e12
-        return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
-                "mfu": tflops / self.peak_tflops}
+    def _throughput(self, step_time: float, tokens_per_step: int,
+                    suffix: str = "") -> dict[str, float]:
+        return throughput(tokens_per_step, step_time, self.flops_per_token,
+                          self.dims.world_size, self.peak_tflops, suffix)
 
     def _progress(self, loss: float, step_times: list[float], steps: int, tokens: int) -> None:
+        """The progress line, and its ``_median`` figures to MLflow at this step."""
         dt = median_step_time(step_times)
-        print(f"[train] step {self.step}/{steps} loss {loss:.4f} {tokens / dt:,.0f} tok/s "
-              f"{dt:.3f} s/step ETA {dt * (steps - self.step):.0f} s", flush=True)
+        median = self._throughput(dt, tokens, MEDIAN_SUFFIX)
+        print(progress_line(self.step, steps, loss, self._throughput(step_times[-1], tokens),
+                            median, dt), flush=True)
+        if self.tracker is not None and self.step > self.logged_through:
+            self.tracker.log_metrics(median, step=self.step)
 
     def _log_step(self, loss: float, norm: float, lr: float, dt: float, tokens: int) -> None:
         """Send this step's metrics, unless the run already holds them (``logged_through``:
@@ -501,7 +625,7 @@ class Trainer:
                    "checkpoint": str(last_ckpt) if last_ckpt else None,
                    "checkpoint_seconds": sum(self.checkpoint_seconds),
                    "plan": self.plan.to_dict(), "world_size": self.dims.world_size,
-                   "hosts": hosts, **self._job_summary()}
+                   "hosts": hosts, **self._job_summary(), "health": self.health.summary()}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.tracker is not None:
             self.tracker.flush()  # waits for queued metrics

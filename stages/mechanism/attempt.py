@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.mechanism import keys, locks, outputs, tracking
+from stages.mechanism import continuation, digests, keys, locks, outputs, selection, tracking
 from stages.mechanism.config import PipelineConfig
 from stages.mechanism.outputs import StageResult
 from stages.mechanism.registry import StageDeclaration
@@ -62,6 +62,8 @@ class PipelineContext:
     driver: locks.Owner = field(default_factory=locks.Owner)
     lock_stale_s: float = locks.STALE_AFTER_S
     store_uri: str = ""
+    triggers: tuple[str, ...] = keys.TRIGGERS
+    """What makes a stage rerun (``--rerun-triggers``, ``stages.mechanism.keys.TRIGGERS``)."""
 
     @property
     def store(self) -> str:
@@ -87,6 +89,8 @@ class Attempt:
     ingredients: dict[str, Any] = field(default_factory=dict)
     reused: StageResult | None = None
     prepared: Any = None
+    config: dict[str, Any] = field(default_factory=dict)  # the sections' values (status.json)
+    stage: StageDeclaration | None = None  # whose ``output_digest`` ``finish`` records
 
     @property
     def work_dir(self) -> str:
@@ -136,17 +140,17 @@ def _log_stage_params(
 
 def reuse(
     ctx: PipelineContext, found: StageResult, cfg: PipelineConfig, sections: tuple[str, ...],
-    inputs: dict[str, StageResult],
+    inputs: dict[str, StageResult], kept: str = "",
 ) -> StageResult:
     """Record a reused stage: a child run tagged ``reused`` that points at its producer (its
-    run id and the store holding it, which may be another than this pipeline's)."""
-    run_id = _child_run(
-        ctx,
-        found.name,
-        found.key,
-        {"reused": "true", "producer_run_id": found.producer_run_id, "out_dir": found.out_dir,
-         "producer_tracking_uri": found.producer_tracking_uri or "unknown"},
-    )
+    run id and the store holding it, which may be another than this pipeline's); ``kept``
+    names what differs when ``--rerun-triggers`` kept an output made otherwise (tagged
+    ``kept_although`` and ``rerun_triggers``)."""
+    tags = {"reused": "true", "producer_run_id": found.producer_run_id, "out_dir": found.out_dir,
+            "producer_tracking_uri": found.producer_tracking_uri or "unknown"}
+    if kept:
+        tags.update(kept_although=kept, rerun_triggers=",".join(ctx.triggers))
+    run_id = _child_run(ctx, found.name, found.key, tags)
     tracker = tracking.Tracker(ctx.tracking_uri, run_id)
     _log_stage_params(tracker, cfg, sections, inputs, ctx.store)
     # The producer's latest metric values, so the reused run reads the same in the UI; only
@@ -161,8 +165,11 @@ def reuse(
 
 
 def _reused(ctx: PipelineContext, found: StageResult, cfg: PipelineConfig,
-            stage: StageDeclaration, inputs: dict[str, StageResult]) -> Attempt:
-    result = reuse(ctx, found, cfg, stage.sections, inputs)
+            stage: StageDeclaration, inputs: dict[str, StageResult], kept: str = "") -> Attempt:
+    if kept:
+        print(f"[stage] {stage.name}: keeps {found.key} although {kept} changed "
+              f"(--rerun-triggers {','.join(ctx.triggers)})", flush=True)
+    result = reuse(ctx, found, cfg, stage.sections, inputs, kept)
     return Attempt(stage.name, found.key, result.run_id, found.out_dir, reused=result)
 
 
@@ -204,6 +211,27 @@ def _continued_run(ctx: PipelineContext, name: str, key: str,
     return run_id
 
 
+def _start_continuation(ctx: PipelineContext, source: continuation.Continuation,
+                        run_id: str) -> None:
+    """Tag a continued stage's new run with its source, and copy the source run's metrics up
+    to the step it continues from, so the run holds the whole history (never fatal)."""
+    tracker = tracking.Tracker(ctx.tracking_uri, run_id)
+    tracker.set_tags({"continued_from": source.key or source.checkpoint,
+                      "continued_from_step": str(source.step),
+                      "continued_from_run_id": source.source_run_id or "unknown"})
+    if not source.source_run_id or (source.source_store or ctx.store) != ctx.store:
+        return
+    try:
+        copied = tracking.copy_history(ctx.tracking_uri, source.source_run_id, run_id,
+                                       source.step)
+    except Exception as error:  # noqa: BLE001 - the history is a convenience, the training is not
+        print(f"[stage] could not copy the metric history of run {source.source_run_id}: "
+              f"{error}", file=sys.stderr, flush=True)
+        return
+    print(f"[stage] copied {copied} metric values through step {source.step} from run "
+          f"{source.source_run_id}", flush=True)
+
+
 def _take_lock(ctx: PipelineContext, name: str, key: str) -> None:
     """Take (name, key)'s lock for the driver, saying whom it waits for while it waits."""
 
@@ -229,14 +257,12 @@ def begin(
     (``_continued_run``); the others start from an empty one and a new run.
     """
     name = stage.name
-    ingredients = keys.key_ingredients(
-        name, cfg, stage.sections, {n: r.key for n, r in inputs.items()}, ctx.code_for(name)
-    )
-    key = keys.key_of(ingredients)
-    if not force:
-        found = outputs.find_succeeded(ctx.runs_dir, name, key)
-        if found is not None and not stage.output_problem(found.outputs):
-            return _reused(ctx, found, cfg, stage, inputs)
+    digests = {n: selection.digest_of(r) for n, r in inputs.items()}
+    resolution = selection.resolve(ctx.runs_dir, stage, cfg, digests, ctx.code_for(name),
+                                   ctx.triggers)
+    key, ingredients = resolution.key, resolution.ingredients
+    if not force and resolution.found is not None:
+        return _reused(ctx, resolution.found, cfg, stage, inputs, resolution.kept)
     final_dir = outputs.stage_dir(ctx.runs_dir, name, key)
     lock = outputs.lock_path(ctx.runs_dir, name, key)
     _take_lock(ctx, name, key)
@@ -262,11 +288,21 @@ def begin(
         if run_id is None:
             run_id = _child_run(ctx, name, key, {"reused": "false", "out_dir": str(final_dir),
                                                  **_attempt_tags(1, ctx.parent_run_id)})
+            if resolution.continues is not None:
+                _start_continuation(ctx, resolution.continues, run_id)
+        if resolution.continues is not None and continuation.seed(resolution.continues,
+                                                                  work_dir):
+            print(f"[stage] {name} {key}: {resolution.continues.why}", flush=True)
+            if resolution.continues.warning:
+                print(f"[stage] warning: {resolution.continues.warning}", flush=True)
         outputs.write_status(work_dir, outputs.status_record(
-            "running", run_id, key=key, ingredients=ingredients, tracking_uri=ctx.store))
+            "running", run_id, key=key, ingredients=ingredients, tracking_uri=ctx.store,
+            config=keys.config_record(stage, cfg)))
+        print(f"[stage] {name} key {key}: computing", flush=True)
         attempt = Attempt(name, key, run_id, str(final_dir),
                           inputs={n: r.outputs for n, r in inputs.items()},
-                          ingredients=ingredients)
+                          ingredients=ingredients, config=keys.config_record(stage, cfg),
+                          stage=stage)
         _log_stage_params(attempt.tracker(ctx), cfg, stage.sections, inputs, ctx.store)
     except BaseException:
         locks.release(lock, ctx.driver)
@@ -275,13 +311,17 @@ def begin(
 
 
 def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> StageResult:
-    """Publish a stage's outputs atomically and close its MLflow run as FINISHED."""
+    """Publish a stage's outputs atomically, with the digest of what it produced
+    (``stages.mechanism.digests``, computed before the rename, from the work directory),
+    and close its MLflow run as FINISHED."""
     work, final = Path(attempt.work_dir), Path(attempt.final_dir)
+    stage = attempt.stage or selection.declared(attempt.name)
+    digest = stage.output_digest(outs) if stage else digests.report(outs)
     outs = outputs.relocate(outs, str(work), str(final))
     outputs.write_outputs(work, outs)
     outputs.write_status(work, outputs.status_record(
         "succeeded", attempt.run_id, key=attempt.key, ingredients=attempt.ingredients,
-        tracking_uri=ctx.store))
+        tracking_uri=ctx.store, output_digest=digest, config=attempt.config))
     attempt.tracker(ctx).log_artifact(work / outputs.OUTPUTS_FILE)
     outputs.publish(work, final, attempt.key)
     locks.release(outputs.lock_path(ctx.runs_dir, attempt.name, attempt.key), ctx.driver)
@@ -295,6 +335,7 @@ def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> Stag
         producer_run_id=attempt.run_id,
         reused=False,
         producer_tracking_uri=ctx.store,
+        digest=digest,
     )
 
 

@@ -21,7 +21,7 @@ class EvaluationError(ValueError):
     """An evaluation input that cannot be used; the message says what to fix."""
 
 
-def check_tokenize(cfg: PipelineConfig) -> None:
+def check_tokenize(cfg: PipelineConfig, reused: dict[str, Any] | None = None) -> None:
     """The sources and the tokenizer can be used.
 
     Reads only the start of each input file (``data_prep.checks``): every local source exists
@@ -113,8 +113,12 @@ def checkpoint_cadence_problem(train: TrainConfig, site: SiteConfig,
     the walltime, every job ends before saving and a resumed run never advances. None when
     the step time is unknown, the site has no walltime (``local``), or the training block
     is signalled to save before its end (``site.save_before_end()``) early enough for a step.
+    ``train.checkpoint_minutes: auto`` is judged only once resolved to minutes (the train
+    stage and the readiness report resolve it first: ``model.planner.failures``).
     """
     if step_time_s is None or step_time_s <= 0 or site.name == "local":
+        return None
+    if train.checkpoint_minutes == "auto":  # resolved, then checked, before the ranks start
         return None
     if site.save_before_end() > step_time_s:  # every job ends with a checkpoint of its own
         return None
@@ -149,15 +153,15 @@ each, and beyond a few per core a step is mostly context switches while each ran
 interpreter and torch (about 0.3 GB) add up."""
 
 
-def check_train(cfg: PipelineConfig) -> None:
+def check_train(cfg: PipelineConfig, reused: dict[str, Any] | None = None) -> None:
     """On the local site, ``parallel.nproc`` fits this machine's cores (at most
     ``LOCAL_RANKS_PER_CORE`` ranks per core); on Slurm sites some checkpoint can land
     within one job (``checkpoint_cadence_problem``).
 
-    The checkpoint check needs the plan's predicted step time, so it applies only when the
-    plan stage's output for this config already exists (a reused plan); otherwise the train
-    stage makes the same check before its ranks start. Raises ``ConfigError`` naming the
-    settings and the fix.
+    The checkpoint check needs the plan's predicted step time, so it applies only when this
+    invocation reuses the plan stage's output (``reused``: upstream name -> its published
+    outputs, from the driver's one decision); otherwise the train stage makes the same check
+    before its ranks start. Raises ``ConfigError`` naming the settings and the fix.
     """
     if cfg.site.name == "local":
         cores = len(os.sched_getaffinity(0))
@@ -168,19 +172,16 @@ def check_train(cfg: PipelineConfig) -> None:
                 f"{LOCAL_RANKS_PER_CORE * cores} ({LOCAL_RANKS_PER_CORE} per core) run here: "
                 "lower parallel.nproc, or run on a Slurm site (--site slurm or frontier)")
         return
-    from stages.mechanism import outputs
-    from stages.mechanism.selection import stage_keys
-
-    plan = outputs.find_succeeded(cfg.runs_dir, "plan", stage_keys(cfg)["plan"])
+    plan = (reused or {}).get("plan")
     if plan is None:
         return
-    step_time = predicted_step_time(plan.outputs.get("predictions"))
+    step_time = predicted_step_time(plan.get("predictions"))
     problem = checkpoint_cadence_problem(cfg.train, cfg.site, step_time)
     if problem:
         raise ConfigError(problem)
 
 
-def check_evaluate(cfg: PipelineConfig) -> None:
+def check_evaluate(cfg: PipelineConfig, reused: dict[str, Any] | None = None) -> None:
     """With ``eval.layout=training``, ``eval.ranks`` fits the training's ranks and nodes and, where
     the config fixes them, ``parallel.tp`` x ``parallel.pp``. The stage's ``prepare`` checks
     it again against the plan the checkpoint was trained with."""

@@ -110,6 +110,34 @@ class TrackingConfig:
     """Without ``uri`` on a Slurm site: the driver starts an MLflow server over the runs
     dir's SQLite file and everything logs through it (``workflows.tracking_server``), so no
     compute node writes the file over the shared file system. None: on Frontier only."""
+    system_metrics: Literal["auto", True, False] = "auto"
+    """Sample each node's CPU, memory, disk, network and (with pynvml or pyrsmi) GPU use into
+    the train and evaluate stage runs, as ``system/<host>/<metric>``: one sampler per node
+    (its local rank 0). auto: on for slurm and frontier sites, off locally."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between two samples of ``system_metrics``."""
+
+    def system_metrics_on(self, site: str) -> bool:
+        """Whether the nodes sample system metrics on site ``site`` (``site.name``)."""
+        if self.system_metrics == "auto":
+            return site != "local"
+        return bool(self.system_metrics)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.system_metrics, bool) and self.system_metrics != "auto":
+            raise ValueError(f"tracking.system_metrics={self.system_metrics!r} is not allowed; "
+                             "choose auto, true or false")
+        if self.system_metrics_interval_s <= 0:
+            raise ValueError("tracking.system_metrics_interval_s must be > 0 seconds, got "
+                             f"{self.system_metrics_interval_s}")
+        if not self.runs_dir.strip():
+            raise ValueError("tracking.runs_dir is empty: give a directory (--runs-dir DIR)")
+        # One line: the runs dir reaches command lines and scripts (quoted where this project
+        # writes them; where Parsl writes it unquoted, workflows.frontier refuses more).
+        problem = control_char_problem(self.runs_dir)
+        if problem:
+            raise ValueError(f"tracking.runs_dir={self.runs_dir!r} (--runs-dir) contains "
+                             f"{problem}: choose a path on one line")
 
 
 @dataclass
@@ -184,6 +212,10 @@ class SiteConfig:
     job resumes there. Leave one step, one checkpoint save and Slurm's up to 60 s early
     delivery. None: 600 on Frontier, 180 elsewhere, at most a quarter of the walltime;
     0: no signal (SIGTERM at the walltime still stops the ranks at the next step)."""
+    failures_per_node_hour: float | None = None
+    """Failures per node-hour of the training's nodes: the readiness report's expected
+    interruptions and lost work, and ``train.checkpoint_minutes: auto``. None: Llama 3 405B's
+    1.58e-4 (``model.planner.failures``; docs/frontier.md)."""
 
     def save_before_end(self) -> int:
         """Seconds before the walltime the training ranks are signalled to stop (0: never):
@@ -227,6 +259,12 @@ class SiteConfig:
             parts = str(value).split(":")
             if value is not None and (len(parts) != 3 or not all(p.isdigit() for p in parts)):
                 raise ValueError(f"site.{name} must be HH:MM:SS, got {value!r}")
+            problem = value is not None and walltime_rounding_problem(f"site.{name}", value)
+            if problem:
+                raise ValueError(problem)
+        if self.failures_per_node_hour is not None and self.failures_per_node_hour <= 0:
+            raise ValueError(f"site.failures_per_node_hour must be > 0 or null (Llama 3's "
+                             f"rate), got {self.failures_per_node_hour}")
         parts = self.walltime.split(":")
         wall = int(parts[0]) * 3600 + int(parts[1]) * 60 + int(parts[2])
         if self.save_before_end_s and self.save_before_end_s >= wall:
@@ -236,16 +274,51 @@ class SiteConfig:
                 "before they start; lower it or lengthen the walltime")
 
 
-# What a site value may hold where it reaches a batch script or a command line: Slurm names
-# and the address are written unquoted by Parsl (#SBATCH lines, the worker's -a option).
+def walltime_rounding_problem(setting: str, walltime: str) -> str | None:
+    """Why Slurm would not run ``walltime`` (HH:MM:SS) as written, or None: Parsl hands
+    sbatch whole minutes (``--time=M``, the seconds dropped) while the save before the end
+    is timed from the seconds written, so seconds, or less than a minute, are refused."""
+    hours, minutes, seconds = (int(part) for part in walltime.split(":"))
+    total = hours * 3600 + minutes * 60 + seconds
+    if seconds == 0 and total >= 60:
+        return None
+    down = total // 60 * 60
+    near = [t for t in (down + 60, down) if t >= 60]
+    shown = " or ".join(f"{t // 3600:02d}:{t % 3600 // 60:02d}:00" for t in near)
+    return f"{setting}={walltime}: Slurm takes whole minutes (at least one); use {shown}"
+
+
 _SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SLURM_NAME = re.compile(r"[A-Za-z0-9_.,+-]+")
-_ADDRESS = re.compile(r"[A-Za-z0-9.:_-]+")
-_OPTION_WORD = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")  # the words shlex.quote leaves bare
+_SHELL_BARE = re.compile(r"[A-Za-z0-9_@%+=:,./-]")
+"""The ASCII characters ``shlex.quote`` leaves bare: a word of only these (and non-ASCII
+letters and digits) means itself to a shell, quoted or not."""
 _ONE_LINE_FIELDS = ("account", "partition", "qos", "walltime", "compute_walltime", "conda_env",
                     "rccl_plugin_path", "node_local_env", "srun_options", "address")
 _MULTI_LINE_FIELDS = ("worker_init", "scheduler_options")
 _TARBALL = re.compile(r".+\.(tar|tgz|tar\.[A-Za-z0-9]+)")
+
+
+def unquoted_shell_problem(setting: str, value: str, where: str,
+                           also_refuse: str = "") -> str | None:
+    """The one shell-safety rule for a value written into a shell line without quotes.
+
+    A value this project writes into a command or script itself is ``shlex.quote``d and
+    needs no rule (only ``control_char_problem``: one line). A value another tool writes
+    unquoted (Parsl: the #SBATCH lines, the worker pool's command line, its local submit
+    script, ``$PARSL_MPI_PREFIX``) must mean itself to a shell: every character is one that
+    ``shlex.quote`` leaves bare (letters, digits and ``_ @ % + = : , . / -``) or a non-ASCII
+    letter or digit, and none is in ``also_refuse`` (``%``, which sbatch expands in file
+    names). Returns the one-line refusal naming ``setting``, the characters and ``where``
+    the value goes, or None when the value is safe.
+    """
+    bad = sorted({ch for ch in value if ch in also_refuse or not (
+        _SHELL_BARE.fullmatch(ch) or (ord(ch) > 127 and ch.isalnum()))})
+    if not bad:
+        return None
+    allowed = "".join(ch for ch in "_ @ % + = : , . / -" if ch not in also_refuse)
+    shown = " ".join(repr(ch) for ch in bad)
+    return (f"{setting}={value!r} holds {shown}: {where}, where such characters split the "
+            f"line or run as commands: use only letters, digits and {' '.join(allowed.split())}")
 
 
 def control_char_problem(value: str, allow: str = "") -> str | None:
@@ -276,15 +349,14 @@ def _check_site_text(site: SiteConfig) -> None:
         if problem:
             raise ValueError(f"site.{name} contains {problem}: remove it (lines are separated "
                              "by newlines only)")
-    for name in ("account", "partition", "qos"):
-        value = getattr(site, name)
-        if value and not _SLURM_NAME.fullmatch(value):
-            raise ValueError(
-                f"site.{name}={value!r}: Parsl writes it unquoted into an #SBATCH line, so it "
-                "may hold only letters, digits and _ . , + -: fix the value")
-    if site.address and not _ADDRESS.fullmatch(site.address):
-        raise ValueError(f"site.address={site.address!r} is not a host name or an IP address: "
-                         "give the login node's address the compute nodes reach")
+    unquoted = [(f"site.{name}", getattr(site, name), "Parsl writes it unquoted into an "
+                 "#SBATCH line") for name in ("account", "partition", "qos")]
+    unquoted.append(("site.address", site.address, "it is not a host name or an IP address, "
+                     "and Parsl writes it unquoted into the worker pool's command line"))
+    for setting, value, where in unquoted:
+        problem = value is not None and unquoted_shell_problem(setting, value, where)
+        if problem:
+            raise ValueError(problem)
     for module in site.modules or []:
         if not module.strip() or any(ch.isspace() for ch in module):
             raise ValueError(f"site.modules entry {module!r} is not one module name: give one "
@@ -296,12 +368,12 @@ def _check_site_text(site: SiteConfig) -> None:
             raise ValueError(f"site.srun_options={site.srun_options!r} does not split into "
                              f"srun options ({error}): fix its quotes") from None
         for word in words:
-            if not _OPTION_WORD.fullmatch(word):
-                raise ValueError(
-                    f"site.srun_options word {word!r}: Parsl hands the ranks' srun line to the "
-                    "app as an unquoted $PARSL_MPI_PREFIX, which splits at spaces, keeps quotes "
-                    "as characters and expands * ? [: use words of letters, digits and "
-                    "_ @ % + = : , . / - only")
+            problem = unquoted_shell_problem(
+                "site.srun_options word", word, "Parsl hands the ranks' srun line to the app as "
+                "an unquoted $PARSL_MPI_PREFIX, which splits at spaces, keeps quotes as "
+                "characters and expands * ? [")
+            if problem:
+                raise ValueError(problem)
     for line in site.scheduler_options.splitlines():
         if line.strip() and not line.strip().startswith("#"):
             raise ValueError(
@@ -420,7 +492,7 @@ def build_dataclass(cls: type, raw: dict[str, Any] | None, prefix: str) -> Any:
         raise ConfigError(f"{prefix or 'config'} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
+    unknown = sorted((_yaml_key(key) for key in set(raw) - names), key=str)
     if unknown:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(
@@ -482,20 +554,56 @@ def resolve_preset(path: str | Path) -> Path:
     raise ConfigError(f"config file {str(path)!r} not found (nor {named})")
 
 
+def _read_preset(preset: Path) -> dict[str, Any]:
+    """The YAML mapping of a pipeline config file; ConfigError (one line, with the fix) for a
+    directory, an unreadable or non-text file, broken YAML, an empty file, or YAML that is
+    not a pipeline config (a list, another tool's file such as a CI workflow)."""
+    if preset.is_dir():
+        raise ConfigError(f"--config {str(preset)!r} is a directory, not a config file: give a "
+                          f"YAML file, e.g. {preset / 'tiny.yaml'}, or a preset name (tiny)")
+    try:
+        raw = yaml.safe_load(preset.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"--config {str(preset)!r} cannot be read ({err.strerror or err}): "
+                          "give a readable YAML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {str(preset)!r} is not UTF-8 text: give a YAML "
+                          "pipeline config") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{preset}: not valid YAML: {' '.join(str(err).split())}") from None
+    if raw is None:  # taken silently as all defaults, it would train the tiny preset
+        raise ConfigError(f"{preset} is empty: give it the sections to set (configs/tiny.yaml "
+                          "shows them all), or leave out --config for the defaults")
+    sections = _field_help(PipelineConfig)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{preset} is not a pipeline config: its top level is a "
+                          f"{type(raw).__name__}, not a mapping of sections ({sections}); "
+                          "configs/tiny.yaml shows one")
+    # "name:" alone proves nothing (a CI workflow has one); a misspelt section of a real
+    # config is named by build_dataclass
+    known = {f.name for f in dataclasses.fields(PipelineConfig)} - {"name"}
+    if not any(key in known for key in raw) and set(raw) - {"name"}:
+        # YAML 1.1 reads a CI workflow's "on:" as true: show the keys as the file wrote them
+        shown = ", ".join(repr(_yaml_key(key)) for key in raw if key != "name")
+        raise ConfigError(f"{preset} is not a pipeline config: unknown key {shown} and none of "
+                          f"the sections {', '.join(n for n in sections.split(', ') if n in known)}"
+                          " (configs/tiny.yaml shows them all)")
+    return raw
+
+
+def _yaml_key(key: Any) -> str:
+    """A mapping key as a YAML file may have written it (``on`` and ``yes`` load as true)."""
+    if isinstance(key, bool):
+        return "on/yes/true" if key else "off/no/false"
+    return str(key)
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> PipelineConfig:
     """Load a YAML preset (default configs/tiny.yaml), apply overrides, validate."""
     preset = resolve_preset(path) if path is not None else DEFAULT_CONFIG
-    try:
-        raw = yaml.safe_load(preset.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{preset}: not valid YAML: {err}") from None
-    if raw is None:  # taken silently as all defaults, it would train the tiny preset
-        raise ConfigError(f"{preset} is empty: give it the sections to set (configs/tiny.yaml "
-                          "shows them all), or leave out --config for the defaults")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{preset}: top level must be a mapping of sections")
+    raw = _read_preset(preset)
     for text in overrides or []:
         key, value = parse_override(text)
         _set_path(raw, key, value)

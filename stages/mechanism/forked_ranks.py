@@ -12,11 +12,15 @@ signal), as rank 0 dies with the launcher.
 
 Rank 0 keeps the launcher's rule for failures (``ForkedPeers``): when one rank fails the
 others get SIGTERM, then SIGKILL ``FAILED_RANKS_GRACE_S`` later, and rank 0 exits with the
-first failure's code (128 + the signal for a rank killed by one), else with a peer's
-out-of-time code, else 0. Fork is safe here: importing the workers starts no thread (one
-thread, checked in ``fork_peers``), no accelerator is initialised before the ranks set up
-their devices, and the process group starts after the fork. Ranks under srun or torchrun
-are started one by one by those launchers and fork nothing.
+first failure's code, else with a peer's out-of-time code, else 0. A rank killed by a signal
+the launch did not send (the OOM killer, a user's ``kill -9``) is the cause of the others'
+failures (a peer gone from a collective): it comes first, its code 128 + the signal, named
+in one line (``killed_message``) before the other ranks' tracebacks.
+
+Fork is safe here: importing the workers starts no thread (one thread, checked in
+``fork_peers``), no accelerator is initialised before the ranks set up their devices, and
+the process group starts after the fork. Ranks under srun or torchrun are started one by
+one by those launchers and fork nothing.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ FAILED_RANKS_GRACE_S = 30.0
 """After one rank failed, the others get SIGTERM, then SIGKILL this much later (torchrun's
 rule): a rank stuck in a collective with the failed one may not end by itself."""
 POLL_S = 0.1
+SETTLE_S = 1.0
+"""How long a failed rank 0 waits to see whether a peer was killed first (``settle``)."""
 
 
 def shell_exit_code(returncode: int) -> int:
@@ -46,6 +52,28 @@ def shell_exit_code(returncode: int) -> int:
 def exit_code(status: int) -> int:
     """The exit code of a ``waitpid`` status (``shell_exit_code``)."""
     return shell_exit_code(os.waitstatus_to_exitcode(status))
+
+
+KILLED_PREFIX = "[launch] "
+"""How the launch's line naming a rank killed by a signal starts (``killed_message``)."""
+
+
+def killed_message(rank: int, signum: int) -> str:
+    """The one line that names a rank killed by a signal (the launch did not send), the
+    cause the other ranks' failures follow from (a peer gone from a collective)."""
+    try:
+        name = f" ({signal.Signals(signum).name})"
+    except ValueError:
+        name = ""
+    return (f"rank {rank} was killed by signal {signum}{name}; the other ranks failed after it "
+            "(a killed rank: out of memory, a scheduler's or a user's kill)")
+
+
+def killed_line(line: str) -> str | None:
+    """The message of a ``killed_message`` line of a launch's output, else None."""
+    if line.startswith(KILLED_PREFIX + "rank ") and " was killed by signal " in line:
+        return line[len(KILLED_PREFIX):].strip()
+    return None
 
 
 def launch_code(codes: list[int], ok: tuple[int, ...]) -> int:
@@ -61,6 +89,10 @@ class ForkedPeers:
     def __init__(self, pids: list[int], ok: tuple[int, ...]) -> None:
         self.running = set(pids)
         self.codes: list[int] = []  # in the order the ranks ended, rank 0 included
+        self.ranks = {pid: rank for rank, pid in enumerate(pids, start=1)}
+        self.killed: list[tuple[int, int]] = []  # (rank, signal): killed, not by this launch
+        self._sent: dict[int, set[int]] = {}  # pid -> the signals this launch sent it
+        self._named = False  # the killed rank's line was printed
         self._ok = ok
         self._lock = threading.Lock()
         self._failed_at: float | None = None
@@ -77,6 +109,7 @@ class ForkedPeers:
 
     def _signal(self, signum: int) -> None:
         for pid in self.running:
+            self._sent.setdefault(pid, set()).add(signum)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
@@ -89,6 +122,8 @@ class ForkedPeers:
                 continue
             if done:
                 self.running.discard(pid)
+                if os.WIFSIGNALED(status) and os.WTERMSIG(status) not in self._sent.get(pid, ()):
+                    self.killed.append((self.ranks[pid], os.WTERMSIG(status)))
                 self._ended(exit_code(status))
 
     def _watch_peers(self) -> None:
@@ -106,8 +141,9 @@ class ForkedPeers:
                     self._signal(signal.SIGKILL)
                     self._reap(block=True)
                     if not self._finishing:
+                        code = self.verdict()
                         _flush()
-                        os._exit(launch_code(self.codes, self._ok))
+                        os._exit(code)
                     return
             time.sleep(POLL_S)
 
@@ -118,7 +154,37 @@ class ForkedPeers:
             self._finishing = True
             self._ended(own_code)
         self._watch.join()
-        return launch_code(self.codes, self._ok)
+        return self.verdict()
+
+    def settle(self, timeout_s: float = SETTLE_S) -> None:
+        """Rank 0 failed: give a peer that died first up to ``timeout_s`` to be reaped, so
+        that a rank killed by a signal (the usual cause of rank 0's failure in a collective)
+        is known, and named (``verdict``) first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                self._reap(block=False)
+                if self.killed or not self.running:
+                    break
+            time.sleep(POLL_S / 4)
+        self._name_killed()
+
+    def _name_killed(self) -> None:
+        """Print the first killed rank's line (``killed_message``) once, if there is one."""
+        if self.killed and not self._named:
+            self._named = True
+            with contextlib.suppress(OSError, ValueError):
+                print(KILLED_PREFIX + killed_message(*self.killed[0]), file=sys.stderr,
+                      flush=True)
+
+    def verdict(self) -> int:
+        """The launch's exit code: the first rank killed by a signal this launch did not
+        send (128 + the signal; named on stderr by ``killed_message``, before the ranks that
+        failed after it), else ``launch_code``."""
+        if not self.killed:
+            return launch_code(self.codes, self._ok)
+        self._name_killed()
+        return 128 + self.killed[0][1]
 
 
 def _flush() -> None:

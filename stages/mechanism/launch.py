@@ -76,9 +76,10 @@ class RanksOutOfTime(RuntimeError):
 class RanksFailed(RuntimeError):
     """The ranks of a stage exited non-zero; ``user_error`` holds a rank's own message."""
 
-    def __init__(self, what: str, exit_code: int, tail: str, user_error: str | None) -> None:
-        self.exit_code, self.user_error = exit_code, user_error
-        detail = user_error or f"last output:\n{tail}"
+    def __init__(self, what: str, exit_code: int, tail: str, user_error: str | None,
+                 killed: str | None = None) -> None:
+        self.exit_code, self.user_error, self.killed = exit_code, user_error, killed
+        detail = user_error or (f"{killed}; " if killed else "") + f"last output:\n{tail}"
         super().__init__(f"{what} ranks failed (exit {exit_code}): {detail}")
 
 
@@ -210,11 +211,13 @@ class LocalRanks:
         finally:
             os.close(write_end)
         self.pgid = self.rank0.pid
+        self.killed_here = False  # this launcher killed the ranks (a timeout, its own end)
         self.stdout = open(read_end, errors="replace")  # noqa: SIM115 - closed in wait
 
     def kill(self) -> None:
         """SIGKILL every rank still running; reap rank 0 (rank 0 reaps the others)."""
         if self.rank0.poll() is None:
+            self.killed_here = True
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pgid, signal.SIGKILL)
         self.rank0.wait()
@@ -228,6 +231,16 @@ class LocalRanks:
         shutil.rmtree(self._rendezvous, ignore_errors=True)
         return shell_exit_code(code)
 
+    def rank0_killed(self) -> str | None:
+        """The line naming rank 0 when a signal this launcher did not send killed it (its
+        peers then die with it), else None."""
+        from stages.mechanism.forked_ranks import killed_message
+
+        code = self.rank0.returncode
+        if code is None or code >= 0 or self.killed_here:
+            return None
+        return killed_message(0, -code)
+
 
 def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
     """What the ranks recorded when they stopped out of time, or None."""
@@ -236,6 +249,18 @@ def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def read_killed_rank(log: str | Path | None) -> str | None:
+    """The launch's line naming the rank a signal killed (``forked_ranks.killed_message``)
+    in the ranks' ``log``, or None: the cause to report before the other ranks' errors."""
+    from stages.mechanism.forked_ranks import killed_line
+
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines() if log else []
+    except OSError:
+        return None
+    return next((found for line in lines if (found := killed_line(line))), None)
 
 
 def read_rank_error(out_dir: str | Path, log: str | Path | None = None) -> str | None:
@@ -268,6 +293,8 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
     ranks stopped out of time at a checkpoint; ranks are killed with their launcher. A
     series spec starts its launches in turn (``run_series_local``).
     """
+    from stages.mechanism.forked_ranks import killed_line
+
     spec = RankSpec.read(spec_path)
     if spec.series:
         run_series_local(spec, log_path, what, echo)
@@ -287,11 +314,13 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
             timer.start()
             stack.callback(timer.cancel)
         reported: str | None = None  # a rank's own one-line error
+        killed: str | None = None  # the rank a signal killed, which the others failed after
         full: set[int] = set()  # the sinks a full disk stopped taking: the ranks are still heard
         for line in ranks.stdout:
             own = line.startswith(RANK_MESSAGE_PREFIX)
             if own:
                 reported = line[len(RANK_MESSAGE_PREFIX):].strip()
+            killed = killed or killed_line(line)
             # once a rank has said why it failed, the other ranks' tracebacks (a peer gone
             # from a collective) go to the log only
             if echo and (own or reported is None):
@@ -301,12 +330,14 @@ def run_local(spec_path: str | Path, log_path: str | Path | None = None, what: s
                 _copy(line, log, full)
         code = ranks.wait()
         ranks.stdout.close()
+        killed = ranks.rank0_killed() or killed
     stopped = read_out_of_time(spec.out_dir)
     if stopped is not None and read_rank_error(spec.out_dir) is None:
         raise RanksOutOfTime(what, stopped)
     if code != 0:
         # the rank's file, or its line where a full disk took no file
-        raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir) or reported)
+        raise RanksFailed(what, code, "".join(tail), read_rank_error(spec.out_dir) or reported,
+                          killed)
 
 
 def _copy(line: str, sink: TextIO, full: set[int]) -> None:
@@ -387,6 +418,7 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     try:
         code = _run_rank(description, run, argv)
     except BaseException:  # what the interpreter would print; the peers are stopped first
+        peers.settle()  # a peer killed by a signal (the likely cause) is named first
         traceback.print_exc()
         code = 1
     return peers.finish(code)

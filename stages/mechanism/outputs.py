@@ -39,6 +39,9 @@ class StageResult:
     reused: bool
     producer_tracking_uri: str = ""
     """The MLflow store holding ``producer_run_id`` ("" where an older status does not say)."""
+    digest: str = ""
+    """The digest of the output that downstream keys hash (``stages.mechanism.digests``);
+    "" where the status predates it."""
 
 
 def stage_dir(runs_dir: str | Path, name: str, key: str) -> Path:
@@ -81,7 +84,28 @@ def find_succeeded(runs_dir: str | Path, name: str, key: str) -> StageResult | N
         producer_run_id=status["run_id"],
         reused=True,
         producer_tracking_uri=status.get("tracking_uri", ""),
+        digest=status.get("output_digest", ""),
     )
+
+
+def stage_outputs(runs_dir: str | Path, name: str,
+                  unfinished: bool = False) -> list[tuple[str, Path, dict[str, Any]]]:
+    """(key, directory, status) of every published succeeded output of stage ``name``,
+    newest first; with ``unfinished``, also every ``<key>.partial`` work directory (an
+    interrupted or failed attempt) after them."""
+    found: list[tuple[float, str, Path, dict[str, Any]]] = []
+    for status_path in (Path(runs_dir) / "stages" / name).glob(f"*/{STATUS_FILE}"):
+        directory = status_path.parent
+        key, _, suffix = directory.name.partition(".")
+        if suffix and not (unfinished and f".{suffix}" == PARTIAL_SUFFIX):
+            continue  # <key>.old-<pid>, or an unfinished attempt nobody asked for
+        status = read_status(directory)
+        if not status or (not suffix and status.get("state") != "succeeded"):
+            continue
+        rank = status_path.stat().st_mtime - (1e12 if suffix else 0)  # published ones first
+        found.append((rank, key, directory, status))
+    return [(key, directory, status)
+            for _, key, directory, status in sorted(found, key=lambda f: -f[0])]
 
 
 def newest_succeeded(runs_dir: str | Path, name: str) -> tuple[str, dict[str, Any]] | None:

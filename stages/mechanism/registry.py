@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from model.planner.cluster import is_measured, rehearses
-from stages.mechanism import checks
+from stages.mechanism import checks, digests
 from stages.mechanism.config import PipelineConfig
 from stages.mechanism.shape import (
     ALLOCATION,
@@ -43,13 +43,19 @@ class StageDeclaration:
     - ``shape``: how it runs for a config (``stages.mechanism.shape.StageShape``);
     - ``module``: the work module; ``worker``: the rank worker module of a ranks stage (both
       named so the key's code hash follows them);
-    - ``check``: a cheap pre-flight of its inputs, run before any work
+    - ``check``: a cheap pre-flight of its inputs, run before any work, given the config and
+      the published outputs of its upstream stages this invocation reuses (name -> outputs)
       (``stages.mechanism.checks``);
     - ``verify``: a cheap check of a published output before it is reused
       (``stages.mechanism.checks``):
       a problem it names makes the stage run again, a resumable one continuing from that
       output (``stages.mechanism.attempt.begin``), so only what is damaged is redone;
-    - ``ranks_log``, ``activity``: where a local run of its ranks logs and what it is called.
+    - ``ranks_log``, ``activity``: where a local run of its ranks logs and what it is called;
+    - ``digest``: what its downstream stages' keys hash of its output
+      (``stages.mechanism.digests``);
+    - ``software``: the libraries (distribution names) whose versions enter its key;
+    - ``extends``: its *extent* fields (``section.field``): a new value continues an existing
+      output of the same stage that differs only there (``stages.mechanism.continuation``).
     """
 
     name: str
@@ -59,14 +65,21 @@ class StageDeclaration:
     module: str
     resumable: bool = False
     worker: str = ""
-    check: Callable[[PipelineConfig], None] | None = None
+    check: Callable[[PipelineConfig, dict[str, Any]], None] | None = None
     verify: Callable[[dict[str, Any]], str | None] | None = None
     ranks_log: str = "ranks.log"
     activity: str = ""
+    digest: Callable[[dict[str, Any]], str] | None = None
+    software: tuple[str, ...] = ()
+    extends: tuple[str, ...] = ()
 
     def work(self) -> ModuleType:
         """Import the work module (lazily: training pulls in torch)."""
         return importlib.import_module(self.module)
+
+    def output_digest(self, outputs: dict[str, Any]) -> str:
+        """The digest of a published output that downstream keys hash (``digest``)."""
+        return (self.digest or digests.report)(outputs)
 
     def output_problem(self, outputs: dict[str, Any]) -> str | None:
         """What is wrong with a published output of this stage (``verify``), or None."""
@@ -135,20 +148,25 @@ STAGES: tuple[StageDeclaration, ...] = (
     StageDeclaration("tokenize", sections=("data", "tokenizer"), upstream=(),
                      shape=_tokenize_shape, module="stages.tokenize",
                      resumable=True,  # finished shards are kept and not encoded again
-                     check=checks.check_tokenize, verify=checks.token_store_problem),
+                     check=checks.check_tokenize, verify=checks.token_store_problem,
+                     digest=digests.token_store,
+                     software=("tokenizers", "datasets", "zarr", "numcodecs")),
     StageDeclaration("plan", sections=("model", "parallel", "train"),
                      upstream=("tokenize",),  # checks that the store's vocabulary fits the model
                      shape=_plan_shape, module="stages.plan",
                      worker=TRAIN_WORKER,  # its measured refinement's ranks
-                     ranks_log="measure.log", activity="measurement"),
+                     ranks_log="measure.log", activity="measurement",
+                     digest=digests.plan_layout, software=("torch",)),
     StageDeclaration("train", sections=("model", "train"), upstream=("tokenize", "plan"),
                      shape=_train_shape, module="stages.train", worker=TRAIN_WORKER,
                      resumable=True,  # a failed attempt's checkpoints are kept and resumed from
-                     check=checks.check_train, ranks_log="train.log", activity="training"),
+                     check=checks.check_train, ranks_log="train.log", activity="training",
+                     digest=digests.final_checkpoint, software=("torch",),
+                     extends=("train.steps",)),
     StageDeclaration("evaluate", sections=("eval",), upstream=("tokenize", "train"),
                      shape=_evaluate_shape, module="stages.evaluate", worker=EVAL_WORKER,
                      check=checks.check_evaluate, ranks_log="eval-ranks.log",
-                     activity="evaluation"),
+                     activity="evaluation", digest=digests.report, software=("torch",)),
 )
 
 STAGE_ORDER: tuple[str, ...] = tuple(s.name for s in STAGES)

@@ -7,9 +7,11 @@ code in Parsl workers and by training ranks in other processes, and closed by th
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -33,10 +35,53 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
 
 
 def MlflowClient(uri: str):  # stands in for the class, imported on first use
-    """``mlflow.tracking.MlflowClient(uri)``."""
+    """``mlflow.tracking.MlflowClient(uri)``, whose calls raise ``store_full``'s OSError
+    where a SQLite store's disk is full."""
     from mlflow.tracking import MlflowClient as client_class
 
-    return client_class(uri)
+    # The store's errors reach the caller as exceptions; MLflow's SQL layer also logs each
+    # with its traceback (dozens of lines a write when the disk is full): drop that copy.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    return _FullDiskAware(client_class(uri), uri)
+
+
+SQLITE_FULL = "database or disk is full"  # SQLite's message for SQLITE_FULL
+
+
+def store_full(error: BaseException, uri: str) -> OSError | None:
+    """The OSError (ENOSPC) that ``error`` stands for when it is SQLite's "database or disk
+    is full" from store ``uri``, or None: one line naming the store and the fix."""
+    if isinstance(error, OSError) or SQLITE_FULL not in str(error):
+        return None
+    where = _sqlite_path(uri) or uri
+    full = OSError(f"No space left on device (MLflow store {where}: {SQLITE_FULL}; free space "
+                   "or pass another --runs-dir or --tracking-uri)")
+    full.errno = errno.ENOSPC  # errno only: strerror or filename would change str(full)
+    return full
+
+
+class _FullDiskAware:
+    """An MlflowClient whose calls raise ``store_full``'s one-line OSError instead of the SQL
+    error of a full disk (so a full disk is told apart from any other store error)."""
+
+    def __init__(self, client: Any, uri: str) -> None:
+        self._client, self._uri = client, uri
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except Exception as error:
+                full = store_full(error, self._uri)
+                if full is None:
+                    raise
+                raise full from None
+
+        return call
 
 
 def default_tracking_uri(runs_dir: Path, uri: str | None = None) -> str:
@@ -192,6 +237,87 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
     MlflowClient(uri).set_terminated(run_id, status)
 
 
+def end_run_tree(uri: str, run_id: str, status: str, reason: str,
+                 include_root: bool = True) -> list[str]:
+    """Mark run ``run_id`` (unless ``include_root`` is False) and each of its descendants
+    that is still RUNNING ``status`` (FAILED, KILLED), with ``reason`` as their ``error``
+    tag; the ids marked."""
+    client = MlflowClient(uri)
+    experiment = client.get_run(run_id).info.experiment_id
+    marked, todo = [], [run_id]
+    while todo:
+        current = todo.pop()
+        if (include_root or current != run_id) and \
+                client.get_run(current).info.status == "RUNNING":
+            client.set_tag(current, "error", reason)
+            client.set_terminated(current, status)
+            marked.append(current)
+        children = client.search_runs([experiment],
+                                      filter_string=f"tags.{MLFLOW_PARENT_RUN_ID} = '{current}'")
+        todo.extend(child.info.run_id for child in children)
+    return marked
+
+
+OPEN_RUNS_DIR = "open-runs"
+"""Under the runs dir: ``<run id>.json`` for each pipeline run a driver holds open (its store
+and the driver's run marker), removed once the driver closed the run; renamed
+``<run id>.unclosed.json`` where it could not (the store's disk was full, the store was
+away). The next driver on the runs dir that can write the store closes those runs
+(``close_abandoned_runs``), so no pipeline run stays RUNNING for good."""
+UNCLOSED_SUFFIX = ".unclosed.json"
+
+
+def note_open_run(runs_dir: str | Path, store_uri: str, run_id: str) -> None:
+    """Record that this driver holds pipeline run ``run_id`` of ``store_uri`` open. Best
+    effort: a runs dir that takes no file now takes no stage either."""
+    from data_prep.atomic import write_json_atomic
+
+    record = {"store": store_uri, "run_id": run_id,
+              "driver": os.environ.get(locks.RUN_ENV, ""), "opened": time.time()}
+    with contextlib.suppress(OSError):
+        write_json_atomic(Path(runs_dir) / OPEN_RUNS_DIR / f"{run_id}.json", record)
+
+
+def note_closed_run(runs_dir: str | Path, run_id: str, closed: bool) -> None:
+    """Drop run ``run_id``'s record once the driver closed it; ``closed=False``: keep it as
+    unclosed, for the next driver (a rename, which a full disk still allows)."""
+    path = Path(runs_dir) / OPEN_RUNS_DIR / f"{run_id}.json"
+    with contextlib.suppress(OSError):
+        if closed:
+            path.unlink(missing_ok=True)
+        else:
+            path.rename(path.with_name(f"{run_id}{UNCLOSED_SUFFIX}"))
+
+
+def close_abandoned_runs(runs_dir: str | Path, store_uri: str, uri: str) -> list[str]:
+    """Mark FAILED the pipeline runs of ``store_uri`` (reached at ``uri``) that earlier
+    drivers on this runs dir left open: those recorded unclosed, and those whose driver on
+    this host is gone (``note_open_run``), with every stage run under them still RUNNING.
+    Their records are dropped once done; a store that still takes no write keeps them for
+    the next driver. The ids marked."""
+    marked: list[str] = []
+    for path in sorted((Path(runs_dir) / OPEN_RUNS_DIR).glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        driver = str(record.get("driver", ""))
+        abandoned = path.name.endswith(UNCLOSED_SUFFIX) or (
+            driver.split(":", 1)[0] == socket.gethostname() and not locks.run_alive(driver))
+        if record.get("store") != store_uri or not abandoned:
+            continue
+        reason = ("the pipeline's driver could not close this run (its MLflow store took no "
+                  "more writes, or the driver was gone); marked by a later pipeline run")
+        try:
+            marked += end_run_tree(uri, record["run_id"], "FAILED", reason)
+        except OSError:
+            continue  # still full: the next driver tries again
+        except Exception:  # noqa: BLE001 - a run the store does not have: nothing to close
+            pass
+        path.unlink(missing_ok=True)
+    return marked
+
+
 def find_run(uri: str, run_id: str):
     """Run ``run_id`` of this store (info, data), or None where the store has no such run or
     it was deleted: a run id recorded beside another store, or by a run since removed."""
@@ -308,6 +434,77 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def node_id() -> str:
+    """This node's name in system metrics: the host name up to its first dot."""
+    return socket.gethostname().split(".", 1)[0]
+
+
+class SystemMetricsSampler:
+    """MLflow's system-metrics monitor of this host, writing into one run: CPU utilization,
+    memory, disk and network, and, where pynvml (NVIDIA) or pyrsmi (AMD) finds GPUs, each
+    GPU's utilization and memory, averaged over and logged every ``interval_s`` seconds as
+    ``system/<node>/<metric>`` on a thread of its own. It stops by itself once the run is no
+    longer RUNNING; ``stop`` sends what it holds."""
+
+    def __init__(self, uri: str, run_id: str, interval_s: float, node: str | None = None) -> None:
+        import psutil
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        # Its warnings are one line each (a store that took no sample); its info lines and a
+        # missing GPU library's note say nothing a run needs.
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        psutil.cpu_percent()  # the first sample's utilization counts from here, not from 0
+        self.node = node or node_id()
+        # resume_logging: a resumed attempt's samples continue after the run's last one.
+        self._monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s,
+                                             resume_logging=True, node_id=self.node,
+                                             tracking_uri=uri)
+        self._monitor.start()
+
+    def stop(self) -> None:
+        """Stop sampling; send the samples not yet sent, those of the last, unfinished
+        interval included (a block shorter than one interval still logs one value); a store
+        error is a warning."""
+        monitor = self._monitor
+        monitor.finish()  # drops the samples of an interval it had not finished
+        if any(m.metrics for m in monitor.monitors):
+            try:
+                monitor.publish_metrics(monitor.aggregate_metrics())
+                monitor.mlflow_logger.flush()
+            except Exception as error:  # noqa: BLE001 - as the monitor's own sends: a warning
+                logging.getLogger("mlflow.system_metrics").warning(
+                    "could not send the last system metrics: %s", error)
+
+
+def start_node_sampler(cfg: Any, run: dict[str, str] | None,
+                       local_rank: int) -> SystemMetricsSampler | None:
+    """The system-metrics sampler of this node for a stage's ranks, or None: started by the
+    node's local rank 0 only (one sampler per node, whatever its rank count), where the
+    stage run is tracked (``run``: the rank spec's {"uri", "run_id"}) and
+    ``cfg.tracking.system_metrics_on(cfg.site.name)``. A sampler that cannot start is one
+    line, never a failed stage."""
+    if not run or local_rank != 0 or not cfg.tracking.system_metrics_on(cfg.site.name):
+        return None
+    try:
+        return SystemMetricsSampler(run["uri"], run["run_id"],
+                                    cfg.tracking.system_metrics_interval_s)
+    except Exception as error:  # noqa: BLE001 - monitoring must not stop the work it watches
+        print(f"[tracking] no system metrics on {node_id()}: {error}", flush=True)
+        return None
+
+
+@contextlib.contextmanager
+def node_system_metrics(cfg: Any, run: dict[str, str] | None,
+                        local_rank: int) -> Iterator[SystemMetricsSampler | None]:
+    """``start_node_sampler`` around a block; the sampler is stopped when it ends."""
+    sampler = start_node_sampler(cfg, run, local_rank)
+    try:
+        yield sampler
+    finally:
+        if sampler is not None:
+            sampler.stop()
+
+
 def get_run(uri: str, run_id: str):
     """The MLflow run object (info, data) for inspection."""
     return MlflowClient(uri).get_run(run_id)
@@ -336,6 +533,20 @@ def search_runs(uri: str, experiment_name: str, filter_string: str = "") -> list
 def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     """(step, value) pairs of one metric."""
     return [(m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key)]
+
+
+def copy_history(uri: str, source_run_id: str, target_run_id: str, through_step: int) -> int:
+    """Copy every metric value of ``source_run_id`` up to ``through_step`` into
+    ``target_run_id`` (a continued training shows its whole curve in one run); the count."""
+    from mlflow.entities import Metric
+
+    client = MlflowClient(uri)
+    batch = [Metric(key, m.value, m.timestamp, m.step)
+             for key in client.get_run(source_run_id).data.metrics
+             for m in client.get_metric_history(source_run_id, key) if m.step <= through_step]
+    for start in range(0, len(batch), 1000):
+        client.log_batch(target_run_id, metrics=batch[start:start + 1000])
+    return len(batch)
 
 
 def log_hf_model(

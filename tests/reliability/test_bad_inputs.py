@@ -392,10 +392,14 @@ def test_preflight_checks_exactly_the_stages_the_driver_computes(tokenized) -> N
     not checked again (its inputs may be gone), the stages after it are."""
     from stages.mechanism.config import load_config
     from stages.mechanism.preflight import stages_to_compute
+    from stages.mechanism.selection import decide_stages
 
     runs, _, _ = tokenized
     cfg = load_config(MICRO, ["parallel.cluster=nosuch", f"tracking.runs_dir={runs}"])
-    assert [stage.name for stage in stages_to_compute(cfg)] == ["plan", "train", "evaluate"]
-    assert [stage.name for stage in stages_to_compute(cfg, start="plan")] == [
-        "plan", "train", "evaluate"]
-    assert [stage.name for stage in stages_to_compute(cfg, only="tokenize")] == ["tokenize"]
+
+    def computed(only: str | None = None, start: str | None = None) -> list[str]:
+        return [s.name for s in stages_to_compute(decide_stages(cfg, only, start, False))]
+
+    assert computed() == ["plan", "train", "evaluate"]
+    assert computed(start="plan") == ["plan", "train", "evaluate"]
+    assert computed(only="tokenize") == ["tokenize"]

@@ -140,7 +140,7 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
     assert train_status(runs_dir)["state"] == "failed"
     uri = tracking.default_tracking_uri(runs_dir)
     runs = {r.info.run_name: r.info.status for r in tracking.search_runs(uri, "micro")}
-    parent = [s for name, s in runs.items() if name.startswith("pipeline-")]
+    parent = [s for name, s in runs.items() if name.startswith("micro-run-")]
     train = [s for name, s in runs.items() if name.startswith("train-")]
     assert parent == ["FAILED"], runs
     assert train == ["FAILED"], runs

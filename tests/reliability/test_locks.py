@@ -110,7 +110,7 @@ def test_a_lock_of_a_dead_driver_is_broken(tmp_path: Path, capsys, seed_store):
     runs = tmp_path / "runs"
     seed_store(runs)
     ctx, cfg, log = _ctx(runs), load_config(), tmp_path / "computed.log"
-    key = keys.stage_key("first", cfg, ("train",), {}, ctx.code_for("first"))
+    key = keys.key_of(keys.key_ingredients(declare("first"), cfg, {}, ctx.code_for("first")))
     lock = outputs.lock_path(runs, "first", key)
     _lock_file(lock, socket.gethostname(), _dead_pid())
     started = time.monotonic()

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 def statuses_of(runs: Path, prefix: str) -> list[str]:
     """The sorted statuses of the MLflow runs of ``runs``'s micro experiment whose name
-    starts with ``prefix`` (``pipeline-``: parent runs; ``train-``: train stage runs)."""
+    starts with ``prefix`` (``micro-run-``: parent runs; ``train-``: train stage runs)."""
     found = tracking.search_runs(tracking.default_tracking_uri(runs), "micro")
     return sorted(r.info.status for r in found if r.info.run_name.startswith(prefix))
 
@@ -75,7 +75,7 @@ def test_kill_9_of_the_driver_leaves_no_process_and_the_rerun_resumes(
     console = first.console()
     assert "[watchdog] stopped" in console, console[-3000:]
 
-    assert statuses_of(runs_dir, "pipeline-") == ["KILLED"]
+    assert statuses_of(runs_dir, "micro-run-") == ["KILLED"]
     assert statuses_of(runs_dir, "train-") == ["KILLED"]
     assert "RUNNING" not in statuses_of(runs_dir, "")
     (status_file,) = (runs_dir / "stages" / "train").glob("*.partial/status.json")
@@ -93,7 +93,7 @@ def test_kill_9_of_the_driver_leaves_no_process_and_the_rerun_resumes(
     assert "breaking stale lock" in console, console[-4000:]
     assert resumed_step(console) >= KILL_AFTER
     assert len(published_summary(runs_dir)["losses"]) == STEPS
-    assert statuses_of(runs_dir, "pipeline-") == ["FINISHED", "KILLED"]
+    assert statuses_of(runs_dir, "micro-run-") == ["FINISHED", "KILLED"]
     # The rerun continued the killed attempt's train run: one run for the key, finished.
     assert statuses_of(runs_dir, "train-") == ["FINISHED"]
     (train_run,) = [r for r in tracking.search_runs(tracking.default_tracking_uri(runs_dir),

@@ -208,9 +208,11 @@ def assert_one_train_run(runs: Path, key: str, losses: list[float]) -> None:
 
 
 def train_key(console: str) -> str:
-    """The train stage's key in the DAG the driver printed."""
-    match = re.search(r"^  train +key ([0-9a-f]+)", console, re.MULTILINE)
-    assert match, f"the console shows no DAG:\n{console[-4000:]}"
+    """The train stage's key: in the DAG the driver printed, or, when the DAG shows it
+    pending (it hashes an upstream's output), where its attempt began."""
+    match = re.search(r"^  train +key ([0-9a-f]{16})", console, re.MULTILINE) or re.search(
+        r"\[stage\] train key ([0-9a-f]{16}): computing", console)
+    assert match, f"the console shows no train key:\n{console[-4000:]}"
     return match.group(1)
 
 
