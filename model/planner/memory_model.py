@@ -2,116 +2,37 @@
 
 The model counts the tensors ``model.training.trainer.Trainer`` keeps, term by term, and is
 checked against rehearsals of the trainer's own ranks under fake tensors
-(``model/training/rehearse.py``; ``tests/test_rehearse.py``,
-``benchmarks/bench_rehearse.py``). c is the compute dtype's bytes (2 for bf16, 4 for fp32),
-P the parameters a rank holds (its tp shard), u one block's parameters (the FSDP unit) and
-R the parameters outside the blocks (embedding, output head and final norm: FSDP's root
-unit).
+(``model/training/rehearse.py``; ``tests/test_rehearse.py``, ``benchmarks/bench_rehearse.py``).
+Every term is a function below whose docstring gives its formula; ``memory_breakdown``
+adds them up for the first and the last pipeline rank, and docs/planner.md tables them.
 
-Model states:
+Symbols: c the compute dtype's bytes (2 for bf16, 4 for fp32); P the parameters a rank
+holds (its tp shard); u one block's parameters (an FSDP unit); R the parameters outside the
+blocks (embedding, output head, final norm: FSDP's root unit); s, b, h, V the sequence,
+micro-batch, width and vocabulary; m = grad_accum micro-batches; v chunks per pipeline
+rank; SP sequence parallelism, which divides the residual stream by tp.
 
-- FSDP2 (zero2/zero3 with dp > 1) keeps fp32 parameter shards and Adam's two moments,
-  12 P / dp. What else lives through the step depends on when gradients are reduced:
-  - pipelining (pp > 1): ``torch.distributed.pipelining`` turns gradient sync and
-    reshard-after-backward off for every micro-batch but the last, so the stage's compute
-    parameters stay unsharded (c P) and FSDP2 accumulates unsharded gradients in its
-    ``reduce_dtype``, float32 (4 P), for zero2 and zero3 alike. At the last micro-batch's
-    backward one block is reduce-scattered from a float32 buffer (4 u). On the first stage
-    each new gradient is cast to float32 to be accumulated ((c + 4) u for a block), and
-    the embedding's comes out at the full vocabulary on every tp rank ((c + 4) V h, not
-    divided by tp: 3.8 GB at the 175B width, 7.9 GB at 1T's, measured at tp 8 and 16).
-  - zero2 without pipelining and with grad_accum > 1: the trainer turns gradient sync off
-    but for the last micro-batch, so the same unsharded parameters and float32 gradients
-    (c P + 4 P), plus two blocks of all-gather buffers (2 c u: parameters are resharded
-    after each backward and gathered again, one block ahead) and the reduce-scatter buffer.
-  - zero3, or zero2 with one micro-batch: gradients are reduce-scattered per block as they
-    are made and accumulate sharded (4 P / dp), so only the root's unsharded parameters
-    (c R) and the buffers of the block in backward add to the shards: its float32
-    reduce-scatter input (4 u), the output head's gradient in the compute dtype (the root
-    reduces its gradients once, after the whole backward, and makes the embedding's last),
-    and under zero3 the block's gathered parameters, the next block's prefetched ones and
-    its new gradient (3 c u: rehearsed 1T and 22B ranks hold each beside the 4 u), under
-    zero2 one block's gradient (c u); zero2 keeps every block's parameters gathered from
-    its forward to its backward (c P: at the end of the forward all of them). At the loss's
-    backward no root gradient exists yet.
-- Without FSDP (sharding none or ddp, or dp == 1): float32 parameters, gradients and
-  Adam moments (16 P); under bf16 autocast the bf16 copies of the weights that the
-  forward saves for backward (2 P), each new bf16 gradient and its float32 cast on the
-  first stage of a pipeline ((c + 4) u), and more activations (AUTOCAST_ACTIVATION_FACTOR);
-  DDP's gradient buckets (4 P) without pipelining; under pipelining with ddp one flat
-  float32 copy of the gradients for their all-reduce after the schedule (4 P, once the
-  activations are gone).
+The four parts of a rank's bytes:
 
-Activations per block and micro-batch, as this trainer's blocks save them (Korthikanti et
-al. 2022's count without dropout, with one change): the two norm inputs (s b h each,
-divided by tp under sequence parallelism), the inputs of the QKV and first MLP linears
-(s b h each, *not* divided by tp: DTensor's column-parallel linears save the all-gathered
-input that sequence parallelism makes; without SP they are the norm outputs), q/k/v and
-the attention output (divided by tp), the attention kernel's float32 log-sum-exp (a flash
-or memory-efficient kernel; without one the s x s scores, a s^2 b / tp), and the MLP's
-intermediates (2 or 4 of s b ffn / tp). Selective recompute drops the scores; full
-recompute keeps each block's input and, while one block is recomputed, its activations.
-Partial recompute (full with ``recompute_layers`` N > 0, ``chunk_activation_elems``): in each
-pipeline chunk of L blocks the first N keep what full recompute keeps and the other L - N
-what no recompute keeps. The recomputed block's activations come on top only where they
-exceed what the chunk has freed by then: the backward reaches the first N blocks after the
-L - N others have freed theirs, at least one block's worth, so they add nothing (rehearsed
-at 175B width with 8 layers, zero3 dp8: the peaks of N = 4 and 6 fall while a recomputed
-block runs and hold full recompute's activations, N = 2's in a kept block's backward).
+- **Model states**, kept through the step: FSDP2 (zero2/zero3 with dp > 1) keeps fp32
+  shards and Adam's moments, and unsharded gradients wherever gradient sync waits for the
+  last micro-batch (pipelining, or zero2 with m > 1); without FSDP2, fp32 parameters,
+  gradients and moments, bf16 autocast copies and DDP's buckets.
+- **Activations**: per block and micro-batch as the trainer's blocks save them, times the
+  chunk forwards the schedule holds, plus torch pipelining's receive buffers.
+- **The transient** at the peak moment: the reduce-scatter and all-gather buffers, the
+  logits at the loss's backward, or a block's new gradient waiting for its fp32 cast.
+- **Margins**: x (1 + fragmentation), + the cluster's reserved memory.
 
-In flight: the pipeline schedule decides how many micro-batches each stage holds. GPipe:
-all m; 1F1B: pp - r on pipeline rank r; interleaved 1F1B (torch's ``_get_warmup_ops``):
-(v - 1) x m_round + 2 (pp - 1 - r) + 1 chunk forwards of L / (pp v) layers before the
-first backward (m_round = m / max(1, m // pp)), at most m v (``rank_counts.schedule_order``
-replays torch's order). Each in-flight chunk also
-keeps its output for the backward (s b h / tp under SP). The rank holding the output head
-keeps, for the micro-batch in its loss, the logits gathered over the vocabulary (this
-trainer computes the loss on full rows on every tp rank) with their float32 copy and
-log-softmax, and in backward their float32 gradients: LOGIT_BYTES per logit. torch's
-``PipelineStage`` allocates a receive buffer for every micro-batch of the step at each of
-the rank's chunk boundaries (the activation in, the gradient back: 2v - 1 on the first and
-last rank), s b h (/ tp under SP) each in the residual stream's dtype, kept through the step
-(rehearsed: 640 micro-batches of the study's 175B plan hold 32 GB of them). A chunk's
-input is such a buffer wherever it came from another rank (every chunk but the first
-rank's first): what its first block saves of it is not counted twice.
-
-Under pipelining a chunk's unsharded float32 gradients exist from its first backward
-through its last micro-batch's, which reduce-scatters them and reshards the chunk, and
-torch's multi-chunk schedules gather at most three of a rank's chunks at once, the next
-three to compute. The rank's schedule is replayed (``rank_counts.held_by_accumulating``)
-and the activations, the gradients and the gathered parameters are counted at the moment
-their sum is largest, at chunk granularity: a backward begins with its micro-batch's
-activations and none of its new gradients and ends with the chunk's gradients and those
-activations freed (in between, block by block, the sum is no larger than at one of the
-two). A rank whose forwards all come first (GPipe, few micro-batches) thus holds its
-activations or its gradients at the peak, not both; and the first chunk's last backwards,
-where the embedding's gradient is made, find it gathered alone (rehearsed: one chunk's
-parameters at the 1T pick's rank-0 peak, where three were counted before).
-
-The peak is the larger of two moments: the loss's backward (states + stored activations +
-the logits; no block is being recomputed then, and in a step of one micro-batch no gradient
-exists yet: rehearsed, the 1T tp16 mb8 zero3 plan's peak holds neither, +19.2 % before) and
-the block backward where buffers peak (states + activations + the reduce-scatter and
-all-gather buffers above). A pipeline's last stage has four, counted apart (their sum
-never exists): the loss's backward, a recomputed block's backward, the end of a block's
-backward, and the gradient reduction that torch's schedule runs after a chunk's last
-backward (``REDUCE_GRAD``), whose float32 reduce-scatter input (4 u) comes when the rank's
-chunks are resharded (rehearsed: none gathered then; the 1T pick's last rank +16.8 % ->
-+4.0 %, 1T tp8 pp32 interleaved's last +6.0 % -> -0.4 %; ddp's flat copy comes after the
-schedule's autocast region, whose bf16 weight copies are gone with it: the study's 22B last
-rank +5.7 % -> -2.0 %). At the end of a block's backward under pipelined FSDP2 its new
-compute-dtype gradient (c u) waits for FSDP2's cast into the float32 accumulator, beside the
-full-width input gradients of its q, k, v linears (``QKV_INPUT_GRADS``), while the block's
-own stored activations are freed; on the last rank the head's new gradient waits
-too (the root is reduced after the whole backward), and the root's float32 gradient and
-gathered parameters are held whole with the last chunk, not as a chunk's share (rehearsed:
-the 1T pick's first rank -6.9 % -> +0.4 %, last -8.2 % -> -1.1 %). The first stage counts
-the block's new gradient as the other of its pipelined moments, beside the embedding's.
-Everything is multiplied by (1 + fragmentation) and the cluster's reserved memory is added.
+Under pipelining a chunk's unsharded float32 gradients exist from its first backward through
+its last micro-batch's, and multi-chunk schedules gather at most three of a rank's chunks:
+the rank's schedule is replayed (``rank_counts.held_by_accumulating``) and activations,
+gradients and gathered parameters are counted at the moment their sum is largest.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -131,22 +52,19 @@ from model.planner.shapes import (
 GB = 1e9
 
 LOGIT_BYTES = {2: 16.0, 4: 20.0}
-"""Bytes per logit (sequence x micro-batch x vocabulary) at the loss's backward, by compute
-dtype bytes: the gathered logits (c), their float32 copy and log-softmax (4 + 4) and the
-float32 gradients of both (4 + 4) less what is freed in between; measured 15-16 per logit in
-bf16 rehearsals (logits of 1e8 values); fp32 keeps no separate copy but a larger gather."""
-
+"""Bytes per logit at the loss's backward, by c: gathered logits (c), their fp32 copy and
+log-softmax and both gradients, less what is freed between (bf16 rehearsals: 15-16)."""
 
 QKV_INPUT_GRADS = 4
-"""Full-width (s b h) input gradients alive at the end of a block's backward, in the q, k, v
-linears' backward: one each and their sum (rehearsed 1T ranks: 3 at wq, 4 at wk)."""
+"""Full-width (s b h) input gradients alive in the q, k, v linears' backward: one each and
+their sum (rehearsed at 1T width: 3 at wq, 4 at wk)."""
 
 AUTOCAST_ACTIVATION_FACTOR = 2.9
-"""Activations under bf16 autocast over float32 weights (sharding none or ddp, or dp == 1,
-in bf16) relative to the same plan's count with bf16 parameters: rehearsals of 175B-wide
-pipelines keep 2.4x (tp4, SP) to 2.9x (tp1) as much (float32 norm inputs and outputs kept
-beside the bf16 casts the linears save). Measured on the CPU's autocast; a GPU's autocast
-casts differently, so these plans are priced conservatively, not exactly."""
+"""Activations under bf16 autocast over fp32 weights relative to bf16 weights (rehearsed
+175B-wide pipelines on the CPU: 2.4x to 2.9x; the largest, so those plans are priced high)."""
+
+
+# --- the plan's shape --------------------------------------------------------------------
 
 
 def stage_layer_counts(
@@ -165,9 +83,120 @@ def stage_layer_counts(
     return first, last
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Encoded plans (arrays over candidates) and the flags every term reads."""
+
+    s: Shapes
+    plans: dict[str, np.ndarray]
+    compute_bytes: int
+    """c: bytes of an activation or a gathered compute-dtype parameter."""
+    one_stage: np.ndarray
+    """pp == 1: no pipeline."""
+    fsdp: np.ndarray
+    """FSDP2 shards the states: zero2 or zero3 with dp > 1."""
+    autocast: np.ndarray
+    """bf16 autocast over fp32 weights: bf16 without FSDP2's bf16 parameters."""
+    sp_share: np.ndarray
+    """The share of the residual stream a rank keeps: 1 / tp under SP, else 1."""
+    chunks: np.ndarray
+    """v, at least 1: the model chunks a pipeline rank holds."""
+
+    @classmethod
+    def of(cls, s: Shapes, plans: dict[str, np.ndarray]) -> _Layout:
+        fsdp = ((plans["shard"] == ZERO2) | (plans["shard"] == ZERO3)) & (plans["dp"] > 1)
+        return cls(s, plans, s.act_bytes, plans["pp"] == 1, fsdp,
+                   ~fsdp & (s.dtype == "bfloat16"),
+                   np.where(plans["sp"] == 1, 1.0 / plans["tp"], 1.0),
+                   np.maximum(plans["v"], 1))
+
+    def pipelined(self, value: Any) -> np.ndarray:
+        """``value`` on a pipelined rank, 0 without a pipeline."""
+        return np.where(self.one_stage, 0.0, value)
+
+    @property
+    def residual_elems(self) -> np.ndarray:
+        """s b h x SP share: one micro-batch of the residual stream on a rank."""
+        return self.s.seq_len * self.plans["mb"] * self.s.d_model * self.sp_share
+
+
+# --- parameters --------------------------------------------------------------------------
+
+
+def block_params(s: Shapes, tp: np.ndarray) -> np.ndarray:
+    """u = a block's matrices / tp + its norms: one block's parameters, an FSDP unit."""
+    return s.layer_matrix_params / tp + s.layer_norm_params
+
+
+def root_params(s: Shapes, tp: np.ndarray, one_stage: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """R on the first and last rank: embedding V h / tp first; head V h / tp + final norm h
+    last; all of them on a single stage."""
+    embedding = s.embedding_params / tp
+    first = embedding + np.where(one_stage, embedding + s.d_model, 0.0)
+    last = embedding + s.d_model + np.where(one_stage, embedding, 0.0)
+    return first, last
+
+
+# --- model states ------------------------------------------------------------------------
+
+
+def fsdp_states(lay: _Layout, params: np.ndarray, root: np.ndarray) -> np.ndarray:
+    """12 P / dp (fp32 shards, Adam) + (c [pp = 1] + 4) P where gradients accumulate
+    unsharded (pipelined, or zero2 with m > 1), else 4 P / dp + c P (zero2) or c R (zero3)."""
+    shard, dp, c = lay.plans["shard"], lay.plans["dp"], lay.compute_bytes
+    accumulating = ~lay.one_stage | ((shard == ZERO2) & (lay.plans["ga"] > 1))
+    # sharded fp32 gradients; zero2 keeps every block gathered from forward to backward
+    per_block = 4 * params / dp + np.where(shard == ZERO2, c * params, c * root)
+    # gathered parameters (under pipelining counted at the replayed moments instead) and
+    # unsharded fp32 gradients
+    unsharded = (c * np.where(lay.one_stage, 1.0, 0.0) + 4) * params
+    return 12 * params / dp + np.where(accumulating, unsharded, per_block)
+
+
+def fsdp_buffers(lay: _Layout, unit: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """Pipelined: 4 u (the last micro-batch's fp32 reduce-scatter input). Else 4 u + 2 c u
+    (zero2, m > 1: two blocks gathered) or + 3 c u (zero3) / c u (zero2) + c head."""
+    shard, c = lay.plans["shard"], lay.compute_bytes
+    # zero3: the block's gathered parameters, the next block's and its new gradient
+    in_backward = np.where(shard == ZERO3, 3 * c * unit, c * unit)
+    flat = np.where((shard == ZERO2) & (lay.plans["ga"] > 1), 2 * c * unit,
+                    in_backward + c * head) + 4 * unit
+    return np.where(lay.one_stage, flat, 4 * unit)
+
+
+def plain_states(lay: _Layout, params: np.ndarray) -> np.ndarray:
+    """16 P (fp32 parameters, gradients, Adam) + 2 P (bf16: autocast's weight copies) + 4 P
+    (DDP's buckets, dp > 1, no pipeline)."""
+    states = 16 * params + (2 * params if lay.s.dtype == "bfloat16" else 0.0)
+    ddp = (lay.plans["shard"] == DDP) & (lay.plans["dp"] > 1)
+    return states + np.where(ddp & lay.one_stage, 4 * params, 0.0)
+
+
+def plain_buffers(lay: _Layout, params: np.ndarray) -> np.ndarray:
+    """4 P: the flat fp32 gradient copy DDP all-reduces after a pipelined step (dp > 1)."""
+    ddp = (lay.plans["shard"] == DDP) & (lay.plans["dp"] > 1)
+    return np.where(ddp & ~lay.one_stage, 4 * params, 0.0)
+
+
+def model_states(lay: _Layout, params: np.ndarray, root: np.ndarray, unit: np.ndarray,
+                 head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(states kept through the step, buffers at a block's backward): FSDP2's or plain."""
+    return (np.where(lay.fsdp, fsdp_states(lay, params, root), plain_states(lay, params)),
+            np.where(lay.fsdp, fsdp_buffers(lay, unit, head), plain_buffers(lay, params)))
+
+
+# --- activations -------------------------------------------------------------------------
+
+
 def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray,
                                rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(stored elements per block per micro-batch, elements of one block while recomputed)."""
+    """(stored elements per block per micro-batch, elements of one block while recomputed).
+
+    Korthikanti et al. 2022 without dropout: 2 norm inputs s b h (/ tp under SP), 2 linear
+    inputs s b h (all-gathered under SP, so never / tp), q k v and attention output / tp,
+    flash's fp32 log-sum-exp (else the s^2 scores), the MLP's 2 or 4 s b ffn / tp.
+    Selective recompute drops the scores; full keeps the block's input."""
     sbh = s.seq_len * mb * s.d_model
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     hd = s.head_dim
@@ -190,20 +219,186 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
 def chunk_activation_elems(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray,
                            rec: np.ndarray, rl: np.ndarray, layers: np.ndarray
                            ) -> tuple[np.ndarray, np.ndarray]:
-    """(stored elements of one pipeline chunk of ``layers`` blocks per micro-batch, elements
-    the chunk in backward holds beyond them while a block is recomputed).
+    """(N x full recompute's + (L - N) x no recompute's stored elements per micro-batch of a
+    chunk of L = ``layers`` blocks, what a recomputed block adds beyond them).
 
-    Under partial recompute (rec full, ``rl`` = recompute_layers N > 0) the chunk's first N
-    blocks store what full recompute stores and the other ``layers - N`` what no recompute
-    stores; otherwise every block stores the same. A block is recomputed once the chunk's
-    later blocks have freed their activations: the chunk then holds the N recomputed blocks'
-    inputs and one block's activations, which under partial recompute is no more than at
-    the start of its backward; under full recompute it is one block's activations more."""
+    N = ``rl`` under partial recompute (rec full, recompute_layers > 0), else L. A block is
+    recomputed once the chunk's later blocks have freed theirs, so only full recompute
+    (N = L) adds one block's activations."""
     stored, transient = activation_elems_per_layer(s, mb, tp, sp, rec)
     kept, _ = activation_elems_per_layer(s, mb, tp, sp, np.full_like(rec, REC_NONE))
     recomputed = np.where((rec == REC_FULL) & (rl > 0), np.minimum(rl, layers), layers)
     chunk = recomputed * stored + (layers - recomputed) * kept
     return chunk, np.maximum(0.0, recomputed * stored + transient - chunk)
+
+
+def boundary_bytes(lay: _Layout) -> np.ndarray:
+    """s b h x SP share x (c under FSDP2, else 4): one tensor crossing a chunk boundary."""
+    return lay.residual_elems * np.where(lay.fsdp, lay.compute_bytes, 4)
+
+
+def receive_buffers(lay: _Layout) -> np.ndarray:
+    """m x (2v - 1) x boundary bytes on a pipelined end rank: torch's ``PipelineStage``
+    keeps a receive buffer per micro-batch at each chunk boundary through the step."""
+    return lay.pipelined(lay.plans["ga"] * chunk_boundaries(lay.plans["v"], True, False)
+                         * boundary_bytes(lay))
+
+
+def logit_bytes(lay: _Layout) -> np.ndarray:
+    """s b V x LOGIT_BYTES[c]: the loss's backward, on full vocabulary rows on every tp rank."""
+    return lay.s.seq_len * lay.plans["mb"] * lay.s.vocab * LOGIT_BYTES[lay.compute_bytes]
+
+
+def activation_factor(lay: _Layout) -> np.ndarray:
+    """AUTOCAST_ACTIVATION_FACTOR under bf16 autocast over fp32 weights, else 1."""
+    return np.where(lay.autocast, AUTOCAST_ACTIVATION_FACTOR, 1.0)
+
+
+def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(one held chunk forward: (stored + [pipelined] output s b h x SP share) x c x autocast
+    factor - received share x boundary bytes, what a recomputed block adds x c x factor).
+
+    A chunk's input that came from another rank is a receive buffer, counted there:
+    ``received_share`` is the share of held chunk forwards whose input did."""
+    p = lay.plans
+    stored, transient = chunk_activation_elems(lay.s, p["mb"], p["tp"], p["sp"], p["rec"],
+                                               p["rl"], layers / lay.chunks)
+    output = lay.residual_elems * np.where(lay.one_stage, 0.0, 1.0)
+    factor = activation_factor(lay)
+    received = received_share * boundary_bytes(lay)
+    per_chunk = (stored + output) * lay.compute_bytes * factor - received
+    return per_chunk, transient * lay.compute_bytes * factor
+
+
+# --- the replayed schedule ---------------------------------------------------------------
+
+
+class _Moment(NamedTuple):
+    """The largest moment of a replayed schedule."""
+
+    total: np.ndarray
+    accumulating: np.ndarray
+    """k: chunks holding unsharded gradients."""
+    gathered: np.ndarray
+    """g: chunks whose parameters are gathered."""
+
+
+def largest_moment(lay: _Layout, table: np.ndarray, per_chunk: np.ndarray,
+                   grads: np.ndarray, gathered: np.ndarray) -> _Moment:
+    """max over (k, g) of held chunk forwards(k, g) x per_chunk + k grads / v + g gathered / v
+    (``table``: ``held_by_accumulating``'s, -1 where the schedule never is)."""
+    n, size = table.shape[0], table.shape[1]
+    k = np.arange(size)[None, :, None]
+    g = np.arange(size)[None, None, :]
+    v = lay.chunks[:, None, None]
+    moments = np.where(table >= 0, per_chunk[:, None, None] * table
+                       + grads[:, None, None] / v * k + gathered[:, None, None] / v * g,
+                       -np.inf).reshape(n, -1)
+    best = np.argmax(moments, axis=1)
+    return _Moment(moments[np.arange(n), best], best // size, best % size)
+
+
+class _RankPeak(NamedTuple):
+    """What a rank holds at its replayed peak, in bytes."""
+
+    activations: np.ndarray
+    """Held chunk forwards x their activations (one chunk without a pipeline)."""
+    recomputing: np.ndarray
+    """A recomputed block's activations beside them."""
+    grads_and_gathered: np.ndarray
+    """k / v of the gradients + g / v of the gathered parameters (all gradients unpipelined)."""
+    per_chunk: np.ndarray
+    """One chunk forward's activations."""
+    gathered: np.ndarray
+    """g / v of the gathered parameters."""
+
+
+def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
+              gathered: np.ndarray, received_share: Any) -> _RankPeak:
+    """Activations, gradients and gathered parameters at the rank's largest replayed moment;
+    without a pipeline one chunk forward and all ``grads``."""
+    per_chunk, recomputing = chunk_forward_bytes(lay, layers, received_share)
+    held = held_by_accumulating(lay.plans, pp_rank)
+    moment = largest_moment(lay, held, per_chunk, grads, gathered)
+    k, g = moment.accumulating, moment.gathered
+    rows = np.arange(len(k))
+    activations = np.where(lay.one_stage, per_chunk, per_chunk * held[rows, k, g])
+    held_gathered = lay.pipelined(gathered / lay.chunks * g)
+    grads_and_gathered = np.where(lay.one_stage, grads, grads / lay.chunks * k) + held_gathered
+    return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered)
+
+
+# --- transients at the peak moment -------------------------------------------------------
+
+
+def gradient_cast(s: Shapes, lay: _Layout, unit: np.ndarray) -> np.ndarray:
+    """(c + 4) x max(u, V h): a new gradient and its fp32 cast; the embedding's comes out at
+    the full vocabulary on every tp rank (DTensor's vocab-parallel backward)."""
+    return (lay.compute_bytes + 4) * np.maximum(unit, s.embedding_params)
+
+
+def new_block_gradient(lay: _Layout, unit: np.ndarray) -> np.ndarray:
+    """[pipelined FSDP2] c u + QKV_INPUT_GRADS x s b h x c - one block's stored activations:
+    a block's new gradient awaiting its fp32 cast, as the block's activations are freed."""
+    p, c = lay.plans, lay.compute_bytes
+    block_acts = activation_elems_per_layer(lay.s, p["mb"], p["tp"], p["sp"], p["rec"])[0] * c
+    input_grads = QKV_INPUT_GRADS * lay.s.seq_len * p["mb"] * lay.s.d_model * c
+    return np.where(lay.fsdp & ~lay.one_stage, c * unit + input_grads - block_acts, 0.0)
+
+
+def unmade_gradients(lay: _Layout, params: np.ndarray) -> np.ndarray:
+    """4 P (/ dp under FSDP2) with one micro-batch: no gradient exists at the loss's backward
+    (each step begins with zero_grad(set_to_none=True))."""
+    p = lay.plans
+    return np.where(p["ga"] == 1, 4 * params / np.where(lay.fsdp, p["dp"], 1), 0.0)
+
+
+def first_stage_transient(lay: _Layout, states_buffers: np.ndarray, acts: np.ndarray,
+                          peak: _RankPeak, at_embedding: np.ndarray, new_gradient: np.ndarray,
+                          cast: np.ndarray, logits: np.ndarray, unmade: np.ndarray
+                          ) -> np.ndarray:
+    """Bytes over states + activations at the first rank's peak, the largest of its moments.
+
+    Pipelined FSDP2: the embedding's gradient cast or a block's new gradient (0 at least);
+    pipelined without: the autocast cast or the buffers beyond the activations. One stage:
+    the loss's backward (logits - unmade gradients) or a block's (buffers or the cast, and
+    the recomputed block's activations, which the loss's backward does not hold)."""
+    recomputing = peak.recomputing
+    fsdp_pipelined = np.max(np.broadcast_arrays(at_embedding, new_gradient - recomputing, 0.0),
+                            axis=0)
+    pipelined = np.where(lay.fsdp, fsdp_pipelined,
+                         np.maximum(np.where(lay.autocast, cast, 0.0), states_buffers - acts))
+    casts = np.where(lay.fsdp | lay.autocast, cast, 0.0)  # fp32 gradients need no cast
+    at_loss = logits - unmade
+    at_block = np.maximum(states_buffers, casts) + recomputing
+    one_stage = np.maximum(at_loss, at_block) - recomputing
+    return np.where(lay.one_stage, one_stage, pipelined)
+
+
+def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, params: np.ndarray,
+                         root: np.ndarray, peak: _RankPeak, new_gradient: np.ndarray,
+                         logits: np.ndarray) -> np.ndarray:
+    """Bytes over states + activations at the last rank's peak: the largest of the loss's
+    backward (logits), a recomputed block's, a block's new gradient + c R (the head's,
+    reduced after the whole backward) and the gradient reduction after the schedule."""
+    # The reduction's buffer comes once REDUCE_GRAD has resharded the rank's chunks (FSDP2)
+    # or the activations, and with them autocast's bf16 weight copies, are gone (ddp).
+    autocast_weights = np.where(lay.autocast, 2 * params, 0.0)
+    reduction = np.where(lay.fsdp, states_buffers - peak.gathered,
+                         states_buffers - peak.activations - autocast_weights)
+    with_head = new_gradient + np.where(lay.fsdp & ~lay.one_stage, lay.compute_bytes * root, 0.0)
+    moments = np.broadcast_arrays(logits, peak.recomputing, with_head, reduction)
+    pipelined = np.max(moments, axis=0) - peak.recomputing
+    return np.where(lay.one_stage, np.maximum(states_buffers, logits), pipelined)
+
+
+def with_margins(bytes_: np.ndarray, reserved_gb: float, fragmentation: float) -> np.ndarray:
+    """bytes x (1 + fragmentation) + reserved."""
+    return bytes_ * (1 + fragmentation) + reserved_gb * GB
+
+
+# --- the sum -----------------------------------------------------------------------------
 
 
 def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0.0,
@@ -215,179 +410,63 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     act_first, act_last (stored activations); transient_first, transient_last (the
     buffers or the logits at the peak); first, last and peak (their sums with the margins).
     """
-    tp, pp, dp, mb, ga = c["tp"], c["pp"], c["dp"], c["mb"], c["ga"]
-    v, shard, rec, sp, rl = c["v"], c["shard"], c["rec"], c["sp"], c["rl"]
-    cb = s.act_bytes
-    mixed = s.dtype == "bfloat16"
-    layer_p = s.layer_matrix_params / tp + s.layer_norm_params
-    emb_p = s.embedding_params / tp
-    n_first, n_last = stage_layer_counts(s, pp, v)
-    single = pp == 1
-    root_first = emb_p + np.where(single, emb_p + s.d_model, 0.0)
-    root_last = emb_p + s.d_model + np.where(single, emb_p, 0.0)
-    head = emb_p + s.d_model  # the output head and its norm
-    params_first = n_first * layer_p + root_first
-    params_last = n_last * layer_p + root_last
-    fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
-    u = layer_p
+    lay = _Layout.of(s, c)
+    tp, pp, v = c["tp"], c["pp"], c["v"]
+    cb = lay.compute_bytes
+    unit = block_params(s, tp)
+    layers_first, layers_last = stage_layer_counts(s, pp, v)
+    root_first, root_last = root_params(s, tp, lay.one_stage)
+    head = s.embedding_params / tp + s.d_model  # the output head and its norm
+    params_first = layers_first * unit + root_first
+    params_last = layers_last * unit + root_last
+    states_first, buffers_first = model_states(lay, params_first, root_first, unit, head)
+    states_last, buffers_last = model_states(lay, params_last, root_last, unit, head)
+    received = receive_buffers(lay)
+    logits = logit_bytes(lay)
 
-    def states(params: np.ndarray, root: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(states kept through the step, buffers at a block's backward peak)."""
-        accumulate = ~single | ((shard == ZERO2) & (ga > 1))
-        per_block = 4 * params / dp + np.where(shard == ZERO2, cb * params, cb * root)
-        # gathered parameters (under pipelining counted at the replayed moments instead),
-        # float32 gradients
-        kept = (cb * np.where(single, 1.0, 0.0) + 4) * params
-        sharded = 12 * params / dp + np.where(accumulate, kept, per_block)
-        pipe_buf = 4 * u  # the last micro-batch's reduce-scatter
-        gathered = np.where(shard == ZERO3, 3 * cb * u, cb * u)
-        flat_buf = np.where((shard == ZERO2) & (ga > 1), 2 * cb * u,
-                            gathered + cb * head) + 4 * u
-        plain = 16 * params + (2 * params if mixed else 0.0)
-        plain = plain + np.where((shard == DDP) & (dp > 1) & single, 4 * params, 0.0)
-        plain_buf = np.where((shard == DDP) & (dp > 1) & ~single, 4 * params, 0.0)
-        return (np.where(fsdp, sharded, plain),
-                np.where(fsdp, np.where(single, flat_buf, pipe_buf), plain_buf))
-
-    spf = np.where(sp == 1, 1.0 / tp, 1.0)
-    chunk_out = s.seq_len * mb * s.d_model * spf * np.where(single, 0.0, 1.0)
-    logits = s.seq_len * mb * s.vocab * LOGIT_BYTES[cb]
-
-    autocast = ~fsdp & mixed  # bf16 autocast over float32 weights (no FSDP2 bf16 params)
-    act_factor = np.where(autocast, AUTOCAST_ACTIVATION_FACTOR, 1.0)
-
-    io_bytes = s.seq_len * mb * s.d_model * spf * np.where(fsdp, cb, 4)
-
-    def replayed(table: np.ndarray, per_chunk: np.ndarray, grads: np.ndarray,
-                 gathered: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(bytes, accumulating chunks, gathered chunks) at the largest moment of a replayed
-        table (``held_by_accumulating``): held chunk forwards x their activations +
-        accumulating chunks x their gradients + gathered chunks x their parameters."""
-        n, size = table.shape[0], table.shape[1]
-        k = np.arange(size)[None, :, None]
-        g = np.arange(size)[None, None, :]
-        v_ = np.maximum(v, 1)[:, None, None]
-        moments = np.where(table >= 0, per_chunk[:, None, None] * table
-                           + grads[:, None, None] / v_ * k + gathered[:, None, None] / v_ * g,
-                           -np.inf).reshape(n, -1)
-        best = np.argmax(moments, axis=1)
-        return moments[np.arange(n), best], best // size, best % size
-
-    def act(pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray, gathered: np.ndarray,
-            received: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(held activations, the recomputed block's activations beside them, gradients and
-        gathered parameters held at the rank's peak, one chunk forward's activations, the
-        gathered parameters among them). Under pipelining the schedule is replayed: a
-        chunk's float32 gradients exist from its first backward through its last, and
-        multi-chunk schedules gather a few chunks at a time, so the peak is the largest (held
-        chunk forwards x their activations + accumulating chunks x their gradients + gathered
-        chunks x their parameters) of the step; without, one chunk and all gradients."""
-        stored, transient = chunk_activation_elems(s, mb, tp, sp, rec, rl,
-                                                   layers / np.maximum(v, 1))
-        # a chunk's input saved by its first norm is the receive buffer counted below
-        per_chunk = (stored + chunk_out) * cb * act_factor - received * io_bytes
-        held = held_by_accumulating(c, pp_rank)
-        _, k, g = replayed(held, per_chunk, grads, gathered)
-        rows = np.arange(len(k))
-        acts = np.where(single, per_chunk, per_chunk * held[rows, k, g])
-        v_ = np.maximum(v, 1)
-        held_gathered = np.where(single, 0.0, gathered / v_ * g)
-        kept = np.where(single, grads, grads / v_ * k) + held_gathered
-        return acts, transient * cb * act_factor, kept, per_chunk, held_gathered
-
-    # torch's PipelineStage allocates a receive buffer for every micro-batch at every chunk
-    # boundary of the rank (activations in, gradients back), kept through the step
-    recv = np.where(single, 0.0, ga * chunk_boundaries(v, True, False) * io_bytes)
+    # Under pipelining the fp32 gradients (4 P) and FSDP2's gathered parameters (c P) are
+    # counted at the replayed moment, not whole through the step.
     first_rank = np.zeros_like(pp)
-    st_first, buf_first = states(params_first, root_first)
-    st_last, buf_last = states(params_last, root_last)
-    # the float32 gradients the states hold through a pipelined step: accumulated from the
-    # first backward of each chunk on (4 P), counted at the moment of the peak instead
-    grads_first = np.where(single, 0.0, 4 * params_first)
-    grads_last = np.where(single, 0.0, 4 * params_last)
-    # the share of held chunk forwards whose input came from another rank: all but the
-    # first chunk's on the first rank, all on the last
-    no_pipe = np.where(single, 0.0, 1.0)
-    # the compute-dtype parameters of the chunks gathered at that moment (FSDP2; without it
-    # the float32 parameters are the states'), the root's counted as a chunk's share
-    gathered_first = np.where(fsdp & ~single, cb * params_first, 0.0)
-    held_acts_first, recomputing_first, held_first, chunk_first, _ = act(
-        first_rank, n_first, grads_first, gathered_first, no_pipe * (v - 1) / np.maximum(v, 1))
-    # The last rank's root (the output head and final norm) belongs to its last chunk, the
-    # first to go backward: its float32 gradient and gathered parameters are held through
-    # every backward moment, not as a chunk's share (rehearsed at the 1T pick's last rank:
-    # 1.3 + 0.7 GB beside the peak block's backward).
+    grads_first = lay.pipelined(4 * params_first)
+    gathered_first = np.where(lay.fsdp & ~lay.one_stage, cb * params_first, 0.0)
+    # every held chunk forward's input but the first chunk's came from another rank
+    peak_first = rank_peak(lay, first_rank, layers_first, grads_first, gathered_first,
+                           lay.pipelined(1.0) * (v - 1) / lay.chunks)
+    # The last rank's root belongs to its last chunk, the first to go backward: its fp32
+    # gradient and gathered parameters are held whole, not as a chunk's share.
     blocks_last = params_last - root_last
-    root_held = np.where(single, 0.0, (4 + np.where(fsdp, cb, 0.0)) * root_last)
-    gathered_last = np.where(fsdp & ~single, cb * blocks_last, 0.0)
-    held_acts_last, recomputing_last, held_last, _, gathered_at_last = act(
-        pp - 1, n_last, np.where(single, 0.0, 4 * blocks_last), gathered_last, no_pipe)
-    act_first = held_acts_first + recomputing_first + recv
-    act_last = held_acts_last + recomputing_last + recv
-    st_first = st_first - grads_first + np.where(single, 0.0, held_first)
-    st_last = st_last - grads_last + np.where(single, 0.0, held_last) + root_held
-    # A pipeline's first stage peaks in a backward with every micro-batch in flight, while a
-    # block's (or the embedding's) new gradient is cast to float32 to be accumulated. The
-    # ddp all-reduce copy comes after the schedule, when the activations are gone. Without
-    # pipelining the buffers meet every stored activation at the start of the backward; the
-    # head's rank peaks at the loss's backward or at a block's, whichever holds more.
-    # the embedding's gradient comes out at the full vocabulary on every tp rank (DTensor's
-    # vocab-parallel embedding backward), then is cast and accumulated like a block's
-    cast = (cb + 4) * np.maximum(u, s.embedding_params)
-    # Under FSDP the embedding's gradient is made and cast at the end of each backward of
-    # the first chunk (its first layer): the schedule is replayed at those moments (held
-    # forwards by accumulating chunks) and the largest is counted as what it adds over the
-    # replayed peak (nothing when the peak holds more).
+    root_held = lay.pipelined((4 + np.where(lay.fsdp, cb, 0.0)) * root_last)
+    gathered_last = np.where(lay.fsdp & ~lay.one_stage, cb * blocks_last, 0.0)
+    peak_last = rank_peak(lay, pp - 1, layers_last, lay.pipelined(4 * blocks_last),
+                          gathered_last, lay.pipelined(1.0))
+    act_first = peak_first.activations + peak_first.recomputing + received
+    act_last = peak_last.activations + peak_last.recomputing + received
+    states_first = (states_first - grads_first
+                    + lay.pipelined(peak_first.grads_and_gathered))
+    states_last = (states_last - lay.pipelined(4 * params_last)
+                   + lay.pipelined(peak_last.grads_and_gathered) + root_held)
+
+    # The first chunk's backwards end with the embedding's gradient made and cast: the
+    # largest such moment, counted as what it adds over the replayed peak.
+    cast = gradient_cast(s, lay, unit)
     ends = held_by_accumulating(c, first_rank, first_chunk_ends=True)
-    at_ends, _, _ = replayed(ends, chunk_first, grads_first, gathered_first)
-    at_embedding = (at_ends + recv + cast) - (act_first + held_first)
-    # In a block's backward under pipelined FSDP2 its new gradient (compute dtype) exists
-    # until FSDP2 casts it into the float32 accumulator (rehearsed: the 1T pick's rank-0 peak
-    # holds a whole block's, 3.9 GB). It comes as the block's activations (or, recomputed,
-    # the recomputed ones) go: what it adds is beyond one block's stored activations.
-    # Beside it, the input gradients of the column-parallel q, k and v linears and their
-    # sum, each full width (the all-gathered input under SP, the replicated one without):
-    # rehearsed, three or four s b h at the 1T ranks' peaks, in the wq or wk backward.
-    block_acts = activation_elems_per_layer(s, mb, tp, sp, rec)[0] * cb
-    input_grads = QKV_INPUT_GRADS * s.seq_len * mb * s.d_model * cb
-    new_grad = np.where(fsdp & ~single, cb * u + input_grads - block_acts, 0.0)
-    fsdp_first = np.max(np.broadcast_arrays(at_embedding, new_grad - recomputing_first, 0.0),
-                        axis=0)
-    pipe_first = np.where(fsdp, fsdp_first,
-                          np.maximum(np.where(autocast, cast, 0.0), buf_first - act_first))
-    casts = np.where(fsdp | autocast, cast, 0.0)  # float32 gradients need no cast
-    # Without pipelining the loss's backward and the blocks' backwards are two moments: at
-    # the loss no block is being recomputed, and in a step of one micro-batch no gradient
-    # exists yet (each step begins with zero_grad(set_to_none=True)).
-    unmade = np.where(ga == 1, 4 * params_first / np.where(fsdp, dp, 1), 0.0)
-    at_loss = logits - unmade
-    at_block = np.maximum(buf_first, casts) + recomputing_first
-    single_first = np.maximum(at_loss, at_block) - recomputing_first
-    peak_first = np.where(single, single_first, pipe_first)
-    # A pipeline's last stage: the loss's backward (the logits), a recomputed block's
-    # backward (its activations, in act_last) and the gradient reduction after a chunk's last
-    # backward are three moments, not one. The reduction's buffer (FSDP: a block's float32
-    # reduce-scatter input; ddp: the flat all-reduce copy) comes when the schedule's
-    # REDUCE_GRAD has resharded the rank's chunks (FSDP, rehearsed: none gathered) or the
-    # activations are gone (ddp). Counted: the largest of the four beyond the replayed peak.
-    # (ddp under autocast: the forwards' bf16 weight copies went with the activations)
-    autocast_weights = np.where(autocast, 2 * params_last, 0.0)
-    reduction = np.where(fsdp, buf_last - gathered_at_last,
-                         buf_last - held_acts_last - autocast_weights)
-    # (FSDP2 reduces the root's gradients after the whole backward: through the last rank's
-    # block backwards the head's new compute-dtype gradient is still there)
-    new_grad_last = new_grad + np.where(fsdp & ~single, cb * root_last, 0.0)
-    moments_last = np.broadcast_arrays(logits, recomputing_last, new_grad_last, reduction)
-    pipe_last = np.max(moments_last, axis=0) - recomputing_last
-    peak_last = np.where(single, np.maximum(buf_last, logits), pipe_last)
-    first = (st_first + peak_first + act_first) * (1 + fragmentation) + reserved_gb * GB
-    last = (st_last + peak_last + act_last) * (1 + fragmentation) + reserved_gb * GB
-    last = np.where(single, first, last)  # one stage: the first rank is also the last
+    at_ends = largest_moment(lay, ends, peak_first.per_chunk, grads_first, gathered_first).total
+    at_embedding = (at_ends + received + cast) - (act_first + peak_first.grads_and_gathered)
+    new_gradient = new_block_gradient(lay, unit)
+    transient_first = first_stage_transient(
+        lay, buffers_first, act_first, peak_first, at_embedding, new_gradient, cast, logits,
+        unmade_gradients(lay, params_first))
+    transient_last = last_stage_transient(lay, buffers_last, params_last, root_last, peak_last,
+                                          new_gradient, logits)
+
+    first = with_margins(states_first + transient_first + act_first, reserved_gb, fragmentation)
+    last = with_margins(states_last + transient_last + act_last, reserved_gb, fragmentation)
+    last = np.where(lay.one_stage, first, last)  # one stage: the first rank is also the last
     return {
         "params_first": params_first, "params_last": params_last,
-        "states_first": st_first, "states_last": st_last,
+        "states_first": states_first, "states_last": states_last,
         "act_first": act_first, "act_last": act_last,
-        "transient_first": peak_first, "transient_last": peak_last,
+        "transient_first": transient_first, "transient_last": transient_last,
         "first": first, "last": last, "peak": np.maximum(first, last),
     }
 
