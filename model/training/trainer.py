@@ -196,10 +196,10 @@ class Trainer:
         ids = chunk_ids(self.pp_rank, plan.pp, plan.virtual_stages)
         self.chunks = [build_chunk(model_cfg, c, n_chunks) for c in ids]
         for chunk in self.chunks:
-            with materialize():  # FSDP2 makes an (empty) buffer on the device
-                parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
-                                  plan.sequence_parallel, self.param_dtype, train_cfg.compile,
-                                  plan.recompute_layers)
+            parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
+                              plan.sequence_parallel, self.param_dtype, train_cfg.compile,
+                              plan.recompute_layers)
+            with materialize():
                 chunk.to_empty(device=device)
                 chunk.init_weights(train_cfg.seed)
         self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
@@ -440,10 +440,13 @@ class Trainer:
             mark("step end", self.step)
             if self._watch(loss, norm):  # rolled back to a checkpoint: go on from there
                 continue
-            if self.is_logger and self.step % self.cfg.log_every == 0:
-                self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step)
-            if self.is_logger and (self.step % max(1, steps // 10) == 0 or self.step == steps):
-                self._progress(loss_value, step_times, steps, tokens_per_step)
+            if self.is_logger:
+                median = {}
+                if self.step % max(1, steps // 10) == 0 or self.step == steps:
+                    median = self._progress(loss_value, step_times, steps, tokens_per_step)
+                if self.step % self.cfg.log_every == 0 or median:  # one record a step
+                    self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step,
+                                   median, full=self.step % self.cfg.log_every == 0)
             self.iteration_times.append(time.perf_counter() - start)
             last_ckpt = self._checkpoint_if_due(steps, save_final) or last_ckpt
             if self._stopping:
@@ -589,22 +592,27 @@ class Trainer:
         return throughput(tokens_per_step, step_time, self.flops_per_token,
                           self.dims.world_size, self.peak_tflops, suffix)
 
-    def _progress(self, loss: float, step_times: list[float], steps: int, tokens: int) -> None:
-        """The progress line, and its ``_median`` figures to MLflow at this step."""
+    def _progress(self, loss: float, step_times: list[float], steps: int,
+                  tokens: int) -> dict[str, float]:
+        """Print the progress line; its ``_median`` figures (for MLflow, at this step)."""
         dt = median_step_time(step_times)
         median = self._throughput(dt, tokens, MEDIAN_SUFFIX)
         print(progress_line(self.step, steps, loss, self._throughput(step_times[-1], tokens),
                             median, dt), flush=True)
-        if self.tracker is not None and self.step > self.logged_through:
-            self.tracker.log_metrics(median, step=self.step)
+        return median
 
-    def _log_step(self, loss: float, norm: float, lr: float, dt: float, tokens: int) -> None:
-        """Send this step's metrics, unless the run already holds them (``logged_through``:
-        an earlier try logged them before it was killed, and this one recomputed them)."""
+    def _log_step(self, loss: float, norm: float, lr: float, dt: float, tokens: int,
+                  median: dict[str, float], full: bool = True) -> None:
+        """Send this step's metrics (``full``) and the progress line's ``median`` figures as
+        one record, unless the run already holds them (``logged_through``: an earlier try
+        logged them before it was killed, and this one recomputed them)."""
         if self.tracker is None or self.step <= self.logged_through:
             return
-        metrics = {"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": dt,
-                   **self._throughput(dt, tokens), "peak_memory_gb": peak_memory_gb(self.device)}
+        metrics = dict(median)
+        if full:
+            metrics.update({"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": dt,
+                            **self._throughput(dt, tokens),
+                            "peak_memory_gb": peak_memory_gb(self.device)})
         self.tracker.log_metrics(metrics, step=self.step)  # buffered by the tracker
 
     def _finish(self, step_times: list[float], first_step: int, tokens: int,

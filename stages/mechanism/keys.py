@@ -79,15 +79,21 @@ def _module_files(root: Path) -> dict[str, Path]:
     return modules
 
 
+def docstring_of(node: ast.AST) -> ast.Expr | None:
+    """The docstring statement of a module, class or function node, or None."""
+    body = getattr(node, "body", None)
+    if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+        return body[0]
+    return None
+
+
 def _drop_docstrings(tree: ast.AST) -> ast.AST:
     """Remove the docstring of the module and of every class and function in place."""
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            node.body = body[1:] or [ast.Pass()]
+        if docstring_of(node) is not None:
+            node.body = node.body[1:] or [ast.Pass()]
     return tree
 
 

@@ -82,6 +82,23 @@ def run_pipeline(runs: Path, uri: str | None) -> tuple[int, str]:
         pytest.fail(f"the pipeline did not end within 400 s; it said:\n{said[-5000:]}")
     return proc.returncode, proc.stdout + proc.stderr
 
+def run_while_filling(runs: Path, uri: str | None, ballast: Path, fill) -> tuple[int, str]:
+    """Run the pipeline on ``runs`` while ``fill(runs, ballast, stop)`` fills the small disk
+    in a thread; (exit code, console). Asserts the training got to write a checkpoint and
+    failed with exit code 1."""
+    stop = threading.Event()
+    filler = threading.Thread(target=fill, args=(runs, ballast, stop))
+    filler.start()
+    try:
+        code, out = run_pipeline(runs, uri)
+    finally:
+        stop.set()
+        filler.join()
+    assert ballast.is_file(), "the training never wrote a checkpoint:\n" + out[-3000:]
+    assert code == 1, out[-3000:]
+    return code, out
+
+
 
 @pytest.mark.slow
 def test_full_disk_during_training_fails_once_and_the_rerun_resumes(small_disk, tmp_path,
@@ -92,16 +109,7 @@ def test_full_disk_during_training_fails_once_and_the_rerun_resumes(small_disk, 
     runs = small_disk / "runs"
     seed_microbench(runs)
     ballast = small_disk / "ballast"
-    stop = threading.Event()
-    filler = threading.Thread(target=fill_after_first_checkpoint, args=(runs, ballast, stop))
-    filler.start()
-    try:
-        code, out = run_pipeline(runs, uri)
-    finally:
-        stop.set()
-        filler.join()
-    assert ballast.is_file(), "the training never wrote a checkpoint:\n" + out[-3000:]
-    assert code == 1, out[-3000:]
+    code, out = run_while_filling(runs, uri, ballast, fill_after_first_checkpoint)
     assert "Traceback" not in out and "Logging error" not in out
     assert len(out.splitlines()) < 60, out[-3000:]  # no flood
     assert "retrying" not in out  # a full disk is not retried
@@ -152,16 +160,7 @@ def test_full_disk_under_the_default_store_fails_once_and_the_rerun_closes_its_r
     uri = seed_store(runs)  # the default store: <runs dir>/mlflow.db, on the small disk
     seed_microbench(runs)
     ballast = small_disk / "ballast"
-    stop = threading.Event()
-    filler = threading.Thread(target=fill_and_hold, args=(runs, ballast, stop))
-    filler.start()
-    try:
-        code, out = run_pipeline(runs, None)
-    finally:
-        stop.set()
-        filler.join()
-    assert ballast.is_file(), "the training never wrote a checkpoint:\n" + out[-3000:]
-    assert code == 1, out[-3000:]
+    code, out = run_while_filling(runs, None, ballast, fill_and_hold)
     assert "Traceback" not in out and "Logging error" not in out, out[-5000:]
     assert "sqlite3" not in out and "[SQL:" not in out, out[-3000:]  # no SQL error dumps
     assert len(out.splitlines()) < 60, out[-3000:]  # no flood

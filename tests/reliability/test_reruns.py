@@ -49,12 +49,9 @@ def _reword_docstrings_and_comment(path: Path) -> bool:
     lines = source.splitlines(keepends=True)
     found = False
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and body and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
-            line = body[0].lineno - 1
+        docstring = keys.docstring_of(node)
+        if docstring is not None:
+            line = docstring.lineno - 1
             quote = lines[line].find('"""')
             if quote >= 0:
                 lines[line] = lines[line][:quote + 3] + "Reworded. " + lines[line][quote + 3:]
