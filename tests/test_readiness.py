@@ -148,12 +148,13 @@ def test_the_report_prices_interruptions_and_the_checkpoint_interval(
         capsys: pytest.CaptureFixture) -> None:
     """Llama 3's rate on the 175B preset's 384 nodes: one interruption every 16.5 h; its
     2.1 TB checkpoint takes 1.1 s, so Young/Daly checkpoints every 6.01 min, where the
-    preset's hourly checkpoint loses about three times the node-hours."""
+    an hourly checkpoint (the presets' before they took auto) loses about three times the
+    node-hours."""
     from model.planner.failures import DEFAULT_FAILURES_PER_NODE_HOUR, RESTART_STARTUP_S
 
     args = ["--config", str(ROOT / "configs" / "frontier-175b.yaml"), "--dry-run",
             "--runs-dir", LUSTRE, "--set", "site.account=abc123",
-            f"site.node_local_env={PACKED_ENV}", PROXY]
+            f"site.node_local_env={PACKED_ENV}", PROXY, "train.checkpoint_minutes=60"]
     assert main(args) == 0
     out = capsys.readouterr().out
     lines = {line.split()[1] + " " + line.split()[2]: line for line in out.splitlines()
