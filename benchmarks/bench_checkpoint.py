@@ -21,7 +21,6 @@ to benchmarks/results/bench_checkpoint.json (nothing with --tiny).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
 
-from benchmarks.results import RESULTS_DIR, write_results
+from benchmarks.results import RESULTS_DIR, report
 from model.config import ModelConfig, TrainConfig
 from model.flops import param_count
 from model.planner.plan import Plan
@@ -101,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
               "sync_overhead": per_step["sync"] / per_step["none"] - 1,
               "async_overhead": per_step["async"] / per_step["none"] - 1,
               "async_vs_sync": per_step["async"] / per_step["sync"]}
-    if args.tiny:  # a smoke run of the code path: its figures measure nothing worth keeping
-        print("[bench] --tiny: figures not recorded", file=sys.stderr, flush=True)
-    else:
-        path = write_results("bench_checkpoint", result, {"args": vars(args)}, args.results_dir)
-        print(f"[bench] figures written to {path}", file=sys.stderr, flush=True)
-    print(json.dumps(result))
+    report("bench_checkpoint", result, args)
     return 0
 
 

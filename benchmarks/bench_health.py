@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.results import RESULTS_DIR, write_results
+from benchmarks.results import RESULTS_DIR, report
 from model.config import ModelConfig, TrainConfig
 from model.flops import param_count
 from model.planner.plan import Plan
@@ -127,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         mp.start_processes(rank_main, (args, tmp), nprocs=RANKS, start_method="spawn")
         result = json.loads((Path(tmp) / "figures.json").read_text())
     result["wall_s"] = time.perf_counter() - started
-    if args.tiny:  # a smoke run of the code path: its figures measure nothing worth keeping
-        print("[bench] --tiny: figures not recorded", file=sys.stderr, flush=True)
-    else:
-        path = write_results("bench_health", result, {"args": vars(args)}, args.results_dir)
-        print(f"[bench] figures written to {path}", file=sys.stderr, flush=True)
-    print(json.dumps(result))
+    report("bench_health", result, args)
     return 0
 
 

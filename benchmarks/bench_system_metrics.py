@@ -15,7 +15,6 @@ to benchmarks/results/bench_system_metrics.json (nothing with --tiny).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.bench_train import CPU_MODEL, TINY_MODEL, make_tracker, trainer_steps
-from benchmarks.results import RESULTS_DIR, write_results
+from benchmarks.results import RESULTS_DIR, report
 from model.config import TrainConfig
 from model.planner.plan import Plan
 from model.training.batches import SyntheticBatches
@@ -90,13 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-system-metrics-") as tmp:
         result = measure(args, Path(tmp))
     dist.destroy_process_group()
-    if args.tiny:
-        print("[bench] --tiny: figures not recorded", file=sys.stderr, flush=True)
-    else:
-        path = write_results("bench_system_metrics", result, {"args": vars(args)},
-                             args.results_dir)
-        print(f"[bench] figures written to {path}", file=sys.stderr, flush=True)
-    print(json.dumps(result))
+    report("bench_system_metrics", result, args)
     return 0
 
 

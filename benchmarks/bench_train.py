@@ -15,7 +15,6 @@ benchmarks/results/bench_train.json (bench_train_gpu.json with --gpu; nothing wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.results import RESULTS_DIR, write_results
+from benchmarks.results import RESULTS_DIR, report
 from model.config import ModelConfig, TrainConfig
 from model.flops import param_count
 from model.gpt import GPT
@@ -184,13 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         mode = gpu_mode if args.gpu else ratio_mode
         result = mode(args, device, Path(tmp))
     dist.destroy_process_group()
-    if args.tiny:  # a smoke run of the code path: its figures measure nothing worth keeping
-        print("[bench] --tiny: figures not recorded", file=sys.stderr, flush=True)
-    else:
-        name = "bench_train_gpu" if args.gpu else "bench_train"
-        path = write_results(name, result, {"args": vars(args)}, args.results_dir)
-        print(f"[bench] figures written to {path}", file=sys.stderr, flush=True)
-    print(json.dumps(result))
+    report("bench_train_gpu" if args.gpu else "bench_train", result, args)
     return 0
 
 

@@ -85,3 +85,18 @@ def write_results(name: str, figures: dict, extra: dict | None = None,
     }
     target = Path(directory) if directory is not None else RESULTS_DIR
     return write_json_atomic(target / f"{name}.json", record)
+
+
+def report(name: str, figures: dict, args: Any) -> None:
+    """A benchmark's ending: write ``figures`` with its ``args`` to ``<name>.json`` (in
+    ``args.results_dir``), unless ``args.tiny`` (a smoke run of the code path, whose figures
+    measure nothing worth keeping); then print them as one JSON line, the script's last."""
+    import json
+    import sys
+
+    if args.tiny:
+        print("[bench] --tiny: figures not recorded", file=sys.stderr, flush=True)
+    else:
+        path = write_results(name, figures, {"args": vars(args)}, args.results_dir)
+        print(f"[bench] figures written to {path}", file=sys.stderr, flush=True)
+    print(json.dumps(figures))
