@@ -16,7 +16,7 @@ Written to benchmarks/results/bench_rehearse.json; the last line printed is the 
 one JSON object.
 
     .venv/bin/python benchmarks/bench_rehearse.py [--presets frontier-175b,frontier-1t]
-        [--devices N] [--top K] [--timeout 2400] [--study]
+        [--devices N] [--top K] [--timeout 2400] [--study | --held-out [--only NAME,...]]
 
 ``--study`` rehearses instead the Frontier study's own plans (configs/published/
 dash2023.yaml: 22B on 16 GCDs, 175B on 128, 1T on 1,024) on the Frontier cluster file, as
@@ -24,6 +24,16 @@ this trainer would run them, into benchmarks/results/bench_rehearse_study.json.
 ``--remodel NAME`` recomputes the model's side of an earlier results file with this
 checkout's memory model (the rehearsals are measurements and stay; the file keeps when and
 where they were rehearsed under ``rehearsed_at``).
+
+``--held-out`` rehearses instead the held-out plans of benchmarks/heldout_plans.yaml (chosen
+before the memory model was tuned, never used to tune it: the model's out-of-sample error)
+into benchmarks/results/bench_rehearse_heldout.json, each entry's busiest ranks (``--only
+NAME[,NAME]`` or ``NAME:STAGE``: only these, keeping the file's records of the others), with
+per rank the entry's name, model, cluster and plan, the model's peak (with margins) and
+tensor memory, the rehearsed peak, the error ``memory_error_pct`` and the seconds and host
+RSS, and as figures the error's min, max and mean magnitude, the ranks within 5 %, the
+longest rehearsal, the largest RSS and ``complete`` (every entry's ranks are in the file).
+``--remodel bench_rehearse_heldout`` recomputes the model's side of it.
 
 The figures: per preset and stage the chosen plan's ranks, and over every rehearsed rank the
 memory model's error against the rehearsal (``memory_error_pct_min``/``_max``, +: the
@@ -35,13 +45,15 @@ file is rewritten after every rank, so a run stopped early keeps what it measure
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -118,14 +130,139 @@ def study_names() -> list[str]:
     return [r.name for r in load_published() if r.source == STUDY and r.plan is not None]
 
 
+HELDOUT = "heldout"
+"""The source prefix of a held-out plan's records (``heldout:NAME``)."""
+HELDOUT_PLANS = ROOT / "benchmarks" / "heldout_plans.yaml"
+HELDOUT_RESULTS = "bench_rehearse_heldout"
+ENTRY_FIELDS = ("name", "model", "seq_len", "global_batch", "dtype", "cluster", "devices",
+                "plan")
+
+
+class HeldOutError(ValueError):
+    """A held-out entry that cannot be rehearsed as written; the message names it."""
+
+
+@dataclass
+class HeldOut:
+    """One held-out entry: its model, training batch, cluster name, devices and plan."""
+
+    name: str
+    model: Any
+    train: Any
+    cluster: str
+    devices: int
+    plan: Any
+
+
+def load_heldout(path: Path = HELDOUT_PLANS) -> list[HeldOut]:
+    """The held-out entries of ``path``, each checked as the trainer and the rehearsal would
+    (the plan's own rules for its model, batch and devices, a readable cluster, a plan the
+    rehearsal can run); HeldOutError naming the first bad entry and what to fix."""
+    import yaml
+
+    from model.config import DType, ModelConfig, TrainConfig
+    from model.planner.cluster import ClusterError, load_cluster, read_cluster_file
+    from model.planner.plan import LAYOUT_FIELDS, Plan, PlanError
+    from model.training.rehearse import rehearsal_problems
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise HeldOutError(f"cannot read held-out plans {path}: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("plans"), list):
+        raise HeldOutError(f"{path}: expected a mapping with a list under 'plans'")
+    out: list[HeldOut] = []
+    for i, entry in enumerate(raw["plans"]):
+        where = f"{path}: entry {i} ({entry.get('name', '?') if isinstance(entry, dict) else '?'})"
+        if not isinstance(entry, dict):
+            raise HeldOutError(f"{where}: expected a mapping with {list(ENTRY_FIELDS)}")
+        missing = [k for k in ENTRY_FIELDS if k not in entry]
+        extra = sorted(set(entry) - set(ENTRY_FIELDS))
+        if missing or extra:
+            raise HeldOutError(f"{where}: missing {missing}, unknown {extra}; an entry has "
+                               f"exactly {list(ENTRY_FIELDS)}")
+        if any(e.name == entry["name"] for e in out):
+            raise HeldOutError(f"{where}: the name is taken by an earlier entry; names are unique")
+        plan_raw = entry["plan"] if isinstance(entry["plan"], dict) else {}
+        lacking = [k for k in LAYOUT_FIELDS if k not in plan_raw]
+        if lacking:
+            raise HeldOutError(f"{where}: plan lacks {lacking}; write every plan field")
+        if entry["dtype"] not in get_args(DType):
+            raise HeldOutError(f"{where}: dtype {entry['dtype']!r} is not one of "
+                               f"{get_args(DType)}")
+        try:
+            model_cfg = ModelConfig(**entry["model"])
+            train_cfg = TrainConfig(seq_len=entry["seq_len"], global_batch=entry["global_batch"],
+                                    dtype=entry["dtype"])
+            plan = Plan.from_dict(plan_raw)
+            plan.check(model_cfg, train_cfg, entry["devices"])
+            _, cluster_raw = read_cluster_file(entry["cluster"])
+            if not cluster_raw.get("measured"):  # a measured one is measured when rehearsed
+                load_cluster(entry["cluster"])
+        except (TypeError, ValueError, ClusterError, PlanError) as exc:
+            raise HeldOutError(f"{where}: {exc}") from None
+        problems = rehearsal_problems(plan)
+        if problems:
+            raise HeldOutError(f"{where}: {'; '.join(problems)}")
+        out.append(HeldOut(entry["name"], model_cfg, train_cfg, entry["cluster"],
+                           entry["devices"], plan))
+    return out
+
+
+@functools.cache
+def heldout_entries() -> dict[str, HeldOut]:
+    """benchmarks/heldout_plans.yaml's entries by name (read once per process)."""
+    return {e.name: e for e in load_heldout()}
+
+
+def heldout_entry(name: str) -> HeldOut:
+    """The held-out entry ``name``; SystemExit naming it where there is none."""
+    entries = heldout_entries()
+    if name not in entries:
+        raise SystemExit(f"no held-out plan named {name!r} in {HELDOUT_PLANS}")
+    return entries[name]
+
+
+def heldout_run(name: str) -> tuple[Any, Any, Any, Any, int]:
+    """(model config, train config, cluster, plan, devices) of the held-out entry ``name``."""
+    from model.planner.microbench import load_measured_cluster
+
+    e = heldout_entry(name)
+    return e.model, e.train, load_measured_cluster(e.cluster, e.devices), e.plan, e.devices
+
+
+def source_run(source: str) -> tuple[Any, Any, Any, Any, int] | None:
+    """The run of a study's (``dash2023:NAME``) or held-out (``heldout:NAME``) plan, or None
+    for a preset's (which the planner chooses)."""
+    kind, _, name = source.partition(":")
+    if kind == STUDY:
+        return study_run(name)
+    if kind == HELDOUT:
+        return heldout_run(name)
+    return None
+
+
+def entry_fields(source: str) -> dict[str, Any]:
+    """What a held-out rank's record says of its entry (nothing for other sources)."""
+    kind, _, name = source.partition(":")
+    if kind != HELDOUT:
+        return {}
+    e = heldout_entry(name)
+    return {"name": name, "model": asdict(e.model), "seq_len": e.train.seq_len,
+            "global_batch": e.train.global_batch, "dtype": e.train.dtype,
+            "cluster": e.cluster}
+
+
 def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0) -> dict[str, Any]:
     """In this process: rehearse the first or last stage's rank of the preset's plan number
-    ``index`` (0: the plan the stage chooses)."""
+    ``index`` (0: the plan the stage chooses), or of a study's or held-out plan (``preset``
+    ``dash2023:NAME`` or ``heldout:NAME``, index -1)."""
     t0 = time.perf_counter()
     from model.planner.rehearsal import rehearsal_records
     from model.training.rehearse import busiest_ranks
-    if preset.startswith(f"{STUDY}:"):  # index -1: the study's own plan
-        model_cfg, train_cfg, cluster, plan, world = study_run(preset.split(":", 1)[1])
+    run = source_run(preset)
+    if run is not None:  # index -1: a study's or held-out plan as written
+        model_cfg, train_cfg, cluster, plan, world = run
     else:
         model_cfg, train_cfg, cluster, plans, world = ranked_plans(preset, devices, index + 1)
         plan = plans[index]
@@ -136,9 +273,10 @@ def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0)
     rank = ranks[0] if stage == "first" else ranks[-1]
     before = peak_rss_gb()
     record = rehearsal_records(model_cfg, train_cfg, plan, cluster, world, ranks=[rank])[0]
-    return {"preset": preset, "plan_index": index, "plan": plan.describe(),
-            "plan_fields": plan.to_dict(), "devices": world,
+    return {"preset": preset, **entry_fields(preset), "plan_index": index,
+            "plan": plan.describe(), "plan_fields": plan.to_dict(), "devices": world,
             "device_memory_gb": cluster.memory_gb, **record,
+            "memory_error_pct": memory_error_pct(record),
             "process_seconds": time.perf_counter() - t0,
             "host_peak_rss_before_gb": before, "host_peak_rss_gb": peak_rss_gb()}
 
@@ -154,8 +292,14 @@ def remodel(record: dict[str, Any]) -> dict[str, Any]:
 
     if "error" in record:
         return record
-    if record["preset"].startswith(f"{STUDY}:"):
-        model_cfg, train_cfg, cluster, plan, world = study_run(record["preset"].split(":", 1)[1])
+    run = source_run(record["preset"])
+    if run is not None:
+        model_cfg, train_cfg, cluster, plan, world = run
+        entry = entry_fields(record["preset"])
+        if entry and (entry["model"] != record["model"]
+                      or plan.key() != Plan.from_dict(record["plan_fields"]).key()):
+            raise SystemExit(f"{record['preset']}: the entry's model or plan is no longer the "
+                             f"one rehearsed ({record['plan']}): rehearse it again")
     else:
         model_cfg, train_cfg, full = load_model_file(ROOT / "configs" / f"{record['preset']}.yaml")
         world = record["devices"]
@@ -163,8 +307,9 @@ def remodel(record: dict[str, Any]) -> dict[str, Any]:
         plan = Plan.from_dict(record["plan_fields"])
     peak, tensors = modeled_rank_memory(model_cfg, train_cfg, plan, cluster, world,
                                         record["stage"])
-    return {**record, "peak_memory_gb": peak, "modeled_tensor_memory_gb": tensors,
-            "rehearsed_over_modeled": record["rehearsed_peak_memory_gb"] / tensors}
+    out = {**record, "peak_memory_gb": peak, "modeled_tensor_memory_gb": tensors,
+           "rehearsed_over_modeled": record["rehearsed_peak_memory_gb"] / tensors}
+    return {**out, "memory_error_pct": memory_error_pct(out)}
 
 
 def run_child(preset: str, stage: str, devices: int | None, timeout: float,
@@ -250,6 +395,90 @@ def figures_of(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def heldout_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The held-out figures: the memory model's out-of-sample error over the rehearsed ranks
+    (min, max, mean magnitude, how many within 5 %, the worst rank), the ranks that failed,
+    the longest rehearsal and the largest host RSS."""
+    done = [r for r in records if "error" not in r]
+    out: dict[str, Any] = {"ranks_rehearsed": len(done),
+                           "plans_rehearsed": len({r["name"] for r in done}),
+                           "ranks_failed": len(records) - len(done)}
+    if done:
+        errors = [memory_error_pct(r) for r in done]
+        worst = max(done, key=lambda r: abs(memory_error_pct(r)))
+        out.update({
+            "memory_error_pct_min": round(min(errors), 2),
+            "memory_error_pct_max": round(max(errors), 2),
+            "memory_error_pct_mean_abs": round(sum(abs(e) for e in errors) / len(errors), 2),
+            "memory_within_5pct_count": sum(abs(e) <= 5 for e in errors),
+            "memory_worst_rank": f"{worst['name']}:{worst['stage']}",
+            "rehearsal_seconds_max": round(max(r["rehearsal_seconds"] for r in done), 1),
+            "host_peak_rss_gb_max": round(max(r["host_peak_rss_gb"] for r in done), 3),
+        })
+    return out
+
+
+def heldout_jobs(only: list[str] | None) -> list[tuple[str, int, str]]:
+    """(source, plan index, stage) of every held-out entry's busiest ranks, or of those named
+    by ``only`` (``NAME`` or ``NAME:STAGE``, comma-separated); SystemExit naming an unknown
+    one."""
+    from model.training.rehearse import busiest_ranks
+
+    jobs = [(f"{HELDOUT}:{e.name}", -1, stage) for e in load_heldout()
+            for stage in STAGES[:len(busiest_ranks(e.plan))]]
+    if not only:
+        return jobs
+    wanted = [item.strip() for value in only for item in value.split(",") if item.strip()]
+    known = {j[0].split(":", 1)[1] for j in jobs}
+    unknown = sorted({w.split(":")[0] for w in wanted} - known)
+    if unknown:
+        raise SystemExit(f"--only: no held-out plan named {unknown} in {HELDOUT_PLANS}")
+    return [j for j in jobs if any(w in (j[0].split(":", 1)[1], f"{j[0].split(':', 1)[1]}:"
+                                         f"{j[2]}") for w in wanted)]
+
+
+def figures_for(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of results file ``name``: the held-out set's, or the presets' and study's."""
+    return heldout_figures(records) if name == HELDOUT_RESULTS else figures_of(records)
+
+
+def run_heldout(args: argparse.Namespace) -> int:
+    """``--held-out``: rehearse the held-out entries' busiest ranks (or ``--only`` these,
+    keeping the file's records of the other current entries), each in a fresh process,
+    rewriting bench_rehearse_heldout.json after every rank."""
+    try:
+        every = heldout_jobs(None)
+    except HeldOutError as exc:
+        raise SystemExit(str(exc)) from None
+    jobs = heldout_jobs(args.only)
+    path = ROOT / "benchmarks" / "results" / f"{HELDOUT_RESULTS}.json"
+    records: list[dict[str, Any]] = []
+    if args.only and path.is_file():
+        current = {(src, stage) for src, _, stage in every}
+        redo = {(src, stage) for src, _, stage in jobs}
+        records = [r for r in json.loads(path.read_text())["ranks"]
+                   if (r["preset"], r["stage"]) in current - redo]
+
+    def complete() -> bool:
+        done = {(r["preset"], r["stage"]) for r in records if "error" not in r}
+        return all((src, stage) in done for src, _, stage in every)
+
+    t0 = time.perf_counter()
+    for n, (source, index, stage) in enumerate(jobs, 1):
+        record = run_child(source, stage, None, args.timeout, index)
+        record.setdefault("name", source.split(":", 1)[1])
+        records = [r for r in records if (r["preset"], r["stage"]) != (source, stage)]
+        records.append(record)
+        print(f"[bench_rehearse held-out {n}/{len(jobs)}, ETA "
+              f"{(time.perf_counter() - t0) / n * (len(jobs) - n) / 60:.0f} min] {source} "
+              f"{stage}: {outcome_of(record)}", flush=True)
+        # written after every rank, so a run stopped early keeps what it measured
+        write_results(HELDOUT_RESULTS, {**heldout_figures(records), "complete": complete()},
+                      {"args": vars(args), "ranks": records})
+    print(json.dumps({**heldout_figures(records), "complete": complete()}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=",".join(PRESETS),
@@ -264,9 +493,13 @@ def main(argv: list[str] | None = None) -> int:
                          "(1: the chosen plan only)")
     ap.add_argument("--study", action="store_true",
                     help=f"rehearse the Frontier study's own plans ({STUDY}) instead")
+    ap.add_argument("--held-out", action="store_true",
+                    help="rehearse the held-out plans of benchmarks/heldout_plans.yaml "
+                         "instead (the memory model's out-of-sample error)")
     ap.add_argument("--only", metavar="RUN:STAGE", action="append",
                     help="with --study: rehearse only these ranks (e.g. gpt-22b:first; "
-                         "repeatable) and keep the file's records of the others")
+                         "repeatable); with --held-out: NAME[,NAME] or NAME:STAGE; the "
+                         "file's records of the others are kept")
     ap.add_argument("--remodel", metavar="NAME",
                     help="recompute the model-side figures of benchmarks/results/NAME.json "
                          "with this checkout's memory model (no rehearsal) and rewrite it")
@@ -281,13 +514,18 @@ def main(argv: list[str] | None = None) -> int:
         path = ROOT / "benchmarks" / "results" / f"{args.remodel}.json"
         old = json.loads(path.read_text())
         records = [remodel(r) for r in old["ranks"]]
-        figures = {**figures_of(records), "complete": old["figures"].get("complete", False)}
+        figures = {**figures_for(args.remodel, records),
+                   "complete": old["figures"].get("complete", False)}
         write_results(args.remodel, figures, {
             "args": old.get("args"), "ranks": records,
             "rehearsed_at": old.get("rehearsed_at") or {"commit": old.get("commit"),
                                                          "date": old.get("date")}})
         print(json.dumps(figures))
         return 0
+    if args.held_out:
+        if args.study:
+            raise SystemExit("--held-out and --study are two sets of plans: give one")
+        return run_heldout(args)
     records = []
     # plan by plan across the presets, so that a run stopped early has each preset's best
     jobs = [(preset, index, stage) for index in range(args.top)

@@ -27,7 +27,7 @@ from model.planner.choose import (
 )
 from model.planner.cluster import Cluster, rehearses
 from model.planner.plan import Plan, PlanError
-from model.planner.rehearsal import REHEARSE_TRIES, give_way, rehearsal_records
+from model.planner.rehearsal import rehearse_until_one_fits
 from model.training.files import SUMMARY_FILE
 from stages.mechanism import launch
 from stages.mechanism.launch import SPEC_FILE, RankSpec
@@ -193,9 +193,8 @@ def publish(cfg: Any, found: Searched, plan: Plan, out_dir: Path,
     cluster = found.cluster
     rehearsing = rehearses(cfg.parallel.rehearse, cluster.measured)
     if rehearsing:
-        others = [p for p in found.plans if p.key() != plan.key()]
-        plan = rehearse_in_stage(cfg, [plan] + others[:REHEARSE_TRIES - 1], cluster,
-                                 found.calibration, out_dir, tracker)
+        plan = rehearse_in_stage(cfg, plan, found.plans, cluster, found.calibration, out_dir,
+                                 tracker)
     plan_path = plan.to_json(out_dir / "plan.json", figures=figures_record(cluster))
     tracker.log_params({f"plan.{k}": v for k, v in plan.to_dict().items() if k != "predictions"}
                        | {"plan.cluster": cluster.name, "plan.world_size": cfg.parallel.nproc})
@@ -211,20 +210,19 @@ def publish(cfg: Any, found: Searched, plan: Plan, out_dir: Path,
     return out
 
 
-def rehearse_in_stage(cfg: Any, plans: list[Plan], cluster: Cluster,
+def rehearse_in_stage(cfg: Any, plan: Plan, ranked: list[Plan], cluster: Cluster,
                       calibration: dict[str, float] | None, out_dir: Path,
                       tracker: Any) -> Plan:
-    """The stage's rehearsal (``parallel.rehearse``): the planner's give-way rule
-    (``model.planner.rehearsal.give_way``) over ``plans``, each rank in a process that dies
-    with the stage. Writes ``rehearsal.json`` (the kept plan's ``rehearsal_records``, or
-    ``{"error": ...}`` for a plan that cannot be rehearsed: that plan stands) and, when plans
-    gave way, ``rehearsal_rejected.json``; logs both and the kept plan's rehearsed peaks.
+    """The stage's rehearsal (``parallel.rehearse``): the planner's give-way rule over
+    ``plan`` and the search's next best (``model.planner.rehearsal.rehearse_until_one_fits``),
+    each rank in a process that dies with the stage. Writes ``rehearsal.json`` (the kept
+    plan's ``rehearsal_records``, or ``{"error": ...}`` for a plan that cannot be
+    rehearsed: that plan stands) and, when plans gave way, ``rehearsal_rejected.json``;
+    logs both and the kept plan's rehearsed peaks.
     PlanError, with every plan's rehearsed peak and the fix, when none fits."""
-    def rehearse(plan: Plan) -> list[dict[str, Any]]:
-        return rehearsal_records(cfg.model, cfg.train, plan, cluster, cfg.parallel.nproc,
-                                 calibration, initializer=launch.die_with_parent)
-
-    kept = give_way(plans, rehearse, cluster.memory_gb, log=lambda s: print(s, flush=True))
+    kept = rehearse_until_one_fits(cfg.model, cfg.train, cluster, cfg.parallel.nproc, plan,
+                                   ranked, calibration, initializer=launch.die_with_parent,
+                                   log=lambda s: print(s, flush=True))
     if kept.rejected:
         gave_way = out_dir / "rehearsal_rejected.json"
         gave_way.write_text(json.dumps(kept.rejected, indent=2))

@@ -51,6 +51,7 @@ from model.training.rehearse import (
     fake_process_group,
     make_trainer,
     rehearse,
+    rehearse_isolated,
     stage_io,
     static_schedule,
 )
@@ -273,7 +274,7 @@ def test_plan_cli_prints_the_rehearsal_beside_the_model(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     """``python -m workflows.plan ... --rehearse --json``: per rehearsed rank (first and last
     stage) the model's peak and the rehearsed one under their own keys, equal to a direct
-    rehearsal of the chosen plan."""
+    rehearsal of the chosen plan on the cluster's device type (Frontier: fake cuda)."""
     from workflows import plan as plan_cli
 
     shape = tmp_path / "model.yaml"
@@ -295,8 +296,11 @@ def test_plan_cli_prints_the_rehearsal_beside_the_model(tmp_path: Path,
                                        "sequence_parallel")})
     model_cfg = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=512, max_seq_len=32)
     train_cfg = TrainConfig(global_batch=8, seq_len=32, dtype="bfloat16")
+    assert out["rehearsal_rejected"] == []  # it fits: nothing gave way
     for record in ranks:
-        direct = rehearse(model_cfg, train_cfg, plan, record["rank"])
+        assert record["device_type"] == "cuda"
+        direct = rehearse_isolated(model_cfg, train_cfg, plan, record["rank"],
+                                   device_type="cuda")
         assert record["rehearsed_peak_memory_gb"] == direct.peak_memory_gb > 0
         assert record["rehearsed_flops_per_step"] == direct.flops_per_step[-1] > 0
         assert record["rehearsed_collective_bytes_per_step"] == \
@@ -340,7 +344,8 @@ def test_plan_stage_rehearses_by_default_off_the_local_cluster(tmp_path: Path,
 
 @pytest.mark.slow  # two rehearsals, each in a process of its own
 def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
-        tmp_path: Path, runs_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, runs_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
     """Two plans of one model, the first holding far more activations (no recompute, a
     large micro-batch); on a device sized between their rehearsed peaks the stage keeps the
     second and records why the first gave way; below both it refuses with the figures.
@@ -382,14 +387,19 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     experiment = tracking.ensure_experiment(uri, "rehearse-fit", runs)
     tracker = tracking.Tracker(uri, tracking.start_run(uri, experiment, "fit"))
     between = dataclasses.replace(bare, memory_gb=(peaks[0] + peaks[1]) / 2)
-    kept = plan_stage.rehearse_in_stage(cfg, [lavish, frugal], between, None, tmp_path, tracker)
+    kept = plan_stage.rehearse_in_stage(cfg, lavish, [lavish, frugal], between, None, tmp_path,
+                                        tracker)
     assert kept.key() == frugal.key()
+    said = capsys.readouterr().out
+    assert f"kept {frugal.describe()} (by its rehearsal), not the model's choice " \
+        f"{lavish.describe()}: 1 plan(s) gave way" in said
     rejected = json.loads((tmp_path / "rehearsal_rejected.json").read_text())
     assert [r["plan"] for r in rejected] == [lavish.describe()]
     assert rejected[0]["rehearsed_peak_memory_gb_with_margins"] == pytest.approx(peaks[0])
     assert json.loads((tmp_path / "rehearsal.json").read_text())[0]["rehearsed_fits_device"]
     below = dataclasses.replace(bare, memory_gb=peaks[1] / 2)
     with pytest.raises(PlanError, match="no plan fits .* by its rehearsal"):
-        plan_stage.rehearse_in_stage(cfg, [lavish, frugal], below, None, tmp_path, tracker)
+        plan_stage.rehearse_in_stage(cfg, lavish, [lavish, frugal], below, None, tmp_path,
+                                     tracker)
     tracker.flush()
     assert len(rehearsed) == 2

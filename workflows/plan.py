@@ -8,7 +8,8 @@ Command line::
 CONFIG.yaml is a full pipeline preset or a bare mapping of model shapes (ModelConfig names
 or common aliases such as num_layers / hidden_size / num_attention_heads). The choosing is
 ``model.planner.choose``'s, as in the plan stage; it lives here, with the drivers, because a
-pipeline preset is read with the pipeline's own config loader.
+pipeline preset is read with the pipeline's own config loader. ``--rehearse`` rehearses as
+the plan stage does, giving way to the next best plan when one does not fit, and says so.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from model.planner.calibration import load_calibration
 from model.planner.choose import FIX_TYPES, choose, fixed_fields, parse_fix
 from model.planner.microbench import load_measured_cluster
 from model.planner.model_file import read_model_file
-from model.planner.plan import LAYOUT_FIELDS, Plan
-from model.planner.rehearsal import rehearsal_records, rehearsal_text
+from model.planner.plan import LAYOUT_FIELDS, Plan, PlanError
+from model.planner.rehearsal import GiveWay, rehearse_until_one_fits
 from model.planner.run_cost import plan_run_cost
 from model.planner.search import explain
 from model.planner.shapes import Shapes
@@ -102,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
                          "default: the preset's train.steps steps")
     ap.add_argument("--rehearse", action="store_true",
                     help="rehearse the chosen plan's first and last stage ranks on fake tensors "
-                         "(two training steps each; minutes at Frontier sizes) and report "
-                         "their peak memory, FLOPs and collective bytes beside the model's")
+                         "of the cluster's device type and report their peak memory, FLOPs "
+                         "and collective bytes beside the model's; a plan that does not fit "
+                         "by its rehearsal gives way to the next best, as in the plan stage "
+                         "(up to 5 plans; under 2 minutes a rank)")
     args = ap.parse_args(argv)
     try:
         model_cfg, train_cfg, full = load_model_file(args.model)
@@ -117,6 +120,24 @@ def main(argv: list[str] | None = None) -> int:
         fixed = fixed_fields(full.parallel) if full is not None else {}
         fixed.update(parse_fix(args.fix))
         plan, result = choose(model_cfg, train, cluster, args.devices, fixed, cal, top_k=args.top)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kept: GiveWay | None = None
+    if args.rehearse:
+        # the plan stage's rule: a plan that does not fit by its rehearsal gives way to the
+        # next best; in --json mode the rehearsal's lines go to stderr, the JSON to stdout
+        log_to = sys.stderr if args.json else sys.stdout
+        try:
+            kept = rehearse_until_one_fits(
+                model_cfg, train, cluster, args.devices, plan,
+                result.plans if result is not None else [], cal, initializer=die_with_parent,
+                log=lambda line: print(line, file=log_to, flush=True))
+        except PlanError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        plan = kept.plan
+    try:
         ex = explain(Shapes.from_configs(model_cfg, train, cluster), cluster, plan, args.devices,
                      args.global_batch, cal) if args.explain or args.json else None
         cost = None
@@ -128,16 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rehearsed: list[dict[str, Any]] = []
-    if args.rehearse:
-        from model.training.rehearse import RehearsalError
-
-        try:
-            rehearsed = rehearsal_records(model_cfg, train, plan, cluster, args.devices, cal,
-                                          initializer=die_with_parent)
-        except RehearsalError as exc:
-            print(f"error: cannot rehearse: {exc}", file=sys.stderr)
-            return 2
     if args.json:
         out = {k: getattr(plan, k) for k in LAYOUT_FIELDS}
         out.update({k: plan.predictions[k] for k in ("step_time_s", "tokens_per_s",
@@ -146,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         out["search_seconds"] = result.seconds if result else 0.0
         out["breakdown"] = {**ex["step"], **ex["overlapped"]}
         out["memory_breakdown"] = {**ex["memory_gb"], **ex["parameters"]}
-        if args.rehearse:
-            out["rehearsal"] = rehearsed
+        if kept is not None:
+            out["rehearsal"] = kept.records if kept.error is None else {"error": kept.error}
+            out["rehearsal_rejected"] = kept.rejected
         out["run_cost"] = cost.to_dict() if cost is not None else None
         print(json.dumps(out))
         return 0
@@ -162,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         print(explain_text(plan, ex))
     if cost is not None:
         print("\n".join(cost.lines()))
-    if args.rehearse:
-        print(rehearsal_text(plan, rehearsed, cluster.memory_gb))
     return 0
 
 

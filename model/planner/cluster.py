@@ -159,6 +159,12 @@ class Cluster:
         if self.optimizer_overhead_us is None:
             self.optimizer_overhead_us = 12 * k
 
+    @property
+    def device_type(self) -> str:
+        """The torch device type its ranks train on: ``cpu`` for a cluster measured on this
+        machine, ``cuda`` for the GPU clusters (torch's CUDA and ROCm builds alike)."""
+        return "cpu" if self.measured else "cuda"
+
     def link_for(self, stride: int, size: int) -> Link:
         """The slowest level a group of ``size`` ranks at rank ``stride`` crosses."""
         if size <= 1:

@@ -17,7 +17,8 @@ from model.planner.search import explain
 from model.planner.shapes import Shapes
 
 REHEARSE_TRIES = 5
-"""Plans rehearsed, best first, before giving up on finding one that fits."""
+"""Plans rehearsed, best first, before giving up on finding one that fits: the chosen plan
+and the search's next four."""
 
 
 def modeled_rank_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
@@ -66,7 +67,7 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
         peak, tensors = modeled_rank_memory(model_cfg, train_cfg, plan, cluster, world, stage,
                                             calibration)
         result = rehearse_isolated(model_cfg, train_cfg, plan, rank,
-                                   initializer=initializer)
+                                   initializer=initializer, device_type=cluster.device_type)
         with_margins = result.peak_memory_gb * margin + cluster.reserved_gb
         flops = rank_flops(shapes, plan, pp_rank)
         comm = rank_collective_bytes(shapes, plan, pp_rank)
@@ -88,14 +89,16 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
             "count_errors": count_errors(flops, comm, result.flops_per_step[-1],
                                          result.collective_bytes_by_dim),
             "rehearsal_seconds": result.seconds, "rehearsal_notes": result.notes,
+            "device_type": cluster.device_type,
         })
     return records
 
 
 def rehearsal_text(plan: Plan, records: list[dict[str, Any]], device_gb: float) -> str:
     """The rehearsed ranks beside the memory model, as printable lines."""
-    lines = [f"rehearsal of {plan.describe()} (fake tensors; one step measured after one "
-             "warm-up step):",
+    device = records[0].get("device_type", "cpu") if records else "cpu"
+    lines = [f"rehearsal of {plan.describe()} (fake {device} tensors; one step measured after "
+             "one warm-up step):",
              f"  {'rank':>6} {'stage':<6} {'modeled GB':>11} {'(tensors)':>10} "
              f"{'rehearsed GB':>13} {'ratio':>6} {'+margins':>9} {'device':>7}  FLOPs/step"]
     for r in records:
@@ -162,3 +165,29 @@ def give_way(plans: list[Plan], rehearse: Callable[[Plan], list[dict[str, Any]]]
         f"no plan fits in {device_gb:g} GB per device by its rehearsal ({sizes}, "
         "with the cluster's margins): fix recompute=full or a smaller micro_batch, or use "
         "more devices")
+
+
+def rehearsal_candidates(plan: Plan, ranked: list[Plan]) -> list[Plan]:
+    """The plans the give-way rule tries, in order: ``plan`` (the chosen one), then the
+    search's next best (``ranked``, best first), ``REHEARSE_TRIES`` in all."""
+    others = [p for p in ranked if p.key() != plan.key()]
+    return [plan] + others[:REHEARSE_TRIES - 1]
+
+
+def rehearse_until_one_fits(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster,
+                            world: int, plan: Plan, ranked: list[Plan],
+                            calibration: dict[str, float] | None = None,
+                            initializer: Callable[[], None] | None = None,
+                            log: Callable[[str], None] = print) -> GiveWay:
+    """The plan stage's and the CLI's rehearsal: ``give_way`` over ``rehearsal_candidates``,
+    each plan's busiest ranks rehearsed by ``rehearsal_records`` on the cluster's device
+    type, and, when the kept plan is not the chosen one, a line that says so."""
+    def rehearse(candidate: Plan) -> list[dict[str, Any]]:
+        return rehearsal_records(model_cfg, train_cfg, candidate, cluster, world, calibration,
+                                 initializer=initializer)
+
+    kept = give_way(rehearsal_candidates(plan, ranked), rehearse, cluster.memory_gb, log=log)
+    if kept.rejected:
+        log(f"[plan] kept {kept.plan.describe()} (by its rehearsal), not the model's choice "
+            f"{plan.describe()}: {len(kept.rejected)} plan(s) gave way")
+    return kept

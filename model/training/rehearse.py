@@ -35,8 +35,14 @@ What differs from training, on purpose:
 - Sharding ``ddp`` without pipelining cannot be rehearsed: DDP's C++ constructor and
   reducer read parameter storage. (Under pipelining the trainer all-reduces gradients
   itself, which rehearses.)
-- The rank runs on the CPU device: kernels whose saved tensors differ by device (the
-  attention kernel's log-sum-exp) may differ slightly from a GPU's.
+- On a GPU cluster the rank runs on device type ``cuda`` (ROCm's torch uses the same
+  type) through ``model.training.fake_gpu``: this CPU-only torch is given a fake CUDA
+  device, and the few calls it refuses are answered in one place (``guarded_cuda``), with
+  the attention and RMSNorm kernels a GPU build takes. Any op that meets a tensor of
+  another device fails the rehearsal with where that tensor was made (``DeviceCheck``).
+  On the local cluster the rank runs on the CPU, like its real training.
+- A plan of many micro-batches is measured at two smaller counts and extrapolated to its
+  own (``rehearsed_micro_batches``): seconds per rank instead of minutes.
 
 The vote bypass and the trackers' repeated-call rule use private torch internals
 (``PRIVATE_INTERNALS``) and are pinned to the torch release they were checked on
@@ -52,25 +58,34 @@ import dataclasses
 import multiprocessing
 import tempfile
 import time
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    FakeTensorDeviceMismatchError,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import schedules as pipelining_schedules
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.stage import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from model.config import ModelConfig, TrainConfig
 from model.parallel.pipeline import build_schedule, chunk_ids
@@ -196,6 +211,7 @@ PRIVATE_INTERNALS: tuple[tuple[Any, str], ...] = (
     (MemTracker, "_update_and_maybe_create_winfos"),
     (_FSDPRefType, "INP"),
     (_MemRefType, "OTH"),
+    (DeviceMesh, "mesh"),
 )
 """The private torch attributes the rehearsal overrides or calls."""
 
@@ -235,6 +251,31 @@ def bypass_warmup_vote(schedule: Any) -> None:
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = vote_static
+
+
+@contextlib.contextmanager
+def real_mesh_tensors() -> Iterator[None]:
+    """Build device meshes and read their rank layout (``DeviceMesh.__init__``,
+    ``DeviceMesh.mesh``: small integer tensors on the host) on real tensors while a fake
+    mode is active: FSDP2 over a tensor-parallel mesh builds a mesh of both and looks its
+    rank up with ``nonzero``, whose output shape fake tensors cannot know. The trainer
+    parallelises its chunks inside its ``materialize`` context, which for a rehearsal is
+    the fake mode (a GPU rank's FSDP2 allocates its all-gather buffer on the device)."""
+    original_init, original_mesh = DeviceMesh.__init__, DeviceMesh.mesh
+
+    def init(self: DeviceMesh, *args: Any, **kwargs: Any) -> None:
+        with unset_fake_temporarily():
+            original_init(self, *args, **kwargs)
+
+    def mesh(self: DeviceMesh) -> torch.Tensor:
+        with unset_fake_temporarily():
+            return original_mesh.fget(self)
+
+    DeviceMesh.__init__, DeviceMesh.mesh = init, property(mesh)
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__, DeviceMesh.mesh = original_init, original_mesh
 
 
 # --- memory trackers that allow repeated calls -----------------------------------------
@@ -508,17 +549,115 @@ def check_stage_outputs(declared: list[tuple[torch.Tensor, torch.Tensor]],
 
 def make_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
                  device: torch.device, fake_mode: FakeTensorMode | None = None) -> Trainer:
-    """The trainer of this rank on synthetic batches (materialised under ``fake_mode``)."""
+    """The trainer of this rank on synthetic batches (materialised under ``fake_mode``, with
+    the device check of ``device``)."""
     batches = synthetic_batch_factory(model_cfg.vocab_size, train_cfg)
-    materialize = (lambda: fake_mode) if fake_mode is not None else contextlib.nullcontext
+    materialize = ((lambda: faked(fake_mode, device)) if fake_mode is not None
+                   else contextlib.nullcontext)
     return Trainer(model_cfg, train_cfg, plan, tempfile.gettempdir(), batches, device,
                    materialize=materialize)
 
 
-def measure_steps(trainer: Trainer, steps: int = 1, warmup: int = 1) -> Rehearsal:
-    """Run ``warmup`` and then ``steps`` training steps of ``trainer``, the latter under the
-    memory tracker and the step counter; works on real and (inside a FakeTensorMode) fake
-    tensors alike.
+@contextlib.contextmanager
+def faked(fake_mode: FakeTensorMode, device: torch.device) -> Iterator[None]:
+    """``fake_mode`` with the device check of a rank on ``device`` inside it."""
+    with fake_mode, device_checked(device):
+        yield
+
+
+@dataclass
+class StepFigures:
+    """What one measured training step did: its peak memory (total and by category), FLOPs
+    by op, and collective bytes by kind, by mesh dimension and call counts."""
+
+    peak: int
+    categories: dict[str, int]
+    flops: dict[str, int]
+    bytes: dict[str, int]
+    dims: dict[str, dict[str, int]]
+    calls: dict[str, int]
+
+    def extrapolated(self, other: StepFigures, runs: tuple[int, int], to: int) -> StepFigures:
+        """The figures of a step of ``to`` micro-batches, from this step (``runs[0]``
+        micro-batches) and ``other`` (``runs[1]``), each figure affine in the count."""
+        scale = (to - runs[1]) / (runs[1] - runs[0])
+
+        def line(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {k: round(b.get(k, 0) + scale * (b.get(k, 0) - a.get(k, 0)))
+                    for k in {*a, *b}}
+
+        return StepFigures(
+            peak=round(other.peak + scale * (other.peak - self.peak)),
+            categories=line(self.categories, other.categories),
+            flops=line(self.flops, other.flops), bytes=line(self.bytes, other.bytes),
+            dims={d: line(self.dims.get(d, {}), other.dims.get(d, {}))
+                  for d in {*self.dims, *other.dims}},
+            calls=line(self.calls, other.calls))
+
+
+def measured_step(trainer: Trainer, batch: torch.Tensor) -> tuple[StepFigures, str]:
+    """One training step of ``trainer`` under a fresh memory tracker and step counter (and
+    the tracker's name)."""
+    counter = StepCounter(mesh_group_dims(trainer))
+    tracker = memory_tracker(trainer)
+    with counter, tracker:
+        counter.start_step()
+        trainer.train_step(batch)
+    peak = tracker.get_tracker_snapshot("peak").get(trainer.device, {})
+    step = counter.steps[-1]
+    figures = StepFigures(
+        peak=int(peak.get("Total", 0)),
+        categories={_category_name(k): int(v) for k, v in peak.items() if k != "Total" and v},
+        flops=dict(step["flops"]), bytes=dict(step["bytes"]),
+        dims={d: dict(k) for d, k in step["dims"].items()}, calls=dict(step["calls"]))
+    return figures, type(tracker).__mro__[1].__name__
+
+
+def rehearsed_micro_batches(plan: Plan) -> tuple[int, int, int] | None:
+    """(warm-up, first, second) micro-batch counts of a rehearsal that extrapolates to the
+    plan's ``grad_accum``, or None when the plan's own count is no more than the second.
+
+    Past the schedule's warm-up every pipeline schedule repeats one micro-batch's work, so
+    a step's FLOPs, collective bytes and peak memory are affine in its micro-batch count:
+    1F1B holds at most pp micro-batches in flight and interleaved 1F1B about (v - 1) x pp
+    more chunks (the peak is flat beyond), GPipe holds them all (the peak grows by one
+    micro-batch's activations each), and the stages' receive buffers are one per
+    micro-batch. Two steps of (v + 1) x pp and (v + 2) x pp micro-batches (v: virtual
+    stages, 1 unless interleaved; multiples of pp, as interleaving requires) are past that
+    warm-up and fix the line; the warm-up step runs pp."""
+    v = plan.virtual_stages if plan.schedule == "interleaved_1f1b" else 1
+    first, second = (v + 1) * plan.pp, (v + 2) * plan.pp
+    if plan.grad_accum <= second:
+        return None
+    return plan.pp, first, second
+
+
+@contextlib.contextmanager
+def micro_batches(trainer: Trainer, count: int, fake_mode: FakeTensorMode | None) -> Iterator[None]:
+    """Run ``trainer``'s steps with ``count`` micro-batches (its plan's ``grad_accum`` and,
+    pipelined, a schedule rebuilt for that count), restoring its own plan on exit."""
+    plan, schedule = trainer.plan, trainer.schedule
+    trainer.plan = dataclasses.replace(plan, grad_accum=count)
+    if schedule is not None:
+        with (faked(fake_mode, trainer.device) if fake_mode else contextlib.nullcontext()):
+            trainer.schedule = static_schedule(trainer)
+    try:
+        yield
+    finally:
+        trainer.plan, trainer.schedule = plan, schedule
+
+
+def measure_steps(trainer: Trainer, steps: int = 1, warmup: int = 1,
+                  counts: tuple[int, int, int] | None = None,
+                  fake_mode: FakeTensorMode | None = None) -> Rehearsal:
+    """Run ``warmup`` and then ``steps`` training steps of ``trainer``, each measured step
+    under a fresh memory tracker and step counter; works on real and (inside a
+    FakeTensorMode) fake tensors alike.
+
+    With ``counts`` (``rehearsed_micro_batches``) the warm-up runs ``counts[0]``
+    micro-batches, then one step of each of the other two is measured and the figures are
+    extrapolated to the plan's count (``StepFigures.extrapolated``); ``fake_mode`` is the
+    mode the rebuilt pipeline schedules are made in.
 
     The warm-up steps make the optimizer states and fill DTensor's sharding-propagation
     cache: under a FakeTensorMode, DTensor propagates shardings in that same mode, so its
@@ -528,34 +667,45 @@ def measure_steps(trainer: Trainer, steps: int = 1, warmup: int = 1) -> Rehearsa
     """
     if steps < 1 or warmup < 0:
         raise RehearsalError(f"need steps >= 1 and warmup >= 0, got {steps} and {warmup}")
+    plan = trainer.plan
     batches = [trainer.batches.next_batch() for _ in range(warmup + steps)]
     declared = stage_io(trainer) if trainer.schedule is not None else []
+    figures: list[StepFigures] = []
     with recorded_outputs(trainer.chunks if declared else []) as seen:
-        for batch in batches[:warmup]:
-            trainer.train_step(batch)
-        counter = StepCounter(mesh_group_dims(trainer))
-        tracker = memory_tracker(trainer)
-        with counter, tracker:
-            for batch in batches[warmup:]:
-                counter.start_step()
+        if counts is None:
+            for batch in batches[:warmup]:
                 trainer.train_step(batch)
+            for batch in batches[warmup:]:
+                step, tracker_name = measured_step(trainer, batch)
+                figures.append(step)
+        else:
+            rows = plan.micro_batch
+            with micro_batches(trainer, counts[0], fake_mode):
+                for batch in batches[:warmup]:
+                    trainer.train_step(batch[:rows * counts[0]])
+            measured = []
+            for count in counts[1:]:
+                with micro_batches(trainer, count, fake_mode):
+                    step, tracker_name = measured_step(trainer, batches[-1][:rows * count])
+                measured.append(step)
+            figures.append(measured[0].extrapolated(measured[1], counts[1:], plan.grad_accum))
     if declared:
         check_stage_outputs(declared, seen)
-    peak = tracker.get_tracker_snapshot("peak").get(trainer.device, {})
-    total = int(peak.get("Total", 0))
-    categories = {_category_name(k): int(v) for k, v in peak.items() if k != "Total" and v}
-    last = counter.steps[-1]
-    return Rehearsal(
+    last = figures[-1]
+    result = Rehearsal(
         rank=dist.get_rank(), world_size=dist.get_world_size(),
         coords={"pp": trainer.pp_rank, "dp": trainer.dp_rank, "tp": trainer.tp_rank},
-        stages=chunk_ids(trainer.pp_rank, trainer.plan.pp, trainer.plan.virtual_stages),
-        peak_memory_bytes=total, peak_memory_by_category=categories,
-        flops_per_step=[sum(s["flops"].values()) for s in counter.steps],
-        flops_by_op=dict(last["flops"]),
-        collective_bytes_per_step=[dict(s["bytes"]) for s in counter.steps],
-        collective_bytes_by_dim={d: dict(k) for d, k in last["dims"].items()},
-        collective_calls=dict(last["calls"]), tracker=type(tracker).__mro__[1].__name__,
-        fake=active_fake_mode() is not None)
+        stages=chunk_ids(trainer.pp_rank, plan.pp, plan.virtual_stages),
+        peak_memory_bytes=last.peak, peak_memory_by_category=last.categories,
+        flops_per_step=[sum(f.flops.values()) for f in figures], flops_by_op=last.flops,
+        collective_bytes_per_step=[f.bytes for f in figures],
+        collective_bytes_by_dim=last.dims, collective_calls=last.calls,
+        tracker=tracker_name, fake=active_fake_mode() is not None)
+    if counts is not None:
+        result.notes.append(
+            f"{plan.grad_accum} micro-batches extrapolated from steps of {counts[1]} and "
+            f"{counts[2]} (warm-up {counts[0]}): memory, FLOPs and bytes are affine in the count")
+    return result
 
 
 def rehearsal_train_config(train_cfg: TrainConfig) -> TrainConfig:
@@ -570,6 +720,83 @@ def rehearsal_problems(plan: Plan) -> list[str]:
                 "rehearsed: its C++ constructor and reducer read parameter storage, which fake "
                 "tensors do not have"]
     return []
+
+
+@contextlib.contextmanager
+def on_device(device_type: str) -> Iterator[torch.device]:
+    """The device a rehearsed rank runs on: the CPU, or (``cuda``) the fake GPU with
+    ``torch.cuda``'s refusals answered (``model.training.fake_gpu.guarded_cuda``)."""
+    if device_type == "cpu":
+        yield torch.device("cpu")
+        return
+    if device_type != "cuda":
+        raise RehearsalError(f"cannot rehearse on device type {device_type!r}: cpu or cuda")
+    from model.training import fake_gpu
+
+    if not fake_gpu.runtime_loaded():
+        raise RehearsalError("rehearsing on cuda needs the fake GPU loaded before torch: use "
+                             "rehearse_isolated(..., device_type='cuda')")
+    with fake_gpu.guarded_cuda():
+        yield torch.device("cuda", 0)
+
+
+class DeviceCheck(TorchDispatchMode):
+    """Fails an op that mixes the rank's device with another, naming where the stray tensor
+    was made: a GPU would refuse the op at the first real step ("Expected all tensors to be
+    on the same device"), fake tensors refuse it here, but neither says whose tensor it was.
+
+    Records the making of every tensor of more than one element off the rank's device (on
+    a GPU rank: the host batches, nothing else in a step), keyed weakly; DTensor ops are
+    passed down to their local shards."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.origins: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        try:
+            out = func(*args, **kwargs)
+        except FakeTensorDeviceMismatchError as exc:
+            raise RehearsalError(self.mismatch(func, [*args, *kwargs.values()], exc)) from exc
+        for t in tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.device != self.device
+                    and t.device.type != "meta" and t.numel() > 1):
+                self.origins[t] = traceback.extract_stack(limit=40)[:-1]
+        return out
+
+    def mismatch(self, func: Any, inputs: list[Any], exc: Exception) -> str:
+        """The refusal of ``func``, with each stray input's device, shape and origin."""
+        lines = [f"{func} mixes devices on a {self.device.type} rank: {exc}"]
+        for t in tree_leaves(inputs):
+            if isinstance(t, torch.Tensor) and t.device not in (self.device,) and t.numel() > 1:
+                stack = self.origins.get(t)
+                where = (project_frames(stack) if stack is not None
+                         else "made before the rehearsal started (not traced)")
+                lines.append(f"  {tuple(t.shape)} {t.dtype} on {t.device}, made at: {where}")
+        return "\n".join(lines)
+
+
+def project_frames(stack: traceback.StackSummary) -> str:
+    """The frames of a stack inside this project (the origin a user can fix), innermost
+    last; all frames when none is."""
+    root = str(Path(__file__).resolve().parents[2])
+    ours = [f for f in stack if f.filename.startswith(root)
+            and "site-packages" not in f.filename] or list(stack)
+    def place(frame: traceback.FrameSummary) -> str:
+        name = frame.filename
+        return str(Path(name).relative_to(root)) if name.startswith(root) else name
+
+    return " <- ".join(f"{place(f)}:{f.lineno} {f.name}" for f in reversed(ours[-6:]))
+
+
+def device_checked(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``DeviceCheck`` on a GPU rank; nothing on the CPU, where every tensor is on it."""
+    return DeviceCheck(device) if device.type != "cpu" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -588,12 +815,18 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 
 def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: int,
-             world_size: int | None = None, steps: int = 1, warmup: int = 1) -> Rehearsal:
+             world_size: int | None = None, steps: int = 1, warmup: int = 1,
+             device_type: str = "cpu", extrapolate: bool = True) -> Rehearsal:
     """Run ``warmup`` + ``steps`` training steps of global ``rank`` of ``plan`` on fake
-    tensors and measure the last ``steps`` (``measure_steps``).
+    tensors of ``device_type`` and measure the last ``steps`` (``measure_steps``).
 
-    ``world_size`` defaults to the plan's. Raises RehearsalError for a plan that cannot be
-    rehearsed and for a torch whose pipelining internals were not checked.
+    With ``extrapolate`` a plan of many micro-batches is measured at two smaller counts and
+    extrapolated to its own (``rehearsed_micro_batches``); without, every micro-batch runs.
+
+    ``device_type`` ``cuda`` needs the fake GPU loaded before torch (``model.training.
+    fake_gpu``; ``rehearse_isolated`` starts such a process). ``world_size`` defaults to
+    the plan's. Raises RehearsalError for a plan that cannot be rehearsed and for a torch
+    whose pipelining internals were not checked.
     """
     world = world_size or plan.world_size
     if world != plan.world_size:
@@ -607,13 +840,15 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
     t0 = time.perf_counter()
     cfg = rehearsal_train_config(train_cfg)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_process_group(rank, world):
-        trainer = make_trainer(model_cfg, cfg, plan, torch.device("cpu"), fake)
+    with on_device(device_type) as device, fake_process_group(rank, world), \
+            real_mesh_tensors():
+        trainer = make_trainer(model_cfg, cfg, plan, device, fake)
         if trainer.schedule is not None:
-            with fake:
+            with faked(fake, device):
                 trainer.schedule = static_schedule(trainer)
-        with fake:
-            result = measure_steps(trainer, steps, warmup)
+        with faked(fake, device):
+            counts = rehearsed_micro_batches(plan) if extrapolate else None
+            result = measure_steps(trainer, steps, warmup, counts, fake)
     result.seconds = time.perf_counter() - t0
     if train_cfg.grad_clip > 0:
         result.notes.append("grad_clip skipped (the norm and its all-reduce still run)")
@@ -622,7 +857,8 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
 
 def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: int,
                       steps: int = 1, warmup: int = 1,
-                      initializer: Callable[[], None] | None = None) -> Rehearsal:
+                      initializer: Callable[[], None] | None = None,
+                      device_type: str = "cpu", extrapolate: bool = True) -> Rehearsal:
     """``rehearse`` in a process of its own, its RehearsalError re-raised here.
 
     One rank per process: DTensor caches device meshes by value, so a second rehearsal in
@@ -630,16 +866,46 @@ def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     group ("Could not resolve the process group registered under the name ...").
     ``initializer`` runs first in the child (the plan stage's makes it die with its parent).
 
-    The child is forked from multiprocessing's fork server, which has imported this module
-    (torch, DTensor, the trainer) once and rehearsed nothing: a plan stage's rehearsals, two
-    per plan, then cost their work, not seconds of imports each.
+    On the CPU the child is forked from multiprocessing's fork server, which has imported
+    this module (torch, DTensor, the trainer) once and rehearsed nothing: a plan stage's
+    rehearsals then cost their work, not seconds of imports each. On ``cuda`` the child is
+    a fresh interpreter (``python -m model.training.fake_gpu``) that loads the fake GPU
+    before torch; its output goes to this process's console.
     """
+    if device_type == "cuda":
+        return _rehearse_on_fake_gpu(
+            (model_cfg, train_cfg, plan, rank, None, steps, warmup, "cuda", extrapolate),
+            initializer)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context,
                                                 initializer=initializer) as pool:
         return pool.submit(rehearse, model_cfg, train_cfg, plan, rank, None, steps,
-                           warmup).result()
+                           warmup, "cpu", extrapolate).result()
+
+
+def _rehearse_on_fake_gpu(args: tuple, initializer: Callable[[], None] | None) -> Rehearsal:
+    """``rehearse(*args, device_type='cuda')`` in a fresh interpreter with the fake GPU."""
+    import pickle
+    import subprocess
+    import sys
+
+    from model.training import fake_gpu
+
+    fake_gpu.library_path()  # built here first, so that a build failure reads as one
+    with tempfile.TemporaryDirectory(prefix="rehearse-gpu-") as tmp:
+        request, result = Path(tmp) / "request.pkl", Path(tmp) / "result.pkl"
+        request.write_bytes(pickle.dumps(args))
+        proc = subprocess.run([sys.executable, "-m", "model.training.fake_gpu", str(request),
+                               str(result)], preexec_fn=initializer, check=False,
+                              cwd=Path(__file__).resolve().parents[2])
+        if not result.exists():
+            raise RuntimeError(f"the rehearsal of rank {args[3]} on the fake GPU exited with "
+                               f"code {proc.returncode} (its own error is printed above)")
+        outcome = pickle.loads(result.read_bytes())
+    if isinstance(outcome, RehearsalError):
+        raise outcome
+    return outcome
 
 
 def busiest_ranks(plan: Plan) -> list[int]:

@@ -196,9 +196,10 @@ class Trainer:
         ids = chunk_ids(self.pp_rank, plan.pp, plan.virtual_stages)
         self.chunks = [build_chunk(model_cfg, c, n_chunks) for c in ids]
         for chunk in self.chunks:
-            parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
-                              plan.sequence_parallel, self.param_dtype, train_cfg.compile,
-                              plan.recompute_layers)
+            with materialize():
+                parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
+                                  plan.sequence_parallel, self.param_dtype, train_cfg.compile,
+                                  plan.recompute_layers)
             with materialize():
                 chunk.to_empty(device=device)
                 chunk.init_weights(train_cfg.seed)
