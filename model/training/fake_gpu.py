@@ -63,9 +63,11 @@ def library_path() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # the interpreter's own bin dir first: pip's ninja lives there, unactivated or not
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     proc = subprocess.run([sys.executable, "-m", "model.training.fake_gpu", "--build",
                            str(target.parent)], capture_output=True, text=True, check=False,
-                          cwd=Path(__file__).resolve().parents[2])
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PATH": path})
     if proc.returncode != 0 or not target.exists():
         raise FakeGpuError(
             "building the rehearsal's fake GPU (model/training/fake_gpu.cpp) failed; it needs "
