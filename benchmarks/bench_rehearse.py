@@ -16,7 +16,7 @@ Written to benchmarks/results/bench_rehearse.json; the last line printed is the 
 one JSON object.
 
     .venv/bin/python benchmarks/bench_rehearse.py [--presets frontier-175b,frontier-1t]
-        [--devices N] [--top K] [--timeout 2400] [--study | --held-out [--only NAME,...]]
+        [--devices N] [--top K] [--timeout 2400] [--study | --held-out | --tuning [--only NAME,...]]
 
 ``--study`` rehearses instead the Frontier study's own plans (configs/published/
 dash2023.yaml: 22B on 16 GCDs, 175B on 128, 1T on 1,024) on the Frontier cluster file, as
@@ -33,7 +33,9 @@ per rank the entry's name, model, cluster and plan, the model's peak (with margi
 tensor memory, the rehearsed peak, the error ``memory_error_pct`` and the seconds and host
 RSS, and as figures the error's min, max and mean magnitude, the ranks within 5 %, the
 longest rehearsal, the largest RSS and ``complete`` (every entry's ranks are in the file).
-``--remodel bench_rehearse_heldout`` recomputes the model's side of it.
+``--remodel bench_rehearse_heldout`` recomputes the model's side of it. ``--tuning`` does
+the same for benchmarks/tuning_plans.yaml (the plans the memory model's terms were read
+from) into bench_rehearse_tuning.json.
 
 The figures: per preset and stage the chosen plan's ranks, and over every rehearsed rank the
 memory model's error against the rehearsal (``memory_error_pct_min``/``_max``, +: the
@@ -134,6 +136,12 @@ HELDOUT = "heldout"
 """The source prefix of a held-out plan's records (``heldout:NAME``)."""
 HELDOUT_PLANS = ROOT / "benchmarks" / "heldout_plans.yaml"
 HELDOUT_RESULTS = "bench_rehearse_heldout"
+TUNING = "tuning"
+"""The source prefix of a tuning plan's records (``tuning:NAME``)."""
+PLAN_SETS = {HELDOUT: (HELDOUT_PLANS, HELDOUT_RESULTS),
+             TUNING: (ROOT / "benchmarks" / "tuning_plans.yaml", "bench_rehearse_tuning")}
+"""Plan files of one entry format, by source prefix: (plans file, results name). The
+held-out set tests the memory model; the tuning set is what its terms were read from."""
 ENTRY_FIELDS = ("name", "model", "seq_len", "global_batch", "dtype", "cluster", "devices",
                 "plan")
 
@@ -210,24 +218,24 @@ def load_heldout(path: Path = HELDOUT_PLANS) -> list[HeldOut]:
 
 
 @functools.cache
-def heldout_entries() -> dict[str, HeldOut]:
-    """benchmarks/heldout_plans.yaml's entries by name (read once per process)."""
-    return {e.name: e for e in load_heldout()}
+def heldout_entries(kind: str = HELDOUT) -> dict[str, HeldOut]:
+    """The entries of plan set ``kind`` (``PLAN_SETS``) by name (read once per process)."""
+    return {e.name: e for e in load_heldout(PLAN_SETS[kind][0])}
 
 
-def heldout_entry(name: str) -> HeldOut:
-    """The held-out entry ``name``; SystemExit naming it where there is none."""
-    entries = heldout_entries()
+def heldout_entry(name: str, kind: str = HELDOUT) -> HeldOut:
+    """The entry ``name`` of plan set ``kind``; SystemExit naming it where there is none."""
+    entries = heldout_entries(kind)
     if name not in entries:
-        raise SystemExit(f"no held-out plan named {name!r} in {HELDOUT_PLANS}")
+        raise SystemExit(f"no plan named {name!r} in {PLAN_SETS[kind][0]}")
     return entries[name]
 
 
-def heldout_run(name: str) -> tuple[Any, Any, Any, Any, int]:
-    """(model config, train config, cluster, plan, devices) of the held-out entry ``name``."""
+def heldout_run(name: str, kind: str = HELDOUT) -> tuple[Any, Any, Any, Any, int]:
+    """(model config, train config, cluster, plan, devices) of the entry ``name``."""
     from model.planner.microbench import load_measured_cluster
 
-    e = heldout_entry(name)
+    e = heldout_entry(name, kind)
     return e.model, e.train, load_measured_cluster(e.cluster, e.devices), e.plan, e.devices
 
 
@@ -237,17 +245,17 @@ def source_run(source: str) -> tuple[Any, Any, Any, Any, int] | None:
     kind, _, name = source.partition(":")
     if kind == STUDY:
         return study_run(name)
-    if kind == HELDOUT:
-        return heldout_run(name)
+    if kind in PLAN_SETS:
+        return heldout_run(name, kind)
     return None
 
 
 def entry_fields(source: str) -> dict[str, Any]:
     """What a held-out rank's record says of its entry (nothing for other sources)."""
     kind, _, name = source.partition(":")
-    if kind != HELDOUT:
+    if kind not in PLAN_SETS:
         return {}
-    e = heldout_entry(name)
+    e = heldout_entry(name, kind)
     return {"name": name, "model": asdict(e.model), "seq_len": e.train.seq_len,
             "global_batch": e.train.global_batch, "dtype": e.train.dtype,
             "cluster": e.cluster}
@@ -418,13 +426,13 @@ def heldout_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def heldout_jobs(only: list[str] | None) -> list[tuple[str, int, str]]:
+def heldout_jobs(only: list[str] | None, kind: str = HELDOUT) -> list[tuple[str, int, str]]:
     """(source, plan index, stage) of every held-out entry's busiest ranks, or of those named
     by ``only`` (``NAME`` or ``NAME:STAGE``, comma-separated); SystemExit naming an unknown
     one."""
     from model.training.rehearse import busiest_ranks
 
-    jobs = [(f"{HELDOUT}:{e.name}", -1, stage) for e in load_heldout()
+    jobs = [(f"{kind}:{e.name}", -1, stage) for e in load_heldout(PLAN_SETS[kind][0])
             for stage in STAGES[:len(busiest_ranks(e.plan))]]
     if not only:
         return jobs
@@ -432,26 +440,28 @@ def heldout_jobs(only: list[str] | None) -> list[tuple[str, int, str]]:
     known = {j[0].split(":", 1)[1] for j in jobs}
     unknown = sorted({w.split(":")[0] for w in wanted} - known)
     if unknown:
-        raise SystemExit(f"--only: no held-out plan named {unknown} in {HELDOUT_PLANS}")
+        raise SystemExit(f"--only: no plan named {unknown} in {PLAN_SETS[kind][0]}")
     return [j for j in jobs if any(w in (j[0].split(":", 1)[1], f"{j[0].split(':', 1)[1]}:"
                                          f"{j[2]}") for w in wanted)]
 
 
 def figures_for(name: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     """The figures of results file ``name``: the held-out set's, or the presets' and study's."""
-    return heldout_figures(records) if name == HELDOUT_RESULTS else figures_of(records)
+    plan_sets = {results for _, results in PLAN_SETS.values()}
+    return heldout_figures(records) if name in plan_sets else figures_of(records)
 
 
-def run_heldout(args: argparse.Namespace) -> int:
-    """``--held-out``: rehearse the held-out entries' busiest ranks (or ``--only`` these,
-    keeping the file's records of the other current entries), each in a fresh process,
-    rewriting bench_rehearse_heldout.json after every rank."""
+def run_heldout(args: argparse.Namespace, kind: str = HELDOUT) -> int:
+    """``--held-out`` (or ``--tuning``): rehearse the set's entries' busiest ranks (or
+    ``--only`` these, keeping the file's records of the other current entries), each in a
+    fresh process, rewriting the set's results file after every rank."""
     try:
-        every = heldout_jobs(None)
+        every = heldout_jobs(None, kind)
     except HeldOutError as exc:
         raise SystemExit(str(exc)) from None
-    jobs = heldout_jobs(args.only)
-    path = ROOT / "benchmarks" / "results" / f"{HELDOUT_RESULTS}.json"
+    jobs = heldout_jobs(args.only, kind)
+    results = PLAN_SETS[kind][1]
+    path = ROOT / "benchmarks" / "results" / f"{results}.json"
     records: list[dict[str, Any]] = []
     if args.only and path.is_file():
         current = {(src, stage) for src, _, stage in every}
@@ -469,11 +479,11 @@ def run_heldout(args: argparse.Namespace) -> int:
         record.setdefault("name", source.split(":", 1)[1])
         records = [r for r in records if (r["preset"], r["stage"]) != (source, stage)]
         records.append(record)
-        print(f"[bench_rehearse held-out {n}/{len(jobs)}, ETA "
+        print(f"[bench_rehearse {kind} {n}/{len(jobs)}, ETA "
               f"{(time.perf_counter() - t0) / n * (len(jobs) - n) / 60:.0f} min] {source} "
               f"{stage}: {outcome_of(record)}", flush=True)
         # written after every rank, so a run stopped early keeps what it measured
-        write_results(HELDOUT_RESULTS, {**heldout_figures(records), "complete": complete()},
+        write_results(results, {**heldout_figures(records), "complete": complete()},
                       {"args": vars(args), "ranks": records})
     print(json.dumps({**heldout_figures(records), "complete": complete()}))
     return 0
@@ -496,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--held-out", action="store_true",
                     help="rehearse the held-out plans of benchmarks/heldout_plans.yaml "
                          "instead (the memory model's out-of-sample error)")
+    ap.add_argument("--tuning", action="store_true",
+                    help="rehearse the memory model's tuning plans of "
+                         "benchmarks/tuning_plans.yaml instead")
     ap.add_argument("--only", metavar="RUN:STAGE", action="append",
                     help="with --study: rehearse only these ranks (e.g. gpt-22b:first; "
                          "repeatable); with --held-out: NAME[,NAME] or NAME:STAGE; the "
@@ -522,10 +535,10 @@ def main(argv: list[str] | None = None) -> int:
                                                          "date": old.get("date")}})
         print(json.dumps(figures))
         return 0
-    if args.held_out:
-        if args.study:
-            raise SystemExit("--held-out and --study are two sets of plans: give one")
-        return run_heldout(args)
+    if sum((args.held_out, args.tuning, args.study)) > 1:
+        raise SystemExit("--held-out, --tuning and --study are sets of plans: give one")
+    if args.held_out or args.tuning:
+        return run_heldout(args, HELDOUT if args.held_out else TUNING)
     records = []
     # plan by plan across the presets, so that a run stopped early has each preset's best
     jobs = [(preset, index, stage) for index in range(args.top)

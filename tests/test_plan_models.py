@@ -6,7 +6,6 @@ import pytest
 
 from model.planner.cluster import load_cluster
 from model.planner.memory_model import (
-    AUTOCAST_ACTIVATION_FACTOR,
     LOGIT_BYTES,
     QKV_INPUT_GRADS,
     activation_elems_per_layer,
@@ -146,11 +145,12 @@ def test_pipeline_schedules_in_flight_micro_batches() -> None:
     assert inter["act_first"] == pytest.approx(11 * (2 * st[0] + out - out / 2) * 2
                                                + recv(2))
     assert inter["act_last"] == pytest.approx(5 * (2 * st[0] + out - out) * 2 + recv(2))
-    # without FSDP2's bf16 parameters the blocks run under autocast and keep more, and the
-    # residual stream they send is float32
+    # without FSDP2's bf16 parameters the blocks run under autocast: the residual stream is
+    # float32, so each block's two norm inputs (s b h each) keep 4 bytes an element, not 2,
+    # and the residual stream the stage sends is float32 too
     autocast = _mem(s, schedule="1f1b", **{**base, "dp": 1, "sharding": "none"})
     assert autocast["act_first"] == pytest.approx(
-        AUTOCAST_ACTIVATION_FACTOR * 4 * (4 * st[0] + out) * 2 + recv(1, 4))
+        4 * (4 * (st[0] * 2 + 2 * out * (4 - 2)) + out * 4) + recv(1, 4))
 
 
 def test_many_chunk_schedules_keep_three_chunks_gathered() -> None:

@@ -42,6 +42,7 @@ from model.planner.rank_counts import (
 )
 from model.planner.shapes import (
     DDP,
+    GPIPE,
     REC_FULL,
     REC_NONE,
     ZERO2,
@@ -51,17 +52,14 @@ from model.planner.shapes import (
 
 GB = 1e9
 
-LOGIT_BYTES = {2: 16.0, 4: 20.0}
-"""Bytes per logit at the loss's backward, by c: gathered logits (c), their fp32 copy and
-log-softmax and both gradients, less what is freed between (bf16 rehearsals: 15-16)."""
+LOGIT_BYTES = {c: c + 12.0 for c in (2, 4)}
+"""Bytes per logit at the loss's backward, by c: the logits the stage keeps (c), the float32
+log-softmax the loss saves (4) and the two float32 gradients of its backward (4 + 4)."""
 
 QKV_INPUT_GRADS = 4
 """Full-width (s b h) input gradients alive in the q, k, v linears' backward: one each and
 their sum (rehearsed at 1T width: 3 at wq, 4 at wk)."""
 
-AUTOCAST_ACTIVATION_FACTOR = 2.9
-"""Activations under bf16 autocast over fp32 weights relative to bf16 weights (rehearsed
-175B-wide pipelines on the CPU: 2.4x to 2.9x; the largest, so those plans are priced high)."""
 
 
 # --- the plan's shape --------------------------------------------------------------------
@@ -189,18 +187,26 @@ def model_states(lay: _Layout, params: np.ndarray, root: np.ndarray, unit: np.nd
 # --- activations -------------------------------------------------------------------------
 
 
+def norm_input_elems(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray) -> np.ndarray:
+    """(2, or 1 with a parallel residual, whose two norms read one input) x s b h x SP share:
+    the norms' saved inputs per block, the residual stream's dtype (float32 under autocast)."""
+    return (1 if s.parallel_residual else 2) * s.seq_len * mb * s.d_model * np.where(
+        sp == 1, 1.0 / tp, 1.0)
+
+
 def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.ndarray,
                                rec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(stored elements per block per micro-batch, elements of one block while recomputed).
 
-    Korthikanti et al. 2022 without dropout: 2 norm inputs s b h (/ tp under SP), 2 linear
+    Korthikanti et al. 2022 without dropout: 2 norm inputs s b h (/ tp under SP; 1 with a
+    parallel residual), 2 linear
     inputs s b h (all-gathered under SP, so never / tp), q k v and attention output / tp,
     flash's fp32 log-sum-exp (else the s^2 scores), the MLP's 2 or 4 s b ffn / tp.
     Selective recompute drops the scores; full keeps the block's input."""
     sbh = s.seq_len * mb * s.d_model
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     hd = s.head_dim
-    norm_inputs = 2 * sbh * spf
+    norm_inputs = norm_input_elems(s, mb, tp, sp)
     linear_inputs = 2 * sbh  # all-gathered under SP, the norm outputs without it
     qkv = s.seq_len * mb * (s.n_heads * hd + 2 * s.kv_heads * hd) / tp
     attn_out = sbh / tp
@@ -249,26 +255,50 @@ def logit_bytes(lay: _Layout) -> np.ndarray:
     return lay.s.seq_len * lay.plans["mb"] * lay.s.vocab * LOGIT_BYTES[lay.compute_bytes]
 
 
-def activation_factor(lay: _Layout) -> np.ndarray:
-    """AUTOCAST_ACTIVATION_FACTOR under bf16 autocast over fp32 weights, else 1."""
-    return np.where(lay.autocast, AUTOCAST_ACTIVATION_FACTOR, 1.0)
+def waiting_loss_graphs(lay: _Layout) -> np.ndarray:
+    """[GPipe] (m - 1) x s b V x (c + 4): under GPipe every forward runs before the first
+    backward, so the last stage holds each other micro-batch's loss graph (its logits, which
+    the stage keeps for backward, and the float32 log-softmax) at the first loss's backward."""
+    p = lay.plans
+    per_graph = lay.s.seq_len * p["mb"] * lay.s.vocab * (lay.compute_bytes + 4)
+    return np.where((p["sched"] == GPIPE) & ~lay.one_stage, (p["ga"] - 1) * per_graph, 0.0)
+
+
+def autocast_extra_elems(lay: _Layout, rec: np.ndarray) -> np.ndarray:
+    """[bf16 autocast over fp32 weights] the saved elements of one block that stay float32,
+    (4 - c) bytes each beyond the c counted: the residual stream is float32 there, so the
+    norms' inputs are (a fully recomputed block keeps only its input, s b h x SP share);
+    everything after a linear's autocast cast is bf16."""
+    p = lay.plans
+    fp32 = np.where(rec == REC_FULL, lay.residual_elems,
+                    norm_input_elems(lay.s, p["mb"], p["tp"], p["sp"]))
+    return np.where(lay.autocast, fp32, 0.0)
 
 
 def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """(one held chunk forward: (stored + [pipelined] output s b h x SP share) x c x autocast
-    factor - received share x boundary bytes, what a recomputed block adds x c x factor).
+    """(one held chunk forward: stored x c + float32 extras x (4 - c) + [pipelined] output
+    boundary bytes - received share x boundary bytes, what a recomputed block adds).
 
     A chunk's input that came from another rank is a receive buffer, counted there:
     ``received_share`` is the share of held chunk forwards whose input did."""
     p = lay.plans
+    c = lay.compute_bytes
+    chunk_layers = layers / lay.chunks
     stored, transient = chunk_activation_elems(lay.s, p["mb"], p["tp"], p["sp"], p["rec"],
-                                               p["rl"], layers / lay.chunks)
-    output = lay.residual_elems * np.where(lay.one_stage, 0.0, 1.0)
-    factor = activation_factor(lay)
+                                               p["rl"], chunk_layers)
+    # float32 extras under autocast: N recomputed blocks keep their input, the rest their norms'
+    recomputed = np.where((p["rec"] == REC_FULL) & (p["rl"] > 0),
+                          np.minimum(p["rl"], chunk_layers), chunk_layers)
+    kept_rec = np.full_like(p["rec"], REC_NONE)
+    extra = (recomputed * autocast_extra_elems(lay, p["rec"])
+             + (chunk_layers - recomputed) * autocast_extra_elems(lay, kept_rec))
+    output = lay.pipelined(boundary_bytes(lay))
     received = received_share * boundary_bytes(lay)
-    per_chunk = (stored + output) * lay.compute_bytes * factor - received
-    return per_chunk, transient * lay.compute_bytes * factor
+    per_chunk = stored * c + extra * (4 - c) + output - received
+    recomputing = transient * c + np.where(
+        transient > 0, autocast_extra_elems(lay, kept_rec), 0.0) * (4 - c)
+    return per_chunk, recomputing
 
 
 # --- the replayed schedule ---------------------------------------------------------------
@@ -332,10 +362,27 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
 # --- transients at the peak moment -------------------------------------------------------
 
 
+def accumulates_unsharded(lay: _Layout) -> np.ndarray:
+    """FSDP2 keeps unsharded fp32 gradients through the step: pipelined, or zero2 with m > 1."""
+    p = lay.plans
+    return lay.fsdp & (~lay.one_stage | ((p["shard"] == ZERO2) & (p["ga"] > 1)))
+
+
+def full_vocab_embedding_grad(s: Shapes, lay: _Layout) -> np.ndarray:
+    """4 V h (1 - 1/tp) where FSDP2 accumulates unsharded with tp > 1: the embedding's
+    gradient comes out of DTensor's vocab-parallel backward at the full vocabulary on every
+    tp rank, and is kept so (float32) until the step's reduce-scatter."""
+    tp = lay.plans["tp"]
+    return np.where(accumulates_unsharded(lay) & (tp > 1),
+                    4 * s.embedding_params * (1 - 1 / tp), 0.0)
+
+
 def gradient_cast(s: Shapes, lay: _Layout, unit: np.ndarray) -> np.ndarray:
-    """(c + 4) x max(u, V h): a new gradient and its fp32 cast; the embedding's comes out at
-    the full vocabulary on every tp rank (DTensor's vocab-parallel backward)."""
-    return (lay.compute_bytes + 4) * np.maximum(unit, s.embedding_params)
+    """c x max(u, V h) + 4 x the same unless FSDP2 accumulates it into a kept float32
+    gradient: a new gradient and its fp32 cast; the embedding's comes out at the full
+    vocabulary on every tp rank (DTensor's vocab-parallel backward)."""
+    largest = np.maximum(unit, s.embedding_params)
+    return np.where(accumulates_unsharded(lay), lay.compute_bytes, lay.compute_bytes + 4) * largest
 
 
 def new_block_gradient(lay: _Layout, unit: np.ndarray) -> np.ndarray:
@@ -427,7 +474,9 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # Under pipelining the fp32 gradients (4 P) and FSDP2's gathered parameters (c P) are
     # counted at the replayed moment, not whole through the step.
     first_rank = np.zeros_like(pp)
-    grads_first = lay.pipelined(4 * params_first)
+    embedding_grad = full_vocab_embedding_grad(s, lay)
+    states_first = states_first + np.where(lay.one_stage, embedding_grad, 0.0)
+    grads_first = lay.pipelined(4 * params_first + embedding_grad)
     gathered_first = np.where(lay.fsdp & ~lay.one_stage, cb * params_first, 0.0)
     # every held chunk forward's input but the first chunk's came from another rank
     peak_first = rank_peak(lay, first_rank, layers_first, grads_first, gathered_first,
@@ -441,7 +490,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
                           gathered_last, lay.pipelined(1.0))
     act_first = peak_first.activations + peak_first.recomputing + received
     act_last = peak_last.activations + peak_last.recomputing + received
-    states_first = (states_first - grads_first
+    states_first = (states_first - lay.pipelined(4 * params_first)
                     + lay.pipelined(peak_first.grads_and_gathered))
     states_last = (states_last - lay.pipelined(4 * params_last)
                    + lay.pipelined(peak_last.grads_and_gathered) + root_held)
@@ -457,7 +506,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
         lay, buffers_first, act_first, peak_first, at_embedding, new_gradient, cast, logits,
         unmade_gradients(lay, params_first))
     transient_last = last_stage_transient(lay, buffers_last, params_last, root_last, peak_last,
-                                          new_gradient, logits)
+                                          new_gradient, logits + waiting_loss_graphs(lay))
 
     first = with_margins(states_first + transient_first + act_first, reserved_gb, fragmentation)
     last = with_margins(states_last + transient_last + act_last, reserved_gb, fragmentation)

@@ -46,6 +46,9 @@ class Shapes:
     """The loss is eager ``cross_entropy(logits.float(), ...)`` (fp32 cast, log-softmax and
     their backward as separate kernels): priced on GPU clusters by
     ``time_model.EAGER_LOSS_BYTES``."""
+    parallel_residual: bool = False
+    """Attention and MLP read one normed input each from the same residual (GPT-NeoX's
+    ``use_parallel_residual``): one saved norm input per block, not two."""
     tied: bool = False
     """The input embedding and the output head are one weight (``model.tie_embeddings``):
     one parameter without pipeline stages; with them the last stage holds a copy whose
@@ -65,6 +68,7 @@ class Shapes:
             seq_len=train_cfg.seq_len, llama=model_cfg.family == "llama", dtype=train_cfg.dtype,
             flash_attention=flash_attention, eager=not getattr(train_cfg, "compile", False),
             tied=bool(getattr(model_cfg, "tie_embeddings", False)),
+            parallel_residual=bool(getattr(model_cfg, "parallel_residual", False)),
             eager_loss=True,
         )
 
