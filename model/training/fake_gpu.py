@@ -14,8 +14,9 @@ here, in one place (docs/planner.md lists each refusal and the call that made it
 - in Python (``GUARDED``, installed by ``guarded_cuda``): the ``torch.cuda`` runtime
   queries, streams and events FSDP2 and autocast call.
 
-``run_rank`` (``python -m model.training.fake_gpu REQUEST RESULT``) is such a process: it
-loads the runtime, then imports torch and rehearses the rank on ``cuda``.
+``model.training.fake_gpu_rank`` (``python -m model.training.fake_gpu_rank REQUEST RESULT``)
+is such a process: it loads the runtime, then imports torch and rehearses the rank on
+``cuda``.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
-import pickle
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -234,25 +234,5 @@ def guarded_cuda() -> Iterator[None]:
         functional.scaled_dot_product_attention, functional.rms_norm = sdpa, rms_norm
 
 
-def run_rank(request: Path, result: Path) -> None:
-    """Rehearse one rank on the fake GPU: ``request`` holds the pickled positional
-    arguments of ``rehearse`` (device type ``cuda`` among them); ``result`` gets the pickled
-    Rehearsal, or the RehearsalError that refused it."""
-    load_runtime()
-    from model.training.rehearse import RehearsalError, rehearse
-
-    args = pickle.loads(request.read_bytes())
-    try:
-        outcome: Any = rehearse(*args)
-    except RehearsalError as exc:
-        outcome = exc
-    tmp = result.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(outcome))
-    tmp.replace(result)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--build"]:
-        print(build(Path(sys.argv[2])))
-    else:
-        run_rank(Path(sys.argv[1]), Path(sys.argv[2]))
+if __name__ == "__main__":  # python -m model.training.fake_gpu --build DIR
+    print(build(Path(sys.argv[2])))

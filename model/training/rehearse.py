@@ -869,7 +869,7 @@ def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     On the CPU the child is forked from multiprocessing's fork server, which has imported
     this module (torch, DTensor, the trainer) once and rehearsed nothing: a plan stage's
     rehearsals then cost their work, not seconds of imports each. On ``cuda`` the child is
-    a fresh interpreter (``python -m model.training.fake_gpu``) that loads the fake GPU
+    a fresh interpreter (``python -m model.training.fake_gpu_rank``) that loads the fake GPU
     before torch; its output goes to this process's console.
     """
     if device_type == "cuda":
@@ -896,7 +896,7 @@ def _rehearse_on_fake_gpu(args: tuple, initializer: Callable[[], None] | None) -
     with tempfile.TemporaryDirectory(prefix="rehearse-gpu-") as tmp:
         request, result = Path(tmp) / "request.pkl", Path(tmp) / "result.pkl"
         request.write_bytes(pickle.dumps(args))
-        proc = subprocess.run([sys.executable, "-m", "model.training.fake_gpu", str(request),
+        proc = subprocess.run([sys.executable, "-m", "model.training.fake_gpu_rank", str(request),
                                str(result)], preexec_fn=initializer, check=False,
                               cwd=Path(__file__).resolve().parents[2])
         if not result.exists():
