@@ -97,8 +97,10 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
 def rehearsal_text(plan: Plan, records: list[dict[str, Any]], device_gb: float) -> str:
     """The rehearsed ranks beside the memory model, as printable lines."""
     device = records[0].get("device_type", "cpu") if records else "cpu"
-    lines = [f"rehearsal of {plan.describe()} (fake {device} tensors; one step measured after "
-             "one warm-up step):",
+    extrapolated = any("extrapolated" in n for r in records for n in r.get("rehearsal_notes", []))
+    steps = ("two shorter steps extrapolated to the plan's micro-batches" if extrapolated
+             else "one step measured after one warm-up step")
+    lines = [f"rehearsal of {plan.describe()} (fake {device} tensors; {steps}):",
              f"  {'rank':>6} {'stage':<6} {'modeled GB':>11} {'(tensors)':>10} "
              f"{'rehearsed GB':>13} {'ratio':>6} {'+margins':>9} {'device':>7}  FLOPs/step"]
     for r in records:
