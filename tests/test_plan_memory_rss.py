@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,8 @@ def test_memory_model_matches_measured_peak_rss(shape: dict) -> None:
         runs.append(json.loads(out.stdout.strip().splitlines()[-1])["delta_gb"])
     measured = min(runs)
     model = ModelConfig(**shape)
-    s = Shapes.from_configs(model, TrainConfig(global_batch=batch, seq_len=seq, dtype="float32"))
+    s = replace(Shapes.from_configs(model, TrainConfig(global_batch=batch, seq_len=seq,
+                                                       dtype="float32")), on_cpu=True)
     predicted = peak_memory_gb(s, Plan(micro_batch=batch, grad_accum=1, sharding="none"))
     print(f"predicted {predicted:.3f} GB, measured {measured:.3f} GB, "
           f"ratio {measured / predicted:.3f}")

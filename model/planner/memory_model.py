@@ -251,8 +251,10 @@ def receive_buffers(lay: _Layout) -> np.ndarray:
 
 
 def logit_bytes(lay: _Layout) -> np.ndarray:
-    """s b V x LOGIT_BYTES[c]: the loss's backward, on full vocabulary rows on every tp rank."""
-    return lay.s.seq_len * lay.plans["mb"] * lay.s.vocab * LOGIT_BYTES[lay.compute_bytes]
+    """s b V x (LOGIT_BYTES[c], + 4 on the CPU, whose log-softmax backward makes one more
+    float32 tensor): the loss's backward, on full vocabulary rows on every tp rank."""
+    per_logit = LOGIT_BYTES[lay.compute_bytes] + (4 if lay.s.on_cpu else 0)
+    return lay.s.seq_len * lay.plans["mb"] * lay.s.vocab * per_logit
 
 
 def waiting_loss_graphs(lay: _Layout) -> np.ndarray:

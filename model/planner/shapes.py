@@ -46,6 +46,9 @@ class Shapes:
     """The loss is eager ``cross_entropy(logits.float(), ...)`` (fp32 cast, log-softmax and
     their backward as separate kernels): priced on GPU clusters by
     ``time_model.EAGER_LOSS_BYTES``."""
+    on_cpu: bool = False
+    """The ranks run on the CPU (the measured local cluster), whose loss backward keeps one
+    more float32 s x b x V tensor than a GPU's (``memory_model.logit_bytes``)."""
     parallel_residual: bool = False
     """Attention and MLP read one normed input each from the same residual (GPT-NeoX's
     ``use_parallel_residual``): one saved norm input per block, not two."""
@@ -69,6 +72,7 @@ class Shapes:
             flash_attention=flash_attention, eager=not getattr(train_cfg, "compile", False),
             tied=bool(getattr(model_cfg, "tie_embeddings", False)),
             parallel_residual=bool(getattr(model_cfg, "parallel_residual", False)),
+            on_cpu=getattr(cluster, "device_type", "cuda") == "cpu",
             eager_loss=True,
         )
 
