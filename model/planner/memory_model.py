@@ -143,7 +143,7 @@ def fsdp_states(lay: _Layout, params: np.ndarray, root: np.ndarray) -> np.ndarra
     """12 P / dp (fp32 shards, Adam) + (c [pp = 1] + 4) P where gradients accumulate
     unsharded (pipelined, or zero2 with m > 1), else 4 P / dp + c P (zero2) or c R (zero3)."""
     shard, dp, c = lay.plans["shard"], lay.plans["dp"], lay.compute_bytes
-    accumulating = ~lay.one_stage | ((shard == ZERO2) & (lay.plans["ga"] > 1))
+    accumulating = accumulates_unsharded(lay)
     # sharded fp32 gradients; zero2 keeps every block gathered from forward to backward
     per_block = 4 * params / dp + np.where(shard == ZERO2, c * params, c * root)
     # gathered parameters (under pipelining counted at the replayed moments instead) and

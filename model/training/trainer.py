@@ -200,7 +200,6 @@ class Trainer:
                 parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
                                   plan.sequence_parallel, self.param_dtype, train_cfg.compile,
                                   plan.recompute_layers)
-            with materialize():
                 chunk.to_empty(device=device)
                 chunk.init_weights(train_cfg.seed)
         self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
