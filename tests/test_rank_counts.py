@@ -3,6 +3,8 @@ rehearsals of the real trainer (fake tensors, a fake process group of the plan's
 on every layout family, and the schedule replay that counts FSDP2's gathers."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -156,7 +158,7 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     from model.planner.shapes import encode
 
     inter = Plan(pp=2, grad_accum=2, schedule="interleaved_1f1b", virtual_stages=2)
-    onef = Plan(pp=4, grad_accum=8, schedule="1f1b")
+    onef = Plan(pp=4, grad_accum=8, schedule="1f1b", sharding="zero2")
     many = Plan(pp=2, grad_accum=4, schedule="interleaved_1f1b", virtual_stages=6)
     plans = encode([inter, onef, many])
     table = held_by_accumulating(plans, np.array([0, 0, 0]))  # [plan, accumulating, gathered]
@@ -169,3 +171,7 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     assert ends[0].max(axis=1).tolist()[:3] == [-1, 1, -1]
     assert ends[1].max(axis=1).tolist()[:2] == [-1, 3]
     assert ends[0][1][1] == 1 and ends[2][1][1] == 1  # the first chunk alone is gathered
+    # zero3 reshards a one-chunk rank after each forward: the most forwards (4) are held
+    # with the chunk resharded (a backward beginning), at most 3 once a backward gathered it
+    zero3 = held_by_accumulating(encode([replace(onef, sharding="zero3")]), np.array([0]))[0]
+    assert zero3[:, 0].max() == 4 and zero3[:, 1].max() == 3

@@ -43,6 +43,7 @@ from model.planner.rank_counts import (
 from model.planner.shapes import (
     DDP,
     GPIPE,
+    ONEF1B,
     REC_FULL,
     REC_NONE,
     ZERO2,
@@ -163,12 +164,11 @@ def fsdp_buffers(lay: _Layout, unit: np.ndarray, head: np.ndarray) -> np.ndarray
     return np.where(lay.one_stage, flat, 4 * unit)
 
 
-def plain_states(lay: _Layout, params: np.ndarray) -> np.ndarray:
-    """16 P (fp32 parameters, gradients, Adam) + 2 P (bf16: autocast's weight copies) + 4 P
-    (DDP's buckets, dp > 1, no pipeline)."""
-    states = 16 * params + (2 * params if lay.s.dtype == "bfloat16" else 0.0)
+def plain_states(lay: _Layout, params: np.ndarray, cached_copies: np.ndarray) -> np.ndarray:
+    """16 P (fp32 parameters, gradients, Adam) + autocast's cached bf16 weight copies
+    (``autocast_cached_copies``) + 4 P (DDP's buckets, dp > 1, no pipeline)."""
     ddp = (lay.plans["shard"] == DDP) & (lay.plans["dp"] > 1)
-    return states + np.where(ddp & lay.one_stage, 4 * params, 0.0)
+    return 16 * params + cached_copies + np.where(ddp & lay.one_stage, 4 * params, 0.0)
 
 
 def plain_buffers(lay: _Layout, params: np.ndarray) -> np.ndarray:
@@ -178,10 +178,57 @@ def plain_buffers(lay: _Layout, params: np.ndarray) -> np.ndarray:
 
 
 def model_states(lay: _Layout, params: np.ndarray, root: np.ndarray, unit: np.ndarray,
-                 head: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 head: np.ndarray, cached_copies: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(states kept through the step, buffers at a block's backward): FSDP2's or plain."""
-    return (np.where(lay.fsdp, fsdp_states(lay, params, root), plain_states(lay, params)),
+    return (np.where(lay.fsdp, fsdp_states(lay, params, root),
+                     plain_states(lay, params, cached_copies)),
             np.where(lay.fsdp, fsdp_buffers(lay, unit, head), plain_buffers(lay, params)))
+
+
+# --- autocast's weight copies ------------------------------------------------------------
+
+
+def recasts_per_forward(lay: _Layout) -> np.ndarray:
+    """[autocast, pipelined, recompute, not GPipe] forwards after a backward cast the
+    weights anew: a backward that recomputes runs, on a GPU, on the autograd engine's device
+    thread, whose autocast exit empties autocast's weight-cast cache. GPipe runs every
+    forward before the first backward: they share one cast."""
+    p = lay.plans
+    return (lay.autocast & ~lay.one_stage & (p["rec"] != REC_NONE) & (p["sched"] != GPIPE))
+
+
+def recast_forwards(lay: _Layout, held: np.ndarray) -> np.ndarray:
+    """[recasts_per_forward] held chunk forwards with weight copies of their own beyond the
+    cached set: of H held forwards, the min(H, m v - H) made after a backward each cast anew,
+    the warm-up's (H > m v - H) share one; the newest set is the cache's."""
+    total = lay.plans["ga"] * lay.chunks
+    after_backward = np.minimum(held, np.maximum(total - held, 0))
+    sets = after_backward + (held > after_backward)
+    return np.where(recasts_per_forward(lay), np.maximum(sets - 1, 0), 0)
+
+
+def kept_blocks(lay: _Layout, chunk_layers: Any) -> np.ndarray:
+    """Blocks of a chunk of ``chunk_layers`` whose saved tensors hold their weights' bf16
+    copies: all but the fully recomputed ones (recompute_layers N of them, all under full)."""
+    p = lay.plans
+    recomputed = np.where(p["rec"] == REC_FULL,
+                          np.where(p["rl"] > 0, np.minimum(p["rl"], chunk_layers), chunk_layers),
+                          0)
+    return chunk_layers - recomputed
+
+
+def autocast_cached_copies(lay: _Layout, layers: np.ndarray, head: Any) -> np.ndarray:
+    """[bf16 autocast over fp32 weights] c x (matrices of the rank's blocks / tp + its output
+    head): the cast weights autocast caches (the embedding is looked up, not cast). Under
+    GPipe with recompute only the kept blocks' and the head's outlive the first backward's
+    emptying of the cache; under 1F1B held forwards add sets of their own
+    (``recast_forwards``)."""
+    c = lay.compute_bytes
+    matrices = lay.s.layer_matrix_params / lay.plans["tp"]
+    gpipe_recompute = (~lay.one_stage & (lay.plans["rec"] != REC_NONE)
+                       & (lay.plans["sched"] == GPIPE))
+    blocks = np.where(gpipe_recompute, kept_blocks(lay, layers), layers)
+    return np.where(lay.autocast, c * (matrices * blocks + head), 0.0)
 
 
 # --- activations -------------------------------------------------------------------------
@@ -201,8 +248,9 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
     Korthikanti et al. 2022 without dropout: 2 norm inputs s b h (/ tp under SP; 1 with a
     parallel residual), 2 linear
     inputs s b h (all-gathered under SP, so never / tp), q k v and attention output / tp,
-    flash's fp32 log-sum-exp (else the s^2 scores), the MLP's 2 or 4 s b ffn / tp.
-    Selective recompute drops the scores; full keeps the block's input."""
+    flash's fp32 log-sum-exp and its output (else the s^2 scores), the MLP's 2 or 4 s b
+    ffn / tp. Selective recompute drops the scores and flash's output; full keeps the
+    block's input."""
     sbh = s.seq_len * mb * s.d_model
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     hd = s.head_dim
@@ -214,11 +262,15 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
     # flash kernels keep a fp32 log-sum-exp per (head, position)
     lse = s.n_heads * s.seq_len * mb / tp * (4 / s.act_bytes) if s.flash_attention else 0.0
     mlp = (4 if s.llama else 2) * s.seq_len * mb * s.ffn / tp
+    # flash kernels save their output, which the output projection's input copies
+    # (heads back to rows); selective recompute redoes attention and drops it
+    flash_out = attn_out if s.flash_attention else 0.0
     full = norm_inputs + linear_inputs + qkv + attn_out + lse + mlp + scores
     selective = full - scores
-    stored = np.where(rec == REC_NONE, full, np.where(rec == REC_FULL, sbh * spf, selective))
+    stored = np.where(rec == REC_NONE, full + flash_out,
+                      np.where(rec == REC_FULL, sbh * spf, selective))
     # under full recompute one block's activations exist again while it is recomputed
-    transient = np.where(rec == REC_FULL, full, 0.0)
+    transient = np.where(rec == REC_FULL, full + flash_out, 0.0)
     return stored, transient
 
 
@@ -277,10 +329,21 @@ def autocast_extra_elems(lay: _Layout, rec: np.ndarray) -> np.ndarray:
     return np.where(lay.autocast, fp32, 0.0)
 
 
+def autocast_input_casts(lay: _Layout) -> np.ndarray:
+    """[bf16 autocast over fp32 weights] (3 + 2 llama / 1 neox - 2) x s b h per kept block:
+    each projection casts the float32 norm output it reads and saves its own bf16 copy
+    (q, k and v read one; llama's w1 and w3 another), where the 2 linear inputs counted
+    are one per norm. All-gathered under SP, so never / tp."""
+    reads = 3 + (2 if lay.s.llama else 1)
+    sbh = lay.s.seq_len * lay.plans["mb"] * lay.s.d_model
+    return np.where(lay.autocast, (reads - 2) * sbh, 0.0)
+
+
 def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """(one held chunk forward: stored x c + float32 extras x (4 - c) + [pipelined] output
-    boundary bytes - received share x boundary bytes, what a recomputed block adds).
+    """(one held chunk forward: stored x c + float32 extras x (4 - c) + autocast's input
+    casts of the kept blocks x c + [pipelined] output boundary bytes - received share x
+    boundary bytes, what a recomputed block adds).
 
     A chunk's input that came from another rank is a receive buffer, counted there:
     ``received_share`` is the share of held chunk forwards whose input did."""
@@ -297,9 +360,12 @@ def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
              + (chunk_layers - recomputed) * autocast_extra_elems(lay, kept_rec))
     output = lay.pipelined(boundary_bytes(lay))
     received = received_share * boundary_bytes(lay)
-    per_chunk = stored * c + extra * (4 - c) + output - received
-    recomputing = transient * c + np.where(
-        transient > 0, autocast_extra_elems(lay, kept_rec), 0.0) * (4 - c)
+    casts = autocast_input_casts(lay)
+    per_chunk = (stored * c + extra * (4 - c) + kept_blocks(lay, chunk_layers) * casts * c
+                 + output - received)
+    # a recomputed block has its float32 norm inputs and its input casts again
+    recomputing = (transient * c + np.where(transient > 0, autocast_extra_elems(lay, kept_rec)
+                                            * (4 - c) + casts * c, 0.0))
     return per_chunk, recomputing
 
 
@@ -355,7 +421,11 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     moment = largest_moment(lay, held, per_chunk, grads, gathered)
     k, g = moment.accumulating, moment.gathered
     rows = np.arange(len(k))
-    activations = np.where(lay.one_stage, per_chunk, per_chunk * held[rows, k, g])
+    held_now = held[rows, k, g]
+    # forwards holding bf16 weight copies of their own (autocast): the chunk's kept blocks'
+    copies = (lay.compute_bytes * lay.s.layer_matrix_params / lay.plans["tp"]
+              * kept_blocks(lay, layers / lay.chunks) * recast_forwards(lay, held_now))
+    activations = np.where(lay.one_stage, per_chunk, per_chunk * held_now + copies)
     held_gathered = lay.pipelined(gathered / lay.chunks * g)
     grads_and_gathered = np.where(lay.one_stage, grads, grads / lay.chunks * k) + held_gathered
     return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered)
@@ -425,19 +495,24 @@ def first_stage_transient(lay: _Layout, states_buffers: np.ndarray, acts: np.nda
     return np.where(lay.one_stage, one_stage, pipelined)
 
 
-def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, params: np.ndarray,
+def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies: np.ndarray,
                          root: np.ndarray, peak: _RankPeak, new_gradient: np.ndarray,
                          logits: np.ndarray) -> np.ndarray:
     """Bytes over states + activations at the last rank's peak: the largest of the loss's
-    backward (logits), a recomputed block's, a block's new gradient + c R (the head's,
+    backward (logits, less the blocks zero3 has resharded), a recomputed block's, a block's new gradient + c R (the head's,
     reduced after the whole backward) and the gradient reduction after the schedule."""
     # The reduction's buffer comes once REDUCE_GRAD has resharded the rank's chunks (FSDP2)
     # or the activations, and with them autocast's bf16 weight copies, are gone (ddp).
-    autocast_weights = np.where(lay.autocast, 2 * params, 0.0)
     reduction = np.where(lay.fsdp, states_buffers - peak.gathered,
-                         states_buffers - peak.activations - autocast_weights)
+                         states_buffers - peak.activations - cached_copies)
     with_head = new_gradient + np.where(lay.fsdp & ~lay.one_stage, lay.compute_bytes * root, 0.0)
-    moments = np.broadcast_arrays(logits, peak.recomputing, with_head, reduction)
+    # zero3 reshards a 1F1B rank's chunk after each forward: at the loss's backward its
+    # blocks are not gathered yet (rank_counts.held_by_accumulating); GPipe's later loss
+    # backwards find them gathered by the first
+    p = lay.plans
+    resharded = lay.fsdp & (p["shard"] == ZERO3) & (p["sched"] == ONEF1B) & ~lay.one_stage
+    at_loss = logits - np.where(resharded, peak.gathered, 0.0)
+    moments = np.broadcast_arrays(at_loss, peak.recomputing, with_head, reduction)
     pipelined = np.max(moments, axis=0) - peak.recomputing
     return np.where(lay.one_stage, np.maximum(states_buffers, logits), pipelined)
 
@@ -468,8 +543,13 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     head = s.embedding_params / tp + s.d_model  # the output head and its norm
     params_first = layers_first * unit + root_first
     params_last = layers_last * unit + root_last
-    states_first, buffers_first = model_states(lay, params_first, root_first, unit, head)
-    states_last, buffers_last = model_states(lay, params_last, root_last, unit, head)
+    head_first = np.where(lay.one_stage, head, 0.0)  # the first rank's root is the embedding
+    cached_first = autocast_cached_copies(lay, layers_first, head_first)
+    cached_last = autocast_cached_copies(lay, layers_last, head)
+    states_first, buffers_first = model_states(lay, params_first, root_first, unit, head,
+                                               cached_first)
+    states_last, buffers_last = model_states(lay, params_last, root_last, unit, head,
+                                             cached_last)
     received = receive_buffers(lay)
     logits = logit_bytes(lay)
 
@@ -507,7 +587,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     transient_first = first_stage_transient(
         lay, buffers_first, act_first, peak_first, at_embedding, new_gradient, cast, logits,
         unmade_gradients(lay, params_first))
-    transient_last = last_stage_transient(lay, buffers_last, params_last, root_last, peak_last,
+    transient_last = last_stage_transient(lay, buffers_last, cached_last, root_last, peak_last,
                                           new_gradient, logits + waiting_loss_graphs(lay))
 
     first = with_margins(states_first + transient_first + act_first, reserved_gb, fragmentation)

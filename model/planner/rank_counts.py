@@ -158,15 +158,17 @@ def unit_gathers(plan: Plan, pp_rank: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
-                          first_chunk_ends: bool) -> tuple[tuple[int, ...], ...]:
+                          first_chunk_ends: bool, zero3: bool = False
+                          ) -> tuple[tuple[int, ...], ...]:
     order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
                            pp_rank)
     interleaved = schedule == "interleaved_1f1b"
     actions = _with_prefetch(order) if interleaved else iter(order)
     best = [[-1] * (v + 1) for _ in range(v + 1)]  # [accumulating][gathered]
     held, backwards = 0, [0] * v
-    # one chunk's schedules gather it for the whole step; multi-chunk ones as they prefetch
-    active = set() if interleaved else set(range(v))
+    # one chunk's schedules gather it for the whole step (zero3: from a backward's end to
+    # the next forward); multi-chunk ones as they prefetch
+    active = set() if interleaved or zero3 else set(range(v))
 
     def moment() -> None:
         accumulating = sum(1 for n in backwards if n > 0)
@@ -180,6 +182,8 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             continue
         if kind == "F":
             held += 1
+            if zero3 and not interleaved:
+                active.discard(chunk)  # resharded after its forward
             if not first_chunk_ends:
                 moment()
             continue
@@ -187,6 +191,8 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             moment()  # a backward begins: its forward's activations held, no new gradients
         backwards[chunk] += 1
         held -= 1
+        if zero3 and not interleaved:
+            active.add(chunk)  # gathered again by its backward
         if not first_chunk_ends or chunk == 0:
             moment()  # it ends: those activations freed, the chunk's gradients made
         if backwards[chunk] == ga:  # its last micro-batch: reduce-scattered, then freed
@@ -208,16 +214,20 @@ def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
     -1 where a schedule never has (k, g) (``schedule_order`` replayed). A chunk holds
     gradients from its first backward through its last micro-batch's, which
     reduce-scatters them (the sharded result is small: 1 / dp) and reshards the chunk. One
-    chunk's schedules keep it gathered through the step; multi-chunk ones gather and
-    reshard as ``_with_prefetch`` says, so fewer chunks are gathered as the step ends.
+    chunk's schedules keep it gathered through the step, but under zero3 each forward
+    reshards it and the next backward gathers it again (block by block, kept gathered: the
+    schedule does not reshard after backward), so it counts as gathered only once a
+    backward has ended and until the next forward; multi-chunk ones gather and reshard as
+    ``_with_prefetch`` says, so fewer chunks are gathered as the step ends.
 
     ``first_chunk_ends``: only the moments that end a backward of the rank's first chunk,
     where the first pipeline stage makes the embedding's gradient (its first layer, so the
     last of the chunk's backward)."""
     rank = np.broadcast_to(np.asarray(pp_rank), c["pp"].shape)
-    keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank], axis=1)
-    rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r: _held_by_accumulating(
-        pp, v, ga, SCHEDULES[sched], r, first_chunk_ends))
+    zero3 = (c["shard"] == SHARDINGS.index("zero3")).astype(c["pp"].dtype)
+    keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank, zero3], axis=1)
+    rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r, z3: _held_by_accumulating(
+        pp, v, ga, SCHEDULES[sched], r, first_chunk_ends, bool(z3)))
     size = int(c["v"].max()) + 1 if len(c["v"]) else 1
     table = np.full((len(rows), size, size), -1.0)
     for i, row in enumerate(rows):
