@@ -1,6 +1,8 @@
 """Memory and time models against hand-computed numbers and published formulas."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -31,13 +33,17 @@ def test_single_rank_fp32_memory_matches_hand_count() -> None:
     assert m["params_first"] == params
     assert m["states_first"] == 16 * params                # fp32 param, grad, Adam m and v
     sbh = 32 * 2 * 64
-    # norm inputs, linear inputs, q/k/v, attention output (flash's saved output and the
-    # output projection's input), flash lse, the MLP's two tensors
-    per_layer = 2 * sbh + 2 * sbh + 3 * sbh + 2 * sbh + 4 * 32 * 2 + 2 * 32 * 2 * 256
+    # norm inputs, linear inputs, q/k/v, attention output, flash lse, the MLP's two tensors
+    per_layer = 2 * sbh + 2 * sbh + 3 * sbh + sbh + 4 * 32 * 2 + 2 * 32 * 2 * 256
     assert m["act_first"] == 4 * per_layer * 4             # one micro-batch in flight
     logits = 32 * 2 * 128 * LOGIT_BYTES[4]                  # the loss's backward peak
     assert m["transient_first"] == logits
     assert m["peak"] == 16 * params + 4 * per_layer * 4 + logits
+    # partial rotary: attention's output in head-major layout and the output projection's
+    # row-major copy of it
+    partial = _mem(replace(s, partial_rotary=True), micro_batch=2, grad_accum=3,
+                   sharding="none", recompute="none")
+    assert partial["act_first"] == 4 * (per_layer + sbh) * 4
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -247,10 +247,10 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
 
     Korthikanti et al. 2022 without dropout: 2 norm inputs s b h (/ tp under SP; 1 with a
     parallel residual), 2 linear
-    inputs s b h (all-gathered under SP, so never / tp), q k v and attention output / tp,
-    flash's fp32 log-sum-exp and its output (else the s^2 scores), the MLP's 2 or 4 s b
-    ffn / tp. Selective recompute drops the scores and flash's output; full keeps the
-    block's input."""
+    inputs s b h (all-gathered under SP, so never / tp), q k v and attention output / tp
+    (twice under partial rotary), flash's fp32 log-sum-exp (else the s^2 scores), the MLP's
+    2 or 4 s b ffn / tp. Selective recompute drops the scores; full keeps the block's
+    input."""
     sbh = s.seq_len * mb * s.d_model
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     hd = s.head_dim
@@ -262,15 +262,14 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
     # flash kernels keep a fp32 log-sum-exp per (head, position)
     lse = s.n_heads * s.seq_len * mb / tp * (4 / s.act_bytes) if s.flash_attention else 0.0
     mlp = (4 if s.llama else 2) * s.seq_len * mb * s.ffn / tp
-    # flash kernels save their output, which the output projection's input copies
-    # (heads back to rows); selective recompute redoes attention and drops it
-    flash_out = attn_out if s.flash_attention else 0.0
-    full = norm_inputs + linear_inputs + qkv + attn_out + lse + mlp + scores
+    # partial rotary: attention's output comes in head-major layout (q's, rebuilt by a
+    # concatenation) and the output projection saves a row-major copy beside it
+    layout_copy = attn_out if s.partial_rotary else 0.0
+    full = norm_inputs + linear_inputs + qkv + attn_out + layout_copy + lse + mlp + scores
     selective = full - scores
-    stored = np.where(rec == REC_NONE, full + flash_out,
-                      np.where(rec == REC_FULL, sbh * spf, selective))
+    stored = np.where(rec == REC_NONE, full, np.where(rec == REC_FULL, sbh * spf, selective))
     # under full recompute one block's activations exist again while it is recomputed
-    transient = np.where(rec == REC_FULL, full + flash_out, 0.0)
+    transient = np.where(rec == REC_FULL, full, 0.0)
     return stored, transient
 
 

@@ -52,6 +52,10 @@ class Shapes:
     parallel_residual: bool = False
     """Attention and MLP read one normed input each from the same residual (GPT-NeoX's
     ``use_parallel_residual``): one saved norm input per block, not two."""
+    partial_rotary: bool = False
+    """Rotary embeddings turn only part of each head (neox ``rotary_fraction`` < 1): q is
+    rebuilt by a concatenation in head-major layout, attention's output follows it, and the
+    output projection saves a row-major copy (``memory_model.activation_elems_per_layer``)."""
     tied: bool = False
     """The input embedding and the output head are one weight (``model.tie_embeddings``):
     one parameter without pipeline stages; with them the last stage holds a copy whose
@@ -72,6 +76,7 @@ class Shapes:
             flash_attention=flash_attention, eager=not getattr(train_cfg, "compile", False),
             tied=bool(getattr(model_cfg, "tie_embeddings", False)),
             parallel_residual=bool(getattr(model_cfg, "parallel_residual", False)),
+            partial_rotary=getattr(model_cfg, "rotary_fraction", 1.0) < 1.0,
             on_cpu=getattr(cluster, "device_type", "cuda") == "cpu",
             eager_loss=True,
         )
