@@ -58,5 +58,26 @@ def attention_kernels() -> dict:
     return out
 
 
+def silu_backward_ops() -> dict:
+    """The ops SwiGLU's SiLU backward dispatches on fake cuda tensors (a GPU: one kernel)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    with fake_gpu.guarded_cuda(), FakeTensorMode():
+        x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = torch.nn.functional.silu(x)
+        with Ops() as ops:
+            y.backward(torch.ones_like(y))
+    return {"ops": [op for op in ops.seen if op != "device"]}
+
+
 if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]()))

@@ -74,6 +74,14 @@ def test_fp32_takes_the_memory_efficient_kernel_and_grouped_heads_the_math_one()
     assert any("bmm" in op or "mm" in op for op in kernels["fp32_gqa"]), kernels
 
 
+def test_silu_backward_is_one_kernel_as_on_a_gpu() -> None:
+    """A CPU-only torch would run SiLU's backward as its composite form on cuda tensors,
+    five temporaries a GPU never makes; the fake GPU keeps it one op."""
+    ops = run_case("silu_backward_ops")["ops"]
+    assert "silu_backward" in ops, ops
+    assert "sigmoid" not in ops and "mul" not in ops, ops
+
+
 def test_a_host_tensor_on_a_gpu_rank_is_named_where_it_was_made() -> None:
     error = run_case("stray_tensor")["error"]
     assert error is not None, "a host tensor added on a cuda rank went unnoticed"

@@ -210,6 +210,23 @@ GUARDED = ("is_available", "is_bf16_supported", "current_device", "device_count"
 """The ``torch.cuda`` attributes ``guarded_cuda`` answers for a CPU-only torch."""
 
 
+def gpu_kernels() -> Any:
+    """A ``torch.library`` registration of CUDA kernels for the ops a CPU-only torch
+    decomposes on ``cuda`` tensors where a GPU build runs one kernel: ``silu_backward``
+    (SwiGLU's backward), whose composite form makes five more full-size temporaries the
+    rehearsal would count. Under fake tensors the kernel itself never runs (fake mode
+    answers the op); it computes the same as the composite form. ``_destroy()`` removes it."""
+    import torch
+
+    def silu_backward(grad_output: Any, x: Any) -> Any:
+        sigmoid = torch.sigmoid(x)
+        return grad_output * sigmoid * (1 + x * (1 - sigmoid))
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("silu_backward", silu_backward, "CUDA")
+    return library
+
+
 @contextlib.contextmanager
 def guarded_cuda() -> Iterator[None]:
     """Answer ``GUARDED`` on ``torch.cuda`` while open (a CPU-only torch with the fake GPU
@@ -222,6 +239,7 @@ def guarded_cuda() -> Iterator[None]:
     saved = {name: getattr(torch.cuda, name) for name in GUARDED}
     functional = torch.nn.functional
     sdpa, rms_norm = functional.scaled_dot_product_attention, functional.rms_norm
+    kernels = gpu_kernels()
     try:
         for name in GUARDED:
             setattr(torch.cuda, name, stand_ins[name])
@@ -232,6 +250,7 @@ def guarded_cuda() -> Iterator[None]:
         for name, original in saved.items():
             setattr(torch.cuda, name, original)
         functional.scaled_dot_product_attention, functional.rms_norm = sdpa, rms_norm
+        kernels._destroy()
 
 
 if __name__ == "__main__":  # python -m model.training.fake_gpu --build DIR
