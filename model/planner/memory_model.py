@@ -188,23 +188,18 @@ def model_states(lay: _Layout, params: np.ndarray, root: np.ndarray, unit: np.nd
 # --- autocast's weight copies ------------------------------------------------------------
 
 
-def recasts_per_forward(lay: _Layout) -> np.ndarray:
-    """[autocast, pipelined, recompute, not GPipe] forwards after a backward cast the
-    weights anew: a backward that recomputes runs, on a GPU, on the autograd engine's device
-    thread, whose autocast exit empties autocast's weight-cast cache. GPipe runs every
-    forward before the first backward: they share one cast."""
-    p = lay.plans
-    return (lay.autocast & ~lay.one_stage & (p["rec"] != REC_NONE) & (p["sched"] != GPIPE))
-
-
 def recast_forwards(lay: _Layout, held: np.ndarray) -> np.ndarray:
-    """[recasts_per_forward] held chunk forwards with weight copies of their own beyond the
-    cached set: of H held forwards, the min(H, m v - H) made after a backward each cast anew,
-    the warm-up's (H > m v - H) share one; the newest set is the cache's."""
-    total = lay.plans["ga"] * lay.chunks
-    after_backward = np.minimum(held, np.maximum(total - held, 0))
+    """[autocast, pipelined, recompute, not GPipe] held chunk forwards with weight copies of
+    their own beyond the cached set: a backward that recomputes runs, on a GPU, on the
+    autograd engine's device thread, whose autocast exit empties autocast's weight-cast
+    cache, so of H held forwards the min(H, m v - H) made after a backward each cast anew and
+    the warm-up's (H > m v - H) share one; the newest set is the cache's. GPipe runs every
+    forward before the first backward: they share one."""
+    p = lay.plans
+    recasting = lay.autocast & ~lay.one_stage & (p["rec"] != REC_NONE) & (p["sched"] != GPIPE)
+    after_backward = np.minimum(held, np.maximum(p["ga"] * lay.chunks - held, 0))
     sets = after_backward + (held > after_backward)
-    return np.where(recasts_per_forward(lay), np.maximum(sets - 1, 0), 0)
+    return np.where(recasting, np.maximum(sets - 1, 0), 0)
 
 
 def kept_blocks(lay: _Layout, chunk_layers: Any) -> np.ndarray:
@@ -217,6 +212,13 @@ def kept_blocks(lay: _Layout, chunk_layers: Any) -> np.ndarray:
     return chunk_layers - recomputed
 
 
+def kept_weight_copies(lay: _Layout, chunk_layers: Any) -> np.ndarray:
+    """c x block matrices / tp x ``kept_blocks``: one forward's bf16 weight copies of a chunk
+    that its saved tensors hold."""
+    matrices = lay.s.layer_matrix_params / lay.plans["tp"]
+    return lay.compute_bytes * matrices * kept_blocks(lay, chunk_layers)
+
+
 def autocast_cached_copies(lay: _Layout, layers: np.ndarray, head: Any) -> np.ndarray:
     """[bf16 autocast over fp32 weights] c x (matrices of the rank's blocks / tp + its output
     head): the cast weights autocast caches (the embedding is looked up, not cast). Under
@@ -224,11 +226,11 @@ def autocast_cached_copies(lay: _Layout, layers: np.ndarray, head: Any) -> np.nd
     emptying of the cache; under 1F1B held forwards add sets of their own
     (``recast_forwards``)."""
     c = lay.compute_bytes
-    matrices = lay.s.layer_matrix_params / lay.plans["tp"]
+    all_blocks = c * lay.s.layer_matrix_params / lay.plans["tp"] * layers
     gpipe_recompute = (~lay.one_stage & (lay.plans["rec"] != REC_NONE)
                        & (lay.plans["sched"] == GPIPE))
-    blocks = np.where(gpipe_recompute, kept_blocks(lay, layers), layers)
-    return np.where(lay.autocast, c * (matrices * blocks + head), 0.0)
+    blocks = np.where(gpipe_recompute, kept_weight_copies(lay, layers), all_blocks)
+    return np.where(lay.autocast, blocks + c * head, 0.0)
 
 
 # --- activations -------------------------------------------------------------------------
@@ -421,9 +423,7 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     k, g = moment.accumulating, moment.gathered
     rows = np.arange(len(k))
     held_now = held[rows, k, g]
-    # forwards holding bf16 weight copies of their own (autocast): the chunk's kept blocks'
-    copies = (lay.compute_bytes * lay.s.layer_matrix_params / lay.plans["tp"]
-              * kept_blocks(lay, layers / lay.chunks) * recast_forwards(lay, held_now))
+    copies = kept_weight_copies(lay, layers / lay.chunks) * recast_forwards(lay, held_now)
     activations = np.where(lay.one_stage, per_chunk, per_chunk * held_now + copies)
     held_gathered = lay.pipelined(gathered / lay.chunks * g)
     grads_and_gathered = np.where(lay.one_stage, grads, grads / lay.chunks * k) + held_gathered
@@ -498,8 +498,9 @@ def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies
                          root: np.ndarray, peak: _RankPeak, new_gradient: np.ndarray,
                          logits: np.ndarray) -> np.ndarray:
     """Bytes over states + activations at the last rank's peak: the largest of the loss's
-    backward (logits, less the blocks zero3 has resharded), a recomputed block's, a block's new gradient + c R (the head's,
-    reduced after the whole backward) and the gradient reduction after the schedule."""
+    backward (logits, less the blocks zero3 has resharded), a recomputed block's, a block's
+    new gradient + c R (the head's, reduced after the whole backward) and the gradient
+    reduction after the schedule."""
     # The reduction's buffer comes once REDUCE_GRAD has resharded the rank's chunks (FSDP2)
     # or the activations, and with them autocast's bf16 weight copies, are gone (ddp).
     reduction = np.where(lay.fsdp, states_buffers - peak.gathered,
