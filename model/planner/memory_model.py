@@ -310,13 +310,14 @@ def logit_bytes(lay: _Layout) -> np.ndarray:
     return lay.s.seq_len * lay.plans["mb"] * lay.s.vocab * per_logit
 
 
-def waiting_loss_graphs(lay: _Layout) -> np.ndarray:
-    """[GPipe] (m - 1) x s b V x (c + 4): under GPipe every forward runs before the first
-    backward, so the last stage holds each other micro-batch's loss graph (its logits, which
-    the stage keeps for backward, and the float32 log-softmax) at the first loss's backward."""
+def held_loss_graph(lay: _Layout) -> np.ndarray:
+    """[GPipe, pp > 1] s b V x (c + 4): under GPipe every forward runs before the first
+    backward, so each forward the last stage holds keeps its loss graph (its logits, which
+    the stage keeps for backward, and the float32 log-softmax) until its backward; the
+    backward's own is part of ``logit_bytes``."""
     p = lay.plans
     per_graph = lay.s.seq_len * p["mb"] * lay.s.vocab * (lay.compute_bytes + 4)
-    return np.where((p["sched"] == GPIPE) & ~lay.one_stage, (p["ga"] - 1) * per_graph, 0.0)
+    return np.where((p["sched"] == GPIPE) & ~lay.one_stage, per_graph, 0.0)
 
 
 def autocast_extra_elems(lay: _Layout, rec: np.ndarray) -> np.ndarray:
@@ -414,10 +415,12 @@ class _RankPeak(NamedTuple):
 
 
 def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
-              gathered: np.ndarray, received_share: Any) -> _RankPeak:
+              gathered: np.ndarray, received_share: Any, held_extra: Any = 0.0) -> _RankPeak:
     """Activations, gradients and gathered parameters at the rank's largest replayed moment;
-    without a pipeline one chunk forward and all ``grads``."""
+    without a pipeline one chunk forward and all ``grads``. ``held_extra``: bytes each held
+    forward keeps beyond its chunk's activations (the last GPipe stage's loss graph)."""
     per_chunk, recomputing = chunk_forward_bytes(lay, layers, received_share)
+    per_chunk = per_chunk + held_extra
     held = held_by_accumulating(lay.plans, pp_rank)
     moment = largest_moment(lay, held, per_chunk, grads, gathered)
     k, g = moment.accumulating, moment.gathered
@@ -568,8 +571,9 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     blocks_last = params_last - root_last
     root_held = lay.pipelined((4 + np.where(lay.fsdp, cb, 0.0)) * root_last)
     gathered_last = np.where(lay.fsdp & ~lay.one_stage, cb * blocks_last, 0.0)
+    loss_graph = held_loss_graph(lay)
     peak_last = rank_peak(lay, pp - 1, layers_last, lay.pipelined(4 * blocks_last),
-                          gathered_last, lay.pipelined(1.0))
+                          gathered_last, lay.pipelined(1.0), loss_graph)
     act_first = peak_first.activations + peak_first.recomputing + received
     act_last = peak_last.activations + peak_last.recomputing + received
     states_first = (states_first - lay.pipelined(4 * params_first)
@@ -588,7 +592,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
         lay, buffers_first, act_first, peak_first, at_embedding, new_gradient, cast, logits,
         unmade_gradients(lay, params_first))
     transient_last = last_stage_transient(lay, buffers_last, cached_last, root_last, peak_last,
-                                          new_gradient, logits + waiting_loss_graphs(lay))
+                                          new_gradient, logits - loss_graph)
 
     first = with_margins(states_first + transient_first + act_first, reserved_gb, fragmentation)
     last = with_margins(states_last + transient_last + act_last, reserved_gb, fragmentation)
