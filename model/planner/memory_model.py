@@ -202,21 +202,31 @@ def recast_forwards(lay: _Layout, held: np.ndarray) -> np.ndarray:
     return np.where(recasting, np.maximum(sets - 1, 0), 0)
 
 
+def blocks_in_mode(rec: np.ndarray, rl: np.ndarray, chunk_layers: Any) -> np.ndarray:
+    """Blocks of a chunk of ``chunk_layers`` that run the plan's recompute mode: the first
+    ``recompute_layers`` N under partial recompute (full with N > 0), else all of them; the
+    rest keep everything."""
+    return np.where((rec == REC_FULL) & (rl > 0), np.minimum(rl, chunk_layers), chunk_layers)
+
+
 def kept_blocks(lay: _Layout, chunk_layers: Any) -> np.ndarray:
     """Blocks of a chunk of ``chunk_layers`` whose saved tensors hold their weights' bf16
-    copies: all but the fully recomputed ones (recompute_layers N of them, all under full)."""
+    copies: all but the fully recomputed ones."""
     p = lay.plans
-    recomputed = np.where(p["rec"] == REC_FULL,
-                          np.where(p["rl"] > 0, np.minimum(p["rl"], chunk_layers), chunk_layers),
+    recomputed = np.where(p["rec"] == REC_FULL, blocks_in_mode(p["rec"], p["rl"], chunk_layers),
                           0)
     return chunk_layers - recomputed
 
 
+def weight_copies(lay: _Layout, blocks: Any) -> np.ndarray:
+    """c x block matrices / tp x ``blocks``: bf16 copies of those blocks' weights."""
+    return lay.compute_bytes * lay.s.layer_matrix_params / lay.plans["tp"] * blocks
+
+
 def kept_weight_copies(lay: _Layout, chunk_layers: Any) -> np.ndarray:
-    """c x block matrices / tp x ``kept_blocks``: one forward's bf16 weight copies of a chunk
-    that its saved tensors hold."""
-    matrices = lay.s.layer_matrix_params / lay.plans["tp"]
-    return lay.compute_bytes * matrices * kept_blocks(lay, chunk_layers)
+    """``weight_copies`` of a chunk's ``kept_blocks``: one forward's bf16 weight copies that
+    its saved tensors hold."""
+    return weight_copies(lay, kept_blocks(lay, chunk_layers))
 
 
 def autocast_cached_copies(lay: _Layout, layers: np.ndarray, head: Any) -> np.ndarray:
@@ -225,12 +235,10 @@ def autocast_cached_copies(lay: _Layout, layers: np.ndarray, head: Any) -> np.nd
     GPipe with recompute only the kept blocks' and the head's outlive the first backward's
     emptying of the cache; under 1F1B held forwards add sets of their own
     (``recast_forwards``)."""
-    c = lay.compute_bytes
-    all_blocks = c * lay.s.layer_matrix_params / lay.plans["tp"] * layers
     gpipe_recompute = (~lay.one_stage & (lay.plans["rec"] != REC_NONE)
                        & (lay.plans["sched"] == GPIPE))
-    blocks = np.where(gpipe_recompute, kept_weight_copies(lay, layers), all_blocks)
-    return np.where(lay.autocast, blocks + c * head, 0.0)
+    blocks = np.where(gpipe_recompute, kept_weight_copies(lay, layers), weight_copies(lay, layers))
+    return np.where(lay.autocast, blocks + lay.compute_bytes * head, 0.0)
 
 
 # --- activations -------------------------------------------------------------------------
@@ -286,7 +294,7 @@ def chunk_activation_elems(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np.nda
     (N = L) adds one block's activations."""
     stored, transient = activation_elems_per_layer(s, mb, tp, sp, rec)
     kept, _ = activation_elems_per_layer(s, mb, tp, sp, np.full_like(rec, REC_NONE))
-    recomputed = np.where((rec == REC_FULL) & (rl > 0), np.minimum(rl, layers), layers)
+    recomputed = blocks_in_mode(rec, rl, layers)
     chunk = recomputed * stored + (layers - recomputed) * kept
     return chunk, np.maximum(0.0, recomputed * stored + transient - chunk)
 
@@ -355,8 +363,7 @@ def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
     stored, transient = chunk_activation_elems(lay.s, p["mb"], p["tp"], p["sp"], p["rec"],
                                                p["rl"], chunk_layers)
     # float32 extras under autocast: N recomputed blocks keep their input, the rest their norms'
-    recomputed = np.where((p["rec"] == REC_FULL) & (p["rl"] > 0),
-                          np.minimum(p["rl"], chunk_layers), chunk_layers)
+    recomputed = blocks_in_mode(p["rec"], p["rl"], chunk_layers)
     kept_rec = np.full_like(p["rec"], REC_NONE)
     extra = (recomputed * autocast_extra_elems(lay, p["rec"])
              + (chunk_layers - recomputed) * autocast_extra_elems(lay, kept_rec))

@@ -168,7 +168,8 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
     held, backwards = 0, [0] * v
     # one chunk's schedules gather it for the whole step (zero3: from a backward's end to
     # the next forward); multi-chunk ones as they prefetch
-    active = set() if interleaved or zero3 else set(range(v))
+    reshards_after_forward = zero3 and not interleaved
+    active = set() if interleaved or reshards_after_forward else set(range(v))
 
     def moment() -> None:
         accumulating = sum(1 for n in backwards if n > 0)
@@ -182,7 +183,7 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             continue
         if kind == "F":
             held += 1
-            if zero3 and not interleaved:
+            if reshards_after_forward:
                 active.discard(chunk)  # resharded after its forward
             if not first_chunk_ends:
                 moment()
@@ -191,7 +192,7 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             moment()  # a backward begins: its forward's activations held, no new gradients
         backwards[chunk] += 1
         held -= 1
-        if zero3 and not interleaved:
+        if reshards_after_forward:
             active.add(chunk)  # gathered again by its backward
         if not first_chunk_ends or chunk == 0:
             moment()  # it ends: those activations freed, the chunk's gradients made
