@@ -58,8 +58,8 @@ def attention_kernels() -> dict:
     return out
 
 
-def silu_backward_ops() -> dict:
-    """The ops SwiGLU's SiLU backward dispatches on fake cuda tensors (a GPU: one kernel)."""
+def backward_ops(forward, x: torch.Tensor) -> list[str]:
+    """The ops ``forward(x)``'s backward dispatches on fake cuda tensors."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -71,12 +71,25 @@ def silu_backward_ops() -> dict:
             self.seen.append(str(func.overloadpacket.__name__))
             return func(*args, **(kwargs or {}))
 
+    y = forward(x)
+    with Ops() as ops:
+        y.backward(torch.ones_like(y))
+    return [op for op in ops.seen if op != "device"]
+
+
+def silu_backward_ops() -> dict:
+    """The ops SwiGLU's SiLU backward dispatches on fake cuda tensors (a GPU: one kernel)."""
     with fake_gpu.guarded_cuda(), FakeTensorMode():
         x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        y = torch.nn.functional.silu(x)
-        with Ops() as ops:
-            y.backward(torch.ones_like(y))
-    return {"ops": [op for op in ops.seen if op != "device"]}
+        return {"ops": backward_ops(torch.nn.functional.silu, x)}
+
+
+def rms_norm_backward_ops() -> dict:
+    """The ops RMSNorm's backward dispatches on fake cuda tensors (a GPU: one kernel)."""
+    with fake_gpu.guarded_cuda(), FakeTensorMode():
+        norm = torch.nn.RMSNorm(8, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(4, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return {"ops": backward_ops(norm, x)}
 
 
 if __name__ == "__main__":

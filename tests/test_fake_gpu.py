@@ -82,6 +82,15 @@ def test_silu_backward_is_one_kernel_as_on_a_gpu() -> None:
     assert "sigmoid" not in ops and "mul" not in ops, ops
 
 
+def test_rms_norm_backward_is_one_kernel_as_on_a_gpu() -> None:
+    """A CPU-only torch would run RMSNorm's backward as elementwise float32 ops, several
+    temporaries of the input's size a GPU never makes; the fake GPU runs the fused kernel's
+    op, which makes only the two gradients."""
+    ops = run_case("rms_norm_backward_ops")["ops"]
+    assert "_fused_rms_norm_backward" in ops, ops
+    assert not {"mul", "sub", "mean", "sum", "_to_copy"} & set(ops), ops
+
+
 def test_a_host_tensor_on_a_gpu_rank_is_named_where_it_was_made() -> None:
     error = run_case("stray_tensor")["error"]
     assert error is not None, "a host tensor added on a cuda rank went unnoticed"

@@ -169,8 +169,10 @@ def gpu_attention(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def gpu_rms_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     """``rms_norm`` as torch's GPU builds run it: one fused kernel (``_fused_rms_norm``)
-    that saves its input and the per-row reciprocal RMS (float32) for backward. A CPU-only
-    torch decomposes it into elementwise ops that save more. ``original`` serves the CPU."""
+    that saves its input and the per-row reciprocal RMS (float32) for backward, and one
+    fused backward kernel (``_fused_rms_norm_backward``) that makes only the input's and the
+    weight's gradients. A CPU-only torch decomposes both into elementwise ops that save and
+    make more (float32 temporaries of the input's size). ``original`` serves the CPU."""
     import torch
 
     class FusedRMSNorm(torch.autograd.Function):
@@ -186,13 +188,11 @@ def gpu_rms_norm(original: Callable[..., Any]) -> Callable[..., Any]:
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             x, weight, rstd = ctx.saved_tensors
-            normed = x.float() * rstd
-            g = grad.float() * weight.float() if weight is not None else grad.float()
-            dx = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
-            dw = None
-            if weight is not None:
-                dw = (grad.float() * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-            return dx.to(x.dtype), dw, None
+            dx, dw = torch.ops.aten._fused_rms_norm_backward(
+                grad, x, [x.shape[-1]], rstd, weight, [True, weight is not None])
+            if dw is not None and dw.dtype != weight.dtype:
+                dw = dw.to(weight.dtype)
+            return dx, dw, None
 
     def rms_norm(input: Any, normalized_shape: Any, weight: Any = None,
                  eps: float | None = None) -> Any:
@@ -212,18 +212,30 @@ GUARDED = ("is_available", "is_bf16_supported", "current_device", "device_count"
 
 def gpu_kernels() -> Any:
     """A ``torch.library`` registration of CUDA kernels for the ops a CPU-only torch
-    decomposes on ``cuda`` tensors where a GPU build runs one kernel: ``silu_backward``
-    (SwiGLU's backward), whose composite form makes five more full-size temporaries the
-    rehearsal would count. Under fake tensors the kernel itself never runs (fake mode
-    answers the op); it computes the same as the composite form. ``_destroy()`` removes it."""
+    decomposes on ``cuda`` tensors, or lacks, where a GPU build runs one kernel:
+    ``silu_backward`` (SwiGLU's backward), whose composite form makes five more full-size
+    temporaries the rehearsal would count, and ``_fused_rms_norm_backward`` (``gpu_rms_norm``'s
+    backward). Under fake tensors the kernels themselves never run (fake mode answers the
+    op); they compute what the composite forms do. ``_destroy()`` removes them."""
     import torch
 
     def silu_backward(grad_output: Any, x: Any) -> Any:
         sigmoid = torch.sigmoid(x)
         return grad_output * sigmoid * (1 + x * (1 - sigmoid))
 
+    def rms_norm_backward(grad: Any, x: Any, normalized_shape: Any, rstd: Any, weight: Any,
+                          output_mask: Any) -> Any:
+        normed = x.float() * rstd
+        g = grad.float() * weight.float() if weight is not None else grad.float()
+        dx = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        dw = None
+        if weight is not None and output_mask[1]:
+            dw = (grad.float() * normed).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return dx.to(x.dtype), dw
+
     library = torch.library.Library("aten", "IMPL")
     library.impl("silu_backward", silu_backward, "CUDA")
+    library.impl("_fused_rms_norm_backward", rms_norm_backward, "CUDA")
     return library
 
 
