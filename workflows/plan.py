@@ -17,14 +17,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from model.config import ModelConfig, TrainConfig
 from model.planner.calibration import load_calibration
 from model.planner.choose import FIX_TYPES, choose, fixed_fields, parse_fix
 from model.planner.microbench import load_measured_cluster
 from model.planner.model_file import read_model_file
-from model.planner.plan import LAYOUT_FIELDS, Plan, PlanError
+from model.planner.plan import LAYOUT_FIELDS, Plan
 from model.planner.rehearsal import GiveWay, rehearse_until_one_fits
 from model.planner.run_cost import plan_run_cost
 from model.planner.search import explain
@@ -72,6 +72,53 @@ def token_count(text: str) -> float:
     return value
 
 
+class Priced(NamedTuple):
+    """What ``main`` prints: the plan, the search's result (None when every field was fixed),
+    the rehearsal's give-way (with --rehearse), the breakdown (with --explain or --json) and
+    the run's cost (with --tokens or a preset's steps)."""
+
+    plan: Plan
+    result: Any
+    kept: GiveWay | None
+    explained: dict | None
+    cost: Any
+
+
+def plan_and_price(args: argparse.Namespace) -> Priced:
+    """Choose (and with ``--rehearse`` rehearse) the plan ``main``'s arguments ask for, and
+    price it. Raises ValueError (PlanError among them) for bad input or no plan."""
+    model_cfg, train_cfg, full = load_model_file(args.model)
+    cluster = load_measured_cluster(args.cluster, args.devices, cache_path=args.cache)
+    seq = args.seq_len or (train_cfg.seq_len if train_cfg else model_cfg.max_seq_len)
+    model_cfg.max_seq_len = max(model_cfg.max_seq_len, seq)
+    dtype = args.dtype or (train_cfg.dtype if train_cfg else
+                           ("float32" if cluster.measured else "bfloat16"))
+    train = TrainConfig(global_batch=args.global_batch, seq_len=seq, dtype=dtype)
+    cal = load_calibration(args.calibration)
+    fixed = fixed_fields(full.parallel) if full is not None else {}
+    fixed.update(parse_fix(args.fix))
+    plan, result = choose(model_cfg, train, cluster, args.devices, fixed, cal, top_k=args.top)
+    kept: GiveWay | None = None
+    if args.rehearse:
+        # the plan stage's rule: a plan that does not fit by its rehearsal gives way to the
+        # next best; in --json mode the rehearsal's lines go to stderr, the JSON to stdout
+        log_to = sys.stderr if args.json else sys.stdout
+        kept = rehearse_until_one_fits(
+            model_cfg, train, cluster, args.devices, plan,
+            result.plans if result is not None else [], cal, initializer=die_with_parent,
+            log=lambda line: print(line, file=log_to, flush=True))
+        plan = kept.plan
+    ex = explain(Shapes.from_configs(model_cfg, train, cluster), cluster, plan, args.devices,
+                 args.global_batch, cal) if args.explain or args.json else None
+    cost = None
+    if args.tokens is not None or train_cfg is not None:
+        cost = plan_run_cost(plan.predictions, model_cfg, args.global_batch, seq, cluster,
+                             args.devices, tokens=args.tokens,
+                             steps=None if args.tokens is not None else train_cfg.steps,
+                             checkpoint_every=train_cfg.checkpoint_every if train_cfg else 0)
+    return Priced(plan, result, kept, ex, cost)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the best plans for a model on a cluster (or one JSON object with --json).
 
@@ -109,44 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(up to 5 plans; under 2 minutes a rank)")
     args = ap.parse_args(argv)
     try:
-        model_cfg, train_cfg, full = load_model_file(args.model)
-        cluster = load_measured_cluster(args.cluster, args.devices, cache_path=args.cache)
-        seq = args.seq_len or (train_cfg.seq_len if train_cfg else model_cfg.max_seq_len)
-        model_cfg.max_seq_len = max(model_cfg.max_seq_len, seq)
-        dtype = args.dtype or (train_cfg.dtype if train_cfg else
-                               ("float32" if cluster.measured else "bfloat16"))
-        train = TrainConfig(global_batch=args.global_batch, seq_len=seq, dtype=dtype)
-        cal = load_calibration(args.calibration)
-        fixed = fixed_fields(full.parallel) if full is not None else {}
-        fixed.update(parse_fix(args.fix))
-        plan, result = choose(model_cfg, train, cluster, args.devices, fixed, cal, top_k=args.top)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    kept: GiveWay | None = None
-    if args.rehearse:
-        # the plan stage's rule: a plan that does not fit by its rehearsal gives way to the
-        # next best; in --json mode the rehearsal's lines go to stderr, the JSON to stdout
-        log_to = sys.stderr if args.json else sys.stdout
-        try:
-            kept = rehearse_until_one_fits(
-                model_cfg, train, cluster, args.devices, plan,
-                result.plans if result is not None else [], cal, initializer=die_with_parent,
-                log=lambda line: print(line, file=log_to, flush=True))
-        except PlanError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        plan = kept.plan
-    try:
-        ex = explain(Shapes.from_configs(model_cfg, train, cluster), cluster, plan, args.devices,
-                     args.global_batch, cal) if args.explain or args.json else None
-        cost = None
-        if args.tokens is not None or train_cfg is not None:
-            cost = plan_run_cost(plan.predictions, model_cfg, args.global_batch, seq, cluster,
-                                 args.devices, tokens=args.tokens,
-                                 steps=None if args.tokens is not None else train_cfg.steps,
-                                 checkpoint_every=train_cfg.checkpoint_every if train_cfg else 0)
-    except ValueError as exc:
+        plan, result, kept, ex, cost = plan_and_price(args)
+    except ValueError as exc:  # bad input or no plan (PlanError is one): the cause, no trace
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
