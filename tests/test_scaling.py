@@ -172,6 +172,18 @@ def test_ranks_per_node_mistakes_stop_the_study_before_any_work(
     assert not runs.exists()  # no store, no stage, no Slurm job
 
 
+def test_a_point_with_no_formable_layout_stops_the_study_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = tmp_path / "runs"
+    code = scaling.main(["--config", "micro", "--mode", "weak", "--devices", "2,4",
+                         "--runs-dir", str(runs), "--fix", "pp=3"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no parallel plan can be formed for 2 devices" in err
+    assert "parallel.pp=3 is not possible here: pp can be [1, 2]" in err
+    assert not runs.exists()
+
+
 def test_points_span_whole_nodes_of_the_ranks_per_node() -> None:
     points = scaling.study_points("micro", ["site.name=slurm"], "weak", [1, 2, 4, 8], 2)
     assert [(p.devices, p.nodes, p.cfg.parallel.ranks_per_node) for p in points] == [

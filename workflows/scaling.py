@@ -138,23 +138,14 @@ def point_nodes(cfg: PipelineConfig, devices: int, per_node: int | None = None) 
 
 
 def _check_formable(cfg: PipelineConfig) -> None:
-    """Refuse, before any work, a point for which no layout can be formed at all."""
+    """Refuse, before any work, a point for which no layout can be formed at all (the plan
+    stage's rule, ``model.training.validate.layout_problem``)."""
     from model.planner.choose import fixed_fields
-    from model.planner.search import enumerate_plans
-    from model.planner.shapes import Shapes
+    from model.training.validate import layout_problem
 
-    shapes = Shapes.from_configs(cfg.model, cfg.train)
-    try:
-        found, rejected = enumerate_plans(shapes, cfg.parallel.nproc, cfg.train.global_batch,
-                                          fixed_fields(cfg.parallel))
-    except PlanError as error:
-        raise ConfigError(str(error)) from None
-    if len(found["tp"]) == 0:
-        why = "; ".join(f"{reason}: {', '.join(fams[:3])}" for reason, fams in rejected.items())
-        raise ConfigError(
-            f"no parallel layout can be formed on {cfg.parallel.nproc} devices with global "
-            f"batch {cfg.train.global_batch} ({why or 'fixed fields exclude every layout'}): "
-            "drop that device count or free a --fix field")
+    problem = layout_problem(cfg.model, cfg.train, cfg.parallel.nproc, fixed_fields(cfg.parallel))
+    if problem:
+        raise ConfigError(problem)
 
 
 def study_points(config: str | None, overrides: list[str], mode: str,
