@@ -63,26 +63,34 @@ class GPTParams:
 
     @classmethod
     def of(cls, *, n_layers: int, d_model: int, n_heads: int, kv_heads: int, ffn: int,
-           vocab: int, family: str) -> GPTParams:
-        """Counts for a GPT of these dimensions; ``family`` is 'llama' or 'neox'."""
+           vocab: int, family: str, head_dim: int | None = None, qkv_bias: bool = False,
+           qk_norm: bool = False) -> GPTParams:
+        """Counts for a GPT of these dimensions; ``family`` is 'llama' or 'neox';
+        ``head_dim`` defaults to d_model / n_heads; ``qkv_bias`` (llama: q, k and v biases;
+        neox has all its biases) and ``qk_norm`` (one RMSNorm weight of head_dim for q and
+        one for k) as ``model.config.ModelConfig`` has them."""
         if family not in ("llama", "neox"):
             raise ValueError(f"model.family={family!r} is not one of ('llama', 'neox')")
         neox = family == "neox"
-        hd = d_model // n_heads
+        hd = head_dim or d_model // n_heads
         q_o, kv = n_heads * hd, kv_heads * hd
         matrices = 2 * d_model * q_o + 2 * d_model * kv + (2 if neox else 3) * d_model * ffn
-        biases = (q_o + 2 * kv + d_model + ffn + d_model) if neox else 0
+        if neox:
+            biases = q_o + 2 * kv + d_model + ffn + d_model
+        else:
+            biases = q_o + 2 * kv if qkv_bias else 0
         norm = 2 * d_model if neox else d_model  # LayerNorm weight + bias, RMSNorm weight
         return cls(n_layers=n_layers, d_model=d_model, block_matrices=matrices,
-                   block_biases=biases, block_norms=2 * norm, final_norm=norm,
-                   embedding=vocab * d_model, output=vocab * d_model)
+                   block_biases=biases, block_norms=2 * norm + (2 * hd if qk_norm else 0),
+                   final_norm=norm, embedding=vocab * d_model, output=vocab * d_model)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> GPTParams:
         """Counts for ``model.gpt.GPT(cfg)``."""
         return cls.of(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
                       kv_heads=cfg.kv_heads, ffn=cfg.ffn_dim, vocab=cfg.vocab_size,
-                      family=cfg.family)
+                      family=cfg.family, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                      qk_norm=cfg.qk_norm)
 
     @property
     def block(self) -> int:

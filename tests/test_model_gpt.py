@@ -29,6 +29,13 @@ CONFIGS = {
     "neox_partial_rotary": ModelConfig(family="neox", n_layers=2, d_model=64, n_heads=4,
                                        vocab_size=300, max_seq_len=32, parallel_residual=True,
                                        rotary_fraction=0.25),  # Pythia's: 4 of 16 dims
+    # Qwen3's heads: wider than d_model / n_heads, with q/k norms
+    "llama_head_dim_qk_norm": ModelConfig(family="llama", n_layers=2, d_model=64, n_heads=4,
+                                          n_kv_heads=2, attention_head_dim=32, qk_norm=True,
+                                          vocab_size=300, max_seq_len=32),
+    "llama_qkv_bias": ModelConfig(family="llama", n_layers=2, d_model=64, n_heads=4,
+                                  n_kv_heads=2, qkv_bias=True, vocab_size=300,
+                                  max_seq_len=32),  # Qwen2's
 }
 
 

@@ -56,6 +56,12 @@ class Shapes:
     """Rotary embeddings turn only part of each head (neox ``rotary_fraction`` < 1): q is
     rebuilt by a concatenation in head-major layout, attention's output follows it, and the
     output projection saves a row-major copy (``memory_model.activation_elems_per_layer``)."""
+    attention_head_dim: int = 0
+    """Per-head width of q, k and v where it is not d_model / n_heads (0: it is)."""
+    qkv_bias: bool = False
+    """Llama with q, k and v biases (``model.qkv_bias``; neox has every bias anyway)."""
+    qk_norm: bool = False
+    """An RMSNorm over each q and k head (``model.qk_norm``): two more norm weights a block."""
     tied: bool = False
     """The input embedding and the output head are one weight (``model.tie_embeddings``):
     one parameter without pipeline stages; with them the last stage holds a copy whose
@@ -75,6 +81,9 @@ class Shapes:
             seq_len=train_cfg.seq_len, llama=model_cfg.family == "llama", dtype=train_cfg.dtype,
             flash_attention=flash_attention, eager=not getattr(train_cfg, "compile", False),
             tied=bool(getattr(model_cfg, "tie_embeddings", False)),
+            attention_head_dim=getattr(model_cfg, "attention_head_dim", None) or 0,
+            qkv_bias=bool(getattr(model_cfg, "qkv_bias", False)),
+            qk_norm=bool(getattr(model_cfg, "qk_norm", False)),
             parallel_residual=bool(getattr(model_cfg, "parallel_residual", False)),
             partial_rotary=getattr(model_cfg, "rotary_fraction", 1.0) < 1.0,
             on_cpu=getattr(cluster, "device_type", "cuda") == "cpu",
@@ -83,7 +92,8 @@ class Shapes:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        """Per-head width of q, k and v."""
+        return self.attention_head_dim or self.d_model // self.n_heads
 
     @property
     def act_bytes(self) -> int:
@@ -95,7 +105,8 @@ class Shapes:
         """Parameter counts by part (model.flops, the one parameter formula)."""
         return GPTParams.of(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
                             kv_heads=self.kv_heads, ffn=self.ffn, vocab=self.vocab,
-                            family="llama" if self.llama else "neox")
+                            family="llama" if self.llama else "neox", head_dim=self.head_dim,
+                            qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
 
     @property
     def layer_matrix_params(self) -> int:
