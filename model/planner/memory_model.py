@@ -256,18 +256,17 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
     """(stored elements per block per micro-batch, elements of one block while recomputed).
 
     Korthikanti et al. 2022 without dropout: 2 norm inputs s b h (/ tp under SP; 1 with a
-    parallel residual), 2 linear
-    inputs s b h (all-gathered under SP, so never / tp), q k v and attention output / tp
-    (twice under partial rotary), flash's fp32 log-sum-exp (else the s^2 scores), the MLP's
-    2 or 4 s b ffn / tp. Selective recompute drops the scores; full keeps the block's
-    input."""
+    parallel residual), 2 linear inputs s b h (all-gathered under SP, so never / tp), q k v
+    and attention output / tp (twice under partial rotary), flash's fp32 log-sum-exp (else
+    the s^2 scores), the MLP's 2 or 4 s b ffn / tp. Selective recompute drops the scores and
+    partial rotary's layout copy; full keeps the block's input."""
     sbh = s.seq_len * mb * s.d_model
     spf = np.where(sp == 1, 1.0 / tp, 1.0)
     hd = s.head_dim
     norm_inputs = norm_input_elems(s, mb, tp, sp)
     linear_inputs = 2 * sbh  # all-gathered under SP, the norm outputs without it
     qkv = s.seq_len * mb * (s.n_heads * hd + 2 * s.kv_heads * hd) / tp
-    attn_out = sbh / tp
+    attn_out = s.seq_len * mb * s.n_heads * hd / tp
     scores = 0.0 if s.flash_attention else s.n_heads * s.seq_len ** 2 * mb / tp
     # flash kernels keep a fp32 log-sum-exp per (head, position)
     lse = s.n_heads * s.seq_len * mb / tp * (4 / s.act_bytes) if s.flash_attention else 0.0
@@ -276,7 +275,8 @@ def activation_elems_per_layer(s: Shapes, mb: np.ndarray, tp: np.ndarray, sp: np
     # concatenation) and the output projection saves a row-major copy beside it
     layout_copy = attn_out if s.partial_rotary else 0.0
     full = norm_inputs + linear_inputs + qkv + attn_out + layout_copy + lse + mlp + scores
-    selective = full - scores
+    # selective recompute keeps the core's output only as the output projection's input
+    selective = full - scores - layout_copy
     stored = np.where(rec == REC_NONE, full, np.where(rec == REC_FULL, sbh * spf, selective))
     # under full recompute one block's activations exist again while it is recomputed
     transient = np.where(rec == REC_FULL, full, 0.0)
@@ -419,6 +419,8 @@ class _RankPeak(NamedTuple):
     """One chunk forward's activations."""
     gathered: np.ndarray
     """g / v of the gathered parameters."""
+    chunk_gathered: np.ndarray
+    """One chunk's gathered parameters, where the moment has any (else 0)."""
 
 
 def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
@@ -437,7 +439,9 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     activations = np.where(lay.one_stage, per_chunk, per_chunk * held_now + copies)
     held_gathered = lay.pipelined(gathered / lay.chunks * g)
     grads_and_gathered = np.where(lay.one_stage, grads, grads / lay.chunks * k) + held_gathered
-    return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered)
+    chunk_gathered = lay.pipelined(np.where(g > 0, gathered / lay.chunks, 0.0))
+    return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered,
+                     chunk_gathered)
 
 
 # --- transients at the peak moment -------------------------------------------------------
@@ -459,11 +463,13 @@ def full_vocab_embedding_grad(s: Shapes, lay: _Layout) -> np.ndarray:
 
 
 def gradient_cast(s: Shapes, lay: _Layout, unit: np.ndarray) -> np.ndarray:
-    """c x max(u, V h) + 4 x the same unless FSDP2 accumulates it into a kept float32
-    gradient: a new gradient and its fp32 cast; the embedding's comes out at the full
-    vocabulary on every tp rank (DTensor's vocab-parallel backward)."""
-    largest = np.maximum(unit, s.embedding_params)
-    return np.where(accumulates_unsharded(lay), lay.compute_bytes, lay.compute_bytes + 4) * largest
+    """max((c + 4) u, (c + 4) V h), or c x the same where FSDP2 accumulates into a kept
+    float32 gradient: a new gradient and its fp32 cast; the embedding's comes out at the
+    full vocabulary on every tp rank (DTensor's vocab-parallel backward). Under autocast
+    the embedding is looked up in float32, not cast, so its gradient is 4 V h, uncast."""
+    per_param = np.where(accumulates_unsharded(lay), lay.compute_bytes, lay.compute_bytes + 4)
+    embedding = np.where(lay.autocast, 4.0, per_param) * s.embedding_params
+    return np.maximum(per_param * unit, embedding)
 
 
 def new_block_gradient(lay: _Layout, unit: np.ndarray) -> np.ndarray:
@@ -508,7 +514,7 @@ def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies
                          root: np.ndarray, peak: _RankPeak, new_gradient: np.ndarray,
                          logits: np.ndarray) -> np.ndarray:
     """Bytes over states + activations at the last rank's peak: the largest of the loss's
-    backward (logits, less the blocks zero3 has resharded), a recomputed block's, a block's
+    backward (logits, less the chunk zero3 has resharded), a recomputed block's, a block's
     new gradient + c R (the head's, reduced after the whole backward) and the gradient
     reduction after the schedule."""
     # The reduction's buffer comes once REDUCE_GRAD has resharded the rank's chunks (FSDP2)
@@ -516,12 +522,12 @@ def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies
     reduction = np.where(lay.fsdp, states_buffers - peak.gathered,
                          states_buffers - peak.activations - cached_copies)
     with_head = new_gradient + np.where(lay.fsdp & ~lay.one_stage, lay.compute_bytes * root, 0.0)
-    # zero3 reshards a 1F1B rank's chunk after each forward: at the loss's backward its
-    # blocks are not gathered yet (rank_counts.held_by_accumulating); GPipe's later loss
-    # backwards find them gathered by the first
+    # zero3 reshards a 1F1B rank's chunk after each forward: at the loss's backward the
+    # last chunk's blocks are not gathered yet (rank_counts.held_by_accumulating); GPipe's
+    # later loss backwards find them gathered by the first
     p = lay.plans
-    resharded = lay.fsdp & (p["shard"] == ZERO3) & (p["sched"] == ONEF1B) & ~lay.one_stage
-    at_loss = logits - np.where(resharded, peak.gathered, 0.0)
+    resharded = lay.fsdp & (p["shard"] == ZERO3) & (p["sched"] != GPIPE) & ~lay.one_stage
+    at_loss = logits - np.where(resharded, peak.chunk_gathered, 0.0)
     moments = np.broadcast_arrays(at_loss, peak.recomputing, with_head, reduction)
     pipelined = np.max(moments, axis=0) - peak.recomputing
     return np.where(lay.one_stage, np.maximum(states_buffers, logits), pipelined)
