@@ -575,7 +575,12 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     embedding_grad = full_vocab_embedding_grad(s, lay)
     states_first = states_first + np.where(lay.one_stage, embedding_grad, 0.0)
     grads_first = lay.pipelined(4 * params_first + embedding_grad)
-    gathered_first = np.where(lay.fsdp & ~lay.one_stage, cb * params_first, 0.0)
+    # FSDP2 never reshards a root unit after its forward, and a pipeline chunk is one: on a
+    # one-chunk rank (whose schedule reshards nothing itself) the embedding stays gathered
+    # whole, the blocks as the replay says.
+    fsdp_pipelined = lay.fsdp & ~lay.one_stage
+    root_gathered_first = np.where(fsdp_pipelined & (lay.chunks == 1), cb * root_first, 0.0)
+    gathered_first = np.where(fsdp_pipelined, cb * params_first, 0.0) - root_gathered_first
     # every held chunk forward's input but the first chunk's came from another rank
     peak_first = rank_peak(lay, first_rank, layers_first, grads_first, gathered_first,
                            lay.pipelined(1.0) * (v - 1) / lay.chunks)
@@ -590,7 +595,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     act_first = peak_first.activations + peak_first.recomputing + received
     act_last = peak_last.activations + peak_last.recomputing + received
     states_first = (states_first - lay.pipelined(4 * params_first)
-                    + lay.pipelined(peak_first.grads_and_gathered))
+                    + lay.pipelined(peak_first.grads_and_gathered) + root_gathered_first)
     states_last = (states_last - lay.pipelined(4 * params_last)
                    + lay.pipelined(peak_last.grads_and_gathered) + root_held)
 
