@@ -43,7 +43,6 @@ from model.planner.rank_counts import (
 from model.planner.shapes import (
     DDP,
     GPIPE,
-    ONEF1B,
     REC_FULL,
     REC_NONE,
     ZERO2,
