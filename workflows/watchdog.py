@@ -140,25 +140,6 @@ def _signal(process: psutil.Process, how: str) -> None:
         pass
 
 
-def mark_runs_killed(client: Any, parent_run_id: str, reason: str) -> list[str]:
-    """Set the parent run and each of its RUNNING descendants (stage runs, a study's point
-    runs and theirs) KILLED, with ``reason`` as their ``error`` tag; the ids set."""
-    killed = []
-    experiment = client.get_run(parent_run_id).info.experiment_id
-    todo = [parent_run_id]
-    while todo:
-        run_id = todo.pop()
-        run = client.get_run(run_id)
-        if run.info.status == "RUNNING":
-            client.set_tag(run_id, "error", reason)
-            client.set_terminated(run_id, "KILLED")
-            killed.append(run_id)
-        children = client.search_runs([experiment],
-                                      filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
-        todo.extend(child.info.run_id for child in children)
-    return killed
-
-
 def fail_running_stages(runs_dir: Path, run: str, reason: str) -> list[Path]:
     """Rewrite to ``failed`` (with ``reason``) each stage attempt's ``status.json`` that says
     ``running`` while its key's lock names ``run``: the attempts the dead driver had open.
@@ -217,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = fail_running_stages(args.runs_dir, args.run, reason)  # local, fast: first
     try:
         warm.join()
-        killed = mark_runs_killed(client[0] if client else tracking.MlflowClient(
-            args.tracking_uri), args.parent_run, reason)
+        killed = tracking.end_run_tree(args.tracking_uri, args.parent_run, "KILLED", reason,
+                                       client=client[0] if client else None)
     except Exception as error:  # noqa: BLE001 - one line, not a traceback nobody reads
         say(f"could not mark the MLflow runs KILLED: {error}")
         killed = []

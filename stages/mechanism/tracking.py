@@ -238,11 +238,12 @@ def end_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
 
 
 def end_run_tree(uri: str, run_id: str, status: str, reason: str,
-                 include_root: bool = True) -> list[str]:
+                 include_root: bool = True, client: Any = None) -> list[str]:
     """Mark run ``run_id`` (unless ``include_root`` is False) and each of its descendants
     that is still RUNNING ``status`` (FAILED, KILLED), with ``reason`` as their ``error``
-    tag; the ids marked."""
-    client = MlflowClient(uri)
+    tag; the ids marked. ``client``: one already made for ``uri`` (making one takes a
+    while)."""
+    client = client or MlflowClient(uri)
     experiment = client.get_run(run_id).info.experiment_id
     marked, todo = [], [run_id]
     while todo:
