@@ -158,10 +158,53 @@ def test_pipeline_schedules_in_flight_micro_batches() -> None:
     # without FSDP2's bf16 parameters the blocks run under autocast: the residual stream is
     # float32, so each block's two norm inputs (s b h each) keep 4 bytes an element, not 2,
     # and the residual stream the stage sends is float32 too; each of q, k, v and (llama)
-    # w1, w3 casts the norm output it reads: 5 bf16 copies where 2 linear inputs are counted
+    # w1, w3 casts the norm output it reads: 5 bf16 copies where 2 linear inputs are counted.
+    # Every forward reuses the first's cached weight casts (nothing recomputes, so nothing
+    # empties the cache), and a later backward's bf16 weight gradients, the cache's bytes,
+    # wait to its end, when 3 forwards are held: here they outweigh the 4th forward.
     autocast = _mem(s, schedule="1f1b", **{**base, "dp": 1, "sharding": "none"})
-    assert autocast["act_first"] == pytest.approx(
-        4 * (4 * (st[0] * 2 + 2 * out * (4 - 2) + 3 * out * 2) + out * 4) + recv(1, 4))
+    forward = 4 * (st[0] * 2 + 2 * out * (4 - 2) + 3 * out * 2) + out * 4
+    cached = 2 * 4 * (4 * 512 * 512 + 3 * 512 * 2048)  # the 4 blocks' matrices in bf16
+    assert cached > forward
+    assert autocast["act_first"] == pytest.approx(3 * forward + cached + recv(1, 4))
+
+
+def test_a_backward_whose_forward_reused_cached_casts_holds_its_weight_gradients_to_its_end(
+) -> None:
+    # ddp in bf16 runs the blocks under autocast over float32 weights. Under GPipe every
+    # forward reuses the first forward's cached weight casts, whose cast nodes autograd runs
+    # after the rest of each later backward: that backward's bf16 weight gradients (the
+    # cache's bytes) wait to its end, by which its forward's activations are freed. Wide and
+    # short blocks here, so those gradients outweigh a forward's activations.
+    from model.planner.memory_model import (
+        _Layout,
+        autocast_cached_copies,
+        chunk_forward_bytes,
+        receive_buffers,
+    )
+
+    s = Shapes(8, 2048, 16, 16, 8192, 256, 64, dtype="bfloat16")
+    for recompute in ("none", "full"):
+        plans = encode([Plan(pp=2, dp=2, micro_batch=1, grad_accum=4, schedule="gpipe",
+                             sharding="ddp", recompute=recompute)])
+        lay = _Layout.of(s, plans)
+        cached = float(autocast_cached_copies(lay, np.array([4]), 0.0)[0])  # 4 blocks, no head
+        per_chunk, recomputing = (float(x[0]) for x in chunk_forward_bytes(lay, np.array([4]),
+                                                                          0.0))
+        received = float(receive_buffers(lay)[0])
+        m = _mem(s, pp=2, dp=2, micro_batch=1, grad_accum=4, schedule="gpipe", sharding="ddp",
+                 recompute=recompute)
+        assert cached > per_chunk + recomputing
+        if recompute == "none":
+            # the second backward's end: 2 forwards still held, the gradients waiting
+            assert m["act_first"] == pytest.approx(2 * per_chunk + cached + received)
+        else:
+            # the first backward recomputed and so emptied the cache; no forward casts anew,
+            # and the fully recomputed blocks' copies are gone: the waiting gradients replace
+            # them, beside 2 held forwards
+            assert m["act_first"] == pytest.approx(2 * per_chunk + received)
+        # the cache stays in the states, as it is before the first backward
+        assert m["states_first"] == pytest.approx(16 * m["params_first"] + cached)
 
 
 def test_many_chunk_schedules_keep_three_chunks_gathered() -> None:

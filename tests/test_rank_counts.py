@@ -175,3 +175,19 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     # with the chunk resharded (a backward beginning), at most 3 once a backward gathered it
     zero3 = held_by_accumulating(encode([replace(onef, sharding="zero3")]), np.array([0]))[0]
     assert zero3[:, 0].max() == 4 and zero3[:, 1].max() == 3
+
+
+def test_a_rank_runs_every_forward_first_under_gpipe_or_a_warm_up_covering_the_step() -> None:
+    """Torch's 1F1B warms up with pp - rank forwards: with no more micro-batches than that,
+    no forward follows the rank's first backward (as under GPipe), and autocast's weight
+    casts made before it are all the step has (memory_model.emptied_cache)."""
+    from model.planner.rank_counts import forwards_first
+    from model.planner.shapes import encode
+
+    plans = encode([Plan(pp=4, grad_accum=8, schedule="gpipe"),
+                    Plan(pp=4, grad_accum=4, schedule="1f1b"),
+                    Plan(pp=4, grad_accum=8, schedule="1f1b"),
+                    Plan(pp=4, grad_accum=2, schedule="interleaved_1f1b", virtual_stages=2)])
+    assert forwards_first(plans, np.zeros(4, dtype=int)).tolist() == [True, True, False, True]
+    # the last rank warms up with one forward: it alternates from the start
+    assert forwards_first(plans, np.full(4, 3)).tolist() == [True, False, False, False]

@@ -38,6 +38,7 @@ import numpy as np
 
 from model.planner.rank_counts import (
     chunk_boundaries,
+    forwards_first,
     held_by_accumulating,
 )
 from model.planner.shapes import (
@@ -187,15 +188,17 @@ def model_states(lay: _Layout, params: np.ndarray, root: np.ndarray, unit: np.nd
 # --- autocast's weight copies ------------------------------------------------------------
 
 
-def recast_forwards(lay: _Layout, held: np.ndarray) -> np.ndarray:
-    """[autocast, pipelined, recompute, not GPipe] held chunk forwards with weight copies of
-    their own beyond the cached set: a backward that recomputes runs, on a GPU, on the
-    autograd engine's device thread, whose autocast exit empties autocast's weight-cast
-    cache, so of H held forwards the min(H, m v - H) made after a backward each cast anew and
-    the warm-up's (H > m v - H) share one; the newest set is the cache's. GPipe runs every
-    forward before the first backward: they share one."""
+def recast_forwards(lay: _Layout, held: np.ndarray, all_forwards_first: np.ndarray
+                    ) -> np.ndarray:
+    """[autocast, pipelined, recompute, a forward after a backward] held chunk forwards with
+    weight copies of their own beyond the cached set: a backward that recomputes runs, on a
+    GPU, on the autograd engine's device thread, whose autocast exit empties autocast's
+    weight-cast cache, so of H held forwards the min(H, m v - H) made after a backward each
+    cast anew and the warm-up's (H > m v - H) share one; the newest set is the cache's. A
+    rank that runs every forward before its first backward (GPipe, a short 1F1B) shares one."""
     p = lay.plans
-    recasting = lay.autocast & ~lay.one_stage & (p["rec"] != REC_NONE) & (p["sched"] != GPIPE)
+    recasting = (lay.autocast & ~lay.one_stage & (p["rec"] != REC_NONE)
+                 & ~all_forwards_first)
     after_backward = np.minimum(held, np.maximum(p["ga"] * lay.chunks - held, 0))
     sets = after_backward + (held > after_backward)
     return np.where(recasting, np.maximum(sets - 1, 0), 0)
@@ -230,14 +233,40 @@ def kept_weight_copies(lay: _Layout, chunk_layers: Any) -> np.ndarray:
 
 def autocast_cached_copies(lay: _Layout, layers: np.ndarray, head: Any) -> np.ndarray:
     """[bf16 autocast over fp32 weights] c x (matrices of the rank's blocks / tp + its output
-    head): the cast weights autocast caches (the embedding is looked up, not cast). Under
-    GPipe with recompute only the kept blocks' and the head's outlive the first backward's
-    emptying of the cache; under 1F1B held forwards add sets of their own
-    (``recast_forwards``)."""
-    gpipe_recompute = (~lay.one_stage & (lay.plans["rec"] != REC_NONE)
-                       & (lay.plans["sched"] == GPIPE))
-    blocks = np.where(gpipe_recompute, kept_weight_copies(lay, layers), weight_copies(lay, layers))
-    return np.where(lay.autocast, blocks + lay.compute_bytes * head, 0.0)
+    head): the cast weights autocast caches (the embedding is looked up, not cast); after a
+    backward they may be emptied (``emptied_cache``) or stand for the gradients waiting on
+    their casts (``pending_weight_grads``), and under 1F1B held forwards add sets of their
+    own (``recast_forwards``)."""
+    return np.where(lay.autocast, weight_copies(lay, layers) + lay.compute_bytes * head, 0.0)
+
+
+def emptied_cache(lay: _Layout, layers: np.ndarray, cached: np.ndarray,
+                  all_forwards_first: np.ndarray) -> np.ndarray:
+    """[autocast, pipelined, recompute, every forward before the first backward] kept blocks'
+    and head's copies - ``cached``: after the rank's first backward, which recomputed and so
+    emptied the cache, only the copies its held forwards' saved tensors hold are left (the
+    kept blocks' and the head's), since no forward casts anew (GPipe, a short 1F1B)."""
+    head_copy = cached - weight_copies(lay, layers)
+    kept = kept_weight_copies(lay, layers) + head_copy
+    emptied = (lay.autocast & ~lay.one_stage & (lay.plans["rec"] != REC_NONE)
+               & all_forwards_first)
+    return np.where(emptied, kept - cached, 0.0)
+
+
+def pending_weight_grads(lay: _Layout, cached: np.ndarray, per_chunk: np.ndarray,
+                         recomputing: np.ndarray, all_forwards_first: np.ndarray
+                         ) -> np.ndarray:
+    """[autocast, pipelined, casts shared] max(0, cached / v - one chunk forward - a
+    recomputed block's activations): a forward that reused an earlier forward's cached cast
+    has no cast node of its own, and the shared one (its autograd sequence number the
+    earliest forward's) runs after every node of the later backward, so that backward's bf16
+    weight gradients, one chunk's cache, wait to its end, by which its forward's activations
+    and its last recomputed block's are freed. Casts are shared across the step without
+    recompute, and among the warm-up's forwards when all run before a recomputing backward;
+    otherwise each backward's forward cast anew."""
+    shared = (lay.plans["rec"] == REC_NONE) | all_forwards_first
+    pending = np.maximum(0.0, cached / lay.chunks - per_chunk - recomputing)
+    return np.where(lay.autocast & ~lay.one_stage & shared, pending, 0.0)
 
 
 # --- activations -------------------------------------------------------------------------
@@ -391,16 +420,19 @@ class _Moment(NamedTuple):
 
 
 def largest_moment(lay: _Layout, table: np.ndarray, per_chunk: np.ndarray,
-                   grads: np.ndarray, gathered: np.ndarray) -> _Moment:
+                   grads: np.ndarray, gathered: np.ndarray, after_backward: Any = 0.0
+                   ) -> _Moment:
     """max over (k, g) of held chunk forwards(k, g) x per_chunk + k grads / v + g gathered / v
-    (``table``: ``held_by_accumulating``'s, -1 where the schedule never is)."""
+    (+ ``after_backward`` where k > 0) (``table``: ``held_by_accumulating``'s, -1 where the
+    schedule never is)."""
     n, size = table.shape[0], table.shape[1]
     k = np.arange(size)[None, :, None]
     g = np.arange(size)[None, None, :]
     v = lay.chunks[:, None, None]
+    after = np.broadcast_to(np.asarray(after_backward, dtype=float), (n,))[:, None, None]
     moments = np.where(table >= 0, per_chunk[:, None, None] * table
-                       + grads[:, None, None] / v * k + gathered[:, None, None] / v * g,
-                       -np.inf).reshape(n, -1)
+                       + grads[:, None, None] / v * k + gathered[:, None, None] / v * g
+                       + np.where(k > 0, after, 0.0), -np.inf).reshape(n, -1)
     best = np.argmax(moments, axis=1)
     return _Moment(moments[np.arange(n), best], best // size, best % size)
 
@@ -409,7 +441,11 @@ class _RankPeak(NamedTuple):
     """What a rank holds at its replayed peak, in bytes."""
 
     activations: np.ndarray
-    """Held chunk forwards x their activations (one chunk without a pipeline)."""
+    """Held chunk forwards x their activations (one chunk without a pipeline), with the
+    weight copies and pending gradients that change after a backward."""
+    pending: np.ndarray
+    """The bf16 weight gradients waiting at a backward's end (``pending_weight_grads``),
+    where the moment has any (else 0)."""
     recomputing: np.ndarray
     """A recomputed block's activations beside them."""
     grads_and_gathered: np.ndarray
@@ -423,24 +459,32 @@ class _RankPeak(NamedTuple):
 
 
 def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
-              gathered: np.ndarray, received_share: Any, held_extra: Any = 0.0) -> _RankPeak:
+              gathered: np.ndarray, received_share: Any, cached: np.ndarray,
+              held_extra: Any = 0.0, root_grad: Any = 0.0) -> _RankPeak:
     """Activations, gradients and gathered parameters at the rank's largest replayed moment;
-    without a pipeline one chunk forward and all ``grads``. ``held_extra``: bytes each held
-    forward keeps beyond its chunk's activations (the last GPipe stage's loss graph)."""
+    without a pipeline one chunk forward and all ``grads``. ``cached``: autocast's cached
+    weight copies; ``held_extra``: bytes each held forward keeps beyond its chunk's
+    activations (the last GPipe stage's loss graph); ``root_grad``: a gradient made whole by
+    the rank's first backward (the last rank's head, the first its backward reaches)."""
     per_chunk, recomputing = chunk_forward_bytes(lay, layers, received_share)
     per_chunk = per_chunk + held_extra
     held = held_by_accumulating(lay.plans, pp_rank)
-    moment = largest_moment(lay, held, per_chunk, grads, gathered)
+    all_first = forwards_first(lay.plans, pp_rank)
+    pending = pending_weight_grads(lay, cached, per_chunk, recomputing, all_first)
+    after = emptied_cache(lay, layers, cached, all_first) + pending
+    moment = largest_moment(lay, held, per_chunk, grads, gathered, after + root_grad)
     k, g = moment.accumulating, moment.gathered
     rows = np.arange(len(k))
     held_now = held[rows, k, g]
-    copies = kept_weight_copies(lay, layers / lay.chunks) * recast_forwards(lay, held_now)
+    copies = (kept_weight_copies(lay, layers / lay.chunks)
+              * recast_forwards(lay, held_now, all_first) + np.where(k > 0, after, 0.0))
     activations = np.where(lay.one_stage, per_chunk, per_chunk * held_now + copies)
     held_gathered = lay.pipelined(gathered / lay.chunks * g)
-    grads_and_gathered = np.where(lay.one_stage, grads, grads / lay.chunks * k) + held_gathered
+    grads_and_gathered = (np.where(lay.one_stage, grads, grads / lay.chunks * k
+                                   + np.where(k > 0, root_grad, 0.0)) + held_gathered)
     chunk_gathered = lay.pipelined(np.where(g > 0, gathered / lay.chunks, 0.0))
-    return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered,
-                     chunk_gathered)
+    return _RankPeak(activations, np.where(k > 0, pending, 0.0), recomputing,
+                     grads_and_gathered, per_chunk, held_gathered, chunk_gathered)
 
 
 # --- transients at the peak moment -------------------------------------------------------
@@ -487,21 +531,33 @@ def unmade_gradients(lay: _Layout, params: np.ndarray) -> np.ndarray:
     return np.where(p["ga"] == 1, 4 * params / np.where(lay.fsdp, p["dp"], 1), 0.0)
 
 
-def first_stage_transient(lay: _Layout, states_buffers: np.ndarray, acts: np.ndarray,
+def after_the_schedule(lay: _Layout, states_buffers: np.ndarray, cached_copies: np.ndarray,
+                       peak: _RankPeak) -> np.ndarray:
+    """Bytes over states + activations at the gradient reduction after a pipelined schedule:
+    FSDP2's buffers once REDUCE_GRAD has resharded the rank's chunks; without FSDP2 the flat
+    gradient copy, with the activations gone and, since the schedule's autocast has exited,
+    autocast's cached bf16 weight copies too."""
+    return np.where(lay.fsdp, states_buffers - peak.gathered,
+                    states_buffers - peak.activations - peak.recomputing - cached_copies)
+
+
+def first_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies: np.ndarray,
                           peak: _RankPeak, at_embedding: np.ndarray, new_gradient: np.ndarray,
                           cast: np.ndarray, logits: np.ndarray, unmade: np.ndarray
                           ) -> np.ndarray:
     """Bytes over states + activations at the first rank's peak, the largest of its moments.
 
     Pipelined FSDP2: the embedding's gradient cast or a block's new gradient (0 at least);
-    pipelined without: the autocast cast or the buffers beyond the activations. One stage:
-    the loss's backward (logits - unmade gradients) or a block's (buffers or the cast, and
-    the recomputed block's activations, which the loss's backward does not hold)."""
+    pipelined without: the autocast cast or the gradient reduction after the schedule
+    (``after_the_schedule``). One stage: the loss's backward (logits - unmade gradients) or
+    a block's (buffers or the cast, and the recomputed block's activations, which the
+    loss's backward does not hold)."""
     recomputing = peak.recomputing
     fsdp_pipelined = np.max(np.broadcast_arrays(at_embedding, new_gradient - recomputing, 0.0),
                             axis=0)
+    reduction = after_the_schedule(lay, states_buffers, cached_copies, peak)
     pipelined = np.where(lay.fsdp, fsdp_pipelined,
-                         np.maximum(np.where(lay.autocast, cast, 0.0), states_buffers - acts))
+                         np.maximum(np.where(lay.autocast, cast, 0.0), reduction))
     casts = np.where(lay.fsdp | lay.autocast, cast, 0.0)  # fp32 gradients need no cast
     at_loss = logits - unmade
     at_block = np.maximum(states_buffers, casts) + recomputing
@@ -513,20 +569,19 @@ def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies
                          root: np.ndarray, peak: _RankPeak, new_gradient: np.ndarray,
                          logits: np.ndarray) -> np.ndarray:
     """Bytes over states + activations at the last rank's peak: the largest of the loss's
-    backward (logits, less the chunk zero3 has resharded), a recomputed block's, a block's
+    backward (logits, less the chunk zero3 has resharded and the weight gradients that only
+    wait at a backward's end), a recomputed block's, a block's
     new gradient + c R (the head's, reduced after the whole backward) and the gradient
     reduction after the schedule."""
-    # The reduction's buffer comes once REDUCE_GRAD has resharded the rank's chunks (FSDP2)
-    # or the activations, and with them autocast's bf16 weight copies, are gone (ddp).
-    reduction = np.where(lay.fsdp, states_buffers - peak.gathered,
-                         states_buffers - peak.activations - cached_copies)
+    reduction = after_the_schedule(lay, states_buffers, cached_copies, peak) + peak.recomputing
     with_head = new_gradient + np.where(lay.fsdp & ~lay.one_stage, lay.compute_bytes * root, 0.0)
     # zero3 reshards a 1F1B rank's chunk after each forward: at the loss's backward the
     # last chunk's blocks are not gathered yet (rank_counts.held_by_accumulating); GPipe's
     # later loss backwards find them gathered by the first
     p = lay.plans
     resharded = lay.fsdp & (p["shard"] == ZERO3) & (p["sched"] != GPIPE) & ~lay.one_stage
-    at_loss = logits - np.where(resharded, peak.chunk_gathered, 0.0)
+    # and no weight gradient is pending yet at a backward's start
+    at_loss = logits - np.where(resharded, peak.chunk_gathered, 0.0) - peak.pending
     moments = np.broadcast_arrays(at_loss, peak.recomputing, with_head, reduction)
     pipelined = np.max(moments, axis=0) - peak.recomputing
     return np.where(lay.one_stage, np.maximum(states_buffers, logits), pipelined)
@@ -582,15 +637,17 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     gathered_first = np.where(fsdp_pipelined, cb * params_first, 0.0) - root_gathered_first
     # every held chunk forward's input but the first chunk's came from another rank
     peak_first = rank_peak(lay, first_rank, layers_first, grads_first, gathered_first,
-                           lay.pipelined(1.0) * (v - 1) / lay.chunks)
+                           lay.pipelined(1.0) * (v - 1) / lay.chunks, cached_first)
     # The last rank's root belongs to its last chunk, the first to go backward: its fp32
-    # gradient and gathered parameters are held whole, not as a chunk's share.
+    # gradient (from the first backward on) and gathered parameters are held whole, not as
+    # a chunk's share.
     blocks_last = params_last - root_last
-    root_held = lay.pipelined((4 + np.where(lay.fsdp, cb, 0.0)) * root_last)
+    root_held = lay.pipelined(np.where(lay.fsdp, cb, 0.0) * root_last)
     gathered_last = np.where(lay.fsdp & ~lay.one_stage, cb * blocks_last, 0.0)
     loss_graph = held_loss_graph(lay)
     peak_last = rank_peak(lay, pp - 1, layers_last, lay.pipelined(4 * blocks_last),
-                          gathered_last, lay.pipelined(1.0), loss_graph)
+                          gathered_last, lay.pipelined(1.0), cached_last, loss_graph,
+                          lay.pipelined(4 * root_last))
     act_first = peak_first.activations + peak_first.recomputing + received
     act_last = peak_last.activations + peak_last.recomputing + received
     states_first = (states_first - lay.pipelined(4 * params_first)
@@ -606,7 +663,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     at_embedding = (at_ends + received + cast) - (act_first + peak_first.grads_and_gathered)
     new_gradient = new_block_gradient(lay, unit)
     transient_first = first_stage_transient(
-        lay, buffers_first, act_first, peak_first, at_embedding, new_gradient, cast, logits,
+        lay, buffers_first, cached_first, peak_first, at_embedding, new_gradient, cast, logits,
         unmade_gradients(lay, params_first))
     transient_last = last_stage_transient(lay, buffers_last, cached_last, root_last, peak_last,
                                           new_gradient, logits - loss_graph)

@@ -236,6 +236,24 @@ def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
     return table[index]
 
 
+def _forwards_first(pp: int, v: int, ga: int, schedule: str, pp_rank: int) -> bool:
+    order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
+                           pp_rank)
+    first_backward = next(i for i, (kind, _) in enumerate(order) if kind == "B")
+    return all(kind == "B" for kind, _ in order[first_backward:])
+
+
+def forwards_first(c: dict[str, np.ndarray], pp_rank: np.ndarray) -> np.ndarray:
+    """Whether pipeline rank ``pp_rank`` runs every forward of the step before its first
+    backward (GPipe always; 1F1B when its warm-up covers all micro-batches), for encoded plans
+    ``c`` (``schedule_order`` replayed)."""
+    rank = np.broadcast_to(np.asarray(pp_rank), c["pp"].shape)
+    keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank], axis=1)
+    flags, index = _per_distinct(keys, lambda pp, v, ga, sched, r: _forwards_first(
+        pp, v, ga, SCHEDULES[sched], r))
+    return np.array(flags, dtype=bool)[index]
+
+
 @functools.lru_cache(maxsize=4096)
 def _mean_unit_gathers(pp: int, v: int, ga: int, schedule: str, sharding: str) -> float:
     return float(np.mean(unit_gathers(Plan(pp=pp, virtual_stages=v, grad_accum=ga,
