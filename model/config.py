@@ -16,6 +16,12 @@ Recompute = Literal["none", "selective", "full"]
 DType = Literal["float32", "bfloat16"]
 
 
+def shards_with_fsdp(sharding: str, dp: int) -> bool:
+    """Whether FSDP2 shards the states: zero2 or zero3 over more than one data-parallel rank
+    (otherwise the trainer keeps float32 weights, under bf16 autocast in bfloat16)."""
+    return sharding in ("zero2", "zero3") and dp > 1
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)

@@ -7,12 +7,13 @@ and the untied output head (vocab x d_model).
 FLOPs per token (forward + backward, matmuls only; Kaplan et al. / PaLM appendix B, with
 causal attention counted as the model computes it):
 
-    flops_per_token = 6 * N + 6 * n_layers * d_model * seq_len
+    flops_per_token = 6 * N + 6 * n_layers * n_heads * head_dim * seq_len
 
 where N is the number of non-embedding parameters (all transformer blocks, final norm and
 the output head; the input embedding is a lookup, not a matmul) and the second term is
 the attention score and value products (QK^T and AV: 2 matmuls x 2 FLOPs x 3 for
-forward+backward = 12 per layer per d_model per key position), halved because the model's
+forward+backward = 12 per layer per query width, n_heads x head_dim (d_model unless
+``attention_head_dim`` says otherwise), per key position), halved because the model's
 attention is causal: a token attends to the keys up to its own, seq_len / 2 of them on
 average, and the fused kernel (``scaled_dot_product_attention(is_causal=True)``) skips the
 masked half, as the planner's time model prices it. PaLM's full 12 counts the masked
@@ -60,6 +61,8 @@ class GPTParams:
     """The input token embedding (vocab x d_model)."""
     output: int
     """The untied output head (d_model x vocab)."""
+    attention_width: int = 0
+    """n_heads x head_dim: the width of the attention's products (d_model when 0)."""
 
     @classmethod
     def of(cls, *, n_layers: int, d_model: int, n_heads: int, kv_heads: int, ffn: int,
@@ -82,7 +85,8 @@ class GPTParams:
         norm = 2 * d_model if neox else d_model  # LayerNorm weight + bias, RMSNorm weight
         return cls(n_layers=n_layers, d_model=d_model, block_matrices=matrices,
                    block_biases=biases, block_norms=2 * norm + (2 * hd if qk_norm else 0),
-                   final_norm=norm, embedding=vocab * d_model, output=vocab * d_model)
+                   final_norm=norm, embedding=vocab * d_model, output=vocab * d_model,
+                   attention_width=q_o)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> GPTParams:
@@ -104,8 +108,9 @@ class GPTParams:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training model FLOPs per token at ``seq_len`` (see module docstring)."""
+        width = self.attention_width or self.d_model
         return (6.0 * self.total(include_embedding=False)
-                + 6.0 * self.n_layers * self.d_model * seq_len)  # causal: half of PaLM's 12
+                + 6.0 * self.n_layers * width * seq_len)  # causal: half of PaLM's 12
 
 
 def param_count(cfg: ModelConfig, include_embedding: bool = True) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import math
 import types
+from dataclasses import replace
 
 import pytest
 import torch
@@ -172,6 +173,10 @@ def test_flops_formula() -> None:
     cfg = CONFIGS["llama_gqa"]
     n = param_count(cfg) - cfg.vocab_size * cfg.d_model  # without the input embedding
     assert flops_per_token(cfg, 32) == 6 * n + 6 * 2 * 64 * 32  # causal attention: half of 12
+    # the attention products are as wide as the heads, n_heads x head_dim, not d_model
+    wide = replace(cfg, attention_head_dim=32)  # 4 heads of 32 on a width of 64
+    n_wide = param_count(wide) - wide.vocab_size * wide.d_model
+    assert flops_per_token(wide, 32) == 6 * n_wide + 6 * 2 * (4 * 32) * 32
 
 
 def test_lr_schedule_warmup_then_cosine() -> None:

@@ -149,12 +149,14 @@ def test_pipeline_schedules_in_flight_micro_batches() -> None:
     def recv(v: int, nbytes: int = 2) -> float:
         return 16 * (2 * v - 1) * out * nbytes
 
-    assert gpipe["act_first"] == pytest.approx(15 * (4 * st[0] + out) * 2 + recv(1))
-    assert onef["act_first"] == pytest.approx(4 * (4 * st[0] + out) * 2 + recv(1))
-    assert onef["act_last"] == pytest.approx(1 * (4 * st[0] + out - out) * 2 + recv(1))
-    assert inter["act_first"] == pytest.approx(11 * (2 * st[0] + out - out / 2) * 2
-                                               + recv(2))
-    assert inter["act_last"] == pytest.approx(5 * (2 * st[0] + out - out) * 2 + recv(2))
+    # under FSDP2 each block also keeps bf16 copies of its rotary tables (2 s x head_dim)
+    rope = 2 * 256 * 64
+    assert gpipe["act_first"] == pytest.approx(15 * (4 * (st[0] + rope) + out) * 2 + recv(1))
+    assert onef["act_first"] == pytest.approx(4 * (4 * (st[0] + rope) + out) * 2 + recv(1))
+    assert onef["act_last"] == pytest.approx(1 * (4 * (st[0] + rope) + out - out) * 2 + recv(1))
+    assert inter["act_first"] == pytest.approx(
+        11 * (2 * (st[0] + rope) + out - out / 2) * 2 + recv(2))
+    assert inter["act_last"] == pytest.approx(5 * (2 * (st[0] + rope) + out - out) * 2 + recv(2))
     # without FSDP2's bf16 parameters the blocks run under autocast: the residual stream is
     # float32, so each block's two norm inputs (s b h each) keep 4 bytes an element, not 2,
     # and the residual stream the stage sends is float32 too; each of q, k, v and (llama)
@@ -302,19 +304,23 @@ def test_partial_recompute_stores_full_for_n_blocks_and_none_for_the_rest() -> N
     # ones have freed theirs, so it adds nothing
     assert transient == kept
     recv = 4 * out * 2  # a receive buffer per micro-batch at the rank's one boundary
-    assert partial["act_first"] == pytest.approx((2 * (1 * recomputed + 3 * kept + out)) * 2
-                                                 + recv)
+    # FSDP2 casts each block's float32 rotary tables (cos and sin, s x head_dim) to bf16, and
+    # the block keeps the copies until its backward
+    rope = 2 * 512 * 64
+    assert partial["act_first"] == pytest.approx(
+        (2 * (1 * recomputed + 3 * kept + 4 * rope + out)) * 2 + recv)
     # the last rank's chunk input is its receive buffer, counted there
-    assert partial["act_last"] == pytest.approx((1 * (recomputed + 3 * kept)) * 2 + recv)
+    assert partial["act_last"] == pytest.approx((1 * (recomputed + 3 * kept + 4 * rope)) * 2
+                                                + recv)
     none = _mem(s, recompute="none", **base)
     full = _mem(s, recompute="full", **base)  # every block recomputed: the transient on top
-    assert full["act_first"] == pytest.approx((2 * (4 * recomputed + out) + transient) * 2
-                                              + recv)
+    assert full["act_first"] == pytest.approx(
+        (2 * (4 * recomputed + 4 * rope + out) + transient) * 2 + recv)
     assert full["act_first"] < partial["act_first"] < none["act_first"]
     # without pipelining the chunk is the whole model
     whole = _mem(s, dp=2, micro_batch=1, grad_accum=1, sharding="zero3", recompute="full",
                  recompute_layers=6)
-    assert whole["act_first"] == pytest.approx((6 * recomputed + 2 * kept) * 2)
+    assert whole["act_first"] == pytest.approx((6 * recomputed + 2 * kept + 8 * rope) * 2)
 
 
 def test_partial_recompute_costs_its_share_of_the_recomputed_forwards() -> None:

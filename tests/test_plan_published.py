@@ -167,3 +167,8 @@ def test_explain_prints_every_term_and_they_sum_to_the_step(capsys) -> None:
 def test_bad_fix_is_a_clear_error(capsys) -> None:
     assert plan_main(ARGS + ["--fix", "pipeline=4"]) == 2
     assert "NAME one of" in capsys.readouterr().err
+    # a value no plan can take is named before any search, not found deep inside it
+    assert plan_main(ARGS + ["--fix", "schedule=pipedream"]) == 2
+    assert "plan.schedule='pipedream' is not one of" in capsys.readouterr().err
+    assert plan_main(ARGS + ["--fix", "sharding=zero1"]) == 2
+    assert "use zero2" in capsys.readouterr().err

@@ -103,6 +103,12 @@ def test_partial_recompute_is_searched_and_a_fixed_count_honoured() -> None:
         Plan.from_dict({**Plan().to_dict(), "recompute_layers": -1})
 
 
+def test_zero1_is_refused_with_the_mode_that_does_its_work() -> None:
+    with pytest.raises(PlanError, match=r"plan.sharding='zero1' is not a mode of its own here: "
+                                        r"use zero2, which shards the optimizer states"):
+        Plan.from_dict({**Plan().to_dict(), "sharding": "zero1"})
+
+
 def test_1t_on_3072_frontier_gcds_returns_a_valid_plan() -> None:
     s, train = _shapes(ONE_T, 1536)
     res = search(s, load_cluster("frontier"), 3072, 1536)

@@ -57,6 +57,13 @@ LAYOUTS: dict[str, tuple[ModelConfig, dict, str]] = {
     "tied_tp2_sp_pp2_dp2_zero2_gpipe_first": (TIED, dict(
         tp=2, pp=2, dp=2, grad_accum=2, sharding="zero2", sequence_parallel=True,
         schedule="gpipe"), "first"),
+    # no FSDP2: bf16 autocast over float32 weights keeps the residual stream, and the tp
+    # collectives that carry it, in float32
+    "unsharded_tp2_sp_pp2_full_recompute": (LLAMA, dict(
+        tp=2, pp=2, grad_accum=2, sharding="none", sequence_parallel=True, schedule="1f1b",
+        recompute="full"), "first"),
+    "unsharded_tp2_selective_last": (LLAMA, dict(
+        tp=2, grad_accum=2, sharding="none", recompute="selective"), "last"),
 }
 
 
@@ -154,7 +161,7 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     Gathered chunks: one chunk's schedule keeps it gathered all step; the interleaved one
     gathers at most three chunks (torch's prefetch) and a chunk is resharded by its last
     micro-batch's backward, so the first chunk's last backwards find it gathered alone."""
-    from model.planner.rank_counts import held_by_accumulating
+    from model.planner.rank_counts import FIRST_CHUNK_ENDS, held_by_accumulating
     from model.planner.shapes import encode
 
     inter = Plan(pp=2, grad_accum=2, schedule="interleaved_1f1b", virtual_stages=2)
@@ -167,7 +174,7 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     assert table[0][0][2] == 4 and table[0][0][1] == 2  # the warm-up gathers chunk 1 later
     assert table[1][:, 1].max() == 4 and np.delete(table[1], 1, axis=1).max() == -1
     assert table[2][0][3] == 13 and table[2][:, 4:].max() == -1  # never more than three
-    ends = held_by_accumulating(plans, np.array([0, 0, 0]), first_chunk_ends=True)
+    ends = held_by_accumulating(plans, np.array([0, 0, 0]), FIRST_CHUNK_ENDS)
     assert ends[0].max(axis=1).tolist()[:3] == [-1, 1, -1]
     assert ends[1].max(axis=1).tolist()[:2] == [-1, 3]
     assert ends[0][1][1] == 1 and ends[2][1][1] == 1  # the first chunk alone is gathered
@@ -191,3 +198,30 @@ def test_a_rank_runs_every_forward_first_under_gpipe_or_a_warm_up_covering_the_s
     assert forwards_first(plans, np.zeros(4, dtype=int)).tolist() == [True, True, False, True]
     # the last rank warms up with one forward: it alternates from the start
     assert forwards_first(plans, np.full(4, 3)).tolist() == [True, False, False, False]
+
+
+def test_the_loss_and_the_embedding_gradient_are_replayed_moments() -> None:
+    """The last stage's loss runs at the start of its last chunk's backwards: under zero3
+    1F1B its one forward is held there and the chunk, resharded after that forward, is not
+    gathered yet (the end of a backward, which frees the forward, finds it gathered). The
+    first stage's embedding gradient comes at the end of its first chunk's backwards: under
+    interleaved zero3 the rank's other chunks are resharded by then."""
+    from model.planner.rank_counts import (
+        FIRST_CHUNK_ENDS,
+        LAST_CHUNK_BEGINS,
+        held_by_accumulating,
+    )
+    from model.planner.shapes import encode
+
+    onef = encode([Plan(pp=4, dp=2, grad_accum=8, schedule="1f1b", sharding="zero3")])
+    loss = held_by_accumulating(onef, np.array([3]), LAST_CHUNK_BEGINS)[0]
+    assert loss[:, 1].max() == -1 and loss[1][0] == 1  # one forward held, nothing gathered
+    every = held_by_accumulating(onef, np.array([3]))[0]
+    assert every[1][1] == 0  # gathered only once a backward has freed its forward
+    inter = encode([Plan(pp=2, dp=2, grad_accum=4, schedule="interleaved_1f1b",
+                         virtual_stages=2, sharding="zero3")])
+    ends = held_by_accumulating(inter, np.array([0]), FIRST_CHUNK_ENDS)[0]
+    assert ends[:, 2:].max() == -1 and ends[:, 1].max() >= 0  # chunk 0 alone gathered
+    assert held_by_accumulating(inter, np.array([0]))[0][:, 2].max() >= 0  # elsewhere both
+    loss = held_by_accumulating(inter, np.array([1]), LAST_CHUNK_BEGINS)[0]
+    assert loss[:, 2].max() == -1  # the loss's chunk is not among the gathered

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from model.config import shards_with_fsdp
 from model.gpt import GPT
 
 
@@ -157,7 +158,7 @@ def parallelize_chunk(
     apply_activation_checkpointing(model, recompute, recompute_layers)
     if compile:
         apply_compile(model)
-    if sharding in ("zero2", "zero3") and dp > 1:
+    if shards_with_fsdp(sharding, dp):
         apply_fsdp(model, mesh["dp"], sharding == "zero3", param_dtype)
 
 

@@ -11,7 +11,14 @@ from typing import Any
 
 from model.config import ModelConfig, TrainConfig
 from model.planner.cluster import Cluster
-from model.planner.plan import CONFIG_FIELDS, FIELD_TYPES, Plan, PlanError
+from model.planner.plan import (
+    CHOICES,
+    CONFIG_FIELDS,
+    FIELD_TYPES,
+    Plan,
+    PlanError,
+    check_choice,
+)
 from model.planner.search import SearchResult, search, validate_plan
 from model.planner.shapes import Shapes
 
@@ -100,6 +107,8 @@ def choose(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster, wor
     """The best plan (validated, with predictions) and the search that found it (None: by hand)."""
     shapes = Shapes.from_configs(model_cfg, train_cfg, cluster)
     fixed = fixed or {}
+    for name in CHOICES.keys() & fixed.keys():
+        check_choice(name, fixed[name])
     manual = hand_plan(fixed, train_cfg.global_batch, world)
     if manual is not None:
         checked = validate_plan(shapes, cluster, manual, model_cfg, train_cfg, world, calibration)

@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from model.planner.rank_counts import (
+    FIRST_CHUNK_ENDS,
+    LAST_CHUNK_BEGINS,
     chunk_boundaries,
     forwards_first,
     held_by_accumulating,
@@ -49,6 +51,7 @@ from model.planner.shapes import (
     ZERO2,
     ZERO3,
     Shapes,
+    fsdp_sharded,
 )
 
 GB = 1e9
@@ -103,7 +106,7 @@ class _Layout:
 
     @classmethod
     def of(cls, s: Shapes, plans: dict[str, np.ndarray]) -> _Layout:
-        fsdp = ((plans["shard"] == ZERO2) | (plans["shard"] == ZERO3)) & (plans["dp"] > 1)
+        fsdp = fsdp_sharded(plans)
         return cls(s, plans, s.act_bytes, plans["pp"] == 1, fsdp,
                    ~fsdp & (s.dtype == "bfloat16"),
                    np.where(plans["sp"] == 1, 1.0 / plans["tp"], 1.0),
@@ -377,11 +380,19 @@ def autocast_input_casts(lay: _Layout) -> np.ndarray:
     return np.where(lay.autocast, (reads - 2) * sbh, 0.0)
 
 
+def rope_table_copies(lay: _Layout, blocks: Any) -> np.ndarray:
+    """[FSDP2 in bf16] 2 s x rotary width x c per block: FSDP2's mixed precision casts each
+    block's float32 cos and sin tables, forward inputs, to bf16 afresh, and the block keeps
+    them (rotary's products save them; a checkpoint holds its inputs) until its backward."""
+    return np.where(lay.fsdp & (lay.compute_bytes == 2),
+                    blocks * 2 * lay.s.seq_len * lay.s.rope_width * lay.compute_bytes, 0.0)
+
+
 def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
                         ) -> tuple[np.ndarray, np.ndarray]:
     """(one held chunk forward: stored x c + float32 extras x (4 - c) + autocast's input
-    casts of the kept blocks x c + [pipelined] output boundary bytes - received share x
-    boundary bytes, what a recomputed block adds).
+    casts of the kept blocks x c + FSDP2's rotary table copies + [pipelined] output boundary
+    bytes - received share x boundary bytes, what a recomputed block adds).
 
     A chunk's input that came from another rank is a receive buffer, counted there:
     ``received_share`` is the share of held chunk forwards whose input did."""
@@ -399,7 +410,7 @@ def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
     received = received_share * boundary_bytes(lay)
     casts = autocast_input_casts(lay)
     per_chunk = (stored * c + extra * (4 - c) + kept_blocks(lay, chunk_layers) * casts * c
-                 + output - received)
+                 + rope_table_copies(lay, chunk_layers) + output - received)
     # a recomputed block has its float32 norm inputs and its input casts again
     recomputing = (transient * c + np.where(transient > 0, autocast_extra_elems(lay, kept_rec)
                                             * (4 - c) + casts * c, 0.0))
@@ -443,9 +454,6 @@ class _RankPeak(NamedTuple):
     activations: np.ndarray
     """Held chunk forwards x their activations (one chunk without a pipeline), with the
     weight copies and pending gradients that change after a backward."""
-    pending: np.ndarray
-    """The bf16 weight gradients waiting at a backward's end (``pending_weight_grads``),
-    where the moment has any (else 0)."""
     recomputing: np.ndarray
     """A recomputed block's activations beside them."""
     grads_and_gathered: np.ndarray
@@ -454,8 +462,9 @@ class _RankPeak(NamedTuple):
     """One chunk forward's activations."""
     gathered: np.ndarray
     """g / v of the gathered parameters."""
-    chunk_gathered: np.ndarray
-    """One chunk's gathered parameters, where the moment has any (else 0)."""
+    loss_over_peak: np.ndarray
+    """The largest moment at which the rank's last chunk begins a backward (where the last
+    stage's loss runs its backward; no weight gradient is pending yet) less the peak's."""
 
 
 def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
@@ -473,6 +482,8 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     pending = pending_weight_grads(lay, cached, per_chunk, recomputing, all_first)
     after = emptied_cache(lay, layers, cached, all_first) + pending
     moment = largest_moment(lay, held, per_chunk, grads, gathered, after + root_grad)
+    begins = held_by_accumulating(lay.plans, pp_rank, LAST_CHUNK_BEGINS)
+    at_loss = largest_moment(lay, begins, per_chunk, grads, gathered, after - pending + root_grad)
     k, g = moment.accumulating, moment.gathered
     rows = np.arange(len(k))
     held_now = held[rows, k, g]
@@ -482,9 +493,8 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     held_gathered = lay.pipelined(gathered / lay.chunks * g)
     grads_and_gathered = (np.where(lay.one_stage, grads, grads / lay.chunks * k
                                    + np.where(k > 0, root_grad, 0.0)) + held_gathered)
-    chunk_gathered = lay.pipelined(np.where(g > 0, gathered / lay.chunks, 0.0))
-    return _RankPeak(activations, np.where(k > 0, pending, 0.0), recomputing,
-                     grads_and_gathered, per_chunk, held_gathered, chunk_gathered)
+    return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered,
+                     at_loss.total - moment.total)
 
 
 # --- transients at the peak moment -------------------------------------------------------
@@ -569,19 +579,13 @@ def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies
                          root: np.ndarray, peak: _RankPeak, new_gradient: np.ndarray,
                          logits: np.ndarray) -> np.ndarray:
     """Bytes over states + activations at the last rank's peak: the largest of the loss's
-    backward (logits, less the chunk zero3 has resharded and the weight gradients that only
-    wait at a backward's end), a recomputed block's, a block's
-    new gradient + c R (the head's, reduced after the whole backward) and the gradient
-    reduction after the schedule."""
+    backward (logits at the replayed moments a backward of the loss's chunk begins:
+    ``_RankPeak.loss_over_peak``), a recomputed block's, a block's new gradient + c R (the
+    head's, reduced after the whole backward) and the gradient reduction after the
+    schedule."""
     reduction = after_the_schedule(lay, states_buffers, cached_copies, peak) + peak.recomputing
     with_head = new_gradient + np.where(lay.fsdp & ~lay.one_stage, lay.compute_bytes * root, 0.0)
-    # zero3 reshards a 1F1B rank's chunk after each forward: at the loss's backward the
-    # last chunk's blocks are not gathered yet (rank_counts.held_by_accumulating); GPipe's
-    # later loss backwards find them gathered by the first
-    p = lay.plans
-    resharded = lay.fsdp & (p["shard"] == ZERO3) & (p["sched"] != GPIPE) & ~lay.one_stage
-    # and no weight gradient is pending yet at a backward's start
-    at_loss = logits - np.where(resharded, peak.chunk_gathered, 0.0) - peak.pending
+    at_loss = logits + peak.loss_over_peak
     moments = np.broadcast_arrays(at_loss, peak.recomputing, with_head, reduction)
     pipelined = np.max(moments, axis=0) - peak.recomputing
     return np.where(lay.one_stage, np.maximum(states_buffers, logits), pipelined)
@@ -658,7 +662,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # The first chunk's backwards end with the embedding's gradient made and cast: the
     # largest such moment, counted as what it adds over the replayed peak.
     cast = gradient_cast(s, lay, unit)
-    ends = held_by_accumulating(c, first_rank, first_chunk_ends=True)
+    ends = held_by_accumulating(c, first_rank, FIRST_CHUNK_ENDS)
     at_ends = largest_moment(lay, ends, peak_first.per_chunk, grads_first, gathered_first).total
     at_embedding = (at_ends + received + cast) - (act_first + peak_first.grads_and_gathered)
     new_gradient = new_block_gradient(lay, unit)

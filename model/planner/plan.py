@@ -22,6 +22,23 @@ from model.config import ParallelConfig
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SHARDINGS = ("zero3", "zero2", "ddp", "none")
 RECOMPUTES = ("none", "selective", "full")
+CHOICES = {"schedule": SCHEDULES, "sharding": SHARDINGS, "recompute": RECOMPUTES}
+"""The plan fields that take one of a few names, and their names."""
+
+
+def check_choice(name: str, value: Any) -> None:
+    """PlanError unless plan field ``name`` (one of ``CHOICES``) holds one of its names.
+
+    ZeRO-1 is zero2 here: FSDP2 with gradient sync on a step's last micro-batch is the same
+    once-per-step reduce-scatter over sharded optimizer states and keeps less (the full
+    gradients are freed after it), so a plan that names it is refused with that advice."""
+    if name == "sharding" and str(value).lower().replace("-", "") == "zero1":
+        raise PlanError(f"plan.sharding={value!r} is not a mode of its own here: use zero2, "
+                        "which shards the optimizer states and reduce-scatters the accumulated "
+                        "gradients once per step as ZeRO-1 does (Megatron's distributed "
+                        "optimizer), and frees the full gradients after it")
+    if value not in CHOICES[name]:
+        raise PlanError(f"plan.{name}={value!r} is not one of {CHOICES[name]}")
 
 
 FIGURES_KEY = "figures"
@@ -137,10 +154,8 @@ class Plan:
             value, least = getattr(self, name), 0 if name in COUNT_FIELDS else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise PlanError(f"plan.{name} must be an integer >= {least}, got {value!r}")
-        for name, allowed in (("schedule", SCHEDULES), ("sharding", SHARDINGS),
-                              ("recompute", RECOMPUTES)):
-            if getattr(self, name) not in allowed:
-                raise PlanError(f"plan.{name}={getattr(self, name)!r} is not one of {allowed}")
+        for name in CHOICES:
+            check_choice(name, getattr(self, name))
         if not isinstance(self.sequence_parallel, bool):
             raise PlanError(
                 f"plan.sequence_parallel must be true/false, got {self.sequence_parallel!r}"

@@ -24,7 +24,11 @@ norm's output (its gradient reduce-scattered) and the logits. Without it a block
 all-reduces its two outputs in forward and its column-parallel inputs' gradients in
 backward (q, k, v and the MLP's one or two input projections, each on its own), a
 recomputed forward its attention output; the embedding's output and the head's input
-gradient are all-reduced.
+gradient are all-reduced. Under bf16 autocast over float32 weights (no FSDP2) the residual
+stream is float32, and so is every collective that carries it or its gradient: the norm
+outputs' gathers and their gradients' reduce-scatters (without sequence parallelism the
+input gradients' all-reduces), the embedding's output and the final norm's; the linears'
+outputs and their gradients are bf16 (``float32_stream_ratio``).
 
 Pipeline: each micro-batch's activation (sequence-sharded under sequence parallelism) is
 sent forward and its gradient back at every chunk boundary; in the compute dtype under
@@ -54,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from model.config import shards_with_fsdp
 from model.planner.plan import SCHEDULES, SHARDINGS, Plan, stage_layers
 from model.planner.shapes import Shapes
 
@@ -156,9 +161,15 @@ def unit_gathers(plan: Plan, pp_rank: int) -> list[int]:
     return gathers
 
 
+ALL_MOMENTS, FIRST_CHUNK_ENDS, LAST_CHUNK_BEGINS = "all", "first_chunk_ends", "last_chunk_begins"
+"""The moments ``held_by_accumulating`` replays: every one, or only those ending a backward of
+the rank's first chunk (the first stage's embedding gradient), or only those beginning a
+backward of its last chunk (the last stage's loss)."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
-                          first_chunk_ends: bool, zero3: bool = False
+                          moments: str, zero3: bool = False
                           ) -> tuple[tuple[int, ...], ...]:
     order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
                            pp_rank)
@@ -171,10 +182,11 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
     reshards_after_forward = zero3 and not interleaved
     active = set() if interleaved or reshards_after_forward else set(range(v))
 
-    def moment() -> None:
+    def moment(chunks: set[int] | None = None) -> None:
+        """Record the moment, with only ``chunks`` (default: all) eligible as gathered."""
         accumulating = sum(1 for n in backwards if n > 0)
         # a chunk is resharded by its last micro-batch's backward, whatever the prefetch says
-        gathered = sum(1 for c in active if backwards[c] >= 0)
+        gathered = sum(1 for c in active if backwards[c] >= 0 and (chunks is None or c in chunks))
         best[accumulating][gathered] = max(best[accumulating][gathered], held)
 
     for kind, chunk in actions:
@@ -185,17 +197,25 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             held += 1
             if reshards_after_forward:
                 active.discard(chunk)  # resharded after its forward
-            if not first_chunk_ends:
+            if moments == ALL_MOMENTS:
                 moment()
             continue
-        if not first_chunk_ends:
+        if moments == ALL_MOMENTS:
             moment()  # a backward begins: its forward's activations held, no new gradients
+        elif moments == LAST_CHUNK_BEGINS and chunk == v - 1:
+            # the loss's backward: under interleaved zero3 its chunk, resharded after its
+            # forward, is gathered again only by its first block's backward, after the loss
+            moment(set(range(v)) - {chunk} if zero3 and interleaved else None)
         backwards[chunk] += 1
         held -= 1
         if reshards_after_forward:
             active.add(chunk)  # gathered again by its backward
-        if not first_chunk_ends or chunk == 0:
+        if moments == ALL_MOMENTS:
             moment()  # it ends: those activations freed, the chunk's gradients made
+        elif moments == FIRST_CHUNK_ENDS and chunk == 0:
+            # the embedding's gradient: under interleaved zero3 the rank's other chunks,
+            # whose backwards ran before, are resharded by then
+            moment({0} if zero3 and interleaved else None)
         if backwards[chunk] == ga:  # its last micro-batch: reduce-scattered, then freed
             backwards[chunk] = -1
     return tuple(tuple(row) for row in best)
@@ -209,7 +229,7 @@ def _per_distinct(keys: np.ndarray, value: Callable[..., Any]) -> tuple[list[Any
 
 
 def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
-                         first_chunk_ends: bool = False) -> np.ndarray:
+                         moments: str = ALL_MOMENTS) -> np.ndarray:
     """[candidates, k, g]: the most chunk forwards pipeline rank ``pp_rank`` holds while k of
     its chunks hold unsharded gradients and g of its chunks are gathered, k, g = 0 .. max v;
     -1 where a schedule never has (k, g) (``schedule_order`` replayed). A chunk holds
@@ -221,14 +241,15 @@ def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
     backward has ended and until the next forward; multi-chunk ones gather and reshard as
     ``_with_prefetch`` says, so fewer chunks are gathered as the step ends.
 
-    ``first_chunk_ends``: only the moments that end a backward of the rank's first chunk,
-    where the first pipeline stage makes the embedding's gradient (its first layer, so the
-    last of the chunk's backward)."""
+    ``moments``: ``FIRST_CHUNK_ENDS``, only the moments that end a backward of the rank's
+    first chunk, where the first pipeline stage makes the embedding's gradient (its first
+    layer, so the last of the chunk's backward); ``LAST_CHUNK_BEGINS``, only those that begin
+    a backward of its last chunk, where the last stage's loss runs its backward."""
     rank = np.broadcast_to(np.asarray(pp_rank), c["pp"].shape)
     zero3 = (c["shard"] == SHARDINGS.index("zero3")).astype(c["pp"].dtype)
     keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank, zero3], axis=1)
     rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r, z3: _held_by_accumulating(
-        pp, v, ga, SCHEDULES[sched], r, first_chunk_ends, bool(z3)))
+        pp, v, ga, SCHEDULES[sched], r, moments, bool(z3)))
     size = int(c["v"].max()) + 1 if len(c["v"]) else 1
     table = np.full((len(rows), size, size), -1.0)
     for i, row in enumerate(rows):
@@ -300,16 +321,26 @@ def rank_flops(s: Shapes, plan: Plan, pp_rank: int) -> float:
     return plan.grad_accum * per_microbatch
 
 
+def float32_stream_ratio(fsdp: Any, compute_bytes: int) -> Any:
+    """4 / c where bf16 autocast runs over float32 weights (no FSDP2), else 1: the bytes of a
+    collective on the float32 residual stream over one in the compute dtype."""
+    return np.where(fsdp, 1.0, 4.0 / compute_bytes)
+
+
 def tp_block_collectives(blocks: Any, recomputed: Any, sequence_parallel: Any,
-                         llama: bool) -> tuple[Any, Any, Any]:
-    """(all-gathers, reduce-scatters, all-reduces) of sbh elements that ``blocks`` blocks, of
-    which ``recomputed`` run their forward again, issue over the tp group per micro-batch
-    (scalars or arrays; module docstring)."""
+                         llama: bool, stream_ratio: Any = 1.0) -> tuple[Any, Any, Any]:
+    """(all-gathers, reduce-scatters, all-reduces) of sbh elements in the compute dtype that
+    ``blocks`` blocks, of which ``recomputed`` run their forward again, issue over the tp
+    group per micro-batch (scalars or arrays; module docstring); those on the residual
+    stream weigh ``stream_ratio`` (``float32_stream_ratio``)."""
     input_projections = 3 + (2 if llama else 1)
     sp = np.asarray(sequence_parallel, dtype=bool)
-    gathers = np.where(sp, 4 * blocks + 2 * recomputed, 0)
-    scatters = np.where(sp, 4 * blocks + recomputed, 0)
-    reduces = np.where(sp, 0, (2 + input_projections) * blocks + recomputed)
+    # forward (and recomputed) gathers of the norm outputs, backward gathers of the outputs'
+    # gradients; forward scatters of the outputs, backward scatters of the norm outputs'
+    gathers = np.where(sp, (2 * blocks + 2 * recomputed) * stream_ratio + 2 * blocks, 0)
+    scatters = np.where(sp, 2 * blocks + recomputed + 2 * blocks * stream_ratio, 0)
+    reduces = np.where(sp, 0, (2 * blocks + recomputed)
+                       + input_projections * blocks * stream_ratio)
     return gathers, scatters, reduces
 
 
@@ -324,12 +355,14 @@ def _tp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     blocks = sum(len(layers) for layers in chunks)
     recomputed = sum(recomputed_blocks(plan, len(layers)) for layers in chunks)
     first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    fsdp = shards_with_fsdp(plan.sharding, plan.dp)
+    ratio = float(float32_stream_ratio(fsdp, s.act_bytes))
     gathers, scatters, reduces = (float(n) for n in tp_block_collectives(
-        blocks, recomputed, plan.sequence_parallel, s.llama))
+        blocks, recomputed, plan.sequence_parallel, s.llama, ratio))
     if plan.sequence_parallel:  # the embedding's output, the final norm's output
-        gathers, scatters = gathers + first + last, scatters + first + last
+        gathers, scatters = gathers + (first + last) * ratio, scatters + (first + last) * ratio
     else:
-        reduces += first + last
+        reduces += (first + last) * ratio
     out = {"all_gather": gathers * sbh, "reduce_scatter": scatters * sbh,
            "all_reduce": reduces * sbh}
     if last:
@@ -348,7 +381,7 @@ def _pp_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     """Pipeline sends and receives of one step (each is the other's mirror)."""
     if plan.pp == 1:
         return {}
-    fsdp = plan.sharding in ("zero2", "zero3") and plan.dp > 1
+    fsdp = shards_with_fsdp(plan.sharding, plan.dp)
     c = s.act_bytes if fsdp else 4
     tokens = s.seq_len // plan.tp if plan.sequence_parallel else s.seq_len
     one = tokens * plan.micro_batch * s.d_model * c
@@ -363,7 +396,7 @@ def _tied_bytes(s: Shapes, plan: Plan, pp_rank: int) -> dict[str, float]:
     if not s.tied or plan.pp == 1 or pp_rank not in (0, plan.pp - 1):
         return {}
     rows = s.vocab / plan.tp
-    if plan.sharding in ("zero2", "zero3") and plan.dp > 1:
+    if shards_with_fsdp(plan.sharding, plan.dp):
         rows = -(-int(rows) // plan.dp)
     return {"all_reduce": GRADIENT_REDUCE_BYTES * rows * s.d_model}
 

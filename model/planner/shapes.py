@@ -18,6 +18,11 @@ from model.planner.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan
 # Integer codes used in the vectorised models (index into the tuples in model.planner.plan).
 GPIPE, ONEF1B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved_1f1b"))
 ZERO3, ZERO2, DDP, NOSHARD = (SHARDINGS.index(s) for s in ("zero3", "zero2", "ddp", "none"))
+
+
+def fsdp_sharded(c: dict[str, np.ndarray]) -> np.ndarray:
+    """``model.config.shards_with_fsdp`` over encoded plans ``c``."""
+    return ((c["shard"] == ZERO2) | (c["shard"] == ZERO3)) & (c["dp"] > 1)
 REC_NONE, REC_SEL, REC_FULL = (RECOMPUTES.index(s) for s in ("none", "selective", "full"))
 
 
@@ -58,6 +63,9 @@ class Shapes:
     output projection saves a row-major copy (``memory_model.activation_elems_per_layer``)."""
     attention_head_dim: int = 0
     """Per-head width of q, k and v where it is not d_model / n_heads (0: it is)."""
+    rotary_dim: int = 0
+    """Dims of each head rotary embeddings turn, the width of its cos and sin tables (0:
+    the whole head)."""
     qkv_bias: bool = False
     """Llama with q, k and v biases (``model.qkv_bias``; neox has every bias anyway)."""
     qk_norm: bool = False
@@ -86,6 +94,7 @@ class Shapes:
             qk_norm=bool(getattr(model_cfg, "qk_norm", False)),
             parallel_residual=bool(getattr(model_cfg, "parallel_residual", False)),
             partial_rotary=getattr(model_cfg, "rotary_fraction", 1.0) < 1.0,
+            rotary_dim=getattr(model_cfg, "rotary_dim", 0),
             on_cpu=getattr(cluster, "device_type", "cuda") == "cpu",
             eager_loss=True,
         )
@@ -94,6 +103,11 @@ class Shapes:
     def head_dim(self) -> int:
         """Per-head width of q, k and v."""
         return self.attention_head_dim or self.d_model // self.n_heads
+
+    @property
+    def rope_width(self) -> int:
+        """Width of the rotary cos and sin tables."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def act_bytes(self) -> int:

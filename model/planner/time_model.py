@@ -66,8 +66,23 @@ from typing import Any
 import numpy as np
 
 from model.planner.memory_model import stage_layer_counts
-from model.planner.rank_counts import GRADIENT_REDUCE_BYTES, mean_unit_gathers, tp_block_collectives
-from model.planner.shapes import DDP, INTERLEAVED, NOSHARD, REC_FULL, REC_SEL, ZERO2, ZERO3, Shapes
+from model.planner.rank_counts import (
+    GRADIENT_REDUCE_BYTES,
+    float32_stream_ratio,
+    mean_unit_gathers,
+    tp_block_collectives,
+)
+from model.planner.shapes import (
+    DDP,
+    INTERLEAVED,
+    NOSHARD,
+    REC_FULL,
+    REC_SEL,
+    ZERO2,
+    ZERO3,
+    Shapes,
+    fsdp_sharded,
+)
 
 TRAINER_FRAMEWORK = "pytorch"
 """The published framework whose fitted efficiency factor prices this trainer (framework
@@ -387,7 +402,7 @@ def _dp_comm(s: Shapes, cluster: Any, plans: dict[str, np.ndarray], blocks: _Blo
                  + zero2_gathers * hidden(all_gather, forward_window),
                  np.where(shard == ZERO3, zero3_syncs * hidden(reduce_scatter, backward_window)
                           + zero3_gathers * hidden(all_gather, forward_window), 0.0)))
-    fsdp = ((shard == ZERO2) | (shard == ZERO3)) & (dp > 1)
+    fsdp = fsdp_sharded(plans)
     # measured with every rank of the node in one group; on shared cores a group of dp of
     # the ranks waits while the others compute, so it pays its share of the wait
     ranks, share = _core_share(cluster, plans)
@@ -499,7 +514,9 @@ def step_time(s: Shapes, cluster: Any, c: dict[str, np.ndarray],
     # recomputed block)
     recomputed = recompute_fraction(s, plans)
     if framework is None:
-        gathers, scatters, reduces = tp_block_collectives(1, recomputed, plans["sp"], s.llama)
+        gathers, scatters, reduces = tp_block_collectives(
+            1, recomputed, plans["sp"], s.llama,
+            float32_stream_ratio(fsdp_sharded(plans), s.act_bytes))
         tp_ops = (gathers + scatters) / 2 + reduces
     else:
         tp_ops = 4 + 2 * recomputed

@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from data_prep.atomic import write_json_atomic
-from model.config import ModelConfig, TrainConfig
+from model.config import ModelConfig, TrainConfig, shards_with_fsdp
 from model.flops import default_peak_tflops, flops_per_token
 from model.gpt import GPT, HEAD_NAME, TIED_NAME
 from model.parallel.dims import ParallelDims
@@ -185,7 +185,7 @@ class Trainer:
         self.tied_split = model_cfg.tie_embeddings and plan.pp > 1
         self.tied_group = self.dims.tied_embedding_group(mesh) if self.tied_split else None
         self.param_dtype = torch.bfloat16 if train_cfg.dtype == "bfloat16" else None
-        self.fsdp = plan.sharding in ("zero2", "zero3") and plan.dp > 1
+        self.fsdp = shards_with_fsdp(plan.sharding, plan.dp)
         # DDP wraps the model without pipelining; under pipelining gradients are averaged
         # by one flat all-reduce after the schedule (see allreduce_gradients).
         self.ddp = plan.sharding == "ddp" and plan.dp > 1 and plan.pp == 1
