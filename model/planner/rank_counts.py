@@ -257,6 +257,7 @@ def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
     return table[index]
 
 
+@functools.lru_cache(maxsize=4096)
 def _forwards_first(pp: int, v: int, ga: int, schedule: str, pp_rank: int) -> bool:
     order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
                            pp_rank)
