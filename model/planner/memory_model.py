@@ -469,12 +469,14 @@ class _RankPeak(NamedTuple):
 
 def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
               gathered: np.ndarray, received_share: Any, cached: np.ndarray,
-              held_extra: Any = 0.0, root_grad: Any = 0.0) -> _RankPeak:
+              held_extra: Any = 0.0, root_grad: Any = 0.0, loss: bool = False
+              ) -> _RankPeak:
     """Activations, gradients and gathered parameters at the rank's largest replayed moment;
     without a pipeline one chunk forward and all ``grads``. ``cached``: autocast's cached
     weight copies; ``held_extra``: bytes each held forward keeps beyond its chunk's
     activations (the last GPipe stage's loss graph); ``root_grad``: a gradient made whole by
-    the rank's first backward (the last rank's head, the first its backward reaches)."""
+    the rank's first backward (the last rank's head, the first its backward reaches);
+    ``loss``: the rank runs the loss (``_RankPeak.loss_over_peak`` is replayed, else 0)."""
     per_chunk, recomputing = chunk_forward_bytes(lay, layers, received_share)
     per_chunk = per_chunk + held_extra
     held = held_by_accumulating(lay.plans, pp_rank)
@@ -482,8 +484,11 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     pending = pending_weight_grads(lay, cached, per_chunk, recomputing, all_first)
     after = emptied_cache(lay, layers, cached, all_first) + pending
     moment = largest_moment(lay, held, per_chunk, grads, gathered, after + root_grad)
-    begins = held_by_accumulating(lay.plans, pp_rank, LAST_CHUNK_BEGINS)
-    at_loss = largest_moment(lay, begins, per_chunk, grads, gathered, after - pending + root_grad)
+    loss_over_peak = np.zeros_like(moment.total)
+    if loss:
+        begins = held_by_accumulating(lay.plans, pp_rank, LAST_CHUNK_BEGINS)
+        loss_over_peak = largest_moment(lay, begins, per_chunk, grads, gathered,
+                                        after - pending + root_grad).total - moment.total
     k, g = moment.accumulating, moment.gathered
     rows = np.arange(len(k))
     held_now = held[rows, k, g]
@@ -494,7 +499,7 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     grads_and_gathered = (np.where(lay.one_stage, grads, grads / lay.chunks * k
                                    + np.where(k > 0, root_grad, 0.0)) + held_gathered)
     return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered,
-                     at_loss.total - moment.total)
+                     loss_over_peak)
 
 
 # --- transients at the peak moment -------------------------------------------------------
@@ -651,7 +656,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     loss_graph = held_loss_graph(lay)
     peak_last = rank_peak(lay, pp - 1, layers_last, lay.pipelined(4 * blocks_last),
                           gathered_last, lay.pipelined(1.0), cached_last, loss_graph,
-                          lay.pipelined(4 * root_last))
+                          lay.pipelined(4 * root_last), loss=True)
     act_first = peak_first.activations + peak_first.recomputing + received
     act_last = peak_last.activations + peak_last.recomputing + received
     states_first = (states_first - lay.pipelined(4 * params_first)
