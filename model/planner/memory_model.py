@@ -462,21 +462,24 @@ class _RankPeak(NamedTuple):
     """One chunk forward's activations."""
     gathered: np.ndarray
     """g / v of the gathered parameters."""
-    loss_over_peak: np.ndarray
-    """The largest moment at which the rank's last chunk begins a backward (where the last
-    stage's loss runs its backward; no weight gradient is pending yet) less the peak's."""
+    end_over_peak: np.ndarray
+    """The largest moment of the rank's end of the step (``rank_peak``'s ``end``) less the
+    peak's, 0 where none is asked for."""
 
 
 def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
               gathered: np.ndarray, received_share: Any, cached: np.ndarray,
-              held_extra: Any = 0.0, root_grad: Any = 0.0, loss: bool = False
+              held_extra: Any = 0.0, root_grad: Any = 0.0, end: str | None = None
               ) -> _RankPeak:
     """Activations, gradients and gathered parameters at the rank's largest replayed moment;
     without a pipeline one chunk forward and all ``grads``. ``cached``: autocast's cached
     weight copies; ``held_extra``: bytes each held forward keeps beyond its chunk's
     activations (the last GPipe stage's loss graph); ``root_grad``: a gradient made whole by
     the rank's first backward (the last rank's head, the first its backward reaches);
-    ``loss``: the rank runs the loss (``_RankPeak.loss_over_peak`` is replayed, else 0)."""
+    ``end``: the rank's end of the model whose moments are replayed apart
+    (``_RankPeak.end_over_peak``): ``LAST_CHUNK_BEGINS`` on the last rank, where the loss
+    runs its backward (no weight gradient pending yet), ``FIRST_CHUNK_ENDS`` on the first,
+    where the embedding's gradient is made."""
     per_chunk, recomputing = chunk_forward_bytes(lay, layers, received_share)
     per_chunk = per_chunk + held_extra
     held = held_by_accumulating(lay.plans, pp_rank)
@@ -484,11 +487,11 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     pending = pending_weight_grads(lay, cached, per_chunk, recomputing, all_first)
     after = emptied_cache(lay, layers, cached, all_first) + pending
     moment = largest_moment(lay, held, per_chunk, grads, gathered, after + root_grad)
-    loss_over_peak = np.zeros_like(moment.total)
-    if loss:
-        begins = held_by_accumulating(lay.plans, pp_rank, LAST_CHUNK_BEGINS)
-        loss_over_peak = largest_moment(lay, begins, per_chunk, grads, gathered,
-                                        after - pending + root_grad).total - moment.total
+    end_over_peak = np.zeros_like(moment.total)
+    if end is not None:
+        table = held_by_accumulating(lay.plans, pp_rank, end)
+        end_over_peak = largest_moment(lay, table, per_chunk, grads, gathered,
+                                       after - pending + root_grad).total - moment.total
     k, g = moment.accumulating, moment.gathered
     rows = np.arange(len(k))
     held_now = held[rows, k, g]
@@ -499,7 +502,7 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     grads_and_gathered = (np.where(lay.one_stage, grads, grads / lay.chunks * k
                                    + np.where(k > 0, root_grad, 0.0)) + held_gathered)
     return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered,
-                     loss_over_peak)
+                     end_over_peak)
 
 
 # --- transients at the peak moment -------------------------------------------------------
@@ -585,12 +588,12 @@ def last_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies
                          logits: np.ndarray) -> np.ndarray:
     """Bytes over states + activations at the last rank's peak: the largest of the loss's
     backward (logits at the replayed moments a backward of the loss's chunk begins:
-    ``_RankPeak.loss_over_peak``), a recomputed block's, a block's new gradient + c R (the
+    ``_RankPeak.end_over_peak``), a recomputed block's, a block's new gradient + c R (the
     head's, reduced after the whole backward) and the gradient reduction after the
     schedule."""
     reduction = after_the_schedule(lay, states_buffers, cached_copies, peak) + peak.recomputing
     with_head = new_gradient + np.where(lay.fsdp & ~lay.one_stage, lay.compute_bytes * root, 0.0)
-    at_loss = logits + peak.loss_over_peak
+    at_loss = logits + peak.end_over_peak
     moments = np.broadcast_arrays(at_loss, peak.recomputing, with_head, reduction)
     pipelined = np.max(moments, axis=0) - peak.recomputing
     return np.where(lay.one_stage, np.maximum(states_buffers, logits), pipelined)
@@ -646,7 +649,8 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     gathered_first = np.where(fsdp_pipelined, cb * params_first, 0.0) - root_gathered_first
     # every held chunk forward's input but the first chunk's came from another rank
     peak_first = rank_peak(lay, first_rank, layers_first, grads_first, gathered_first,
-                           lay.pipelined(1.0) * (v - 1) / lay.chunks, cached_first)
+                           lay.pipelined(1.0) * (v - 1) / lay.chunks, cached_first,
+                           end=FIRST_CHUNK_ENDS)
     # The last rank's root belongs to its last chunk, the first to go backward: its fp32
     # gradient (from the first backward on) and gathered parameters are held whole, not as
     # a chunk's share.
@@ -656,7 +660,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     loss_graph = held_loss_graph(lay)
     peak_last = rank_peak(lay, pp - 1, layers_last, lay.pipelined(4 * blocks_last),
                           gathered_last, lay.pipelined(1.0), cached_last, loss_graph,
-                          lay.pipelined(4 * root_last), loss=True)
+                          lay.pipelined(4 * root_last), end=LAST_CHUNK_BEGINS)
     act_first = peak_first.activations + peak_first.recomputing + received
     act_last = peak_last.activations + peak_last.recomputing + received
     states_first = (states_first - lay.pipelined(4 * params_first)
@@ -667,9 +671,7 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     # The first chunk's backwards end with the embedding's gradient made and cast: the
     # largest such moment, counted as what it adds over the replayed peak.
     cast = gradient_cast(s, lay, unit)
-    ends = held_by_accumulating(c, first_rank, FIRST_CHUNK_ENDS)
-    at_ends = largest_moment(lay, ends, peak_first.per_chunk, grads_first, gathered_first).total
-    at_embedding = (at_ends + received + cast) - (act_first + peak_first.grads_and_gathered)
+    at_embedding = peak_first.end_over_peak + cast - peak_first.recomputing
     new_gradient = new_block_gradient(lay, unit)
     transient_first = first_stage_transient(
         lay, buffers_first, cached_first, peak_first, at_embedding, new_gradient, cast, logits,
