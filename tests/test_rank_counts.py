@@ -67,6 +67,12 @@ LAYOUTS: dict[str, tuple[ModelConfig, dict, str]] = {
 }
 
 
+def by_k_g(table: np.ndarray) -> np.ndarray:
+    """``held_by_accumulating``'s table [plan, r, f, k, g] as [plan, k, g]: the most forwards
+    held at any moment with k chunks accumulating and g gathered."""
+    return table.max(axis=(1, 2))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_counts_equal_the_rehearsed_ones(name: str) -> None:
@@ -161,8 +167,9 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     interleaved rank holds at most one forward.
 
     Gathered chunks: one chunk's schedule keeps it gathered all step; the interleaved one
-    gathers at most three chunks (torch's prefetch) and a chunk is resharded by its last
-    micro-batch's backward, so the first chunk's last backwards find it gathered alone."""
+    gathers at most three chunks (torch's prefetch), under zero3 each forward reshards its
+    chunk, and a chunk is resharded by its last micro-batch's backward, so the first
+    chunk's last backwards find it gathered alone."""
     from model.planner.rank_counts import FIRST_CHUNK_ENDS, held_by_accumulating
     from model.planner.shapes import encode
 
@@ -170,20 +177,49 @@ def test_gradients_at_the_peak_follow_the_schedule() -> None:
     onef = Plan(pp=4, grad_accum=8, schedule="1f1b", sharding="zero2")
     many = Plan(pp=2, grad_accum=4, schedule="interleaved_1f1b", virtual_stages=6)
     plans = encode([inter, onef, many])
-    table = held_by_accumulating(plans, np.array([0, 0, 0]))  # [plan, accumulating, gathered]
+    table = by_k_g(held_by_accumulating(plans, np.array([0, 0, 0])))  # [plan, k, g]
     assert table[0].max(axis=1).tolist() == [4, 3, -1, -1, -1, -1, -1]
     assert table[1].max(axis=1).tolist()[:2] == [4, 4]
-    assert table[0][0][2] == 4 and table[0][0][1] == 2  # the warm-up gathers chunk 1 later
+    # zero3: the warm-up's last forward has resharded its chunk, the other still prefetched
+    assert table[0][0][0] == 4 and table[0][0][1] == 2 and table[0][0][2] == -1
     assert table[1][:, 1].max() == 4 and np.delete(table[1], 1, axis=1).max() == -1
-    assert table[2][0][3] == 13 and table[2][:, 4:].max() == -1  # never more than three
-    ends = held_by_accumulating(plans, np.array([0, 0, 0]), FIRST_CHUNK_ENDS)
+    assert table[2][:, 3].max() == 13 and table[2][:, 4:].max() == -1  # never more than three
+    ends = by_k_g(held_by_accumulating(plans, np.array([0, 0, 0]), FIRST_CHUNK_ENDS))
     assert ends[0].max(axis=1).tolist()[:3] == [-1, 1, -1]
     assert ends[1].max(axis=1).tolist()[:2] == [-1, 3]
     assert ends[0][1][1] == 1 and ends[2][1][1] == 1  # the first chunk alone is gathered
     # zero3 reshards a one-chunk rank after each forward: the most forwards (4) are held
     # with the chunk resharded (a backward beginning), at most 3 once a backward gathered it
-    zero3 = held_by_accumulating(encode([replace(onef, sharding="zero3")]), np.array([0]))[0]
+    zero3 = by_k_g(held_by_accumulating(encode([replace(onef, sharding="zero3")]),
+                                np.array([0])))[0]
     assert zero3[:, 0].max() == 4 and zero3[:, 1].max() == 3
+
+
+def test_moments_say_whether_the_root_chunk_holds_gradients_and_a_forward_runs() -> None:
+    """The first stage's embedding is in its chunk 0, the last to go backward on an
+    interleaved rank: its gradient exists only at the moments after chunk 0's first backward
+    (r = 1), while the earlier moments with one chunk accumulating are chunk 1's (r = 0).
+    The last stage's head is in its last chunk, the first to go backward and the first
+    reduce-scattered. A moment at a
+    forward's end has f = 1 (memory_model.forward_gathered)."""
+    from model.planner.rank_counts import held_by_accumulating
+    from model.planner.shapes import encode
+
+    inter = Plan(pp=2, grad_accum=4, schedule="interleaved_1f1b", virtual_stages=2,
+                 sharding="zero2")
+    first = held_by_accumulating(encode([inter]), np.array([0]))[0]  # [r, f, k, g]
+    assert first[0, :, 1].max() == 5 and first[0, :, 2].max() == -1  # chunk 1's alone
+    assert first[1, :, 0].max() == -1 and first[1, :, 2].max() == 5  # chunk 0 last
+    assert first[1, 0, 1].max() == 2  # chunk 1 reduce-scattered, chunk 0 still holding
+    assert first[:, 1].max() == 5 and first[1, 1, 1].max() == -1  # forwards: r = 1 only at k 2
+    last = held_by_accumulating(encode([inter]), np.array([1]))[0]
+    # the head's chunk goes backward first and is reduce-scattered before chunk 0's last
+    # backwards: before then, whenever a chunk holds gradients, the head's chunk does
+    assert last[1, :, 0].max() == -1 and last[0, :, 2].max() == -1
+    assert last[0, 0, 1].max() == 2 and last[1, :, 1].max() == 3
+    one_chunk = held_by_accumulating(encode([replace(inter, schedule="1f1b",
+                                                     virtual_stages=1)]), np.array([0]))[0]
+    assert one_chunk[0, :, 1:].max() == -1 and one_chunk[1, :, 0].max() == -1
 
 
 def test_a_rank_runs_every_forward_first_under_gpipe_or_a_warm_up_covering_the_step() -> None:
@@ -216,14 +252,14 @@ def test_the_loss_and_the_embedding_gradient_are_replayed_moments() -> None:
     from model.planner.shapes import encode
 
     onef = encode([Plan(pp=4, dp=2, grad_accum=8, schedule="1f1b", sharding="zero3")])
-    loss = held_by_accumulating(onef, np.array([3]), LAST_CHUNK_BEGINS)[0]
+    loss = by_k_g(held_by_accumulating(onef, np.array([3]), LAST_CHUNK_BEGINS))[0]
     assert loss[:, 1].max() == -1 and loss[1][0] == 1  # one forward held, nothing gathered
-    every = held_by_accumulating(onef, np.array([3]))[0]
+    every = by_k_g(held_by_accumulating(onef, np.array([3])))[0]
     assert every[1][1] == 0  # gathered only once a backward has freed its forward
     inter = encode([Plan(pp=2, dp=2, grad_accum=4, schedule="interleaved_1f1b",
                          virtual_stages=2, sharding="zero3")])
-    ends = held_by_accumulating(inter, np.array([0]), FIRST_CHUNK_ENDS)[0]
+    ends = by_k_g(held_by_accumulating(inter, np.array([0]), FIRST_CHUNK_ENDS))[0]
     assert ends[:, 2:].max() == -1 and ends[:, 1].max() >= 0  # chunk 0 alone gathered
-    assert held_by_accumulating(inter, np.array([0]))[0][:, 2].max() >= 0  # elsewhere both
-    loss = held_by_accumulating(inter, np.array([1]), LAST_CHUNK_BEGINS)[0]
+    assert by_k_g(held_by_accumulating(inter, np.array([0])))[0][:, 2].max() >= 0  # elsewhere both
+    loss = by_k_g(held_by_accumulating(inter, np.array([1]), LAST_CHUNK_BEGINS))[0]
     assert loss[:, 2].max() == -1  # the loss's chunk is not among the gathered

@@ -25,7 +25,9 @@ The four parts of a rank's bytes:
 - **Margins**: x (1 + fragmentation), + the cluster's reserved memory.
 
 Under pipelining a chunk's unsharded float32 gradients exist from its first backward through
-its last micro-batch's, and multi-chunk schedules gather at most three of a rank's chunks:
+its last micro-batch's (the root's with its own chunk's: the first rank's first, the last
+rank's last), multi-chunk schedules gather at most three of a rank's chunks and zero3
+forwards reshard theirs block by block:
 the rank's schedule is replayed (``rank_counts.held_by_accumulating``) and activations,
 gradients and gathered parameters are counted at the moment their sum is largest.
 """
@@ -388,6 +390,14 @@ def rope_table_copies(lay: _Layout, blocks: Any) -> np.ndarray:
                     blocks * 2 * lay.s.seq_len * lay.s.rope_width * lay.compute_bytes, 0.0)
 
 
+def forward_gathered(lay: _Layout) -> np.ndarray:
+    """[pipelined zero3] 2 c u: the parameters gathered as a forward's last blocks run, its
+    own and the next one's (prefetched), the chunk's earlier blocks resharded after theirs."""
+    unit = block_params(lay.s, lay.plans["tp"])
+    zero3 = lay.fsdp & (lay.plans["shard"] == ZERO3) & ~lay.one_stage
+    return np.where(zero3, 2 * lay.compute_bytes * unit, 0.0)
+
+
 def chunk_forward_bytes(lay: _Layout, layers: np.ndarray, received_share: Any
                         ) -> tuple[np.ndarray, np.ndarray]:
     """(one held chunk forward: stored x c + float32 extras x (4 - c) + autocast's input
@@ -424,28 +434,43 @@ class _Moment(NamedTuple):
     """The largest moment of a replayed schedule."""
 
     total: np.ndarray
+    root_holds: np.ndarray
+    """r: whether the rank's root chunk holds its gradients."""
+    forward: np.ndarray
+    """f: whether a forward's last block is running."""
     accumulating: np.ndarray
     """k: chunks holding unsharded gradients."""
     gathered: np.ndarray
     """g: chunks whose parameters are gathered."""
+    held: np.ndarray
+    """Chunk forwards held."""
 
 
 def largest_moment(lay: _Layout, table: np.ndarray, per_chunk: np.ndarray,
-                   grads: np.ndarray, gathered: np.ndarray, after_backward: Any = 0.0
-                   ) -> _Moment:
-    """max over (k, g) of held chunk forwards(k, g) x per_chunk + k grads / v + g gathered / v
-    (+ ``after_backward`` where k > 0) (``table``: ``held_by_accumulating``'s, -1 where the
-    schedule never is)."""
-    n, size = table.shape[0], table.shape[1]
-    k = np.arange(size)[None, :, None]
-    g = np.arange(size)[None, None, :]
-    v = lay.chunks[:, None, None]
-    after = np.broadcast_to(np.asarray(after_backward, dtype=float), (n,))[:, None, None]
-    moments = np.where(table >= 0, per_chunk[:, None, None] * table
-                       + grads[:, None, None] / v * k + gathered[:, None, None] / v * g
-                       + np.where(k > 0, after, 0.0), -np.inf).reshape(n, -1)
+                   grads: np.ndarray, gathered: np.ndarray, after_backward: Any = 0.0,
+                   root_grad: Any = 0.0, in_forward: Any = 0.0) -> _Moment:
+    """max over (r, f, k, g) of held chunk forwards x per_chunk + k grads / v + g gathered / v
+    + r root_grad + f in_forward (+ ``after_backward`` where k > 0) (``table``:
+    ``held_by_accumulating``'s, -1 where the schedule never is)."""
+    n, size = table.shape[0], table.shape[-1]
+    r = np.arange(2)[None, :, None, None, None]
+    f = np.arange(2)[None, None, :, None, None]
+    k = np.arange(size)[None, None, None, :, None]
+    g = np.arange(size)[None, None, None, None, :]
+
+    def per_candidate(value: Any) -> np.ndarray:
+        return np.broadcast_to(np.asarray(value, dtype=float), (n,))[:, None, None, None, None]
+
+    v = per_candidate(lay.chunks)
+    moments = np.where(table >= 0, per_candidate(per_chunk) * table
+                       + per_candidate(grads) / v * k + per_candidate(gathered) / v * g
+                       + np.where(k > 0, per_candidate(after_backward), 0.0)
+                       + per_candidate(root_grad) * r + per_candidate(in_forward) * f,
+                       -np.inf).reshape(n, -1)
     best = np.argmax(moments, axis=1)
-    return _Moment(moments[np.arange(n), best], best // size, best % size)
+    rows = np.arange(n)
+    rb, fb, kb, gb = np.unravel_index(best, (2, 2, size, size))
+    return _Moment(moments[rows, best], rb, fb, kb, gb, table.reshape(n, -1)[rows, best])
 
 
 class _RankPeak(NamedTuple):
@@ -474,33 +499,36 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     """Activations, gradients and gathered parameters at the rank's largest replayed moment;
     without a pipeline one chunk forward and all ``grads``. ``cached``: autocast's cached
     weight copies; ``held_extra``: bytes each held forward keeps beyond its chunk's
-    activations (the last GPipe stage's loss graph); ``root_grad``: a gradient made whole by
-    the rank's first backward (the last rank's head, the first its backward reaches);
+    activations (the last GPipe stage's loss graph); ``root_grad``: the root chunk's
+    gradient (the first rank's embedding's, the last rank's head's), held from that chunk's
+    first backward on;
     ``end``: the rank's end of the model whose moments are replayed apart
     (``_RankPeak.end_over_peak``): ``LAST_CHUNK_BEGINS`` on the last rank, where the loss
     runs its backward (no weight gradient pending yet), ``FIRST_CHUNK_ENDS`` on the first,
     where the embedding's gradient is made."""
     per_chunk, recomputing = chunk_forward_bytes(lay, layers, received_share)
     per_chunk = per_chunk + held_extra
-    held = held_by_accumulating(lay.plans, pp_rank)
+    in_forward = forward_gathered(lay)
     all_first = forwards_first(lay.plans, pp_rank)
     pending = pending_weight_grads(lay, cached, per_chunk, recomputing, all_first)
     after = emptied_cache(lay, layers, cached, all_first) + pending
-    moment = largest_moment(lay, held, per_chunk, grads, gathered, after + root_grad)
+    table = held_by_accumulating(lay.plans, pp_rank)
+    moment = largest_moment(lay, table, per_chunk, grads, gathered, after, root_grad,
+                            in_forward)
     end_over_peak = np.zeros_like(moment.total)
     if end is not None:
-        table = held_by_accumulating(lay.plans, pp_rank, end)
-        end_over_peak = largest_moment(lay, table, per_chunk, grads, gathered,
-                                       after - pending + root_grad).total - moment.total
-    k, g = moment.accumulating, moment.gathered
-    rows = np.arange(len(k))
-    held_now = held[rows, k, g]
+        end_table = held_by_accumulating(lay.plans, pp_rank, end)
+        end_over_peak = largest_moment(lay, end_table, per_chunk, grads, gathered,
+                                       after - pending, root_grad).total - moment.total
     copies = (kept_weight_copies(lay, layers / lay.chunks)
-              * recast_forwards(lay, held_now, all_first) + np.where(k > 0, after, 0.0))
-    activations = np.where(lay.one_stage, per_chunk, per_chunk * held_now + copies)
-    held_gathered = lay.pipelined(gathered / lay.chunks * g)
-    grads_and_gathered = (np.where(lay.one_stage, grads, grads / lay.chunks * k
-                                   + np.where(k > 0, root_grad, 0.0)) + held_gathered)
+              * recast_forwards(lay, moment.held, all_first)
+              + np.where(moment.accumulating > 0, after, 0.0))
+    activations = np.where(lay.one_stage, per_chunk, per_chunk * moment.held + copies)
+    held_gathered = lay.pipelined(gathered / lay.chunks * moment.gathered
+                                  + in_forward * moment.forward)
+    grads_and_gathered = (np.where(lay.one_stage, grads, grads / lay.chunks
+                                   * moment.accumulating + root_grad * moment.root_holds)
+                          + held_gathered)
     return _RankPeak(activations, recomputing, grads_and_gathered, per_chunk, held_gathered,
                      end_over_peak)
 
@@ -519,18 +547,29 @@ def full_vocab_embedding_grad(s: Shapes, lay: _Layout) -> np.ndarray:
     gradient comes out of DTensor's vocab-parallel backward at the full vocabulary on every
     tp rank, and is kept so (float32) until the step's reduce-scatter."""
     tp = lay.plans["tp"]
-    return np.where(accumulates_unsharded(lay) & (tp > 1),
+    return np.where((accumulates_unsharded(lay) | ~lay.fsdp) & (tp > 1),
                     4 * s.embedding_params * (1 - 1 / tp), 0.0)
 
 
+def _cast_bytes_per_param(lay: _Layout) -> np.ndarray:
+    """c + 4 (a new gradient and its fp32 cast), or c where FSDP2 accumulates into a kept
+    float32 gradient."""
+    return np.where(accumulates_unsharded(lay), lay.compute_bytes, lay.compute_bytes + 4)
+
+
+def block_gradient_cast(lay: _Layout, unit: np.ndarray) -> np.ndarray:
+    """(c + 4) u, or c u where FSDP2 accumulates into a kept float32 gradient: a block's new
+    gradient and its fp32 cast."""
+    return _cast_bytes_per_param(lay) * unit
+
+
 def gradient_cast(s: Shapes, lay: _Layout, unit: np.ndarray) -> np.ndarray:
-    """max((c + 4) u, (c + 4) V h), or c x the same where FSDP2 accumulates into a kept
-    float32 gradient: a new gradient and its fp32 cast; the embedding's comes out at the
-    full vocabulary on every tp rank (DTensor's vocab-parallel backward). Under autocast
-    the embedding is looked up in float32, not cast, so its gradient is 4 V h, uncast."""
-    per_param = np.where(accumulates_unsharded(lay), lay.compute_bytes, lay.compute_bytes + 4)
-    embedding = np.where(lay.autocast, 4.0, per_param) * s.embedding_params
-    return np.maximum(per_param * unit, embedding)
+    """max(``block_gradient_cast``, the same per parameter x V h): the embedding's new
+    gradient comes out at the full vocabulary on every tp rank (DTensor's vocab-parallel
+    backward). Under autocast the embedding is looked up in float32, not cast, so its
+    gradient is 4 V h, uncast."""
+    embedding = np.where(lay.autocast, 4.0, _cast_bytes_per_param(lay)) * s.embedding_params
+    return np.maximum(block_gradient_cast(lay, unit), embedding)
 
 
 def new_block_gradient(lay: _Layout, unit: np.ndarray) -> np.ndarray:
@@ -561,12 +600,13 @@ def after_the_schedule(lay: _Layout, states_buffers: np.ndarray, cached_copies: 
 
 def first_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copies: np.ndarray,
                           peak: _RankPeak, at_embedding: np.ndarray, new_gradient: np.ndarray,
-                          cast: np.ndarray, logits: np.ndarray, unmade: np.ndarray
-                          ) -> np.ndarray:
+                          cast: np.ndarray, block_cast: np.ndarray, logits: np.ndarray,
+                          unmade: np.ndarray) -> np.ndarray:
     """Bytes over states + activations at the first rank's peak, the largest of its moments.
 
     Pipelined FSDP2: the embedding's gradient cast or a block's new gradient (0 at least);
-    pipelined without: the autocast cast or the gradient reduction after the schedule
+    pipelined without: under autocast a block's gradient cast or the embedding's (at the
+    moments it is made), or the gradient reduction after the schedule
     (``after_the_schedule``). One stage: the loss's backward (logits - unmade gradients) or
     a block's (buffers or the cast, and the recomputed block's activations, which the
     loss's backward does not hold)."""
@@ -575,7 +615,8 @@ def first_stage_transient(lay: _Layout, states_buffers: np.ndarray, cached_copie
                             axis=0)
     reduction = after_the_schedule(lay, states_buffers, cached_copies, peak)
     pipelined = np.where(lay.fsdp, fsdp_pipelined,
-                         np.maximum(np.where(lay.autocast, cast, 0.0), reduction))
+                         np.maximum(np.where(lay.autocast, np.maximum(block_cast, at_embedding),
+                                             0.0), reduction))
     casts = np.where(lay.fsdp | lay.autocast, cast, 0.0)  # fp32 gradients need no cast
     at_loss = logits - unmade
     at_block = np.maximum(states_buffers, casts) + recomputing
@@ -640,16 +681,19 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     first_rank = np.zeros_like(pp)
     embedding_grad = full_vocab_embedding_grad(s, lay)
     states_first = states_first + np.where(lay.one_stage, embedding_grad, 0.0)
-    grads_first = lay.pipelined(4 * params_first + embedding_grad)
+    grads_first = lay.pipelined(4 * (params_first - root_first))
     # FSDP2 never reshards a root unit after its forward, and a pipeline chunk is one: on a
-    # one-chunk rank (whose schedule reshards nothing itself) the embedding stays gathered
-    # whole, the blocks as the replay says.
+    # one-chunk rank (whose schedule reshards nothing itself) and under zero3 (whose
+    # forwards reshard only the blocks) the embedding stays gathered whole, the blocks as
+    # the replay says.
     fsdp_pipelined = lay.fsdp & ~lay.one_stage
-    root_gathered_first = np.where(fsdp_pipelined & (lay.chunks == 1), cb * root_first, 0.0)
+    root_stays = (lay.chunks == 1) | (c["shard"] == ZERO3)
+    root_gathered_first = np.where(fsdp_pipelined & root_stays, cb * root_first, 0.0)
     gathered_first = np.where(fsdp_pipelined, cb * params_first, 0.0) - root_gathered_first
     # every held chunk forward's input but the first chunk's came from another rank
     peak_first = rank_peak(lay, first_rank, layers_first, grads_first, gathered_first,
                            lay.pipelined(1.0) * (v - 1) / lay.chunks, cached_first,
+                           root_grad=lay.pipelined(4 * root_first + embedding_grad),
                            end=FIRST_CHUNK_ENDS)
     # The last rank's root belongs to its last chunk, the first to go backward: its fp32
     # gradient (from the first backward on) and gathered parameters are held whole, not as
@@ -674,7 +718,8 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     at_embedding = peak_first.end_over_peak + cast - peak_first.recomputing
     new_gradient = new_block_gradient(lay, unit)
     transient_first = first_stage_transient(
-        lay, buffers_first, cached_first, peak_first, at_embedding, new_gradient, cast, logits,
+        lay, buffers_first, cached_first, peak_first, at_embedding, new_gradient, cast,
+        block_gradient_cast(lay, unit), logits,
         unmade_gradients(lay, params_first))
     transient_last = last_stage_transient(lay, buffers_last, cached_last, root_last, peak_last,
                                           new_gradient, logits - loss_graph)

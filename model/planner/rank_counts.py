@@ -116,14 +116,15 @@ def _with_prefetch(order: list[tuple[str, int]]) -> Iterator[tuple[str, int]]:
     """The order with torch's UNSHARD ('U') and RESHARD ('R') actions of multi-chunk
     schedules: before each action the next ``PIPELINE_ACTIVE_CHUNKS`` distinct chunks to
     compute are gathered and the others resharded."""
+    # the next distinct chunks from each action on, built from the end (one pass)
+    upcoming_at: list[list[int]] = [[] for _ in order]
+    following: list[int] = []
+    for i in range(len(order) - 1, -1, -1):
+        chunk = order[i][1]
+        following = ([chunk] + [c for c in following if c != chunk])[:PIPELINE_ACTIVE_CHUNKS]
+        upcoming_at[i] = following
     active: list[int] = []
-    for i, action in enumerate(order):
-        upcoming: list[int] = []
-        for _, c in order[i:]:
-            if c not in upcoming:
-                upcoming.append(c)
-                if len(upcoming) == PIPELINE_ACTIVE_CHUNKS:
-                    break
+    for action, upcoming in zip(order, upcoming_at):
         for c in [c for c in active if c not in upcoming]:
             active.remove(c)
             yield ("R", c)
@@ -169,25 +170,29 @@ backward of its last chunk (the last stage's loss)."""
 
 @functools.lru_cache(maxsize=4096)
 def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
-                          moments: str, zero3: bool = False
-                          ) -> tuple[tuple[int, ...], ...]:
+                          moments: str, zero3: bool = False) -> np.ndarray:
     order = schedule_order(Plan(pp=pp, virtual_stages=v, grad_accum=ga, schedule=schedule),
                            pp_rank)
+    # the chunk with the rank's root parameters: the first stage's embedding, the last's head
+    root_chunk = 0 if pp_rank == 0 else v - 1 if pp_rank == pp - 1 else None
     interleaved = schedule == "interleaved_1f1b"
     actions = _with_prefetch(order) if interleaved else iter(order)
-    best = [[-1] * (v + 1) for _ in range(v + 1)]  # [accumulating][gathered]
+    best: dict[tuple[int, int, int, int], int] = {}  # (root holds, forward, k, g): held
     held, backwards = 0, [0] * v
-    # one chunk's schedules gather it for the whole step (zero3: from a backward's end to
-    # the next forward); multi-chunk ones as they prefetch
-    reshards_after_forward = zero3 and not interleaved
-    active = set() if interleaved or reshards_after_forward else set(range(v))
+    # zero3 reshards each block after its forward and the backward gathers it again (kept
+    # gathered: the schedule does not reshard after backward); one chunk's zero2 schedules
+    # keep it gathered all step, multi-chunk ones gather and reshard as they prefetch
+    active = set() if interleaved or zero3 else set(range(v))
 
-    def moment(chunks: set[int] | None = None) -> None:
+    def moment(forward: bool = False, chunks: set[int] | None = None) -> None:
         """Record the moment, with only ``chunks`` (default: all) eligible as gathered."""
+        root_holds = root_chunk is not None and backwards[root_chunk] > 0
         accumulating = sum(1 for n in backwards if n > 0)
         # a chunk is resharded by its last micro-batch's backward, whatever the prefetch says
         gathered = sum(1 for c in active if backwards[c] >= 0 and (chunks is None or c in chunks))
-        best[accumulating][gathered] = max(best[accumulating][gathered], held)
+        index = (int(root_holds), int(forward), accumulating, gathered)
+        if held > best.get(index, -1):
+            best[index] = held
 
     for kind, chunk in actions:
         if kind in ("U", "R"):
@@ -195,30 +200,34 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             continue
         if kind == "F":
             held += 1
-            if reshards_after_forward:
-                active.discard(chunk)  # resharded after its forward
+            if zero3:
+                active.discard(chunk)  # resharded block by block as the forward runs
             if moments == ALL_MOMENTS:
-                moment()
+                moment(forward=True)  # its last block: the forward's activations held
             continue
         if moments == ALL_MOMENTS:
             moment()  # a backward begins: its forward's activations held, no new gradients
         elif moments == LAST_CHUNK_BEGINS and chunk == v - 1:
             # the loss's backward: under interleaved zero3 its chunk, resharded after its
             # forward, is gathered again only by its first block's backward, after the loss
-            moment(set(range(v)) - {chunk} if zero3 and interleaved else None)
+            moment(chunks=set(range(v)) - {chunk} if zero3 and interleaved else None)
         backwards[chunk] += 1
         held -= 1
-        if reshards_after_forward:
+        if zero3:
             active.add(chunk)  # gathered again by its backward
         if moments == ALL_MOMENTS:
             moment()  # it ends: those activations freed, the chunk's gradients made
         elif moments == FIRST_CHUNK_ENDS and chunk == 0:
             # the embedding's gradient: under interleaved zero3 the rank's other chunks,
             # whose backwards ran before, are resharded by then
-            moment({0} if zero3 and interleaved else None)
+            moment(chunks={0} if zero3 and interleaved else None)
         if backwards[chunk] == ga:  # its last micro-batch: reduce-scattered, then freed
             backwards[chunk] = -1
-    return tuple(tuple(row) for row in best)
+    table = np.full((2, 2, v + 1, v + 1), -1)  # [root holds][forward][accumulating][gathered]
+    for index, held in best.items():
+        table[index] = held
+    table.flags.writeable = False  # cached: shared by every caller
+    return table
 
 
 def _per_distinct(keys: np.ndarray, value: Callable[..., Any]) -> tuple[list[Any], np.ndarray]:
@@ -230,16 +239,18 @@ def _per_distinct(keys: np.ndarray, value: Callable[..., Any]) -> tuple[list[Any
 
 def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
                          moments: str = ALL_MOMENTS) -> np.ndarray:
-    """[candidates, k, g]: the most chunk forwards pipeline rank ``pp_rank`` holds while k of
-    its chunks hold unsharded gradients and g of its chunks are gathered, k, g = 0 .. max v;
-    -1 where a schedule never has (k, g) (``schedule_order`` replayed). A chunk holds
-    gradients from its first backward through its last micro-batch's, which
-    reduce-scatters them (the sharded result is small: 1 / dp) and reshards the chunk. One
-    chunk's schedules keep it gathered through the step, but under zero3 each forward
-    reshards it and the next backward gathers it again (block by block, kept gathered: the
-    schedule does not reshard after backward), so it counts as gathered only once a
-    backward has ended and until the next forward; multi-chunk ones gather and reshard as
-    ``_with_prefetch`` says, so fewer chunks are gathered as the step ends.
+    """[candidates, r, f, k, g]: the most chunk forwards pipeline rank ``pp_rank`` holds at
+    the replayed moments (``schedule_order``) where k of its chunks hold unsharded gradients,
+    g of its chunks are gathered, r = 1 if its root chunk (the first stage's chunk 0, with
+    the embedding; the last stage's chunk v - 1, with the head) is among the k, and f = 1 at
+    the end of a forward (its last block running: under zero3 the chunk's blocks, resharded
+    one by one, are not among the g); k, g = 0 .. max v; -1 where a schedule never has
+    (r, f, k, g). A chunk holds gradients from its first backward through its last
+    micro-batch's, which reduce-scatters them (the sharded result is small: 1 / dp) and
+    reshards the chunk. Under zero3 a chunk counts as gathered from its backward on until a
+    forward or its last backward reshards it; otherwise one chunk's schedules keep it
+    gathered all step and multi-chunk ones gather and reshard as ``_with_prefetch`` says,
+    so fewer chunks are gathered as the step ends.
 
     ``moments``: ``FIRST_CHUNK_ENDS``, only the moments that end a backward of the rank's
     first chunk, where the first pipeline stage makes the embedding's gradient (its first
@@ -251,9 +262,9 @@ def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
     rows, index = _per_distinct(keys, lambda pp, v, ga, sched, r, z3: _held_by_accumulating(
         pp, v, ga, SCHEDULES[sched], r, moments, bool(z3)))
     size = int(c["v"].max()) + 1 if len(c["v"]) else 1
-    table = np.full((len(rows), size, size), -1.0)
+    table = np.full((len(rows), 2, 2, size, size), -1.0)
     for i, row in enumerate(rows):
-        table[i, :len(row), :len(row)] = row
+        table[i, :, :, :row.shape[2], :row.shape[3]] = row
     return table[index]
 
 
