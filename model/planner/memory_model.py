@@ -543,9 +543,9 @@ def accumulates_unsharded(lay: _Layout) -> np.ndarray:
 
 
 def full_vocab_embedding_grad(s: Shapes, lay: _Layout) -> np.ndarray:
-    """4 V h (1 - 1/tp) where FSDP2 accumulates unsharded with tp > 1: the embedding's
-    gradient comes out of DTensor's vocab-parallel backward at the full vocabulary on every
-    tp rank, and is kept so (float32) until the step's reduce-scatter."""
+    """4 V h (1 - 1/tp) with tp > 1 where FSDP2 accumulates unsharded or without FSDP2: the
+    embedding's gradient comes out of DTensor's vocab-parallel backward at the full
+    vocabulary on every tp rank, and is kept so (float32) until the step's reduction."""
     tp = lay.plans["tp"]
     return np.where((accumulates_unsharded(lay) | ~lay.fsdp) & (tp > 1),
                     4 * s.embedding_params * (1 - 1 / tp), 0.0)
