@@ -200,9 +200,10 @@ def test_moments_say_whether_the_root_chunk_holds_gradients_and_a_forward_runs()
     interleaved rank: its gradient exists only at the moments after chunk 0's first backward
     (r = 1), while the earlier moments with one chunk accumulating are chunk 1's (r = 0).
     The last stage's head is in its last chunk, the first to go backward and the first
-    reduce-scattered. A moment at a
+    reduce-scattered. At the embedding's gradient r says whether it held one before that
+    backward (memory_model.rank_peak counts the new one apart). A moment at a
     forward's end has f = 1 (memory_model.forward_gathered)."""
-    from model.planner.rank_counts import held_by_accumulating
+    from model.planner.rank_counts import FIRST_CHUNK_ENDS, held_by_accumulating
     from model.planner.shapes import encode
 
     inter = Plan(pp=2, grad_accum=4, schedule="interleaved_1f1b", virtual_stages=2,
@@ -220,6 +221,11 @@ def test_moments_say_whether_the_root_chunk_holds_gradients_and_a_forward_runs()
     one_chunk = held_by_accumulating(encode([replace(inter, schedule="1f1b",
                                                      virtual_stages=1)]), np.array([0]))[0]
     assert one_chunk[0, :, 1:].max() == -1 and one_chunk[1, :, 0].max() == -1
+    # at the embedding's gradient r says whether it held one before: under GPipe the first
+    # backward's end holds the other three forwards and no earlier gradient, the second's two
+    gpipe = replace(inter, schedule="gpipe", virtual_stages=1, sharding="none", dp=1)
+    ends = held_by_accumulating(encode([gpipe]), np.array([0]), FIRST_CHUNK_ENDS)[0]
+    assert ends[0, 0, 1, 1] == 3 and ends[1, 0, 1, 1] == 2
 
 
 def test_a_rank_runs_every_forward_first_under_gpipe_or_a_warm_up_covering_the_step() -> None:

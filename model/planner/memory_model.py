@@ -258,20 +258,27 @@ def emptied_cache(lay: _Layout, layers: np.ndarray, cached: np.ndarray,
     return np.where(emptied, kept - cached, 0.0)
 
 
+def waiting_weight_grads(lay: _Layout, cached: np.ndarray, all_forwards_first: np.ndarray
+                         ) -> np.ndarray:
+    """[autocast, pipelined, casts shared] cached / v: a forward that reused an earlier
+    forward's cached cast has no cast node of its own, and the shared one (its autograd
+    sequence number the earliest forward's) runs after every other node of the later
+    backward, so that backward's bf16 weight gradients, one chunk's cache, wait to its end
+    (the first chunk's: past the embedding's gradient). Casts are shared across the step
+    without recompute, and among the warm-up's forwards when all run before a recomputing
+    backward; otherwise each backward's forward cast anew."""
+    shared = (lay.plans["rec"] == REC_NONE) | all_forwards_first
+    return np.where(lay.autocast & ~lay.one_stage & shared, cached / lay.chunks, 0.0)
+
+
 def pending_weight_grads(lay: _Layout, cached: np.ndarray, per_chunk: np.ndarray,
                          recomputing: np.ndarray, all_forwards_first: np.ndarray
                          ) -> np.ndarray:
-    """[autocast, pipelined, casts shared] max(0, cached / v - one chunk forward - a
-    recomputed block's activations): a forward that reused an earlier forward's cached cast
-    has no cast node of its own, and the shared one (its autograd sequence number the
-    earliest forward's) runs after every node of the later backward, so that backward's bf16
-    weight gradients, one chunk's cache, wait to its end, by which its forward's activations
-    and its last recomputed block's are freed. Casts are shared across the step without
-    recompute, and among the warm-up's forwards when all run before a recomputing backward;
-    otherwise each backward's forward cast anew."""
-    shared = (lay.plans["rec"] == REC_NONE) | all_forwards_first
-    pending = np.maximum(0.0, cached / lay.chunks - per_chunk - recomputing)
-    return np.where(lay.autocast & ~lay.one_stage & shared, pending, 0.0)
+    """max(0, ``waiting_weight_grads`` - one chunk forward - a recomputed block's
+    activations): what the waiting gradients add over the moment a backward ends, by which
+    its forward's activations and its last recomputed block's are freed."""
+    waiting = waiting_weight_grads(lay, cached, all_forwards_first)
+    return np.maximum(0.0, waiting - per_chunk - recomputing)
 
 
 # --- activations -------------------------------------------------------------------------
@@ -494,8 +501,8 @@ class _RankPeak(NamedTuple):
 
 def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.ndarray,
               gathered: np.ndarray, received_share: Any, cached: np.ndarray,
-              held_extra: Any = 0.0, root_grad: Any = 0.0, end: str | None = None
-              ) -> _RankPeak:
+              held_extra: Any = 0.0, root_grad: Any = 0.0, end: str | None = None,
+              root_grad_at_end: Any = 0.0) -> _RankPeak:
     """Activations, gradients and gathered parameters at the rank's largest replayed moment;
     without a pipeline one chunk forward and all ``grads``. ``cached``: autocast's cached
     weight copies; ``held_extra``: bytes each held forward keeps beyond its chunk's
@@ -505,7 +512,8 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
     ``end``: the rank's end of the model whose moments are replayed apart
     (``_RankPeak.end_over_peak``): ``LAST_CHUNK_BEGINS`` on the last rank, where the loss
     runs its backward (no weight gradient pending yet), ``FIRST_CHUNK_ENDS`` on the first,
-    where the embedding's gradient is made."""
+    where the embedding's gradient is made; there the root chunk's gradient counts where it
+    was held before that backward, but ``root_grad_at_end`` of it always."""
     per_chunk, recomputing = chunk_forward_bytes(lay, layers, received_share)
     per_chunk = per_chunk + held_extra
     in_forward = forward_gathered(lay)
@@ -517,9 +525,16 @@ def rank_peak(lay: _Layout, pp_rank: np.ndarray, layers: np.ndarray, grads: np.n
                             in_forward)
     end_over_peak = np.zeros_like(moment.total)
     if end is not None:
+        # the loss's backward begins with no weight gradient waiting; the embedding's
+        # gradient comes before its chunk's waiting ones are cast, where the backward's
+        # forward reused the first one's casts (so not in the first backward, r = 0)
+        waiting = (waiting_weight_grads(lay, cached, all_first) if end == FIRST_CHUNK_ENDS
+                   else 0.0)
         end_table = held_by_accumulating(lay.plans, pp_rank, end)
         end_over_peak = largest_moment(lay, end_table, per_chunk, grads, gathered,
-                                       after - pending, root_grad).total - moment.total
+                                       after - pending + root_grad_at_end,
+                                       root_grad - root_grad_at_end + waiting
+                                       ).total - moment.total
     copies = (kept_weight_copies(lay, layers / lay.chunks)
               * recast_forwards(lay, moment.held, all_first)
               + np.where(moment.accumulating > 0, after, 0.0))
@@ -690,11 +705,15 @@ def memory_breakdown(s: Shapes, c: dict[str, np.ndarray], reserved_gb: float = 0
     root_stays = (lay.chunks == 1) | (c["shard"] == ZERO3)
     root_gathered_first = np.where(fsdp_pipelined & root_stays, cb * root_first, 0.0)
     gathered_first = np.where(fsdp_pipelined, cb * params_first, 0.0) - root_gathered_first
+    # The embedding's gradient: without FSDP2 its first backward's is the kept one, a later
+    # one's is added to it (two at once); FSDP2 accumulates even the first into a float32
+    # copy of its own, so the kept one exists at every such moment.
+    root_grad_first = lay.pipelined(4 * root_first + embedding_grad)
     # every held chunk forward's input but the first chunk's came from another rank
     peak_first = rank_peak(lay, first_rank, layers_first, grads_first, gathered_first,
                            lay.pipelined(1.0) * (v - 1) / lay.chunks, cached_first,
-                           root_grad=lay.pipelined(4 * root_first + embedding_grad),
-                           end=FIRST_CHUNK_ENDS)
+                           root_grad=root_grad_first, end=FIRST_CHUNK_ENDS,
+                           root_grad_at_end=np.where(lay.fsdp, root_grad_first, 0.0))
     # The last rank's root belongs to its last chunk, the first to go backward: its fp32
     # gradient (from the first backward on) and gathered parameters are held whole, not as
     # a chunk's share.

@@ -184,9 +184,12 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
     # keep it gathered all step, multi-chunk ones gather and reshard as they prefetch
     active = set() if interleaved or zero3 else set(range(v))
 
-    def moment(forward: bool = False, chunks: set[int] | None = None) -> None:
-        """Record the moment, with only ``chunks`` (default: all) eligible as gathered."""
-        root_holds = root_chunk is not None and backwards[root_chunk] > 0
+    def moment(forward: bool = False, chunks: set[int] | None = None,
+               root_held: bool | None = None) -> None:
+        """Record the moment, with only ``chunks`` (default: all) eligible as gathered and
+        ``root_held`` (default: as the replay stands) for r."""
+        root_holds = (root_chunk is not None and backwards[root_chunk] > 0
+                      if root_held is None else root_held)
         accumulating = sum(1 for n in backwards if n > 0)
         # a chunk is resharded by its last micro-batch's backward, whatever the prefetch says
         gathered = sum(1 for c in active if backwards[c] >= 0 and (chunks is None or c in chunks))
@@ -219,8 +222,10 @@ def _held_by_accumulating(pp: int, v: int, ga: int, schedule: str, pp_rank: int,
             moment()  # it ends: those activations freed, the chunk's gradients made
         elif moments == FIRST_CHUNK_ENDS and chunk == 0:
             # the embedding's gradient: under interleaved zero3 the rank's other chunks,
-            # whose backwards ran before, are resharded by then
-            moment(chunks={0} if zero3 and interleaved else None)
+            # whose backwards ran before, are resharded by then; r says whether the
+            # embedding held a gradient before this one
+            moment(chunks={0} if zero3 and interleaved else None,
+                   root_held=backwards[0] > 1)
         if backwards[chunk] == ga:  # its last micro-batch: reduce-scattered, then freed
             backwards[chunk] = -1
     table = np.full((2, 2, v + 1, v + 1), -1)  # [root holds][forward][accumulating][gathered]
@@ -255,7 +260,8 @@ def held_by_accumulating(c: dict[str, np.ndarray], pp_rank: np.ndarray,
     ``moments``: ``FIRST_CHUNK_ENDS``, only the moments that end a backward of the rank's
     first chunk, where the first pipeline stage makes the embedding's gradient (its first
     layer, so the last of the chunk's backward); ``LAST_CHUNK_BEGINS``, only those that begin
-    a backward of its last chunk, where the last stage's loss runs its backward."""
+    a backward of its last chunk, where the last stage's loss runs its backward. At both, r
+    says whether the root chunk held gradients before that backward."""
     rank = np.broadcast_to(np.asarray(pp_rank), c["pp"].shape)
     zero3 = (c["shard"] == SHARDINGS.index("zero3")).astype(c["pp"].dtype)
     keys = np.stack([c["pp"], c["v"], c["ga"], c["sched"], rank, zero3], axis=1)
