@@ -18,12 +18,12 @@ from model.planner.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan
 # Integer codes used in the vectorised models (index into the tuples in model.planner.plan).
 GPIPE, ONEF1B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved_1f1b"))
 ZERO3, ZERO2, DDP, NOSHARD = (SHARDINGS.index(s) for s in ("zero3", "zero2", "ddp", "none"))
+REC_NONE, REC_SEL, REC_FULL = (RECOMPUTES.index(s) for s in ("none", "selective", "full"))
 
 
 def fsdp_sharded(c: dict[str, np.ndarray]) -> np.ndarray:
     """``model.config.shards_with_fsdp`` over encoded plans ``c``."""
     return ((c["shard"] == ZERO2) | (c["shard"] == ZERO3)) & (c["dp"] > 1)
-REC_NONE, REC_SEL, REC_FULL = (RECOMPUTES.index(s) for s in ("none", "selective", "full"))
 
 
 @dataclass(frozen=True)
