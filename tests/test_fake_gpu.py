@@ -1,9 +1,10 @@
 """The rehearsal on the fake GPU (``model.training.fake_gpu``): the tiny preset's trainer runs
 whole training steps on fake ``cuda`` tensors, on each schedule and sharding, with the GPU's
 attention kernels; a tensor left on the host is named where it was made; a run of many
-micro-batches extrapolated from two short ones equals the full run."""
+micro-batches extrapolated from two short ones, after a short warm-up, equals the full run."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,12 +29,12 @@ def run_case(name: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def rehearse_tiny(plan: Plan, rank: int, dtype: str = "bfloat16", **kwargs):
+def rehearse_tiny(plan: Plan, rank: int, dtype: str = "bfloat16", model=TINY_MODEL, **kwargs):
     from model.training.rehearse import rehearse_isolated
 
     train = TINY_TRAIN.__class__(**{**TINY_TRAIN.__dict__, "dtype": dtype, "global_batch":
                                     plan.dp * plan.micro_batch * plan.grad_accum})
-    return train, rehearse_isolated(TINY_MODEL, train, plan, rank, device_type="cuda", **kwargs)
+    return train, rehearse_isolated(model, train, plan, rank, device_type="cuda", **kwargs)
 
 
 PLANS = {
@@ -99,21 +100,38 @@ def test_a_host_tensor_on_a_gpu_rank_is_named_where_it_was_made() -> None:
     assert "with_host_bias" in error and "model/gpt.py" in error
 
 
-@pytest.mark.parametrize("plan", [
-    Plan(pp=2, dp=2, grad_accum=8, sharding="zero2", schedule="1f1b"),
-    Plan(pp=2, grad_accum=8, sharding="zero3", schedule="gpipe"),
-    Plan(pp=2, grad_accum=10, sharding="none", schedule="interleaved_1f1b", virtual_stages=2),
-], ids=["1f1b_zero2", "gpipe_zero3", "interleaved"])
-def test_extrapolated_micro_batches_equal_the_full_step(plan: Plan) -> None:
-    """8 micro-batches measured at 4 and 6 (interleaved over 2 chunks: 10 at 6 and 8) and
-    extrapolated: peak memory, FLOPs and collective bytes equal those of a step that runs
-    them all."""
-    for rank in (0, plan.world_size - 1):
-        _, short = rehearse_tiny(plan, rank)
-        _, full = rehearse_tiny(plan, rank, extrapolate=False)
-        assert any("extrapolated" in n for n in short.notes)
+EIGHT_LAYERS = dataclasses.replace(TINY_MODEL, n_layers=8)
+
+
+@pytest.mark.parametrize("plan,model,measured", [
+    (Plan(pp=2, dp=2, grad_accum=8, sharding="zero2", schedule="1f1b"), TINY_MODEL, (4, 6)),
+    (Plan(pp=2, grad_accum=8, sharding="zero3", schedule="gpipe"), TINY_MODEL, (4, 6)),
+    (Plan(pp=2, grad_accum=10, sharding="none", schedule="interleaved_1f1b", virtual_stages=2),
+     TINY_MODEL, (6, 8)),
+    (Plan(pp=2, grad_accum=10, sharding="zero2", schedule="interleaved_1f1b", virtual_stages=4),
+     EIGHT_LAYERS, (6, 8)),
+    (Plan(pp=2, dp=2, grad_accum=6, sharding="zero3", schedule="1f1b"), TINY_MODEL, (6,)),
+    (Plan(dp=2, grad_accum=4, sharding="zero2"), TINY_MODEL, (2, 3)),
+], ids=["1f1b_zero2", "gpipe_zero3", "interleaved", "interleaved_v4", "short_warm_up",
+        "no_pipeline"])
+def test_short_rehearsals_equal_the_full_step(plan: Plan, model, measured) -> None:
+    """A rehearsal that warms up on pp micro-batches (one without a pipeline) and measures
+    steps of 2 pp and 3 pp (3 pp and 4 pp interleaved), extrapolated to the plan's count, or
+    its own count when that is no more: peak memory, FLOPs and collective bytes equal those
+    of two steps that run every micro-batch."""
+    from model.training.rehearse import rehearsed_micro_batches
+
+    assert rehearsed_micro_batches(plan) == (min(plan.pp, plan.grad_accum), measured)
+    for rank in sorted({0, plan.world_size - 1}):
+        _, short = rehearse_tiny(plan, rank, model=model)
+        _, full = rehearse_tiny(plan, rank, model=model, extrapolate=False)
+        assert any("extrapolated" in n for n in short.notes) == (len(measured) == 2)
         assert not any("extrapolated" in n for n in full.notes)
         assert short.peak_memory_bytes == pytest.approx(full.peak_memory_bytes, rel=2e-3)
+        # the receive buffers, made inside a measured step's rebuilt schedule, are filed as such
+        for receive_buffers in ("inputs", "other"):
+            assert short.peak_memory_by_category.get(receive_buffers) == \
+                full.peak_memory_by_category.get(receive_buffers)
         assert short.flops_per_step[-1] == full.flops_per_step[-1]
         assert short.collective_bytes_per_step[-1] == full.collective_bytes_per_step[-1]
 

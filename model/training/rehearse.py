@@ -357,14 +357,41 @@ def memory_tracker(trainer: Trainer) -> MemTracker:
     FSDP2 they are the category ``inputs``."""
     if all(isinstance(c, FSDPModule) for c in trainer.chunks):
         tracker: MemTracker = StepFSDPMemTracker(list(trainer.chunks), trainer.optimizer)
-        category: Any = _FSDPRefType.INP
     else:
         tracker = StepMemTracker()
         tracker.track_external(*trainer.runners, trainer.optimizer)
-        category = _MemRefType.OTH  # what track_external makes of a tensor
+    track_receive_buffers(trainer, tracker)
+    return tracker
+
+
+def track_receive_buffers(trainer: Trainer, tracker: MemTracker) -> None:
+    """Put the trainer's pipeline receive buffers in ``tracker``'s category for them
+    (``memory_tracker``), however it has counted them so far."""
+    category = (_FSDPRefType.INP if isinstance(tracker, FSDPMemTracker)
+                else _MemRefType.OTH)  # what track_external makes of a tensor
     for buffer in receive_buffers(trainer):
         tracker._update_and_maybe_create_winfos(buffer, category)
-    return tracker
+
+
+@contextlib.contextmanager
+def receive_buffers_tracked(trainer: Trainer, tracker: MemTracker) -> Iterator[None]:
+    """Within the context, a schedule's first chunk forward re-files the receive buffers
+    (``track_receive_buffers``): a schedule rebuilt for another micro-batch count
+    (``micro_batches``) makes its stages' buffers at the start of its first step, inside the
+    tracker, which would file them as activations; by the first forward they all exist."""
+    handles: list[Any] = []
+
+    def refile(*_: Any) -> None:
+        track_receive_buffers(trainer, tracker)
+        for handle in handles:
+            handle.remove()
+
+    handles += [chunk.register_forward_pre_hook(refile) for chunk in trainer.chunks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def receive_buffers(trainer: Trainer) -> list[torch.Tensor]:
@@ -600,7 +627,7 @@ def measured_step(trainer: Trainer, batch: torch.Tensor) -> tuple[StepFigures, s
     the tracker's name)."""
     counter = StepCounter(mesh_group_dims(trainer))
     tracker = memory_tracker(trainer)
-    with counter, tracker:
+    with counter, tracker, receive_buffers_tracked(trainer, tracker):
         counter.start_step()
         trainer.train_step(batch)
     peak = tracker.get_tracker_snapshot("peak").get(trainer.device, {})
@@ -613,23 +640,30 @@ def measured_step(trainer: Trainer, batch: torch.Tensor) -> tuple[StepFigures, s
     return figures, type(tracker).__mro__[1].__name__
 
 
-def rehearsed_micro_batches(plan: Plan) -> tuple[int, int, int] | None:
-    """(warm-up, first, second) micro-batch counts of a rehearsal that extrapolates to the
-    plan's ``grad_accum``, or None when the plan's own count is no more than the second.
+def rehearsed_micro_batches(plan: Plan) -> tuple[int, tuple[int, ...]]:
+    """(warm-up, measured) micro-batch counts of a rehearsal of ``plan``: the warm-up step
+    runs the first, one step of each of the others is measured, and two measured counts
+    are extrapolated to the plan's ``grad_accum``.
 
     Past the schedule's warm-up every pipeline schedule repeats one micro-batch's work, so
     a step's FLOPs, collective bytes and peak memory are affine in its micro-batch count:
-    1F1B holds at most pp micro-batches in flight and interleaved 1F1B about (v - 1) x pp
-    more chunks (the peak is flat beyond), GPipe holds them all (the peak grows by one
-    micro-batch's activations each), and the stages' receive buffers are one per
-    micro-batch. Two steps of (v + 1) x pp and (v + 2) x pp micro-batches (v: virtual
-    stages, 1 unless interleaved; multiples of pp, as interleaving requires) are past that
-    warm-up and fix the line; the warm-up step runs pp."""
-    v = plan.virtual_stages if plan.schedule == "interleaved_1f1b" else 1
-    first, second = (v + 1) * plan.pp, (v + 2) * plan.pp
+    1F1B holds at most pp micro-batches in flight, interleaved 1F1B (v - 1) x pp + 2 (pp - 1)
+    chunks, which it runs pp micro-batches at a time, so the peak is flat beyond; GPipe
+    holds them all (the peak grows by one micro-batch's activations each), and the stages'
+    receive buffers are one per micro-batch. The line starts, measured on the tiny model's
+    ranks (tests/test_fake_gpu.py), at pp micro-batches for GPipe, pp + 1 for 1F1B and 3 pp
+    for interleaved 1F1B at any v (at 2 pp its first rank's peak lies one activation below
+    it). Steps of 2 pp and 3 pp micro-batches (3 pp and 4 pp interleaved: multiples of pp,
+    as it requires) fix the line; without a pipeline 2 and 3, the second accumulating onto
+    the first's gradients. A plan of no more micro-batches than the second is measured at
+    its own count. The warm-up step only makes the optimizer states and fills caches,
+    which no micro-batch count changes: it runs pp (the pipeline's fill), or the plan's
+    count when that is smaller."""
+    start = 3 if plan.schedule == "interleaved_1f1b" else 2
+    warm_up, first, second = plan.pp, start * plan.pp, (start + 1) * plan.pp
     if plan.grad_accum <= second:
-        return None
-    return plan.pp, first, second
+        return min(warm_up, plan.grad_accum), (plan.grad_accum,)
+    return warm_up, (first, second)
 
 
 @contextlib.contextmanager
@@ -648,16 +682,16 @@ def micro_batches(trainer: Trainer, count: int, fake_mode: FakeTensorMode | None
 
 
 def measure_steps(trainer: Trainer, steps: int = 1, warmup: int = 1,
-                  counts: tuple[int, int, int] | None = None,
+                  counts: tuple[int, tuple[int, ...]] | None = None,
                   fake_mode: FakeTensorMode | None = None) -> Rehearsal:
     """Run ``warmup`` and then ``steps`` training steps of ``trainer``, each measured step
     under a fresh memory tracker and step counter; works on real and (inside a
     FakeTensorMode) fake tensors alike.
 
-    With ``counts`` (``rehearsed_micro_batches``) the warm-up runs ``counts[0]``
-    micro-batches, then one step of each of the other two is measured and the figures are
-    extrapolated to the plan's count (``StepFigures.extrapolated``); ``fake_mode`` is the
-    mode the rebuilt pipeline schedules are made in.
+    With ``counts`` (``rehearsed_micro_batches``: warm-up, measured) the warm-up steps run
+    the first count of micro-batches, then one step of each measured count is measured and
+    two are extrapolated to the plan's count (``StepFigures.extrapolated``); ``fake_mode``
+    is the mode the rebuilt pipeline schedules are made in.
 
     The warm-up steps make the optimizer states and fill DTensor's sharding-propagation
     cache: under a FakeTensorMode, DTensor propagates shardings in that same mode, so its
@@ -679,16 +713,17 @@ def measure_steps(trainer: Trainer, steps: int = 1, warmup: int = 1,
                 step, tracker_name = measured_step(trainer, batch)
                 figures.append(step)
         else:
-            rows = plan.micro_batch
-            with micro_batches(trainer, counts[0], fake_mode):
+            rows, (warm_up, measured_counts) = plan.micro_batch, counts
+            with micro_batches(trainer, warm_up, fake_mode):
                 for batch in batches[:warmup]:
-                    trainer.train_step(batch[:rows * counts[0]])
+                    trainer.train_step(batch[:rows * warm_up])
             measured = []
-            for count in counts[1:]:
+            for count in measured_counts:
                 with micro_batches(trainer, count, fake_mode):
                     step, tracker_name = measured_step(trainer, batches[-1][:rows * count])
                 measured.append(step)
-            figures.append(measured[0].extrapolated(measured[1], counts[1:], plan.grad_accum))
+            figures.append(measured[0] if len(measured) == 1 else
+                           measured[0].extrapolated(measured[1], measured_counts, plan.grad_accum))
     if declared:
         check_stage_outputs(declared, seen)
     last = figures[-1]
@@ -701,10 +736,11 @@ def measure_steps(trainer: Trainer, steps: int = 1, warmup: int = 1,
         collective_bytes_per_step=[f.bytes for f in figures],
         collective_bytes_by_dim=last.dims, collective_calls=last.calls,
         tracker=tracker_name, fake=active_fake_mode() is not None)
-    if counts is not None:
+    if counts is not None and len(counts[1]) == 2:
         result.notes.append(
-            f"{plan.grad_accum} micro-batches extrapolated from steps of {counts[1]} and "
-            f"{counts[2]} (warm-up {counts[0]}): memory, FLOPs and bytes are affine in the count")
+            f"{plan.grad_accum} micro-batches extrapolated from steps of {counts[1][0]} and "
+            f"{counts[1][1]} (warm-up {counts[0]}): memory, FLOPs and bytes are affine in the "
+            "count")
     return result
 
 
@@ -820,8 +856,9 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
     """Run ``warmup`` + ``steps`` training steps of global ``rank`` of ``plan`` on fake
     tensors of ``device_type`` and measure the last ``steps`` (``measure_steps``).
 
-    With ``extrapolate`` a plan of many micro-batches is measured at two smaller counts and
-    extrapolated to its own (``rehearsed_micro_batches``); without, every micro-batch runs.
+    With ``extrapolate`` the warm-up step is short and a plan of many micro-batches is
+    measured at two smaller counts and extrapolated to its own (``rehearsed_micro_batches``);
+    without, both steps run every micro-batch.
 
     ``device_type`` ``cuda`` needs the fake GPU loaded before torch (``model.training.
     fake_gpu``; ``rehearse_isolated`` starts such a process). ``world_size`` defaults to
