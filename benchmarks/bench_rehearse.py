@@ -1,6 +1,7 @@
 """Rehearse Frontier plans on this box: time, host memory, rehearsed vs modeled peak memory.
 
-For each preset (default: configs/frontier-22b.yaml, -175b and -1t at their
+For each preset (default: every one that plans for a GPU cluster, ``PRESETS``: configs/
+frontier-22b.yaml, -175b, -1t, llama31-8b-continue.yaml and pythia-continue.yaml at their
 ``parallel.nproc`` GCDs) the planner picks the plan as the plan stage does
 (``model.planner.choose.choose`` on the preset's cluster with the preset's fixed fields), then
 with ``--top K`` the next best plans that differ in memory, and each of their busiest ranks
@@ -62,7 +63,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_results  # noqa: E402 (needs the repository on sys.path)
 
-PRESETS = ("frontier-22b", "frontier-175b", "frontier-1t")
+PRESETS = ("frontier-22b", "frontier-175b", "frontier-1t", "llama31-8b-continue",
+           "pythia-continue")
+"""Every preset that plans for a GPU cluster (the others run on the local one)."""
 STAGES = ("first", "last")
 
 

@@ -56,13 +56,14 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import multiprocessing
+import sys
 import tempfile
 import time
-import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -799,10 +800,13 @@ class DeviceCheck(TorchDispatchMode):
             out = func(*args, **kwargs)
         except FakeTensorDeviceMismatchError as exc:
             raise RehearsalError(self.mismatch(func, [*args, *kwargs.values()], exc)) from exc
+        origin = None  # one per op: DTensor's shard arithmetic makes host tensors by the
+        # hundred (a chunk over a dp 512 mesh), each of which would walk the stack again
         for t in tree_leaves(out):
             if (isinstance(t, torch.Tensor) and t.device != self.device
                     and t.device.type != "meta" and t.numel() > 1):
-                self.origins[t] = traceback.extract_stack(limit=40)[:-1]
+                origin = origin or caller_frames(sys._getframe(1))
+                self.origins[t] = origin
         return out
 
     def mismatch(self, func: Any, inputs: list[Any], exc: Exception) -> str:
@@ -817,17 +821,33 @@ class DeviceCheck(TorchDispatchMode):
         return "\n".join(lines)
 
 
-def project_frames(stack: traceback.StackSummary) -> str:
-    """The frames of a stack inside this project (the origin a user can fix), innermost
-    last; all frames when none is."""
+Frame = tuple[str, int, str]
+"""A stack frame as (file name, line number, function name)."""
+
+
+def caller_frames(frame: FrameType | None, limit: int = 40) -> tuple[Frame, ...]:
+    """The stack from ``frame`` outwards, innermost first, at most ``limit`` frames: what
+    ``traceback.extract_stack`` gives without reading the source lines, which, for every
+    host tensor a rank makes, took most of a GPU rank's rehearsal (a 22B rank without
+    pipelining: 104 s)."""
+    frames = []
+    while frame is not None and len(frames) < limit:
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return tuple(frames)
+
+
+def project_frames(stack: tuple[Frame, ...]) -> str:
+    """The innermost six frames of a stack (innermost first) inside this project (the origin
+    a user can fix), or of the whole stack when none is."""
     root = str(Path(__file__).resolve().parents[2])
-    ours = [f for f in stack if f.filename.startswith(root)
-            and "site-packages" not in f.filename] or list(stack)
-    def place(frame: traceback.FrameSummary) -> str:
-        name = frame.filename
+    ours = [f for f in stack if f[0].startswith(root) and "site-packages" not in f[0]] \
+        or list(stack)
+
+    def place(name: str) -> str:
         return str(Path(name).relative_to(root)) if name.startswith(root) else name
 
-    return " <- ".join(f"{place(f)}:{f.lineno} {f.name}" for f in reversed(ours[-6:]))
+    return " <- ".join(f"{place(name)}:{line} {function}" for name, line, function in ours[:6])
 
 
 def device_checked(device: torch.device) -> contextlib.AbstractContextManager[Any]:
