@@ -18,8 +18,9 @@ reduce-scatter volumes) and FLOPs against the matmul and attention formula.
 
 Not compared on real ranks, and why:
 
-- sharding ddp without pipelining cannot be rehearsed (DDP's C++ constructor reads
-  parameter storage); the refusal is tested.
+- sharding ddp without pipelining is rehearsed with a stand-in for DDP, whose C++
+  constructor reads parameter storage (``model.training.rehearsed_ddp``): its gradients
+  are checked against DDP's on real ranks, its traffic and buckets in the rehearsal.
 - ddp under pipelining, FSDP2 under pipelining and tp x FSDP2 need pp2 x dp2 or tp2 x dp2 =
   4 ranks, more than the 2 real ranks these tests start; they are rehearsed only, ddp with
   its gradient all-reduce checked against the stage's parameter bytes.
@@ -252,10 +253,58 @@ def test_partial_recompute_keeps_activations_between_none_and_full() -> None:
     assert activation["full"] < activation["full2"] < activation["none"], activation
 
 
-def test_ddp_without_pipelining_is_refused() -> None:
+def test_ddp_without_pipelining_rehearses_ddps_bucket_copy_and_all_reduce() -> None:
+    """dp2 ddp (rehearsed with the stand-in): one all-reduce of every float32 gradient over
+    dp per step (the first micro-batch under no_sync), and the bucket copy of them kept."""
     plan = Plan(dp=2, micro_batch=2, grad_accum=2, sharding="ddp")
-    with pytest.raises(RehearsalError, match="DDP"):
-        rehearse(ModelConfig(**MODEL), TrainConfig(seq_len=SEQ, global_batch=8), plan, 0)
+    result = rehearse(ModelConfig(**MODEL), TrainConfig(seq_len=SEQ, global_batch=8), plan, 0)
+    params = result.peak_memory_by_category["parameter"]
+    # the gradients, and the step's float32 loss averaged for the log
+    assert result.collective_bytes_by_dim["dp"] == {"all_reduce": params + 4}
+    assert result.collective_calls["all_reduce"] == 2
+    assert result.peak_memory_by_category["buffer"] >= params  # the buckets
+    assert result.peak_memory_by_category["gradient"] == params
+
+
+REHEARSED_DDP_CHILD = r"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+from model.training.rehearsed_ddp import RehearsedDDP
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+real, stand_in = DistributedDataParallel(net()), RehearsedDDP(net(), mesh)
+torch.manual_seed(1 + dist.get_rank())
+batches = [torch.randn(3, 8) for _ in range(2)]
+for wrapped in (real, stand_in):
+    with wrapped.no_sync():
+        wrapped(batches[0]).square().sum().backward()
+    wrapped(batches[1]).square().sum().backward()
+for a, b in zip(real.module.parameters(), stand_in.module.parameters()):
+    torch.testing.assert_close(a.grad, b.grad)
+buckets = sum(b.numel() for b in stand_in.buffers())
+assert buckets == sum(p.numel() for p in stand_in.module.parameters()), buckets
+print("same gradients", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_rehearsed_ddp_averages_gradients_as_ddp_does(tmp_path: Path) -> None:
+    """On 2 real gloo ranks with different data, two micro-batches (the first under
+    no_sync) leave the stand-in's gradients equal to DistributedDataParallel's."""
+    (tmp_path / "child.py").write_text(REHEARSED_DDP_CHILD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(tmp_path / "child.py")], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("same gradients") == 2
 
 
 def test_busiest_ranks_are_the_first_and_last_stage() -> None:

@@ -32,9 +32,10 @@ What differs from training, on purpose:
   STATIC in a real run too, so this is the vote's own outcome; the trainer's real runs infer
   the same shapes at their first step and then run the same steps. Each stage's real output
   is checked against the shape it was given after the steps.
-- Sharding ``ddp`` without pipelining cannot be rehearsed: DDP's C++ constructor and
-  reducer read parameter storage. (Under pipelining the trainer all-reduces gradients
-  itself, which rehearses.)
+- Sharding ``ddp`` without pipelining runs ``model.training.rehearsed_ddp.RehearsedDDP``
+  in DistributedDataParallel's place, whose C++ constructor and reducer read parameter
+  storage: the same bucket copy of the gradients and the same all-reduce. (Under
+  pipelining the trainer all-reduces gradients itself, which rehearses as it is.)
 - On a GPU cluster the rank runs on device type ``cuda`` (ROCm's torch uses the same
   type) through ``model.training.fake_gpu``: this CPU-only torch is given a fake CUDA
   device, and the few calls it refuses are answered in one place (``guarded_cuda``), with
@@ -92,6 +93,7 @@ from model.config import ModelConfig, TrainConfig
 from model.parallel.pipeline import build_schedule, chunk_ids
 from model.planner.plan import Plan
 from model.training.batches import synthetic_batch_factory
+from model.training.rehearsed_ddp import RehearsedDDP
 from model.training.trainer import Trainer, cross_entropy
 
 CHECKED_TORCH = (2, 13)
@@ -583,7 +585,7 @@ def make_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
     materialize = ((lambda: faked(fake_mode, device)) if fake_mode is not None
                    else contextlib.nullcontext)
     return Trainer(model_cfg, train_cfg, plan, tempfile.gettempdir(), batches, device,
-                   materialize=materialize)
+                   materialize=materialize, wrap_ddp=RehearsedDDP)
 
 
 @contextlib.contextmanager
@@ -750,15 +752,6 @@ def rehearsal_train_config(train_cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(train_cfg, grad_clip=0.0)
 
 
-def rehearsal_problems(plan: Plan) -> list[str]:
-    """Why a plan cannot be rehearsed (empty when it can)."""
-    if plan.sharding == "ddp" and plan.dp > 1 and plan.pp == 1:
-        return [f"plan {plan.describe()}: DDP (sharding ddp without pipelining) cannot be "
-                "rehearsed: its C++ constructor and reducer read parameter storage, which fake "
-                "tensors do not have"]
-    return []
-
-
 @contextlib.contextmanager
 def on_device(device_type: str) -> Iterator[torch.device]:
     """The device a rehearsed rank runs on: the CPU, or (``cuda``) the fake GPU with
@@ -890,9 +883,6 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
         raise RehearsalError(f"plan {plan.describe()} needs {plan.world_size} ranks, not {world}")
     if not 0 <= rank < world:
         raise RehearsalError(f"rank {rank} is not in a world of {world} ranks")
-    problems = rehearsal_problems(plan)
-    if problems:
-        raise RehearsalError("; ".join(problems))
     check_torch_internals()
     t0 = time.perf_counter()
     cfg = rehearsal_train_config(train_cfg)

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from data_prep.atomic import write_json_atomic
@@ -163,6 +164,7 @@ class Trainer:
         materialize: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         stop_requested: Callable[[], bool] | None = None,
         job: dict[str, Any] | None = None,
+        wrap_ddp: Callable[[nn.Module, DeviceMesh], nn.Module] = apply_ddp,
     ) -> None:
         """``materialize`` makes the context in which the parallelised meta-device chunks get
         storage and everything built on it is made (weights, DDP, optimizer, pipeline
@@ -171,7 +173,9 @@ class Trainer:
 
         ``stop_requested``: whether this rank was asked to stop (out of time); voted on after
         every step. ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger
-        (None: none is kept)."""
+        (None: none is kept). ``wrap_ddp`` wraps a chunk for sharding ddp without pipelining
+        (the rehearsal's stand-in replaces DistributedDataParallel, which fake tensors cannot
+        build)."""
         self.model_cfg, self.cfg, self.plan, self.device = model_cfg, train_cfg, plan, device
         self.out_dir, self.tracker = Path(out_dir), tracker
         self.dims = ParallelDims(plan.pp, plan.dp, plan.tp, dist.get_world_size())
@@ -214,7 +218,7 @@ class Trainer:
                 HEAD_NAME if self.tied_head else TIED_NAME]
         self.schedule = None
         with materialize():
-            self.runners = [apply_ddp(c, mesh["dp"]) if self.ddp else c for c in self.chunks]
+            self.runners = [wrap_ddp(c, mesh["dp"]) if self.ddp else c for c in self.chunks]
             self.params = [p for p in self.model.parameters() if p.requires_grad]
             has_dtensor = any(isinstance(p, DTensor) for p in self.params)
             self.optimizer = build_optimizer(self.model, train_cfg, has_dtensor)
