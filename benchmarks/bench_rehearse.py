@@ -488,6 +488,23 @@ def run_heldout(args: argparse.Namespace, kind: str = HELDOUT) -> int:
     return 0
 
 
+def only_job(only: str, study: bool) -> tuple[str, int | None, str]:
+    """(source, plan index or None for any, stage) of an ``--only`` value: ``RUN:STAGE``
+    with ``--study``, else ``PRESET[#INDEX]:STAGE`` (e.g. ``pythia-continue#1:first``)."""
+    source, _, stage = only.rpartition(":")
+    if not source or stage not in STAGES:
+        raise SystemExit(f"--only {only!r}: expected NAME:STAGE with STAGE one of {STAGES}")
+    if study:
+        return f"{STUDY}:{source}", None, stage
+    preset, _, index = source.partition("#")
+    return preset, int(index) if index else None, stage
+
+
+def matches(job: tuple[str, int, str], wanted: tuple[str, int | None, str]) -> bool:
+    """Whether a (source, plan index, stage) job is the ``--only`` one."""
+    return (job[0], job[2]) == (wanted[0], wanted[2]) and wanted[1] in (None, job[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=",".join(PRESETS),
@@ -509,9 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="rehearse the memory model's tuning plans of "
                          "benchmarks/tuning_plans.yaml instead")
     ap.add_argument("--only", metavar="RUN:STAGE", action="append",
-                    help="with --study: rehearse only these ranks (e.g. gpt-22b:first; "
-                         "repeatable); with --held-out: NAME[,NAME] or NAME:STAGE; the "
-                         "file's records of the others are kept")
+                    help="rehearse only these ranks, keeping the file's records of the "
+                         "others (repeatable): PRESET[#INDEX]:STAGE (e.g. "
+                         "pythia-continue#1:first); with --study RUN:STAGE (e.g. "
+                         "gpt-22b:first); with --held-out NAME[,NAME] or NAME:STAGE")
     ap.add_argument("--remodel", metavar="NAME",
                     help="recompute the model-side figures of benchmarks/results/NAME.json "
                          "with this checkout's memory model (no rehearsal) and rewrite it")
@@ -546,11 +564,12 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [(f"{STUDY}:{name}", -1, stage) for name in study_names() for stage in STAGES]
     name = "bench_rehearse_study" if args.study else "bench_rehearse"
     if args.only:
-        wanted = {(f"{STUDY}:{only.split(':')[0]}", only.split(":")[1]) for only in args.only}
-        jobs = [job for job in jobs if (job[0], job[2]) in wanted]
+        wanted = [only_job(only, args.study) for only in args.only]
+        jobs = [job for job in jobs if any(matches(job, w) for w in wanted)]
         path = ROOT / "benchmarks" / "results" / f"{name}.json"
         kept = json.loads(path.read_text())["ranks"] if path.is_file() else []
-        records = [r for r in kept if (r["preset"], r["stage"]) not in wanted]
+        records = [r for r in kept if not any(
+            matches((r["preset"], r.get("plan_index", -1), r["stage"]), w) for w in wanted)]
     t0 = time.perf_counter()
     for n, (preset, index, stage) in enumerate(jobs, 1):
         record = run_child(preset, stage, args.devices, args.timeout, index)

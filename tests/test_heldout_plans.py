@@ -164,3 +164,17 @@ def test_heldout_figures():
     assert figures["memory_worst_rank"] == "a:last"
     assert figures["rehearsal_seconds_max"] == 30.0
     assert figures["host_peak_rss_gb_max"] == 0.5
+
+
+def test_only_picks_a_presets_plan_and_stage_or_a_studys_run():
+    preset = bench_rehearse.only_job("pythia-continue#1:first", study=False)
+    assert preset == ("pythia-continue", 1, "first")
+    assert bench_rehearse.matches(("pythia-continue", 1, "first"), preset)
+    assert not bench_rehearse.matches(("pythia-continue", 2, "first"), preset)
+    assert not bench_rehearse.matches(("pythia-continue", 1, "last"), preset)
+    every_plan = bench_rehearse.only_job("frontier-1t:last", study=False)
+    assert bench_rehearse.matches(("frontier-1t", 7, "last"), every_plan)
+    run = bench_rehearse.only_job("gpt-22b:first", study=True)
+    assert bench_rehearse.matches((f"{bench_rehearse.STUDY}:gpt-22b", -1, "first"), run)
+    with pytest.raises(SystemExit, match="NAME:STAGE"):
+        bench_rehearse.only_job("frontier-1t#2", study=False)
