@@ -93,6 +93,20 @@ def test_init_is_deterministic_and_seeded() -> None:
     assert torch.equal(a.layers["1"].ffn_norm.weight, torch.ones(64))
 
 
+def test_a_chunk_keeps_only_the_rope_rows_its_sequences_read() -> None:
+    """Tables cut to the training length: same logits, tables of those rows only, and a
+    re-initialisation fills the rows kept."""
+    cfg = CONFIGS["llama_gqa"]
+    full, cut = built(cfg, 7), built(cfg, 7)
+    cut.keep_rope_rows(8)
+    assert tuple(cut.rope_cos.shape) == (8, cfg.head_dim) == tuple(cut.rope_sin.shape)
+    assert dict(cut.named_buffers())["rope_cos"] is cut.rope_cos
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    torch.testing.assert_close(cut(tokens), full(tokens))
+    cut.init_weights(7)
+    torch.testing.assert_close(cut.rope_sin, full.rope_sin[:8])
+
+
 def test_causality() -> None:
     model = built(CONFIGS["llama_gqa"])
     tokens = torch.randint(0, 300, (1, 12))

@@ -206,6 +206,7 @@ class Trainer:
                                   plan.recompute_layers)
                 chunk.to_empty(device=device)
                 chunk.init_weights(train_cfg.seed)
+                chunk.keep_rope_rows(train_cfg.seq_len)
         self.model: nn.Module = self.chunks[0] if len(self.chunks) == 1 else RankModel(self.chunks)
         self.has_first, self.has_last = 0 in ids, n_chunks - 1 in ids
         # This rank's copy of the tied matrix (pp rank 0: the embedding; pp - 1: the head),
