@@ -312,7 +312,7 @@ class GPT(nn.Module):
         embedding its copy is drawn as ``tok_embeddings.weight`` (the same values).
         """
         cos, sin = rope_tables(self.cfg)
-        rows = self.rope_cos.shape[0]  # all max_seq_len positions, or those kept_rope_rows kept
+        rows = self.rope_cos.shape[0]  # max_seq_len, or what keep_rope_rows kept
         self.rope_cos.copy_(cos[:rows])
         self.rope_sin.copy_(sin[:rows])
         for name, param in self.named_parameters():

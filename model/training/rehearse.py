@@ -820,9 +820,8 @@ Frame = tuple[str, int, str]
 
 def caller_frames(frame: FrameType | None, limit: int = 40) -> tuple[Frame, ...]:
     """The stack from ``frame`` outwards, innermost first, at most ``limit`` frames: what
-    ``traceback.extract_stack`` gives without reading the source lines, which, for every
-    host tensor a rank makes, took most of a GPU rank's rehearsal (a 22B rank without
-    pipelining: 104 s)."""
+    ``traceback.extract_stack`` gives without reading source lines, which a GPU rank, making
+    host tensors by the thousand (DTensor's shard arithmetic), cannot afford for each."""
     frames = []
     while frame is not None and len(frames) < limit:
         frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
