@@ -163,17 +163,20 @@ def parallelize_chunk(
 
 
 @torch.no_grad()
-def allreduce_gradients(params: list[torch.Tensor], dp_mesh: DeviceMesh) -> None:
-    """Average plain-tensor gradients over the dp group with one flat all-reduce.
+def allreduce_gradients(params: list[torch.Tensor], dp_mesh: DeviceMesh,
+                        into: torch.Tensor | None = None) -> None:
+    """Average plain-tensor gradients over the dp group with one flat all-reduce, of a
+    flat copy made for it or, given ``into`` (one element per gradient element), of that.
 
     Used for sharding 'ddp' under pipeline parallelism, where wrapping each stage in
     DistributedDataParallel breaks (its reducer cannot follow several micro-batch backward
-    passes of a pipeline schedule in torch 2.13).
+    passes of a pipeline schedule in torch 2.13), and by the rehearsal's stand-in for DDP
+    (``model.training.rehearsed_ddp``) with its bucket.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([g.reshape(-1) for g in grads], out=into)
     torch.distributed.all_reduce(flat, group=dp_mesh.get_group())
     flat /= dp_mesh.size()
     offset = 0

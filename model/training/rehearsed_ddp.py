@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from model.parallel.parallelize import allreduce_gradients
 
 
 class RehearsedDDP(nn.Module):
@@ -27,16 +28,17 @@ class RehearsedDDP(nn.Module):
 
     def __init__(self, module: nn.Module, dp_mesh: DeviceMesh) -> None:
         super().__init__()
-        self.module = module
-        self.group, self.dp = dp_mesh.get_group(), dp_mesh.size()
+        self.module, self.dp_mesh = module, dp_mesh
         self.synced = [p for p in module.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, int] = {}
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in self.synced:
-            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
-        device = self.synced[0].device if self.synced else torch.device("cpu")
-        for i, (dtype, numel) in enumerate(by_dtype.items()):
-            self.register_buffer(f"bucket{i}", torch.empty(numel, dtype=dtype, device=device),
-                                 persistent=False)
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.buckets: list[tuple[str, list[nn.Parameter]]] = []  # buffer name, its params
+        for i, (dtype, params) in enumerate(by_dtype.items()):
+            self.register_buffer(f"bucket{i}", torch.empty(
+                sum(p.numel() for p in params), dtype=dtype, device=params[0].device),
+                persistent=False)
+            self.buckets.append((f"bucket{i}", params))
         self.syncing, self.ready = True, 0
         for p in self.synced:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
@@ -57,23 +59,7 @@ class RehearsedDDP(nn.Module):
         if not self.syncing:
             return
         self.ready += 1
-        if self.ready == len(self.synced):
+        if self.ready == len(self.synced):  # the backward has made every gradient
             self.ready = 0
-            self._all_reduce()
-
-    @torch.no_grad()
-    def _all_reduce(self) -> None:
-        """Copy the gradients into their buckets, average the buckets over dp, copy back."""
-        buckets = dict(self.named_buffers(recurse=False))
-        for i, dtype in enumerate(dict.fromkeys(p.dtype for p in self.synced)):
-            bucket, grads = buckets[f"bucket{i}"], [p.grad for p in self.synced if p.dtype == dtype]
-            offset = 0
-            for g in grads:
-                bucket[offset:offset + g.numel()].copy_(g.reshape(-1))
-                offset += g.numel()
-            bucket.div_(self.dp)
-            dist.all_reduce(bucket, group=self.group)
-            offset = 0
-            for g in grads:
-                g.copy_(bucket[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for name, params in self.buckets:
+                allreduce_gradients(params, self.dp_mesh, into=getattr(self, name))
