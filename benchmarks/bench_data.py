@@ -66,9 +66,9 @@ from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
 from data_prep.tokenizer import load_tokenizer
 from data_prep.writer import directory_bytes
-from stages import tokenize
+from stages.config import load_config
 from stages.mechanism import tracking
-from stages.mechanism.config import load_config
+from stages.tokenize import work as tokenize
 
 
 def log(message: str) -> None:
@@ -152,14 +152,14 @@ def _warm(seconds: float) -> int:
     import os as o
     import time as t
 
-    import stages.tokenize  # noqa: F401
+    import stages.tokenize.work  # noqa: F401
     t.sleep(seconds)
     return o.getpid()
 
 
 def _shard(cfg, out: Path, index: int) -> dict:
     """Parsl app body: tokenize one shard."""
-    from stages.tokenize import part as tokenize_shard
+    from stages.tokenize.work import part as tokenize_shard
 
     return tokenize_shard(cfg, out, index)
 

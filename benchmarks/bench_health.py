@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from benchmarks.results import RESULTS_DIR, report
 from model.config import ModelConfig, TrainConfig
 from model.flops import param_count
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.batches import SyntheticBatches
 from model.training.trainer import Trainer
 

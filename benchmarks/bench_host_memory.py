@@ -3,7 +3,7 @@
 The tiny preset's three micro-batch sizes (8 x 1, 4 x 2 and 2 x 4 per rank and step) are
 measured on 1 rank (global batch 8) and on 2 data-parallel ranks (DDP, global batch 16), each
 plan for ``--rounds`` rounds of ``--steps`` steps in one launch
-(``stages.measure_worker.measure_plans``, the planner's own measurement), in two ways,
+(``stages.plan.measure_worker.measure_plans``, the planner's own measurement), in two ways,
 alternating launch by launch ``--repeats`` times so that the box's drift falls on both alike:
 
 - ``retained``: the ranks as they run (glibc keeps what a step frees);
@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_results
 from model.parallel.host_memory import RETAIN_VAR
-from model.planner.plan import Plan
-from stages.mechanism.config import load_config
+from model.parallel.layout import Plan
+from stages.config import load_config
 
 MICRO_BATCHES = (8, 4, 2)
 SETTINGS = {"n1": (1, 8), "n2": (2, 16)}  # ranks, global batch
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per launch (default 3)")
     ap.add_argument("--steps", type=int, default=20, help="steps per plan and round (default 20)")
     args = ap.parse_args()
-    from stages.measure_worker import measure_plans
+    from stages.plan.measure_worker import measure_plans
 
     figures: dict[str, float | bool] = {}
     details: dict[str, dict] = {}

@@ -8,7 +8,7 @@ One short training (the tiny test model, 2 steps, 2 gloo ranks, no checkpoint) i
   its child and forks the other ranks once it has imported torch and the trainer,
   ``stages.mechanism.forked_ranks``; the launcher itself imports no torch);
 - ``torchrun``: ``python -m torch.distributed.run --standalone --nproc-per-node 2 -m
-  stages.train_worker --spec``: every rank a fresh interpreter that imports torch and the
+  stages.train.worker --spec``: every rank a fresh interpreter that imports torch and the
   trainer itself, and torchrun imports torch as well.
 
 Printed per way: the median wall seconds and CPU seconds (user + system of the command and
@@ -65,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
         out_dir = Path(tmp)
         cfg = tiny_config("train.steps=2")
-        spec = RankSpec(worker="stages.train_worker", nproc=2, nodes=1, out_dir=str(out_dir),
+        spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(out_dir),
                         config=cfg.to_dict(), plan=PLAN, extra={"save_final": False})
         spec_path = spec.write(out_dir / "spec.json")
         ways = {"launcher": local_command(spec_path), "torchrun": torchrun_command(spec_path, spec)}

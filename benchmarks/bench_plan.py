@@ -14,7 +14,8 @@
    (recompute none, no sequence parallelism: on these models memory never binds, so
    recompute only costs time) is run for a few steps on synthetic tokens.
    --max-plans N keeps the N/2 best predicted plus evenly spaced others per setting.
-   A setting is measured in two launches of its ranks (``stages.measure_worker.measure_plans``: the
+   A setting is measured in two launches of its ranks
+   (``stages.plan.measure_worker.measure_plans``: the
    ranks start once and build every plan once, so the seconds of starting ranks, several
    times a small plan's steps, are paid once; then the plans take turns step by step, so a
    spell of load on the box falls on all of them alike): a survey, every plan for 2 rounds
@@ -70,8 +71,8 @@ from model.planner.cluster import load_cluster
 from model.planner.microbench import cache_file, load_measured_cluster
 from model.planner.search import enumerate_plans, evaluate, search
 from model.planner.shapes import Shapes, decode
-from stages.measure_worker import measure_plans
-from stages.mechanism.config import load_config
+from stages.config import load_config
+from stages.plan.measure_worker import measure_plans
 
 SMALL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=8", "train.global_batch=8"]
 
@@ -281,7 +282,8 @@ def unmatched(samples: list[list[float]], ok: list[int], contested: set[int]) ->
 
 def measure_setting(label: str, cfg, nproc: int, max_plans: int, work: Path, steps: int,
                     rounds: int = 3, contest_steps: int = 20) -> dict:
-    """Measure a setting's plans in two launches or more (``stages.measure_worker.measure_plans``:
+    """Measure a setting's plans in two launches or more
+    (``stages.plan.measure_worker.measure_plans``:
     one start-up each, the plans taking turns step by step, so a spell of load hits them
     alike): a survey, every plan for SURVEY_ROUNDS rounds of ``steps`` steps; then a contest,
     the contenders (the pick and the plans within CONTEND of the fastest, at most

@@ -172,8 +172,8 @@ def load_heldout(path: Path = HELDOUT_PLANS) -> list[HeldOut]:
     import yaml
 
     from model.config import DType, ModelConfig, TrainConfig
+    from model.parallel.layout import LAYOUT_FIELDS, Plan, PlanError
     from model.planner.cluster import ClusterError, load_cluster, read_cluster_file
-    from model.planner.plan import LAYOUT_FIELDS, Plan, PlanError
 
     try:
         raw = yaml.safe_load(Path(path).read_text())
@@ -292,8 +292,8 @@ def remodel(record: dict[str, Any]) -> dict[str, Any]:
     """The record with its model-side figures (``peak_memory_gb``, ``modeled_tensor_memory_gb``,
     ``rehearsed_over_modeled``) recomputed by this checkout's memory model; the rehearsed
     figures are measurements and stay."""
+    from model.parallel.layout import Plan
     from model.planner.microbench import load_measured_cluster
-    from model.planner.plan import Plan
     from model.planner.rehearsal import modeled_rank_memory
     from workflows.plan import load_model_file
 

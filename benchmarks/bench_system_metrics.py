@@ -31,7 +31,7 @@ import torch.distributed as dist
 from benchmarks.bench_train import CPU_MODEL, TINY_MODEL, make_tracker, trainer_steps
 from benchmarks.results import RESULTS_DIR, report
 from model.config import TrainConfig
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.batches import SyntheticBatches
 from model.training.metrics import BackgroundSink
 from model.training.trainer import Trainer

@@ -34,7 +34,7 @@ from model.config import ModelConfig, TrainConfig
 from model.flops import param_count
 from model.gpt import GPT
 from model.parallel.dist_env import DistEnv, init_distributed
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.batches import SyntheticBatches
 from model.training.metrics import BackgroundSink
 from model.training.optim import lr_factor

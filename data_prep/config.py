@@ -17,6 +17,10 @@ def _require(ok: bool, message: str) -> None:
 class DataConfig:
     """Where the text comes from and how the token store is laid out."""
 
+    KEYLESS = ("progress_seconds", "encode_batch_bytes")
+    """Fields that enter no stage key: how often progress is printed, and how many bytes go
+    to one encode call (whole documents either way, so the tokens are the same)."""
+
     source: str | None = None
     """'stdlib' (this interpreter's standard-library .py files), a local path, directory or glob
     of .txt/.jsonl/.json/.parquet files (text and JSON also .gz or .zst compressed), a

@@ -14,7 +14,7 @@ Supported sources:
 - a directory written by ``Dataset.save_to_disk`` (or a ``DatasetDict`` with a ``train`` split);
 - ``hf:<dataset id>``: the ``train`` split of a hub dataset (needs internet), streamed row by
   row and saved once under the stage directory (the first ``data.max_documents`` documents
-  when set; on Slurm sites a budget is required, ``stages.mechanism.checks.check_tokenize``).
+  when set; on Slurm sites a budget is required, ``stages.tokenize.checks.check_tokenize``).
 
 ``describe_source`` looks only at metadata (sizes, mtimes, parquet footers, dataset row
 counts) and a few sampled blocks of each file (``SourceFile.sample``, for the fingerprint);

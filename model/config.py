@@ -243,6 +243,14 @@ class ParallelConfig:
 class TrainConfig:
     """The optimisation loop."""
 
+    KEYLESS = ("steps", "log_every", "checkpoint_every", "checkpoint_minutes", "keep_last",
+               "keep_every", "async_checkpoint", "resume_from", "collective_timeout_s",
+               "slow_rank_every", "slow_rank_ratio")
+    """Fields that enter no stage key: how often the run logs, saves or watches its ranks, how
+    many saves it keeps, how long a collective may hang; ``resume_from`` enters the train key
+    as the resolved continuation, and ``steps`` as the train stage's extent (it is the only
+    stage whose output it changes: more steps continue a training)."""
+
     steps: int = 60
     """Optimizer steps."""
     global_batch: int = 8

@@ -282,7 +282,8 @@ def migrated_store(made_once: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def seed_store(migrated_store: Path) -> Callable[[Path], str]:
     """A function that copies the session's migrated store to ``<directory>/mlflow.db``, the
-    default store of a runs dir (``stages.mechanism.tracking.default_tracking_uri``), and returns
+    default store of a runs dir
+    (``stages.mechanism.tracking_store.default_tracking_uri``), and returns
     its
     ``sqlite:///`` URI. The directory must not have a store yet."""
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import tracking
+from stages.config import PipelineConfig, load_config
+from stages.mechanism import tracking, tracking_store
 from stages.mechanism.attempt import PipelineContext
-from stages.mechanism.config import PipelineConfig, load_config
-from stages.mechanism.inline import run_stage
 from stages.mechanism.outputs import OUTPUTS_FILE
-from stages.mechanism.registry import STAGE_ORDER, declaration, upstream
+from stages.mechanism.walk import run_stage
+from stages.registry import PIPELINE, STAGE_ORDER, declaration, upstream
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,15 +26,15 @@ def micro_config(runs_dir: Path, *overrides: str) -> PipelineConfig:
 
 def open_pipeline(cfg: PipelineConfig, name: str = "pipeline") -> PipelineContext:
     """An MLflow experiment and parent run in cfg's runs dir, as the driver opens them."""
-    uri = tracking.default_tracking_uri(cfg.runs_dir)
+    uri = tracking_store.default_tracking_uri(cfg.runs_dir)
     experiment = tracking.ensure_experiment(uri, cfg.name, cfg.runs_dir)
     parent = tracking.start_run(uri, experiment, name)
-    return PipelineContext(str(cfg.runs_dir), uri, experiment, parent)
+    return PipelineContext(str(cfg.runs_dir), uri, experiment, parent, pipeline=PIPELINE)
 
 
 def run_stages(cfg: PipelineConfig, ctx: PipelineContext,
                names: tuple[str, ...] = STAGE_ORDER, done: dict | None = None) -> dict:
-    """Run (or reuse) stages in order through stages.mechanism.inline.run_stage; name ->
+    """Run (or reuse) stages in order through stages.mechanism.walk.run_stage; name ->
     StageResult."""
     results = dict(done or {})
     for name in names:
@@ -78,7 +78,7 @@ def driver_records(runs_dir: Path, parent_run_id: str) -> tuple:
     ``ctx`` is the PipelineContext the driver used for its pipeline run ``parent_run_id``,
     rebuilt from the MLflow store; each StageRun is a stage run under it, with the outputs
     its directory holds now (read them before a later run rewrites that directory)."""
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     parent = tracking.get_run(uri, parent_run_id)
     stages = {}
     for run in tracking.search_runs(uri, "micro", f"tags.mlflow.parentRunId = '{parent_run_id}'"):
@@ -86,5 +86,6 @@ def driver_records(runs_dir: Path, parent_run_id: str) -> tuple:
         outputs = json.loads((Path(out_dir) / OUTPUTS_FILE).read_text())
         stages[run.data.tags["stage"]] = StageRun(run.info.run_id, run.data.tags["stage_key"],
                                                   out_dir, outputs)
-    ctx = PipelineContext(str(runs_dir), uri, parent.info.experiment_id, parent_run_id)
+    ctx = PipelineContext(str(runs_dir), uri, parent.info.experiment_id, parent_run_id,
+                          pipeline=PIPELINE)
     return ctx, stages

@@ -14,7 +14,7 @@ import torch  # noqa: E402 (after the fake GPU, on purpose)
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from model.config import ModelConfig, TrainConfig  # noqa: E402
-from model.planner.plan import Plan  # noqa: E402
+from model.parallel.layout import Plan  # noqa: E402
 from model.training import rehearse  # noqa: E402
 
 MODEL = dict(family="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,

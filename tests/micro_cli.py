@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.mechanism import tracking
+from stages.mechanism import tracking, tracking_store
 from stages.mechanism.attempt import PipelineContext
 from stages.mechanism.outputs import OUTPUTS_FILE, stage_dir
 from tests.evalkit import StageRun, driver_records
@@ -44,13 +44,13 @@ def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.Comple
 
 def parent_ids(runs_dir: Path) -> set[str]:
     """The ids of every pipeline (parent) run in the runs dir's store."""
-    runs = tracking.search_runs(tracking.default_tracking_uri(runs_dir), "micro")
+    runs = tracking.search_runs(tracking_store.default_tracking_uri(runs_dir), "micro")
     return {r.info.run_id for r in runs if "mlflow.parentRunId" not in r.data.tags}
 
 
 def children(runs_dir: Path, parent_id: str) -> dict:
     """Stage name -> the stage run nested under ``parent_id``."""
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     runs = tracking.search_runs(uri, "micro", f"tags.mlflow.parentRunId = '{parent_id}'")
     return {r.data.tags["stage"]: r for r in runs}
 

@@ -46,13 +46,13 @@ from typing import Any
 from stages.mechanism.launch import LocalRanks, RankSpec
 
 REPO = Path(__file__).resolve().parent.parent
-# What the workers (``stages.train_worker``, ``eval_worker``, ``measure_worker``) import at
+# What the workers (``stages.train.worker``, ``eval_worker``, ``measure_worker``) import at
 # their top and on their first step; not the workers themselves, which run as ``__main__``.
 PRELOAD = ("torch.distributed", "torch.distributed.checkpoint", "model.training.trainer",
            "model.training.checkpoint", "model.training.batches", "model.training.metrics",
            "model.evaluation.generate", "model.evaluation.loss", "model.parallel.dist_env",
-           "model.planner.plan", "data_prep.atomic", "data_prep.loader", "data_prep.store",
-           "stages.mechanism.config", "stages.mechanism.launch", "stages.mechanism.forked_ranks")
+           "model.parallel.layout", "data_prep.atomic", "data_prep.loader", "data_prep.store",
+           "stages.config", "stages.mechanism.launch", "stages.mechanism.forked_ranks")
 
 
 def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:

@@ -1,10 +1,10 @@
 """Stages outside the pipeline for tests of the stage mechanism: a declaration whose work
-the test passes to ``stages.mechanism.inline.run_stage``."""
+the test passes to ``stages.mechanism.walk.run_stage``."""
 from __future__ import annotations
 
-from stages.mechanism.config import PipelineConfig
-from stages.mechanism.registry import StageDeclaration
+from stages.config import PipelineConfig
 from stages.mechanism.shape import SINGLE, StageShape
+from stages.registry import StageDeclaration
 
 
 def _single(cfg: PipelineConfig) -> StageShape:

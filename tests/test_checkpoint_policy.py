@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from data_prep.atomic import storage_error
 from model.gpt import GPT
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.checkpoint import (
     checkpoint_problem,
     checkpoints_to_delete,
@@ -29,16 +29,13 @@ from model.training.checkpoint import (
     vote,
 )
 from model.training.validate import TrainSetupError
-from stages import train
-from stages.mechanism.checks import (
-    checkpoint_cadence_problem,
-    predicted_step_time,
-    walltime_seconds,
-)
-from stages.mechanism.config import ConfigError, load_config
+from stages.config import ConfigError, load_config, walltime_seconds
 from stages.mechanism.outputs import StageResult
 from stages.mechanism.preflight import preflight
 from stages.mechanism.selection import StageDecision
+from stages.registry import PIPELINE
+from stages.train import work as train
+from stages.train.checks import checkpoint_cadence_problem, predicted_step_time
 from tests.train_helpers import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -299,12 +296,13 @@ def test_preflight_refuses_it_when_the_plan_is_already_there(tmp_path: Path) -> 
     cfg = tiny_config("site.name=slurm", "site.walltime=00:10:00", "train.steps=1000",
                       "train.checkpoint_every=500", f"tracking.runs_dir={tmp_path / 'runs'}",
                       "site.save_before_end_s=0")
-    assert "train" in preflight(cfg, _decisions(None))  # no plan yet: nothing to check against
+    # No plan yet: nothing to check against.
+    assert "train" in preflight(PIPELINE, cfg, _decisions(None))
     with pytest.raises(ConfigError, match=r"no checkpoint can land within one Slurm job.*"
                                           r"train\.checkpoint_every <= 300"):
-        preflight(cfg, _decisions(2.0))  # 500 steps = 1000 s > 600 s
+        preflight(PIPELINE, cfg, _decisions(2.0))  # 500 steps = 1000 s > 600 s
     cfg.train.checkpoint_minutes = 5
-    assert "train" in preflight(cfg, _decisions(2.0))
+    assert "train" in preflight(PIPELINE, cfg, _decisions(2.0))
 
 
 def test_the_train_stage_refuses_it_before_any_rank_starts(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.mechanism.config import CONFIG_DIR, ConfigError, load_config
+from stages.config import CONFIG_DIR, ConfigError, load_config
 
 
 def test_default_preset_loads_with_documented_values():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.training.batches import SyntheticBatches
-from stages.mechanism.config import ConfigError, load_config
+from stages.config import ConfigError, load_config
 from tests.test_import_hf import LLAMA, hf_model
 from tests.train_helpers import TINY, run_worker
 
@@ -47,7 +47,7 @@ def test_conflicting_model_setting_names_both_values(hf_dir, tmp_path):
 
 def test_train_stage_imports_once_and_refuses_missing_source(hf_dir, tmp_path):
     from model.training.validate import TrainSetupError
-    from stages.train import initial_checkpoint
+    from stages.train.work import initial_checkpoint
 
     cfg = load(tmp_path, f"train.init_from={hf_dir}")
     first = initial_checkpoint(cfg, tmp_path)
@@ -82,7 +82,7 @@ def test_new_family_fields_come_from_init_from(tmp_path):
     """A Llama 3.2-style HF directory (tied, llama3 rope scaling) as train.init_from: those
     fields come from it, a conflicting setting is refused naming both values, and the train
     stage imports it into a checkpoint of that shape."""
-    from stages.train import initial_checkpoint
+    from stages.train.work import initial_checkpoint
     from tests.test_hf_families import hf_model as family_model
 
     hf_dir = tmp_path / "llama32"

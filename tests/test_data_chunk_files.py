@@ -12,8 +12,8 @@ import zarr
 from data_prep.chunk_files import ChunkFile, CorruptChunk, open_chunk_file
 from data_prep.store import SplitReader
 from data_prep.writer import PartWriter
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 
 CHUNK, PER_SHARD = 1024, 4

@@ -5,8 +5,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from stages.config import PipelineConfig, load_config
 from stages.mechanism import tracking
-from stages.mechanism.config import PipelineConfig, load_config
 
 WORDS = ("def", "class", "return", "import", "token", "naïve", "café", "日本語", "data", "loader",
          "zarr", "shard", "window", "(", ")", ":", "=", "+", "0", "42", "\t", "über", "emoji🙂")

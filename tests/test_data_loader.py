@@ -8,8 +8,8 @@ import torch
 from data_prep.errors import DataError
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 
 TOKENIZE = declaration("tokenize")

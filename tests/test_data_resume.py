@@ -12,10 +12,10 @@ import zarr
 
 from data_prep.errors import DataError
 from data_prep.store import SplitReader
-from stages import tokenize
 from stages.mechanism import tracking
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
+from stages.tokenize import work as tokenize
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 
 N_DOCS = 30

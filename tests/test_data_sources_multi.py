@@ -26,12 +26,12 @@ from data_prep.store import SplitReader, open_store
 from model.config import ModelConfig
 from model.evaluation.loss import heldout_loss
 from model.gpt import GPT
-from stages import tokenize
-from stages.evaluate import split_sources
+from stages.config import ConfigError, load_config
+from stages.evaluate.work import split_sources
 from stages.mechanism import tracking
-from stages.mechanism.config import ConfigError, load_config
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
+from stages.tokenize import work as tokenize
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 
 PROSE = ("the", "river", "morning", "quietly", "garden", "a", "letter", "she", "walked", "over",

@@ -16,10 +16,10 @@ from data_prep.corpus import split_key, validation_flags
 from data_prep.errors import DataError, StoreError
 from data_prep.loader import TokenWindowLoader
 from data_prep.store import SplitReader, open_store
-from stages import tokenize
 from stages.mechanism import tracking
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import PIPELINE, declaration
+from stages.tokenize import work as tokenize
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 from tests.test_data_tokenizer import big_vocab_tokenizer
 
@@ -329,7 +329,8 @@ def test_a_removed_part_is_encoded_again_and_only_it(tmp_path: Path, seed_store,
     store = Path(first.outputs["store"])
     before = {s: SplitReader(open_store(store), s).read(0, 256) for s in ("train", "validation")}
     shutil.rmtree(store / "train" / "00000")  # the shard that holds the documents
-    (decision,) = [d for d in decide_stages(cfg, None, None, False) if d.name == "tokenize"]
+    decisions = decide_stages(PIPELINE, cfg, None, None, False)
+    (decision,) = [d for d in decisions if d.name == "tokenize"]
     assert decision.action == "run" and "its output is damaged" in decision.reason
     assert "train/00000 listed in manifest.json is missing" in decision.reason
     capsys.readouterr()

@@ -21,7 +21,7 @@ from data_prep.corpus import prepare_corpus, saved_corpus, shard_documents, sour
 from data_prep.errors import DataError
 from data_prep.sources import describe_source, plan_pieces
 from data_prep.store import SplitReader, open_store
-from stages import tokenize
+from stages.tokenize import work as tokenize
 from tests.test_data_common import make_cfg, make_corpus
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism.config import ConfigError, load_config
-from stages.mechanism.preflight import check_layout
+from stages.config import ConfigError, load_config
+from stages.train.checks import check_layout
 
 WORKFLOW_YAML = """name: CI
 on:
@@ -84,8 +84,8 @@ def test_an_impossible_fixed_layout_is_refused_before_any_work(pipeline_main, tm
 def test_the_layout_rule_is_the_plan_stages_own():
     """What pre-flight refuses the plan stage refuses, with the same words; every shipped
     preset passes."""
-    from model.planner.plan import PlanError
-    from stages.plan import choose, fixed_fields
+    from model.parallel.layout import PlanError
+    from stages.plan.work import choose, fixed_fields
 
     cfg = load_config(None, ["train.global_batch=3", "parallel.dp=2"])
     with pytest.raises(ConfigError) as early:

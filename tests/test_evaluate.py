@@ -16,10 +16,10 @@ from data_prep.writer import PartWriter
 from model.evaluation.generate import generate_tokens
 from model.evaluation.loss import EmptySplitError, plan_windows
 from model.training.checkpoint import load_for_inference
-from stages import evaluate
+from stages.evaluate import work as evaluate
 from stages.mechanism import tracking
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
 
 EVALUATE = declaration("evaluate")
 

@@ -13,8 +13,8 @@ import torch.multiprocessing as mp
 from data_prep.store import MANIFEST, SplitReader, open_store
 from model.evaluation.loss import heldout_loss, plan_windows
 from model.training.checkpoint import load_for_inference
-from stages.evaluate import split_sources
-from stages.mechanism.config import config_from_dict
+from stages.config import config_from_dict
+from stages.evaluate.work import split_sources
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture
 # The first test also builds the session's pipeline (several minutes on 2 busy cores).

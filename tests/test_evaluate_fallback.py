@@ -19,8 +19,8 @@ from model.evaluation.choice import NoIntactCheckpoint, usable_checkpoint
 from model.evaluation.dcp_io import CheckpointTensors
 from model.training.checkpoint import MANIFEST, checkpoint_problem
 from model.training.files import SUMMARY_FILE
-from stages.mechanism import tracking
-from stages.mechanism.checks import EvaluationError
+from stages.evaluate.checks import EvaluationError
+from stages.mechanism import tracking, tracking_store
 from stages.mechanism.outputs import OUTPUTS_FILE, relocate, write_outputs
 
 # The shared micro training (multi-rank) is built on first use: with the end-to-end tests.
@@ -79,7 +79,7 @@ def damaged_runs(micro_pipeline, tmp_path: Path,
 
 def evaluate_run(runs: Path):
     """The evaluate stage's MLflow run in ``runs``'s store (exactly one)."""
-    found = tracking.search_runs(tracking.default_tracking_uri(runs), "micro",
+    found = tracking.search_runs(tracking_store.default_tracking_uri(runs), "micro",
                                  "tags.stage = 'evaluate'")
     assert len(found) == 1, [r.info.run_id for r in found]
     return found[0]
@@ -152,7 +152,7 @@ def test_each_kind_of_damage_falls_back_one_step(micro_pipeline, tmp_path: Path,
     with pytest.raises(NoIntactCheckpoint, match=rf"no intact checkpoint is left in "
                        rf"{checkpoints}.*{NEWEST}: .*{PREVIOUS}: no {MANIFEST}"):
         usable_checkpoint(checkpoints / NEWEST)
-    from stages.evaluate import choose_checkpoint
+    from stages.evaluate.work import choose_checkpoint
 
     with pytest.raises(EvaluationError, match=r"--from train$"):
         choose_checkpoint({"checkpoint": str(checkpoints / NEWEST)})

@@ -8,12 +8,12 @@ import pytest
 
 from model.evaluation.generate import generate_tokens
 from model.training.checkpoint import load_for_inference
-from stages import evaluate
-from stages.eval_worker import GENERATIONS_FILE, LOSS_FILE
+from stages.config import ConfigError
+from stages.evaluate import work as evaluate
+from stages.evaluate.checks import check_evaluate
+from stages.evaluate.worker import GENERATIONS_FILE, LOSS_FILE
 from stages.mechanism import tracking
-from stages.mechanism.checks import check_evaluate
-from stages.mechanism.config import ConfigError
-from stages.mechanism.registry import declaration
+from stages.registry import declaration
 
 EVALUATE = declaration("evaluate")
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from stages import evaluate
-from stages.eval_worker import LOSS_FILE
+from stages.evaluate import work as evaluate
+from stages.evaluate.worker import LOSS_FILE
 from stages.mechanism import tracking
-from stages.mechanism.inline import run_work
 from stages.mechanism.launch import RankSpec
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
 
 EVALUATE = declaration("evaluate")
 
@@ -104,7 +104,7 @@ def test_finalize_without_rank_output_is_a_clear_error(micro_pipeline, tmp_path)
 def test_worker_refuses_a_launch_that_does_not_match_the_spec(
     micro_pipeline, tmp_path, monkeypatch
 ):
-    from stages.eval_worker import run_spec
+    from stages.evaluate.worker import run_spec
 
     cfg, _, results = micro_pipeline
     inputs = {"tokenize": results["tokenize"].outputs, "train": results["train"].outputs}

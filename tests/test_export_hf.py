@@ -108,16 +108,16 @@ def test_export_refuses_partial_state_dict(tmp_path):
 @pytest.mark.slow
 def test_export_of_tp2_pp2_checkpoint_matches(tmp_path):
     """Train 2 steps under tp=2 x pp=2 (4 gloo ranks), export the DCP checkpoint, compare."""
-    from model.planner.plan import Plan
+    from model.parallel.layout import Plan
     from model.training.checkpoint import load_for_inference
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
     from stages.mechanism.launch import RankSpec, run_local
 
     cfg = load_config("micro", [f"tracking.runs_dir={tmp_path}", "train.global_batch=2",
                                 "train.steps=2", "train.checkpoint_every=0"])
     plan = Plan(tp=2, pp=2, dp=1, micro_batch=1, grad_accum=2, schedule="1f1b", sharding="none")
     plan.check(cfg.model, cfg.train, 4)
-    spec = RankSpec(worker="stages.train_worker", nproc=4, nodes=1,
+    spec = RankSpec(worker="stages.train.worker", nproc=4, nodes=1,
                     out_dir=str(tmp_path / "train"), config=cfg.to_dict(), plan=plan.to_dict(),
                     steps=2)
     run_local(spec.write(tmp_path / "spec.json"), tmp_path / "train.log", what="training")

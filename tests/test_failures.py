@@ -18,9 +18,9 @@ from model.planner.failures import (
     young_daly_interval_s,
 )
 from model.training.validate import TrainSetupError
-from stages import train as train_stage
-from stages.mechanism.checks import checkpoint_cadence_problem
-from stages.mechanism.config import ConfigError, load_config
+from stages.config import ConfigError, load_config
+from stages.train import work as train_stage
+from stages.train.checks import checkpoint_cadence_problem
 
 
 def test_the_default_rate_is_llama3s_interruptions_per_node_hour() -> None:

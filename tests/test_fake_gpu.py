@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.planner.rank_counts import count_errors, rank_collective_bytes, rank_flops
 from model.planner.shapes import Shapes
 from workflows.plan import load_model_file

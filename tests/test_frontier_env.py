@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.mechanism.config import load_config
+from stages.config import load_config
 from workflows.frontier import FRONTIER_PROXY, NODE_LOCAL_ENV_NODES, hub_fetch_problem
 from workflows.pipeline import main
 from workflows.readiness import readiness

@@ -81,7 +81,7 @@ def in_sample_keys() -> set[tuple]:
     """(model shape, seq_len, plan layout) of every plan the memory model was tuned on: the
     Frontier presets' plans and the study's (bench_rehearse.json, bench_rehearse_study.json)
     and the tuning plans (benchmarks/tuning_plans.yaml, the earlier held-out set among them)."""
-    from model.planner.plan import Plan
+    from model.parallel.layout import Plan
     from workflows.plan import load_model_file
 
     keys = set()

@@ -273,7 +273,7 @@ def test_llama31_8b_config_translates_to_the_preset_model():
     """Llama 3.1 8B's published config.json (llama3 rope scaling) gives
     configs/llama31-8b-continue.yaml's model section, so the preset's restated shape does not
     conflict with train.init_from; the preset takes its tokenizer from the HF directory."""
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
 
     published = {
         "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,

@@ -2,7 +2,9 @@
 
 workflows -> stages -> model -> data_prep: a package imports only packages to its right;
 only workflows/ imports parsl; only stages/mechanism/tracking.py imports mlflow; imports form
-no cycle, at module level or inside functions; and the planner plans without torch.
+no cycle, at module level or inside functions; the planner plans without torch; and the
+engine (stages/mechanism/) imports no stage and no model or data rule, not even through a
+module name written as a string.
 """
 from __future__ import annotations
 
@@ -54,6 +56,66 @@ def test_each_package_imports_only_packages_to_its_right() -> None:
             if top == "mlflow" and name != "stages.mechanism.tracking":
                 wrong.append(f"{name} imports mlflow (only stages/mechanism/tracking.py may)")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+ENGINE = "stages.mechanism"
+ENGINE_MAY_USE = {
+    "data_prep.atomic",  # write a file whole or not at all: a file helper, not a data rule
+    "model.parallel.dist_env",  # the torch.distributed environment variables a rank reads
+    "model.parallel.threads",  # one thread per CPU rank: the environment a rank starts with
+}
+"""The only project modules outside the engine that it may name: plumbing its launcher and
+outputs share with the ranks, none of which decides what a stage computes."""
+
+
+def _named_project_modules(path: Path, sources: dict[str, Path]) -> set[str]:
+    """Project modules a file imports (at any depth) or names in a string constant (a module
+    to import lazily, or a ``python -m`` target)."""
+    tree = ast.parse(path.read_text(), str(path))
+    names = set(_imports(path, top_level_only=False))
+    names.update(node.value for node in ast.walk(tree)
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                 and node.value in sources)
+    return {n for n in names if n in sources or n.split(".")[0] in LAYERS}
+
+
+def test_the_engine_imports_no_stage_and_no_rule() -> None:
+    sources = _sources()
+    wrong = []
+    for name, path in sources.items():
+        if name != ENGINE and not name.startswith(ENGINE + "."):
+            continue
+        for named in _named_project_modules(path, sources):
+            if named == ENGINE or named.startswith(ENGINE + ".") or named in ENGINE_MAY_USE:
+                continue
+            if named in LAYERS:  # a layer's name as a directory or hashed package, no module
+                continue
+            if named in sources or any(m.startswith(named + ".") for m in sources):
+                wrong.append(f"{name} names {named}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_engine_contract_sees_a_lazy_import_through_a_string(tmp_path: Path) -> None:
+    """The check above would catch ``importlib.import_module("stages.train.work")``."""
+    sneaky = tmp_path / "sneaky.py"
+    sneaky.write_text("import importlib\nwork = importlib.import_module('stages.train.work')\n")
+    assert _named_project_modules(sneaky, _sources()) == {"stages.train.work"}
+
+
+def test_a_stage_is_one_folder_and_one_line() -> None:
+    """Every stage's declaration lives in ``stages/<name>/__init__.py`` with its work module
+    (and rank worker) in the same folder; the registry names each once, in order."""
+    from stages.registry import PIPELINE
+
+    for stage in PIPELINE:
+        folder = ROOT / "stages" / stage.name
+        assert (folder / "__init__.py").is_file(), stage.name
+        assert stage.module.startswith(f"stages.{stage.name}."), (stage.name, stage.module)
+        # A rank worker may be another stage's (the plan measures with the training's ranks).
+        assert not stage.worker or stage.worker.split(".")[1] in PIPELINE, stage.worker
+    registry = (ROOT / "stages" / "registry.py").read_text()
+    assert [line.strip().removesuffix(".STAGE,") for line in registry.splitlines()
+            if line.strip().endswith(".STAGE,")] == list(PIPELINE.order)
 
 
 @pytest.mark.parametrize("top_level_only", [True, False], ids=["module-level", "any-depth"])

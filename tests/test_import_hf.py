@@ -184,7 +184,7 @@ def test_older_model_json_without_rotary_fraction_reads_as_full_rotary(tmp_path)
 def test_pythia_160m_config_translates_to_the_preset_model():
     """Pythia-160M's published config.json (rotary_pct 0.25) gives configs/pythia-continue.yaml's
     model section, so the preset's restated shape does not conflict with train.init_from."""
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
 
     pythia_160m = transformers.GPTNeoXConfig(
         vocab_size=50304, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,

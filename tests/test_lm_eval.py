@@ -16,7 +16,7 @@ from data_prep.store import SplitReader
 from model.evaluation.generate import generate_tokens
 from model.evaluation.lm_eval_adapter import GPTHarnessLM, run_tasks
 from model.training.checkpoint import load_for_inference
-from stages.evaluate import heldout_documents
+from stages.evaluate.work import heldout_documents
 from stages.mechanism import tracking
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from data_prep.loader import TokenWindowLoader, default_group_blocks
-from stages.mechanism.inline import run_work
 from stages.mechanism.launch import RankSpec
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_tracker
 from tests.train_helpers import run_ranks, tiny_config
 
@@ -131,7 +131,7 @@ def test_training_loss_has_no_jump_after_warmup(store: str, tmp_path: Path) -> N
     steps = 96
     cfg = tiny_config(f"train.steps={steps}", f"train.seq_len={SEQ}",
                       f"train.global_batch={BATCH}", "train.warmup_steps=5", "train.lr=0.01")
-    spec = RankSpec(worker="stages.train_worker", nproc=1, nodes=1,
+    spec = RankSpec(worker="stages.train.worker", nproc=1, nodes=1,
                     out_dir=str(tmp_path.resolve()), config=cfg.to_dict(),
                     plan={"micro_batch": BATCH, "grad_accum": 1, "sharding": "none"},
                     store=store)

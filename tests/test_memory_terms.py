@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from model.parallel.layout import Plan
 from model.planner.memory_model import memory_breakdown
-from model.planner.plan import Plan
 from model.planner.shapes import Shapes, encode
 
 GOLDEN = Path(__file__).parent / "golden" / "memory_breakdown.json"
@@ -148,7 +148,7 @@ def _layout_fields(plan: Plan) -> dict[str, Any]:
 def write_golden() -> Path:
     """Price every case with the current model and write the golden file (run by hand)."""
     from model.planner.cluster import load_cluster
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
 
     root = Path(__file__).resolve().parents[1]
     out = []

@@ -7,8 +7,8 @@ import pytest
 
 from model.flops import flops_per_token, param_count
 from model.planner.cluster import cluster_from_dict, load_cluster, read_cluster_file
-from stages.mechanism.config import load_config
-from stages.plan import choose, fixed_fields
+from stages.config import load_config
+from stages.plan.work import choose, fixed_fields
 
 # This machine's figures as model/planner/microbench.py writes them (a 2-rank CPU box; the
 # kernels priced at the measured matmul rate), fixed here so the test measures nothing.

@@ -15,10 +15,10 @@ from model.flops import cpu_peak_tflops, default_peak_tflops
 from model.planner.cluster import load_cluster
 from model.training.metrics import MEDIAN_SUFFIX, progress_line, throughput
 from model.training.validate import plan_from_parallel
+from stages.config import load_config
 from stages.mechanism import tracking
-from stages.mechanism.config import load_config
 from stages.mechanism.launch import RankSpec
-from stages.train import peak_tflops
+from stages.train.work import peak_tflops
 from tests.train_helpers import run_ranks, tiny_config
 
 ZEN4 = ("processor\t: 0\ncpu MHz\t\t: 2596.150\n"
@@ -66,7 +66,7 @@ def test_a_cpu_training_logs_one_meaning_per_label_and_mfu_below_one(
     run_id = tracking.start_run(uri, tracking.ensure_experiment(uri, "mfu", tmp_path), "train")
     steps = 20
     cfg = tiny_config(f"train.steps={steps}", "train.log_every=1")
-    spec = RankSpec(worker="stages.train_worker", nproc=1, nodes=1,
+    spec = RankSpec(worker="stages.train.worker", nproc=1, nodes=1,
                     out_dir=str(tmp_path.resolve()), config=cfg.to_dict(),
                     plan={"micro_batch": 8, "grad_accum": 1, "sharding": "none"},
                     tracking={"uri": uri, "run_id": run_id})

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import keys, tracking
-from stages.mechanism.config import ConfigError, load_config
-from stages.mechanism.registry import STAGE_ORDER
+from stages.config import ConfigError, load_config
+from stages.mechanism import keys, tracking, tracking_store
+from stages.registry import PIPELINE, STAGE_ORDER
 from tests.conftest import Console
 from tests.micro_cli import SESSION_OVERRIDES, History, children
 from workflows.pipeline import decide_stages
@@ -36,7 +36,7 @@ def history(micro_cli_history: History) -> History:
 @pytest.mark.slow
 def test_first_run_logs_one_parent_and_four_finished_stage_runs(history: History) -> None:
     runs_dir, first = history.runs_dir, history.first
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     assert tracking.get_run(uri, first.parent).info.status == "FINISHED"
     stages = children(runs_dir, first.parent)
     assert sorted(stages) == sorted(STAGE_ORDER)
@@ -120,24 +120,25 @@ def test_dry_run_prints_keys_and_runs_nothing(history: History) -> None:
 @pytest.mark.slow
 def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_path) -> None:
     cfg = load_config("micro", [f"tracking.runs_dir={history.runs_dir}", *SESSION_OVERRIDES])
-    code = keys.code_hashes()
+    code = keys.code_hashes(PIPELINE)
 
     def actions(only=None, start=None, force=False) -> list[str]:
-        return [p.action for p in decide_stages(cfg, only, start, force, code)]
+        return [p.action for p in decide_stages(PIPELINE, cfg, only, start, force, code)]
 
     assert actions() == ["reuse"] * 4
     assert actions(force=True) == ["force"] * 4
     assert actions(only="evaluate") == ["reuse", "reuse", "reuse", "force"]
     assert actions(start="train") == ["reuse", "reuse", "force", "force"]
-    assert [p.key for p in decide_stages(cfg, None, None, False, code)] == [
+    assert [p.key for p in decide_stages(PIPELINE, cfg, None, None, False, code)] == [
         history.only_evaluate.stages[n][0] for n in STAGE_ORDER]
     # An empty runs dir: everything runs, and a selection that needs upstream output is refused.
     empty = load_config("micro", [f"tracking.runs_dir={tmp_path}", *SESSION_OVERRIDES])
-    assert [p.action for p in decide_stages(empty, None, None, False, code)] == ["run"] * 4
+    fresh = decide_stages(PIPELINE, empty, None, None, False, code)
+    assert [p.action for p in fresh] == ["run"] * 4
     with pytest.raises(ConfigError, match="--only evaluate needs the 'tokenize' stage's output"):
-        decide_stages(empty, "evaluate", None, False, code)
+        decide_stages(PIPELINE, empty, "evaluate", None, False, code)
     with pytest.raises(ConfigError, match="--from train needs the 'tokenize' stage's output"):
-        decide_stages(empty, None, "train", False, code)
+        decide_stages(PIPELINE, empty, None, "train", False, code)
 
 
 def test_config_error_stops_before_any_work(tmp_path: Path,

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks import bench_plan  # noqa: E402 (needs the repository on sys.path)
-from model.planner.plan import Plan  # noqa: E402
+from model.parallel.layout import Plan  # noqa: E402
 
 
 def _plans(predicted: list[float]) -> list[Plan]:

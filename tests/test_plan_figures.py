@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from model.parallel.layout import LAYOUT_FIELDS
 from model.planner import microbench
 from model.planner.microbench_cache import (
     FORMAT_VERSION,
@@ -25,10 +26,9 @@ from model.planner.microbench_cache import (
     fingerprint_digest,
     read_cached,
 )
-from model.planner.plan import LAYOUT_FIELDS
-from stages import plan as plan_stage
-from stages.mechanism import tracking
-from stages.mechanism.config import load_config
+from stages.config import load_config
+from stages.mechanism import tracking, tracking_store
+from stages.plan import work as plan_stage
 
 NPROC = 2  # the micro preset's ranks
 
@@ -59,7 +59,7 @@ def _under_load(raw: dict[str, Any]) -> dict[str, Any]:
 def _plan_in(runs: Path, seed_store) -> dict[str, Any]:
     """The micro preset's plan stage run in the new runs dir ``runs``; its plan.json."""
     seed_store(runs)
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     tracker = tracking.Tracker(uri, tracking.start_run(
         uri, tracking.ensure_experiment(uri, "figures", runs), "plan"))
     out_dir = runs / "plan"

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from model.config import ModelConfig, TrainConfig
+from model.parallel.layout import Plan
 from model.planner.memory_model import peak_memory_gb
-from model.planner.plan import Plan
 from model.planner.shapes import Shapes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,6 +6,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from model.parallel.layout import Plan, stage_layers
 from model.planner.cluster import load_cluster
 from model.planner.memory_model import (
     LOGIT_BYTES,
@@ -14,7 +15,6 @@ from model.planner.memory_model import (
     memory_breakdown,
     stage_layer_counts,
 )
-from model.planner.plan import Plan, stage_layers
 from model.planner.shapes import REC_FULL, REC_NONE, REC_SEL, Shapes, encode
 from model.planner.time_model import TRAINER_FRAMEWORK, bubble_fraction, crowded_stall, step_time
 

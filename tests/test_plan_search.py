@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from model.config import ModelConfig, TrainConfig
+from model.parallel.layout import Plan, PlanError
 from model.planner.choose import choose
 from model.planner.cluster import ClusterError, load_cluster
-from model.planner.plan import Plan, PlanError
 from model.planner.search import search
 from model.planner.shapes import Shapes
 

@@ -11,23 +11,23 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from model.parallel.layout import Plan, PlanError
 from model.planner.calibration import load_calibration
 from model.planner.choose import calibration_file
 from model.planner.microbench import load_measured_cluster
-from model.planner.plan import Plan, PlanError
-from stages import measure_worker
-from stages import plan as plan_stage
-from stages.mechanism import tracking
-from stages.mechanism.config import load_config
-from stages.mechanism.inline import run_work
+from stages.config import load_config
+from stages.mechanism import tracking, tracking_store
 from stages.mechanism.launch import RankSpec
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.plan import measure_worker
+from stages.plan import work as plan_stage
+from stages.registry import declaration
 
 PLAN = declaration("plan")
 
 
 def _tracker(runs: Path, name: str) -> tuple[tracking.Tracker, str, str]:
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     exp = tracking.ensure_experiment(uri, "plan-test", runs)
     run_id = tracking.start_run(uri, exp, name)
     return tracking.Tracker(uri, run_id), uri, run_id

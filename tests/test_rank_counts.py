@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from model.config import ModelConfig, TrainConfig
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.planner.rank_counts import (
     count_errors,
     rank_collective_bytes,

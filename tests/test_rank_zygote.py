@@ -13,13 +13,13 @@ DDP2 = {"dp": 2, "micro_batch": 2, "grad_accum": 2, "sharding": "ddp"}
 
 
 def _spec(tmp_path, plan: dict, *overrides: str):
-    spec = RankSpec(worker="stages.train_worker", nproc=2, nodes=1, out_dir=str(tmp_path),
+    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(tmp_path),
                     config=tiny_config(*overrides).to_dict(), plan=plan)
     return spec.write(tmp_path / "spec.json")
 
 
 def test_a_refused_plan_ends_with_the_launchers_code_and_the_ranks_line(tmp_path):
-    code, _, stderr = run_ranks("stages.train_worker", _spec(tmp_path, {**DDP2, "dp": 4}), 2,
+    code, _, stderr = run_ranks("stages.train.worker", _spec(tmp_path, {**DDP2, "dp": 4}), 2,
                                 timeout=120)
     assert code == USER_ERROR_EXIT, stderr[-2000:]
     assert "[rank] PlanError" in stderr and "must equal train.global_batch" in stderr

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism.config import load_config
+from stages.config import load_config
 from workflows.dry_run import batch_script
 from workflows.frontier import SiteError, check_site, walltime_bin
 from workflows.pipeline import main
@@ -132,7 +132,7 @@ def test_a_hub_corpus_without_a_budget_is_refused_on_slurm_sites() -> None:
     """Tokenize would stream the whole split inside one compute job: an error with the fix
     in the report, and a refusal before any work; locally it streams the whole split."""
     from data_prep.errors import DataError
-    from stages.mechanism.checks import check_tokenize, hub_budget_problem
+    from stages.tokenize.checks import check_tokenize, hub_budget_problem
 
     rows = report("frontier-175b", "data.max_documents=null")
     assert rows["corpus"].verdict == "error" and "set data.max_documents=N" in rows["corpus"].fix
@@ -195,7 +195,7 @@ def test_the_report_prices_interruptions_and_the_checkpoint_interval(
 def test_walltimes_slurm_would_round_are_refused_with_the_whole_minutes(tmp_path: Path) -> None:
     """Parsl hands sbatch whole minutes: 00:01:30 would run as 1 minute while the save before
     the end is timed from 90 s, so it is refused before anything is rendered."""
-    from stages.mechanism.config import ConfigError
+    from stages.config import ConfigError
 
     for setting, refusal in [
             ("site.walltime=00:01:30", "site.walltime=00:01:30: Slurm takes whole minutes (at "

@@ -42,8 +42,8 @@ from torch.distributed.pipelining import schedules as pipelining_schedules
 from torch.distributed.pipelining._utils import InferenceMode
 
 from model.config import ModelConfig, TrainConfig
+from model.parallel.layout import Plan, PlanError
 from model.parallel.pipeline import build_schedule, chunk_ids
-from model.planner.plan import Plan, PlanError
 from model.training.rehearse import (
     RehearsalError,
     busiest_ranks,
@@ -85,7 +85,7 @@ import json, sys
 from pathlib import Path
 import torch, torch.distributed as dist
 from model.config import ModelConfig, TrainConfig
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.rehearse import make_trainer, measure_steps, rehearsal_train_config
 from torch.distributed.tensor import DTensor
 torch.set_num_threads(1)
@@ -360,13 +360,13 @@ def test_plan_cli_prints_the_rehearsal_beside_the_model(tmp_path: Path,
 def test_plan_stage_rehearses_by_default_off_the_local_cluster(tmp_path: Path,
                                                               runs_dir: Path) -> None:
     from model.config import ParallelConfig
-    from stages import plan as plan_stage
-    from stages.mechanism import tracking
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
+    from stages.mechanism import tracking, tracking_store
+    from stages.plan import work as plan_stage
 
     assert ParallelConfig().rehearse is None
     runs = runs_dir  # the session's measurement and migrated store
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     experiment = tracking.ensure_experiment(uri, "rehearse-test", runs)
     # (parallel.rehearse, cluster, rehearsed?): None rehearses on frontier, not on local
     for setting, cluster, expected in (("false", "frontier", False), ("null", "local", False),
@@ -407,9 +407,9 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     from model.planner.cluster import load_cluster
     from model.planner.rehearsal import rehearsal_records
     from model.training import rehearse
-    from stages import plan as plan_stage
-    from stages.mechanism import tracking
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
+    from stages.mechanism import tracking, tracking_store
+    from stages.plan import work as plan_stage
 
     rehearsed: dict[tuple, object] = {}
     real = rehearse.rehearse_isolated
@@ -432,7 +432,7 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     peaks = [rehearsal_records(cfg.model, cfg.train, p, bare, 2)[0][
         "rehearsed_peak_memory_gb"] for p in (lavish, frugal)]
     assert peaks[0] > 1.5 * peaks[1]
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     experiment = tracking.ensure_experiment(uri, "rehearse-fit", runs)
     tracker = tracking.Tracker(uri, tracking.start_run(uri, experiment, "fit"))
     between = dataclasses.replace(bare, memory_gb=(peaks[0] + peaks[1]) / 2)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import tracking
-from stages.mechanism.config import load_config
+from stages.config import load_config
+from stages.mechanism import tracking, tracking_store
 from stages.mechanism.outputs import StageResult
 from tests.micro_cli import History
 from workflows.pipeline import headline_metrics, parent_run_name
@@ -32,7 +32,7 @@ def test_two_sessions_get_two_names_with_their_run_ids(
     for _ in range(2):
         with PipelineSession(cfg, parent_run_name(cfg, None, None, False), {}) as session:
             ids.append(session.parent_id)
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     names = {tracking.get_run(uri, i).info.run_name for i in ids}
     assert names == {f"micro-run-{i[:8]}" for i in ids} and len(names) == 2
 
@@ -56,7 +56,7 @@ def test_headline_metrics_come_from_the_stage_results() -> None:
 def test_a_users_pipelines_are_named_apart_with_their_figures(
         micro_cli_history: History) -> None:
     history = micro_cli_history
-    uri = tracking.default_tracking_uri(history.runs_dir)
+    uri = tracking_store.default_tracking_uri(history.runs_dir)
     runs = {step: tracking.get_run(uri, record.parent) for step, record in
             (("first", history.first), ("rerun", history.rerun),
              ("only", history.only_evaluate))}

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from model.planner.scaling import FRONTIER_NODES, efficiencies, frontier_ladder, point_batch
-from stages.mechanism import tracking
+from stages.mechanism import tracking, tracking_store
 from workflows import scaling
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def stage_dirs(runs_dir: Path) -> dict[str, int]:
 
 def point_runs(runs_dir: Path, parent_name: str) -> tuple[object, list]:
     """The study's parent run (by name prefix, newest) and its point children."""
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     runs = tracking.search_runs(uri, "micro")
     parent = next(r for r in runs if r.info.run_name.startswith(parent_name)
                   and "mlflow.parentRunId" not in r.data.tags)
@@ -91,7 +91,7 @@ def test_weak_and_strong_studies_run_track_and_rerun_from_reuse(
         assert sorted(int(c.data.params["devices"]) for c in children) == list(DEVICES)
         assert all(c.info.status == "FINISHED" and "tokens_per_s" in c.data.metrics
                    for c in children)
-        artifacts = {a.path for a in tracking.MlflowClient(tracking.default_tracking_uri(
+        artifacts = {a.path for a in tracking.MlflowClient(tracking_store.default_tracking_uri(
             runs_dir)).list_artifacts(parent.info.run_id)}
         assert {scaling.CSV_FILE, scaling.EFFICIENCY_PNG, scaling.COMPARE_PNG} <= artifacts
         tables[mode] = rows
@@ -139,7 +139,7 @@ def test_predicted_175b_frontier_table_from_one_node_to_the_whole_machine(
     for name in (scaling.EFFICIENCY_PNG, scaling.THROUGHPUT_PNG):
         assert (out / name).stat().st_size > 1000
     assert not (out / scaling.COMPARE_PNG).exists()  # nothing measured
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     children = [r for r in tracking.search_runs(uri, "scaling")
                 if r.data.tags.get("scaling_point") == "true"]
     assert len(children) == len(ladder)

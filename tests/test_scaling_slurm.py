@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import tracking
+from stages.mechanism import tracking, tracking_store
 from tests.test_scaling import point_runs, read_csv, stage_dirs
 from tests.test_slurm_launch import slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import multinode  # noqa: F401 - fixture
@@ -100,7 +100,7 @@ def test_weak_study_across_two_nodes_runs_tracks_and_reruns_from_reuse(
     assert [c.data.tags["hosts"] for c in children] == [r["hosts"] for r in rows]
     assert all(c.info.status == "FINISHED" and c.data.metrics["tokens_per_s"] > 0
                for c in children)
-    artifacts = {a.path for a in tracking.MlflowClient(tracking.default_tracking_uri(
+    artifacts = {a.path for a in tracking.MlflowClient(tracking_store.default_tracking_uri(
         runs_dir)).list_artifacts(parent.info.run_id)}
     assert {scaling.CSV_FILE, scaling.EFFICIENCY_PNG, scaling.THROUGHPUT_PNG,
             scaling.COMPARE_PNG} <= artifacts

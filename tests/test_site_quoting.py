@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism.config import ConfigError, SiteConfig, load_config
+from stages.config import ConfigError, SiteConfig, load_config
 from stages.mechanism.launch import RankSpec
 from workflows.dry_run import batch_script, srun_line
 from workflows.executors import worker_init
@@ -126,10 +126,10 @@ def test_hostile_values_in_the_ranks_command_arrive_literally(tmp_path):
     assert launch[-3:-1] == ["bash", "-c"]
     assert shlex.split(launch[-1]) == [  # the rank's own command, inside bash -c
         "mkdir", "-p", "$MIOPEN_USER_DB_PATH", "&&", "exec", "python", "-m",
-        "stages.train_worker", "--spec", f"{RUN_DIR}/train/spec.json"]
+        "stages.train.worker", "--spec", f"{RUN_DIR}/train/spec.json"]
 
     # The command itself, run by bash: the srun prefix records its words and environment.
-    spec = RankSpec(worker="stages.train_worker", nproc=16, nodes=2, out_dir=str(tmp_path),
+    spec = RankSpec(worker="stages.train.worker", nproc=16, nodes=2, out_dir=str(tmp_path),
                     config={})
     command = ranks_command(cfg, spec, tmp_path / "spec.json")
     _bash_parses(command)
@@ -157,7 +157,7 @@ def test_hostile_values_in_the_ranks_command_arrive_literally(tmp_path):
 
 
 def _shape(cfg):
-    from stages.mechanism.registry import declaration
+    from stages.registry import declaration
 
     return declaration("train").shape(cfg)
 
@@ -300,7 +300,7 @@ def test_slurm_scripts_and_rank_lines_carry_hostile_paths_inert(tmp_path, site):
     script = batch_script(cfg, RUN_DIR, "train")
     _bash_parses(script)
     spec_path = tmp_path / HOSTILE_VALUES["subshell"] / f"{HOSTILE_VALUES['semicolon']} `x`.json"
-    spec = RankSpec(worker="stages.train_worker", nproc=2, nodes=1, out_dir=str(tmp_path),
+    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(tmp_path),
                     config={})
     command = ranks_command(cfg, spec, spec_path)
     _bash_parses(command)

@@ -22,10 +22,10 @@ from parsl.jobs.states import JobState, JobStatus
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
-from stages.mechanism.config import ConfigError, load_config
+from stages.config import ConfigError, load_config
 from stages.mechanism.launch import REPO_ROOT, USER_ERROR_EXIT, RankSpec, run_local
-from stages.mechanism.registry import declaration
 from stages.mechanism.shape import RANKS, StageShape
+from stages.registry import declaration
 from workflows.dry_run import batch_script, dry_run_text, srun_line
 from workflows.executors import (
     BIN_DIR,
@@ -113,7 +113,7 @@ def test_frontier_srun_line_golden():
     launch = _launch(text)
     assert launch.startswith("srun --ntasks 16 --ntasks-per-node 8 --nodelist <node0>,<node1>")
     assert "-c7 --gpus-per-task=1 --gpu-bind=closest" in launch
-    assert "stages.train_worker --spec" in launch
+    assert "stages.train.worker --spec" in launch
     assert "export NCCL_SOCKET_IFNAME=hsn0" in text
     # The plugin comes from OLCF's module (batch script), and only it may carry RCCL.
     assert "export NCCL_NET='AWS Libfabric'\n" in text
@@ -303,7 +303,7 @@ def test_slurm_config(tmp_path):
     }
     command = ranks_command(cfg, _spec(4, nodes=2), "/r/spec.json")
     assert _launch(command) == (
-        f"$PARSL_MPI_PREFIX {sys.executable} -m stages.train_worker --spec /r/spec.json"
+        f"$PARSL_MPI_PREFIX {sys.executable} -m stages.train.worker --spec /r/spec.json"
     )
     with pytest.raises(SiteError, match="3 ranks do not divide over 2 nodes"):
         ranks_resource_spec(cfg, StageShape(RANKS, nproc=3, nodes=2, worker=TRAIN.worker))
@@ -323,7 +323,7 @@ def test_a_series_of_launches_is_one_srun_step_each_and_never_stops_early(tmp_pa
     lines = ranks_command(cfg, series, tmp_path / "spec.json").splitlines()
     steps = [line for line in lines if "$PARSL_MPI_PREFIX" in line]
     assert steps == [
-        f"timeout 900 $PARSL_MPI_PREFIX {sys.executable} -m stages.train_worker --spec {path}"
+        f"timeout 900 $PARSL_MPI_PREFIX {sys.executable} -m stages.train.worker --spec {path}"
         f' || echo "[launch] launch {i + 1} of 2 failed: exit $?" >&2'
         for i, path in enumerate(paths)]
     assert lines[-1] == "exit 0"
@@ -413,7 +413,7 @@ def test_only_the_executors_the_running_stages_use_are_made(tmp_path):
 def test_slurm_ranks_command_turns_a_rank_refusal_into_the_user_error_exit(tmp_path):
     """The command's exit code, run by a real shell: a rank's rank-error.json means no retry."""
     cfg = load_config(None, ["site.name=slurm"])
-    spec = RankSpec(worker="stages.train_worker", nproc=1, nodes=1, out_dir=str(tmp_path),
+    spec = RankSpec(worker="stages.train.worker", nproc=1, nodes=1, out_dir=str(tmp_path),
                     config={})
     command = ranks_command(cfg, spec, tmp_path / "spec.json")
     scripts = {"refuse": f"echo {{}} > {tmp_path}/rank-error.json; exit 1", "fail": "exit 7",
@@ -435,7 +435,7 @@ def test_local_executors_run_without_venv_on_path(tmp_path):
         "import sys, parsl\n"
         "from pathlib import Path\n"
         "from parsl import bash_app, python_app\n"
-        "from stages.mechanism.config import load_config\n"
+        "from stages.config import load_config\n"
         "from workflows import executors\n"
         "@python_app(executors=['cpu'])\n"
         "def square(x):\n    return x * x\n"
@@ -481,7 +481,7 @@ def test_eval_ranks_use_the_same_launch_lines():
     assert allocation_provider(slurm, "train").cores_per_node == 2
     command = ranks_command(slurm, _spec(3, worker=EVALUATE.worker), "/r/spec.json")
     assert _launch(command) == (
-        f"$PARSL_MPI_PREFIX {sys.executable} -m stages.eval_worker --spec /r/spec.json"
+        f"$PARSL_MPI_PREFIX {sys.executable} -m stages.evaluate.worker --spec /r/spec.json"
     )
 
 
@@ -506,7 +506,7 @@ def test_frontier_eval_srun_line_golden():
     launch = _launch(text)
     assert launch.startswith("srun --ntasks 8 --ntasks-per-node 8 --nodelist <node0> --nodes 1 ")
     assert "-c7 --gpus-per-task=1 --gpu-bind=closest" in launch
-    assert "stages.eval_worker --spec" in launch
+    assert "stages.evaluate.worker --spec" in launch
     # Same environment as the training ranks, but for NCCL_NET: this evaluation runs on one
     # node, where the plugin does not initialise, so RCCL is pointed at its sockets.
     train_text = _normalise(_srun(cfg))
@@ -666,7 +666,7 @@ def test_frontier_node_local_env_batch_script_golden():
     assert order == sorted(order)
     compute = batch_script(cfg, RUN_DIR, "compute")
     assert "#SBATCH --constraint=nvme\n" in compute and "sbcast " in compute
-    assert " python -m stages.train_worker " in _srun(cfg)  # the env's python, on PATH
+    assert " python -m stages.train.worker " in _srun(cfg)  # the env's python, on PATH
     for text in (script, compute):
         subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 

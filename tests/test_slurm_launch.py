@@ -64,12 +64,12 @@ def test_mpi_executor_runs_ranks_through_srun(slurm_env, tmp_path):
     import parsl
     from parsl import bash_app
 
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
     from workflows.executors import make_parsl_config
     from workflows.ranks import ranks_resource_spec
 
     cfg = load_config(None, ["site.name=slurm", "site.walltime=00:05:00", "parallel.nproc=2"])
-    from stages.mechanism.registry import declaration
+    from stages.registry import declaration
 
     spec = ranks_resource_spec(cfg, declaration("train").shape(cfg))
     assert spec == {"num_nodes": 1, "ranks_per_node": 2, "num_ranks": 2,

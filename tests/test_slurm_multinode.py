@@ -36,10 +36,10 @@ import numpy as np
 import pytest
 
 from data_prep.store import SPLITS, SplitReader, open_store
-from stages.mechanism import tracking
-from stages.mechanism.config import load_config
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import STAGE_ORDER, declaration
+from stages.config import load_config
+from stages.mechanism import tracking, tracking_store
+from stages.mechanism.walk import run_work
+from stages.registry import STAGE_ORDER, declaration
 from tests.test_data_common import make_tracker
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_pipeline import (
@@ -188,7 +188,7 @@ def test_pipeline_stages_across_two_nodes_equal_one_node(micro_on_the_cluster, m
     assert summary["steps_done"] == 6 and len(summary["losses"]) == 6
     # Every step reached the store (through the server or not), in the train run the
     # stage's status names.
-    store = tracking.default_tracking_uri(runs_dir)
+    store = tracking_store.default_tracking_uri(runs_dir)
     run_id = json.loads((summary_path.parent / "status.json").read_text())["run_id"]
     losses = tracking.metric_history(store, run_id, "loss")
     assert sorted(step for step, _ in losses) == list(range(1, 7))

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from stages.mechanism import tracking
+from stages.mechanism import tracking, tracking_store
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +141,7 @@ def srun_steps(job_id: str) -> list[str]:
 
 
 def pipeline_stage_runs(runs_dir: Path) -> tuple[list, dict]:
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     runs = tracking.search_runs(uri, "micro")
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1, [r.info.run_name for r in parents]

@@ -5,15 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import keys, outputs, tracking
+from stages.config import load_config
+from stages.mechanism import keys, outputs, tracking, tracking_store
 from stages.mechanism.attempt import PipelineContext
-from stages.mechanism.config import load_config
-from stages.mechanism.inline import run_stage
+from stages.mechanism.walk import run_stage
 from tests.stagekit import declare
 
 
 def _context(tmp_path: Path) -> PipelineContext:
-    uri = tracking.default_tracking_uri(tmp_path)
+    uri = tracking_store.default_tracking_uri(tmp_path)
     experiment = tracking.ensure_experiment(uri, "test", tmp_path)
     parent = tracking.start_run(uri, experiment, "pipeline-test")
     return PipelineContext(str(tmp_path), uri, experiment, parent, "1.0")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from stages.config import ConfigError, load_config
 from stages.mechanism import tracking
-from stages.mechanism.config import ConfigError, load_config
 from tests.evalkit import micro_config, open_pipeline, run_stages
 
 HOST_METRICS = ("cpu_utilization_percentage", "system_memory_usage_megabytes",

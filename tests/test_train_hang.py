@@ -29,7 +29,7 @@ def launch(out: Path, stall: dict | None) -> tuple[int, str, str, float]:
     cfg = tiny_config("train.steps=4", "train.checkpoint_every=1",
                       f"train.collective_timeout_s={TIMEOUT_S}")
     out.mkdir(parents=True, exist_ok=True)
-    spec = RankSpec(worker="stages.train_worker", nproc=2, nodes=1, out_dir=str(out.resolve()),
+    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(out.resolve()),
                     config=cfg.to_dict(), plan=DP2)
     env = {k: v for k, v in os.environ.items() if k != STALL_VAR}
     if stall is not None:

@@ -30,7 +30,7 @@ def train(out: Path, faults: dict[str, Any] | None, *overrides: str,
 
     cfg = tiny_config(*overrides)
     out.mkdir(parents=True, exist_ok=True)
-    spec = RankSpec(worker="stages.train_worker", nproc=2, nodes=1, out_dir=str(out.resolve()),
+    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(out.resolve()),
                     config=cfg.to_dict(), plan=DP2, tracking=tracking)
     env = {k: v for k, v in os.environ.items() if k != FAULTS_VAR}
     if faults is not None:

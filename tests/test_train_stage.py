@@ -8,8 +8,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from stages.mechanism import tracking
-from stages.mechanism.inline import run_work
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
 from tests.test_data_common import make_cfg, make_corpus, make_tracker
 from tests.train_helpers import tiny_config
 

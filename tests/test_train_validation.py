@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from model.parallel.dims import LayoutError, ParallelDims
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
-from stages import train
-from stages.mechanism.inline import run_work
 from stages.mechanism.launch import RankSpec
-from stages.mechanism.registry import declaration
+from stages.mechanism.walk import run_work
+from stages.registry import declaration
+from stages.train import work as train
 from tests.train_helpers import tiny_config
 
 TOKENIZE = declaration("tokenize")
@@ -91,7 +91,7 @@ def test_good_setup_writes_the_spec(tmp_path) -> None:
     cfg = tiny_config("parallel.nproc=2")
     spec = RankSpec.read(train.prepare(cfg, plan_file(tmp_path, tp=2, micro_batch=4, grad_accum=2),
                                        tmp_path, None))
-    assert (spec.nproc, spec.nodes, spec.worker) == (2, 1, "stages.train_worker")
+    assert (spec.nproc, spec.nodes, spec.worker) == (2, 1, "stages.train.worker")
     assert spec.plan["tp"] == 2 and spec.store is None
     assert spec.config["model"]["n_layers"] == 4
     assert spec.peak_tflops is None  # no predictions; the local cluster is measured at plan time

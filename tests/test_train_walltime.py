@@ -43,7 +43,7 @@ PROGRESS = re.compile(r"\[train\] step (\d+)/")
 def write_spec(out_dir: Path) -> Path:
     cfg = tiny_config(*SETTINGS)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = RankSpec(worker="stages.train_worker", nproc=2, nodes=1,
+    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1,
                     out_dir=str(out_dir.resolve()), config=cfg.to_dict(), plan=DP2)
     return spec.write(out_dir / "spec.json")
 
@@ -130,7 +130,7 @@ def test_a_stop_signal_after_the_ranks_work_is_ignored(tmp_path: Path) -> None:
     spec_path = tmp_path / "rank" / "spec.json"
     spec_path.write_text(json.dumps(spec))
     script = ("import signal, sys\n"
-              "import stages.train_worker as worker\n"
+              "import stages.train.worker as worker\n"
               "code = worker.main(['--spec', sys.argv[1]])\n"
               "print([signal.getsignal(s) == signal.SIG_IGN for s in worker.STOP_SIGNALS])\n"
               "signal.raise_signal(signal.SIGUSR1)\n"
@@ -146,11 +146,11 @@ def test_a_rank_prints_its_stacks_on_request_and_trains_on(tmp_path: Path) -> No
     rank writes every thread's stack to its stderr and goes on to finish its steps."""
     out_dir = tmp_path / "rank"
     out_dir.mkdir()
-    spec_path = RankSpec(worker="stages.train_worker", nproc=1, nodes=1, out_dir=str(out_dir),
+    spec_path = RankSpec(worker="stages.train.worker", nproc=1, nodes=1, out_dir=str(out_dir),
                          config=tiny_config(*SETTINGS).to_dict(),
                          plan={"micro_batch": 8, "grad_accum": 1, "sharding": "none"}
                          ).write(out_dir / "spec.json")
-    proc = subprocess.Popen([sys.executable, "-m", "stages.train_worker", "--spec",
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train.worker", "--spec",
                              str(spec_path)], cwd=REPO, env=rank_environment(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -9,7 +9,7 @@ from typing import Any
 
 import psutil
 
-from stages.mechanism.config import load_config
+from stages.config import load_config
 from stages.mechanism.launch import RankSpec, rank_environment
 from tests.rank_zygote import local_launch_env, run_forked, torchrun_ranks
 
@@ -32,13 +32,13 @@ def run_worker(
     out_dir: Path, plan: dict[str, Any], nproc: int, *overrides: str, steps: int | None = None,
     timeout: int = 240,
 ) -> dict[str, Any]:
-    """Run stages.train_worker on ``nproc`` gloo ranks, as ``stages.mechanism.launch`` starts them
+    """Run stages.train.worker on ``nproc`` gloo ranks, as ``stages.mechanism.launch`` starts them
     (plain
-    ``python -m stages.train_worker`` for 1), forked from this worker's warm interpreter
+    ``python -m stages.train.worker`` for 1), forked from this worker's warm interpreter
     (``tests.rank_zygote``). Returns the summary."""
     cfg = tiny_config(*overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
-    spec = RankSpec(worker="stages.train_worker", nproc=nproc, nodes=1,
+    spec = RankSpec(worker="stages.train.worker", nproc=nproc, nodes=1,
                     out_dir=str(out_dir.resolve()), config=cfg.to_dict(), plan=plan, steps=steps)
     spec_path = spec.write(out_dir / "spec.json")
     code, stdout, stderr = run_ranks(spec.worker, spec_path, nproc, timeout)

@@ -79,73 +79,49 @@ def _logged(log_path: str) -> Iterator[None]:
                 stream.local.stream = before
 
 
+def _declared(ctx, name: str):
+    return ctx.pipeline.get(name)
+
+
 def stage_app(ctx, name: str, cfg, force: bool, log_path: str,
               parsl_resource_specification=None, **upstream):
-    """Run a whole single-app stage (``stages.mechanism.inline.run_stage``)."""
-    from stages.mechanism.inline import run_stage
-    from stages.mechanism.registry import declaration
+    """A whole single-app stage (``stages.mechanism.walk.single_step``)."""
+    from stages.mechanism.walk import single_step
 
     with _logged(log_path):
-        return run_stage(ctx, declaration(name), cfg, upstream, force)
+        return single_step(ctx, _declared(ctx, name), cfg, upstream, force)
 
 
 def begin_app(ctx, name: str, cfg, force: bool, log_path: str,
               parsl_resource_specification=None, **upstream):
-    """Open a multi-part stage (fan-out or ranks) and run its ``prepare`` step; the
-    ``stages.mechanism.attempt.Attempt`` (``reused`` set when the output is reused, else
-    ``prepared`` holds what ``prepare`` returned)."""
-    from stages.mechanism import attempt as attempts
-    from stages.mechanism.registry import declaration
+    """Open a multi-part stage and run its ``prepare`` (``stages.mechanism.walk.begin_step``)."""
+    from stages.mechanism.walk import begin_step
 
-    stage = declaration(name)
     with _logged(log_path):
-        attempt = attempts.begin(ctx, stage, cfg, upstream, force)
-        if attempt.reused is not None:
-            return attempt
-        tracker = attempt.tracker(ctx)
-        try:
-            attempt.prepared = stage.work().prepare(cfg, attempt.inputs, Path(attempt.work_dir),
-                                                    tracker)
-            tracker.flush()
-        except BaseException as error:
-            attempts.fail(ctx, attempt, error)
-            raise
-        return attempt
+        return begin_step(ctx, _declared(ctx, name), cfg, upstream, force)
 
 
-def part_app(name: str, cfg, attempt, index: int, log_path: str,
+def part_app(ctx, name: str, cfg, attempt, index: int, log_path: str,
              parsl_resource_specification=None) -> dict[str, Any] | None:
-    """One part of a fan-out stage (e.g. one input shard of tokenize); no-op when reused."""
-    from stages.mechanism.registry import declaration
+    """One part of a fan-out stage (``stages.mechanism.walk.part_step``)."""
+    from stages.mechanism.walk import part_step
 
     if attempt.reused is not None:
         return None
     with _logged(log_path):
-        return declaration(name).work().part(cfg, Path(attempt.work_dir), index)
+        return part_step(_declared(ctx, name), cfg, attempt, index)
 
 
 def finish_app(ctx, name: str, cfg, attempt, log_path: str, *parts, after=None,
                parsl_resource_specification=None):
-    """Run a multi-part stage's ``finalize`` and publish it (the reused result when reused).
-
-    ``parts`` are a fan-out stage's part results; ``after`` is the ranks app's future, only
-    waited for.
-    """
-    from stages.mechanism import attempt as attempts
-    from stages.mechanism.registry import declaration
+    """A multi-part stage's ``finalize`` and publish (``stages.mechanism.walk.finish_step``).
+    ``after`` is the ranks app's future, only waited for."""
+    from stages.mechanism.walk import finish_step
 
     if attempt.reused is not None:
         return attempt.reused
     with _logged(log_path):
-        try:
-            tracker = attempt.tracker(ctx)
-            outputs = declaration(name).work().finalize(cfg, Path(attempt.work_dir), list(parts),
-                                                        tracker)
-            tracker.flush()
-        except BaseException as error:
-            attempts.fail(ctx, attempt, error)
-            raise
-        return attempts.finish(ctx, attempt, outputs)
+        return finish_step(ctx, _declared(ctx, name), cfg, attempt, list(parts))
 
 
 def ranks_app(cfg, attempt, stdout=None, stderr=None, parsl_resource_specification=None):

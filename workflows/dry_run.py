@@ -2,8 +2,9 @@
 Slurm site the batch script of each block and each ranks app's srun line, all rendered by
 the code that runs them, nothing submitted.
 
-The batch scripts are filled from Parsl's own Slurm template (``SlurmProvider.submit``'s,
-a private module of Parsl) and the srun lines by Parsl's MPIExecutor prefix composer, so
+The batch scripts are filled from Parsl's own Slurm template (``SlurmProvider.submit``'s)
+and the srun lines by Parsl's MPIExecutor prefix composer (both through
+``workflows.parsl_seam``), so
 what the dry run shows is what a run submits; values known only at run time (ports, node
 names, the run's Parsl directory number) are shown as ``<name>``.
 """
@@ -13,14 +14,13 @@ from pathlib import Path
 from string import Template
 
 from parsl.executors import HighThroughputExecutor
-from parsl.executors.high_throughput.mpi_prefix_composer import compose_srun_launch_cmd
 from parsl.providers import SlurmProvider
-from parsl.providers.slurm.template import template_string as SLURM_TEMPLATE
 from parsl.utils import wtime_to_minutes
 
-from stages.mechanism.config import PipelineConfig
+from stages.config import PipelineConfig
 from stages.mechanism.launch import RankSpec
 from stages.mechanism.shape import RANKS, StageShape
+from workflows import parsl_seam
 from workflows.executors import (
     allocation_label,
     compute_executor,
@@ -94,7 +94,7 @@ def batch_script(cfg: PipelineConfig, run_dir: Path, label: str = "train") -> st
     command = provider.launcher(
         _worker_pool_command(executor), tasks_per_node, provider.nodes_per_block, str(script_dir)
     )
-    return Template(SLURM_TEMPLATE).substitute(
+    return Template(parsl_seam.slurm_script_template()).substitute(
         jobname=job_name,
         job_stdout_path=f"{script_path}.stdout",
         job_stderr_path=f"{script_path}.stderr",
@@ -112,7 +112,7 @@ def srun_line(cfg: PipelineConfig, run_dir: Path, name: str, shape: StageShape) 
     resources = ranks_resource_spec(cfg, shape)
     assert resources is not None
     hosts = [f"<node{i}>" for i in range(resources["num_nodes"])]
-    _, prefix = compose_srun_launch_cmd({k: str(v) for k, v in resources.items()}, hosts)
+    prefix = parsl_seam.srun_prefix({k: str(v) for k, v in resources.items()}, hosts)
     # The command reads only the spec's worker, node count and output directory.
     spec = RankSpec.for_shape(shape, out_dir=f"{run_dir}/{name}", config={})
     command = ranks_command(cfg, spec, f"{run_dir}/{name}/spec.json")

@@ -34,7 +34,7 @@ placement to an executor for a site, ``allocation_label`` the one that names the
 its ranks. Only the driver, the plan stage, train's prepare / finalize and
 MLflow's SQLite writes of those stay on the login node.
 
-All site settings come from ``cfg.site`` (stages/mechanism/config.py SiteConfig), so moving
+All site settings come from ``cfg.site`` (stages/config.py SiteConfig), so moving
 between a
 laptop, a generic Slurm cluster and Frontier is a config change, never a code change.
 """
@@ -58,9 +58,10 @@ from parsl.jobs.states import JobState
 from parsl.launchers import SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, SlurmProvider
 
-from stages.mechanism.config import PipelineConfig
-from stages.mechanism.registry import STAGES, declaration
+from stages.config import PipelineConfig
 from stages.mechanism.shape import ALLOCATION, COMPUTE, LOGIN, PLACEMENTS
+from stages.registry import PIPELINE, declaration
+from workflows import parsl_seam
 from workflows.failures import retry_cost
 from workflows.frontier import (
     FRONTIER_MODULES,
@@ -86,7 +87,7 @@ LOCAL_RANKS_LABEL = "train"
 LOGIN_LABELS = ("cpu", LOCAL_RANKS_LABEL)
 """The executors whose workers may be the driver's threads (``site.login_workers``)."""
 
-ALLOCATION_LABELS = tuple(stage.name for stage in STAGES if stage.worker)
+ALLOCATION_LABELS = tuple(stage.name for stage in PIPELINE if stage.worker)
 """Under slurm/frontier: the executors of the stages that may run ranks or apps in an
 allocation, each labelled with its stage's name ("train", "evaluate")."""
 
@@ -190,15 +191,15 @@ def stop_parsl(dfk: Any, interrupted: bool = False, keep: Collection[int] = ()) 
         handler.keywords["stopping"].set()  # apps failed by the shutdown are not retried
     if interrupted and any(e.label in LOGIN_LABELS and isinstance(e, ThreadPoolExecutor)
                            for e in dfk.executors.values()):
-        interchanges = (getattr(e, "interchange_proc", None) for e in dfk.executors.values())
+        interchanges = (parsl_seam.interchange_process(e) for e in dfk.executors.values())
         stop_children({*keep, *(proc.pid for proc in interchanges if proc is not None)})
-    dfk.job_status_poller._kill_event.set()  # no new query to an interchange that may be gone
+    parsl_seam.stop_status_poller(dfk)  # no new query to an interchange that may be gone
     deadline = time.monotonic() + (INTERCHANGE_EXIT_GRACE_S if interrupted else 0.0)
     for executor in dfk.executors.values():
-        process = getattr(executor, "interchange_proc", None)
+        process = parsl_seam.interchange_process(executor)
         if process is None or _alive_until(process, deadline):
             continue
-        executor.set_bad_state_and_fail_all(RuntimeError(
+        parsl_seam.fail_executor(executor, RuntimeError(
             f"the {executor.label} executor's interchange exited ({process.returncode})"))
         _cancel_blocks(executor)
     cleanup = threading.Thread(target=dfk.cleanup, name="parsl-cleanup", daemon=True)
@@ -209,7 +210,7 @@ def stop_parsl(dfk: Any, interrupted: bool = False, keep: Collection[int] = ()) 
               "s (a peer it waits on is gone): killing its interchanges and cancelling its "
               "blocks", file=sys.stderr, flush=True)
         for executor in dfk.executors.values():
-            process = getattr(executor, "interchange_proc", None)
+            process = parsl_seam.interchange_process(executor)
             if process is not None and process.poll() is None:
                 process.kill()
             _cancel_blocks(executor)
@@ -279,21 +280,20 @@ def _scale_in_running(executor: Any) -> None:
     """Cancel the running blocks of a Slurm-backed MPIExecutor (others are left alone)."""
     if not isinstance(executor, MPIExecutor) or not isinstance(executor.provider, SlurmProvider):
         return
-    status = executor.status_facade
+    status = parsl_seam.block_status(executor)
     # Ask the interchange only where the last poll may be stale, and only a live one: a query
     # to a dead interchange never returns (the driver may be shutting down after a signal).
-    process = getattr(executor, "interchange_proc", None)
+    process = parsl_seam.interchange_process(executor)
     stale = any(not job.terminal and job.state != JobState.RUNNING for job in status.values())
     ask = stale and process is not None and process.poll() is None
-    running = running_blocks(status, set(executor.connected_blocks()) if ask else set())
+    running = running_blocks(status, set(parsl_seam.connected_blocks(executor)) if ask else set())
     if running:
-        executor.scale_in_facade(len(running))
+        parsl_seam.scale_in(executor, len(running))
 
 
 def _cancel_blocks(executor: Any) -> None:
     """Cancel an executor's blocks through its provider (local worker pools, Slurm jobs)."""
-    blocks = getattr(executor, "blocks_to_job_id", {})  # Parsl's internal thread pool has none
-    job_ids = [job for job in blocks.values() if job]
+    job_ids = parsl_seam.job_ids(executor)
     if not job_ids or executor.provider is None:
         return
     try:
@@ -408,7 +408,7 @@ def scheduler_options(cfg: PipelineConfig, stop_signal: bool = False) -> str:
     ``site.save_before_end()`` (``site.save_before_end_s`` or the site's default),
     sent to every job step (the ranks' srun step; not the batch shell, where Parsl's worker
     runs), so the ranks checkpoint at their next step and end out of time before Slurm kills
-    the job (``stages.train_worker``); the driver resumes them in a new job.
+    the job (``stages.train.worker``); the driver resumes them in a new job.
     """
     lines = "#SBATCH --no-requeue\n"
     if uses_plugin_module(cfg):

@@ -27,10 +27,10 @@ import sys
 from collections.abc import Collection
 from pathlib import Path, PurePosixPath
 
-from stages.mechanism.checks import evaluation_memory_problem
-from stages.mechanism.config import ConfigError, PipelineConfig, unquoted_shell_problem
-from stages.mechanism.registry import STAGE_ORDER, declaration
+from stages.config import ConfigError, PipelineConfig, unquoted_shell_problem
+from stages.evaluate.checks import evaluation_memory_problem
 from stages.mechanism.shape import ALLOCATION, RANKS, StageShape
+from stages.registry import STAGE_ORDER, declaration
 
 SLURM_SITES = ("slurm", "frontier")
 """The sites whose stages run in Slurm jobs Parsl submits (the other one: local)."""

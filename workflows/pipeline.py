@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stages.mechanism import keys, tracking
-from stages.mechanism.config import ConfigError, PipelineConfig, load_config
+from stages.config import ConfigError, PipelineConfig, load_config
+from stages.mechanism import keys, tracking_store
 from stages.mechanism.outputs import StageResult
-from stages.mechanism.registry import STAGE_ORDER, declaration, upstream
 from stages.mechanism.selection import StageDecision, decide_stages
+from stages.registry import PIPELINE, STAGE_ORDER, declaration, upstream
 from workflows.session import (
     INTERRUPTED_EXIT,
     PipelineFailed,
@@ -59,8 +59,8 @@ def run_pipeline(
     """Run the pipeline with Parsl and MLflow; return each stage's result. ``decided``: the
     code hashes and the decisions the caller already made (else made here, once)."""
     runs_dir = cfg.runs_dir
-    uri = tracking.default_tracking_uri(runs_dir, cfg.tracking.uri)
-    tracking.check_store(uri)  # first: an unusable store is one line, before any work
+    uri = tracking_store.default_tracking_uri(runs_dir, cfg.tracking.uri)
+    tracking_store.check_store(uri)  # first: an unusable store is one line, before any work
     code, plans = decided or decide(cfg, only, start, force, triggers)
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,8 @@ def run_pipeline(
     for name, result in results.items():
         how = "reused" if result.reused else "ran"
         print(f"{name:<9} {how:<6} {result.out_dir}", flush=True)
-    print(f"\nMLflow store: {uri}\nOpen the UI:  {tracking.ui_command(uri, runs_dir)}", flush=True)
+    ui = tracking_store.ui_command(uri, runs_dir)
+    print(f"\nMLflow store: {uri}\nOpen the UI:  {ui}", flush=True)
     return results
 
 
@@ -116,8 +117,8 @@ def headline_metrics(cfg: PipelineConfig, results: dict[str, StageResult]) -> di
 def decide(cfg: PipelineConfig, only: str | None, start: str | None, force: bool,
            triggers: tuple[str, ...]) -> tuple[dict[str, str], list[StageDecision]]:
     """The code hashes and the stage decisions, made once per invocation."""
-    code = keys.code_hashes()
-    return code, decide_stages(cfg, only, start, force, code, triggers)
+    code = keys.code_hashes(PIPELINE)
+    return code, decide_stages(PIPELINE, cfg, only, start, force, code, triggers)
 
 
 def parse_triggers(text: str) -> tuple[str, ...]:
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         # e.g. Frontier without site.account, or no Slurm here: before any run is opened
         check_site(cfg, controller=True)
         try:
-            preflight(cfg, decided[1])  # each stage's cheap input checks
+            preflight(PIPELINE, cfg, decided[1])  # each stage's cheap input checks
         except ConfigError:
             raise
         except ValueError as error:  # an unusable input (DataError, ...) found before any work

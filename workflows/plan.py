@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from model.config import ModelConfig, TrainConfig
+from model.parallel.layout import LAYOUT_FIELDS, Plan
 from model.planner.calibration import load_calibration
 from model.planner.choose import FIX_TYPES, choose, fixed_fields, parse_fix
 from model.planner.microbench import load_measured_cluster
 from model.planner.model_file import read_model_file
-from model.planner.plan import LAYOUT_FIELDS, Plan
 from model.planner.rehearsal import GiveWay, rehearse_until_one_fits
 from model.planner.run_cost import plan_run_cost
 from model.planner.search import explain
@@ -37,7 +37,7 @@ def load_model_file(path: str | Path) -> tuple[ModelConfig, TrainConfig | None, 
     model_cfg, _ = read_model_file(path)
     if model_cfg is not None:
         return model_cfg, None, None
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
 
     cfg = load_config(Path(path))
     return cfg.model, cfg.train, cfg

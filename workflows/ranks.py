@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from model.parallel.threads import rank_threads_env
-from stages.mechanism.config import PipelineConfig
+from stages.config import PipelineConfig
 from stages.mechanism.launch import (
     OUT_OF_TIME_EXIT,
     OUT_OF_TIME_FILE,

@@ -23,21 +23,19 @@ from pathlib import Path
 from typing import Any
 
 from model.config import TrainConfig
+from model.parallel.layout import Plan
 from model.planner.failures import Interruptions, auto_checkpoint_minutes, config_interruptions
-from model.planner.plan import Plan
 from model.planner.scaling import FRONTIER_NODES
-from stages.mechanism.checks import (
+from stages.config import PipelineConfig, walltime_seconds
+from stages.evaluate.checks import (
     EVAL_BYTES_PER_PARAM,
-    checkpoint_cadence_problem,
     evaluation_host_gb,
     evaluation_memory_problem,
-    hub_budget_problem,
-    predicted_step_time,
-    walltime_seconds,
 )
-from stages.mechanism.config import PipelineConfig
-from stages.mechanism.registry import declaration
 from stages.mechanism.selection import StageDecision, decide_stages, reused_outputs
+from stages.registry import PIPELINE, declaration
+from stages.tokenize.checks import hub_budget_problem
+from stages.train.checks import checkpoint_cadence_problem, predicted_step_time
 from workflows.frontier import (
     FRONTIER_NODE_MEMORY_GB,
     NODE_LOCAL_ENV_NODES,
@@ -369,7 +367,7 @@ def _jobs(total_s: float, walltime_s: int, save_before_end_s: int, step_s: float
 def readiness(cfg: PipelineConfig, plans: list[StageDecision] | None = None) -> list[Finding]:
     """Every row of the report for ``cfg`` on its Slurm site; ``plans``: the driver's stage
     decisions (decided here when not given), whose reused plan output the report reads."""
-    plans = decide_stages(cfg, None, None, False) if plans is None else plans
+    plans = decide_stages(PIPELINE, cfg, None, None, False) if plans is None else plans
     found_plan = reused_outputs(plans).get("plan")
     site = cfg.site
     short = site.compute_walltime or site.walltime

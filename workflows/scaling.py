@@ -42,14 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from data_prep.atomic import write_text_atomic
+from model.parallel.layout import CONFIG_FIELDS, LAYOUT_FIELDS, PlanError
 from model.planner import scaling
-from model.planner.plan import CONFIG_FIELDS, LAYOUT_FIELDS, PlanError
 from model.training.files import SUMMARY_FILE
-from stages.mechanism import keys, tracking
-from stages.mechanism.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
+from stages.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
+from stages.mechanism import keys, tracking, tracking_store
 from stages.mechanism.outputs import StageResult
-from stages.mechanism.registry import STAGE_ORDER
 from stages.mechanism.selection import decide_stages
+from stages.registry import PIPELINE, STAGE_ORDER
 from workflows.session import (
     INTERRUPTED_EXIT,
     PipelineFailed,
@@ -139,9 +139,8 @@ def point_nodes(cfg: PipelineConfig, devices: int, per_node: int | None = None) 
 
 def _check_formable(cfg: PipelineConfig) -> None:
     """Refuse, before any work, a point for which no layout can be formed at all (the plan
-    stage's rule, ``model.training.validate.layout_problem``)."""
-    from model.planner.choose import fixed_fields
-    from model.training.validate import layout_problem
+    stage's rule, ``model.planner.choose.layout_problem``)."""
+    from model.planner.choose import fixed_fields, layout_problem
 
     problem = layout_problem(cfg.model, cfg.train, cfg.parallel.nproc, fixed_fields(cfg.parallel))
     if problem:
@@ -235,7 +234,7 @@ def finish_table(points: list[Point]) -> None:
 
 def _point_row(point: Point, mode: str, results: dict[str, StageResult]) -> dict[str, Any]:
     """A measured point's row: the train stage's figures, the plan and its predictions."""
-    from model.planner.plan import Plan
+    from model.parallel.layout import Plan
 
     train, plan_out = results["train"].outputs, results["plan"].outputs
     row: dict[str, Any] = {"model": point.cfg.name, "mode": mode, "devices": point.devices,
@@ -274,10 +273,10 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
     directory."""
     first = points[0].cfg
     runs_dir = first.runs_dir
-    uri = tracking.default_tracking_uri(runs_dir, first.tracking.uri)
-    tracking.check_store(uri)
+    uri = tracking_store.default_tracking_uri(runs_dir, first.tracking.uri)
+    tracking_store.check_store(uri)
     check_runs_dir(runs_dir)
-    code = keys.code_hashes()
+    code = keys.code_hashes(PIPELINE)
     devices = ",".join(str(p.devices) for p in points)
     tags = {"scaling": mode, "devices": devices, "site": first.site.name}
     status, point_ids = "FAILED", {}
@@ -290,7 +289,7 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
                 if session.dfk is None or block_shape(point.cfg) != block:
                     session.start_parsl(point.cfg)
                     block = block_shape(point.cfg)
-                plans = [p for p in decide_stages(point.cfg, None, None, False, code)
+                plans = [p for p in decide_stages(PIPELINE, point.cfg, None, None, False, code)
                          if p.name in STUDY_STAGES]
                 actions = ", ".join(f"{p.name} {p.action}" for p in plans)
                 where = (f" on {point.nodes} node(s) x {point.cfg.parallel.ranks_per_node} ranks"
@@ -317,7 +316,7 @@ def run_measured(points: list[Point], mode: str, out_dir: Path | None = None) ->
         for run_id in point_ids.values():
             tracking.end_run(uri, run_id, status)
     print(table_text([p.row for p in points]), flush=True)
-    print(f"\nresults: {out_dir}\nMLflow:  {tracking.ui_command(uri, runs_dir)}", flush=True)
+    print(f"\nresults: {out_dir}\nMLflow:  {tracking_store.ui_command(uri, runs_dir)}", flush=True)
     return out_dir
 
 
@@ -381,8 +380,8 @@ def run_predicted(points: list[Point], mode: str, out_dir: Path | None = None) -
     """Track a predicted study (parent run, a child per point) and write its report."""
     first = points[0].cfg
     runs_dir = first.runs_dir
-    uri = tracking.default_tracking_uri(runs_dir, first.tracking.uri)
-    tracking.check_store(uri)
+    uri = tracking_store.default_tracking_uri(runs_dir, first.tracking.uri)
+    tracking_store.check_store(uri)
     experiment_id = tracking.ensure_experiment(uri, first.tracking.experiment or "scaling",
                                                runs_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -407,7 +406,7 @@ def run_predicted(points: list[Point], mode: str, out_dir: Path | None = None) -
     finally:
         tracking.end_run(uri, parent_id, status)
     print(table_text([p.row for p in points]), flush=True)
-    print(f"\nresults: {out_dir}\nMLflow:  {tracking.ui_command(uri, runs_dir)}", flush=True)
+    print(f"\nresults: {out_dir}\nMLflow:  {tracking_store.ui_command(uri, runs_dir)}", flush=True)
     return out_dir
 
 

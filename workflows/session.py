@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from stages.config import ConfigError, PipelineConfig
 from stages.mechanism import attempt as attempts
-from stages.mechanism import locks, outputs, tracking
-from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.mechanism import locks, open_runs, outputs, tracking, tracking_store
 from stages.mechanism.keys import TRIGGERS
 from stages.mechanism.outputs import StageResult
-from stages.mechanism.registry import declaration
 from stages.mechanism.selection import StageDecision
-from stages.mechanism.shape import ALLOCATION, FAN_OUT, RANKS, SINGLE, StageShape
+from stages.mechanism.shape import ALLOCATION, RANKS, SINGLE, StageShape
+from stages.registry import PIPELINE
 from workflows import failures as failures_mod
 from workflows import tracking_server, watchdog
 
@@ -121,8 +121,8 @@ class StageRun:
             return None
         from stages.mechanism.selection import digest_of, resolve
 
-        digests = {n: digest_of(f.result()) for n, f in self.upstream.items()}
-        return resolve(ctx.runs_dir, declaration(self.name), self.cfg, digests,
+        digests = {n: digest_of(f.result(), ctx.pipeline) for n, f in self.upstream.items()}
+        return resolve(ctx.runs_dir, ctx.pipeline.get(self.name), self.cfg, digests,
                        ctx.code_for(self.name), ctx.triggers).key
 
 
@@ -157,21 +157,72 @@ def _done(value: Any) -> concurrent.futures.Future:
     return future
 
 
+@dataclass
+class ParslSteps:
+    """The stage walk's steps (``stages.mechanism.walk.walk``) submitted as Parsl apps: the
+    Python apps on the executor of the stage's placement, the ranks as a bash app in the
+    stage's allocation. Each step returns its app's future."""
+
+    ctx: attempts.PipelineContext
+    name: str
+    cfg: PipelineConfig
+    force: bool
+    log_dir: Path
+    inputs: dict[str, concurrent.futures.Future]
+    shape: StageShape
+
+    def __post_init__(self) -> None:
+        from workflows import apps, executors
+
+        label = executors.executor_label(self.cfg, self.name, self.shape.placement)
+        self.on = apps.apps_on(label)
+        self.spec = executors.app_resource_spec(self.cfg, label)
+        self.log = str(self.log_dir / f"{self.name}.log")
+        self.ranks_log = str(self.log_dir / f"{self.name}-ranks.log")
+
+    def single(self) -> concurrent.futures.Future:
+        return self.on.single(self.ctx, self.name, self.cfg, self.force, self.log,
+                              parsl_resource_specification=self.spec, **self.inputs)
+
+    def begin(self) -> concurrent.futures.Future:
+        return self.on.begin(self.ctx, self.name, self.cfg, self.force, self.log,
+                             parsl_resource_specification=self.spec, **self.inputs)
+
+    def part(self, begun: concurrent.futures.Future, index: int) -> concurrent.futures.Future:
+        return self.on.part(self.ctx, self.name, self.cfg, begun, index,
+                            str(self.log_dir / f"{self.name}-part{index}.log"),
+                            parsl_resource_specification=self.spec)
+
+    def ranks(self, begun: concurrent.futures.Future) -> concurrent.futures.Future:
+        from workflows import apps, executors, ranks
+
+        allocation = executors.allocation_label(self.cfg, self.name)
+        return apps.ranks_app_on(allocation)(
+            self.cfg, begun, stdout=self.ranks_log, stderr=self.ranks_log,
+            parsl_resource_specification=ranks.ranks_resource_spec(self.cfg, self.shape) or {})
+
+    def finish(self, begun: concurrent.futures.Future, parts: list[concurrent.futures.Future],
+               after: concurrent.futures.Future | None) -> concurrent.futures.Future:
+        return self.on.finish(self.ctx, self.name, self.cfg, begun, self.log, *parts,
+                              after=after, parsl_resource_specification=self.spec)
+
+
 def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts.PipelineContext,
                   log_dir: Path, runs: dict[str, StageRun]) -> None:
-    """Submit every stage's apps by its declared shape into ``runs`` (name -> StageRun, filled
-    as each stage is submitted, so an interrupt mid-way knows what runs).
+    """Submit every stage's apps by the stage walk (``stages.mechanism.walk.walk``) into
+    ``runs`` (name -> StageRun, filled as each stage is submitted, so an interrupt mid-way
+    knows what runs).
 
     A stage's Python apps go to the executor of its shape's placement for this site
     (``executors.executor_label``); the ranks of a ranks stage go to its allocation
     (``executors.allocation_label``), which is handed back once the stage is done.
     """
-    from workflows import apps, executors, ranks
+    from stages.mechanism.walk import walk
 
     for p in plans:
         if p.action == "skip":
             continue
-        stage = declaration(p.name)
+        stage = ctx.pipeline.get(p.name)
         inputs = {u: runs[u].result for u in stage.upstream}
         log = str(log_dir / f"{p.name}.log")
         if p.action == "reuse" and p.existing is not None:
@@ -180,44 +231,15 @@ def submit_stages(cfg: PipelineConfig, plans: list[StageDecision], ctx: attempts
             result = attempts.reuse(ctx, p.existing, cfg, stage.sections, ready)
             runs[p.name] = StageRun(p.name, p.key, log, _done(result))
             continue
-        force = p.action == "force"
         shape = stage.shape(cfg)
-        label = executors.executor_label(cfg, p.name, shape.placement)
-        on = apps.apps_on(label)
-        spec = executors.app_resource_spec(cfg, label)
-        if shape.kind == SINGLE:
-            result = on.single(ctx, p.name, cfg, force, log,
-                               parsl_resource_specification=spec, **inputs)
-            _hand_back_when_done(cfg, p.name, shape, result)
-            runs[p.name] = StageRun(p.name, p.key, log, result, futures=[result],
-                                    upstream=inputs, cfg=cfg)
-            continue
-        begun = on.begin(ctx, p.name, cfg, force, log, parsl_resource_specification=spec,
-                         **inputs)
-        ranks_log = None
-        if shape.kind == FAN_OUT:
-            parts = [
-                on.part(p.name, cfg, begun, i, str(log_dir / f"{p.name}-part{i}.log"),
-                        parsl_resource_specification=spec)
-                for i in range(shape.parts)
-            ]
-            result = on.finish(ctx, p.name, cfg, begun, log, *parts,
-                               parsl_resource_specification=spec)
-        else:
-            # RANKS: prepare (checks, rank spec) -> every rank in the stage's allocation ->
-            # finalize; then the allocation goes back
-            ranks_log = str(log_dir / f"{p.name}-ranks.log")
-            allocation = executors.allocation_label(cfg, p.name)
-            parts = [apps.ranks_app_on(allocation)(
-                cfg, begun, stdout=ranks_log, stderr=ranks_log,
-                parsl_resource_specification=ranks.ranks_resource_spec(cfg, shape) or {},
-            )]
-            result = on.finish(ctx, p.name, cfg, begun, log, after=parts[0],
-                               parsl_resource_specification=spec)
-
+        steps = ParslSteps(ctx, p.name, cfg, p.action == "force", log_dir, inputs, shape)
+        futures = walk(shape, steps)
+        result = futures[-1]
         _hand_back_when_done(cfg, p.name, shape, result)
-        runs[p.name] = StageRun(p.name, p.key, log, result, ranks_log, begun,
-                                [begun, *parts, result], upstream=inputs, cfg=cfg)
+        runs[p.name] = StageRun(p.name, p.key, log, result,
+                                steps.ranks_log if shape.kind == RANKS else None,
+                                None if shape.kind == SINGLE else futures[0],
+                                futures, upstream=inputs, cfg=cfg)
 
 
 def _hand_back_when_done(cfg: PipelineConfig, name: str, shape: StageShape,
@@ -351,7 +373,7 @@ class PipelineSession:
         self.cfg = cfg
         self.runs_dir = cfg.runs_dir
         # The store; what the run talks to is the driver's server over it, if it runs one.
-        self.store_uri = tracking.default_tracking_uri(self.runs_dir, cfg.tracking.uri)
+        self.store_uri = tracking_store.default_tracking_uri(self.runs_dir, cfg.tracking.uri)
         self.uri = self.store_uri
         self.server: tracking_server.TrackingServer | None = None
         self.run_name, self.tags, self.label = run_name, tags, label
@@ -384,14 +406,14 @@ class PipelineSession:
         """The parent run, the heartbeat, the watchdog and the signal handlers."""
         self.experiment_id = tracking.ensure_experiment(
             self.uri, self.cfg.tracking.experiment or self.cfg.name, self.runs_dir)
-        closed = tracking.close_abandoned_runs(self.runs_dir, self.store_uri, self.uri)
+        closed = open_runs.close_abandoned_runs(self.runs_dir, self.store_uri, self.uri)
         if closed:
             print(f"[{self.label}] marked FAILED {len(closed)} MLflow run(s) an earlier "
                   "pipeline run on this runs dir left RUNNING (its store took no writes)",
                   flush=True)
         self.parent_id = tracking.start_run(self.uri, self.experiment_id,
                                             f"{self.run_name}-{self.stamp}", tags=self.tags)
-        tracking.note_open_run(self.runs_dir, self.store_uri, self.parent_id)
+        open_runs.note_open_run(self.runs_dir, self.store_uri, self.parent_id)
         self.parent = tracking.Tracker(self.uri, self.parent_id)
         # Named by what it does and its id's prefix (as its log directory), which tells two
         # pipelines apart where the run list cuts names short; the id exists only now.
@@ -414,7 +436,7 @@ class PipelineSession:
         return attempts.PipelineContext(str(self.runs_dir), self.uri, self.experiment_id,
                                         parent_run_id or self.parent_id, code,
                                         driver=self.driver, store_uri=self.store_uri,
-                                        triggers=triggers)
+                                        triggers=triggers, pipeline=PIPELINE)
 
     def start_parsl(self, cfg: PipelineConfig, running: list[str] | None = None) -> None:
         """Load ``cfg``'s site (stopping a Parsl this session started before)."""
@@ -444,7 +466,7 @@ class PipelineSession:
     def _close_parent(self, status: str) -> None:
         """End the parent run ``status``. A store on a full disk ends nothing: one line says
         so, and the run stays recorded as unclosed for the next driver to mark FAILED with
-        its stage runs (``tracking.close_abandoned_runs``)."""
+        its stage runs (``open_runs.close_abandoned_runs``)."""
         try:
             self.parent.set_tags({"wall_seconds": f"{time.time() - self.started:.1f}"})
             if status == "FAILED":  # stage runs whose own close failed (a full store) end too
@@ -452,7 +474,7 @@ class PipelineSession:
                                       "before this run was closed", include_root=False)
             tracking.end_run(self.uri, self.parent_id, status)
         except OSError as error:
-            tracking.note_closed_run(self.runs_dir, self.parent_id, closed=False)
+            open_runs.note_closed_run(self.runs_dir, self.parent_id, closed=False)
             if error.errno not in failures_mod.STORAGE_ERRNOS:
                 raise
             print(f"[{self.label}] {error}; this pipeline's MLflow runs stay RUNNING until the "
@@ -460,9 +482,9 @@ class PipelineSession:
                   flush=True)
             return
         except BaseException:
-            tracking.note_closed_run(self.runs_dir, self.parent_id, closed=False)
+            open_runs.note_closed_run(self.runs_dir, self.parent_id, closed=False)
             raise
-        tracking.note_closed_run(self.runs_dir, self.parent_id, closed=True)
+        open_runs.note_closed_run(self.runs_dir, self.parent_id, closed=True)
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
         from workflows import executors

@@ -21,8 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from stages.mechanism import tracking
-from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.config import ConfigError, PipelineConfig
+from stages.mechanism import tracking_store
 
 READY_TIMEOUT_S = 120.0
 """How long the driver waits for the server to answer /health (a loaded login node)."""
@@ -55,8 +55,8 @@ class TrackingServer:
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> str:
         """Start the server and wait until it answers; raise ConfigError with its log's tail
         when it exits or does not answer in time."""
-        tracking.check_store(self.store_uri)  # the SQLite file's directory is writable
-        cmd = tracking.server_command(self.store_uri, self.runs_dir, "0.0.0.0", self.port,
+        tracking_store.check_store(self.store_uri)  # the SQLite file's directory is writable
+        cmd = tracking_store.server_command(self.store_uri, self.runs_dir, "0.0.0.0", self.port,
                                       allowed_hosts=(self.host, f"{self.host}:{self.port}"))
         # No background job runner: the server only records runs.
         env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")

@@ -1,7 +1,8 @@
 """Pipeline parallelism with torch.distributed.pipelining.
 
 The model is cut into ``pp * virtual_stages`` chunks of contiguous layers
-(``model.planner.plan.stage_layers``); chunk c runs on pipeline rank ``c % pp`` (looped placement,
+(``model.parallel.layout.stage_layers``); chunk c runs on pipeline rank ``c % pp`` (looped
+placement,
 as ScheduleInterleaved1F1B expects). Each chunk is a ``GPT`` with the other layers removed;
 the first chunk keeps the embedding, the last the final norm and head, so parameter
 names stay those of the full model.
@@ -22,7 +23,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.planner.plan import stage_layers
+from model.parallel.layout import stage_layers
 
 
 def chunk_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:

@@ -76,7 +76,7 @@ def stage_layer_counts(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Layers on the first pipeline rank (the largest) and on the last one.
 
-    The split is model.planner.plan.stage_layers's.
+    The split is model.parallel.layout.stage_layers's.
     """
     chunks = pp * v
     base, extra = np.divmod(s.n_layers, chunks)

@@ -265,7 +265,7 @@ def block_rate_scale(fields: dict[str, Any], reference_s: float) -> float:
     measured ``reference_s`` (host costs stay as measured). X > 1 on CPUs: eager PyTorch's
     GEMMs of transformer shapes, softmax and norms reach less than the best matmul rate.
     """
-    from model.planner.plan import Plan
+    from model.parallel.layout import Plan
     from model.planner.shapes import encode
     from model.planner.time_model import step_time
 
@@ -308,7 +308,7 @@ def tp_comm_scale(fields: dict[str, Any], reference_tp_s: float) -> float:
     at tp=2 with these fields and its tensor-parallel communication multiplied by a factor Y;
     returns the Y at which it predicts the measured ``reference_tp_s`` (within [0.25, 50]).
     """
-    from model.planner.plan import Plan
+    from model.parallel.layout import Plan
     from model.planner.shapes import encode
     from model.planner.time_model import step_time
 

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from model.config import ModelConfig
-from model.planner.plan import PlanError
+from model.parallel.layout import PlanError
 
 ALIASES = {
     "n_layers": ("num_layers", "num_hidden_layers", "n_layer", "layers"),

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from model.parallel.layout import LAYOUT_FIELDS, Plan, PlanError
 from model.planner.cluster import Cluster, load_cluster
-from model.planner.plan import LAYOUT_FIELDS, Plan, PlanError
 from model.planner.shapes import Shapes, encode
 from model.planner.time_model import step_time
 

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from model.config import shards_with_fsdp
-from model.planner.plan import SCHEDULES, SHARDINGS, Plan, stage_layers
+from model.parallel.layout import SCHEDULES, SHARDINGS, Plan, stage_layers
 from model.planner.shapes import Shapes
 
 GRADIENT_REDUCE_BYTES = 4

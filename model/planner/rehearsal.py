@@ -10,8 +10,8 @@ from typing import Any
 
 from model.config import ModelConfig, TrainConfig
 from model.flops import flops_per_token
+from model.parallel.layout import Plan, PlanError
 from model.planner.cluster import Cluster
-from model.planner.plan import Plan, PlanError
 from model.planner.rank_counts import count_errors, rank_collective_bytes, rank_flops
 from model.planner.search import explain
 from model.planner.shapes import Shapes

@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from model.planner.memory_model import GB, memory_breakdown
-from model.planner.plan import (
+from model.parallel.layout import (
     LAYOUT_FIELDS,
     RECOMPUTES,
     SCHEDULES,
@@ -31,6 +30,7 @@ from model.planner.plan import (
     tp_choices,
     tp_problems,
 )
+from model.planner.memory_model import GB, memory_breakdown
 from model.planner.shapes import (
     DDP,
     GPIPE,

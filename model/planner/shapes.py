@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from model.flops import GPTParams
-from model.planner.plan import RECOMPUTES, SCHEDULES, SHARDINGS, Plan
+from model.parallel.layout import RECOMPUTES, SCHEDULES, SHARDINGS, Plan
 
-# Integer codes used in the vectorised models (index into the tuples in model.planner.plan).
+# Integer codes used in the vectorised models (index into the tuples in model.parallel.layout).
 GPIPE, ONEF1B, INTERLEAVED = (SCHEDULES.index(s) for s in ("gpipe", "1f1b", "interleaved_1f1b"))
 ZERO3, ZERO2, DDP, NOSHARD = (SHARDINGS.index(s) for s in ("zero3", "zero2", "ddp", "none"))
 REC_NONE, REC_SEL, REC_FULL = (RECOMPUTES.index(s) for s in ("none", "selective", "full"))

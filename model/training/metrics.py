@@ -63,7 +63,7 @@ def plot_losses(losses: list[float], first_step: int, path: str | Path) -> Path:
 
 SPOOL_FILE = "metrics_spool.jsonl"  # in the training stage's directory
 MAX_BATCH_VALUES = 1000  # values in one MLflow log_batch request (the server's limit)
-IMPORT_COMMAND = "python -m stages.mechanism.tracking import-metrics"
+IMPORT_COMMAND = "python -m workflows.import_metrics"
 
 
 def spool_lines(path: str | Path) -> list[str]:
@@ -181,8 +181,8 @@ class BackgroundSink:
     does not stop training: the records are kept in memory, go to the spool at the next
     flush, and one line says so. Delivery is tried again every ``retry_every_s`` and at each
     flush; when the store answers, the spool is sent in order, then removed, and one line
-    says so. A spool left after training is sent by ``python -m stages.mechanism.tracking
-    import-metrics SPOOL``. A spool left by an earlier attempt is sent first. Without a
+    says so. A spool left after training is sent by ``python -m workflows.import_metrics
+    SPOOL``. A spool left by an earlier attempt is sent first. Without a
     spool, a failed write is raised by the next ``flush`` (as are failed artifact uploads).
     """
 

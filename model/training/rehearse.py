@@ -90,8 +90,8 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from model.config import ModelConfig, TrainConfig
+from model.parallel.layout import Plan
 from model.parallel.pipeline import build_schedule, chunk_ids
-from model.planner.plan import Plan
 from model.training.batches import synthetic_batch_factory
 from model.training.rehearsed_ddp import RehearsedDDP
 from model.training.trainer import Trainer, cross_entropy

@@ -51,6 +51,7 @@ from model.config import ModelConfig, TrainConfig, shards_with_fsdp
 from model.flops import default_peak_tflops, flops_per_token
 from model.gpt import GPT, HEAD_NAME, TIED_NAME
 from model.parallel.dims import ParallelDims
+from model.parallel.layout import Plan
 from model.parallel.parallelize import (
     allreduce_gradients,
     allreduce_tied_gradient,
@@ -58,7 +59,6 @@ from model.parallel.parallelize import (
     parallelize_chunk,
 )
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
-from model.planner.plan import Plan
 from model.training import checkpoint as ckpt
 from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
 from model.training.health import Faults, SlowRanks, StepHealth, Verdict
@@ -245,7 +245,7 @@ class Trainer:
         self.stop_requested, self.job = stop_requested, job
         self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
         # The last step whose metrics the tracking run already holds (set by the logger
-        # rank's launcher, ``stages.train_worker.logged_through``): a resumed training
+        # rank's launcher, ``stages.train.worker.logged_through``): a resumed training
         # recomputes the steps after its checkpoint bitwise, so those up to here are not
         # logged again and each step is in the run once (``_log_step``).
         self.logged_through = 0

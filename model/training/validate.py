@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from model.config import ModelConfig, ParallelConfig, TrainConfig, vocab_fit_problem
-from model.planner.plan import Plan, PlanError
+from model.parallel.layout import Plan
 
 
 class TrainSetupError(ValueError):
@@ -48,35 +47,6 @@ def validate_training(
                 problems.append(str(err))
     if problems:
         raise TrainSetupError(f"cannot train with plan {plan.describe()}: " + "; ".join(problems))
-
-
-def layout_problem(model_cfg: ModelConfig, train_cfg: TrainConfig, nproc: int,
-                   fixed: dict[str, Any], hand: Plan | None = None) -> str | None:
-    """Why no parallel plan can be formed at all on ``nproc`` ranks for this model and batch
-    with the ``fixed`` plan fields (``stages.plan.fixed_fields`` of ``parallel.*``), or None.
-
-    The plan stage's own rules, asked before any work: a plan fixed whole by hand (``hand``,
-    ``stages.plan.hand_plan``) by ``Plan.problems``, as the plan stage validates it; else
-    the search's structural pass (``model.planner.search.enumerate_plans``: tp divides the
-    heads, key/value heads, vocabulary and MLP; tp*pp*dp is the rank count; dp and the
-    micro-batch divide the global batch; ...) and its message when nothing passes. No
-    cluster and no memory model: whether a formable plan fits the devices stays the plan
-    stage's question.
-    """
-    from model.planner.search import _no_candidates_message, enumerate_plans
-    from model.planner.shapes import Shapes
-
-    if hand is not None:
-        broken = hand.problems(model_cfg, train_cfg, nproc)
-        return f"plan {hand.describe()} is invalid: " + "; ".join(broken) if broken else None
-    shapes = Shapes.from_configs(model_cfg, train_cfg)
-    try:
-        found, rejected = enumerate_plans(shapes, nproc, train_cfg.global_batch, fixed)
-    except PlanError as error:
-        return str(error)
-    if len(found["tp"]):
-        return None
-    return _no_candidates_message(shapes, nproc, train_cfg.global_batch, fixed, rejected)
 
 
 def plan_from_parallel(par: ParallelConfig, train_cfg: TrainConfig) -> Plan:

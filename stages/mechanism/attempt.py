@@ -8,7 +8,7 @@ child run. ``finish`` publishes the outputs, ``fail`` records the error; both re
 lock, in whichever process they run. The split lets the work between them run anywhere:
 Parsl fan-out apps, training ranks launched by ``stages.mechanism.launch`` or srun
 (``workflows.apps``), or
-this process (``stages.mechanism.inline``).
+this process (``stages.mechanism.walk``).
 
 One attempt per key at a time: ``begin`` takes the lock ``<key>.lock``
 (``stages.mechanism.locks``) in
@@ -35,20 +35,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.mechanism import continuation, digests, keys, locks, outputs, selection, tracking
-from stages.mechanism.config import PipelineConfig
+from stages.mechanism import keys, locks, outputs, selection, tracking
+from stages.mechanism.declaration import Continuation, StageDeclaration, StageList, json_digest
 from stages.mechanism.outputs import StageResult
-from stages.mechanism.registry import StageDeclaration
 
 
 @dataclass
 class PipelineContext:
     """What every stage needs to know about the pipeline invocation (picklable).
 
-    ``code`` is the per-stage code hash (``stages.mechanism.keys.code_hashes``, computed once by the
-    driver), or one string used for every stage. ``driver`` owns the stage locks this
-    pipeline takes, whichever process takes them; ``lock_stale_s`` is how old a lock's
-    heartbeat may get before another pipeline takes it as abandoned. ``tracking_uri`` is
+    ``code`` is the per-stage code hash (``stages.mechanism.keys.code_hashes`` of
+    ``pipeline``, computed once by the driver), or one string used for every stage.
+    ``driver`` owns the stage locks this pipeline takes, whichever process takes them;
+    ``lock_stale_s`` is how old a lock's heartbeat may get before another pipeline takes it
+    as abandoned. ``tracking_uri`` is
     what stages talk to; ``store_uri`` names the store behind it when that differs (the
     driver's tracking server over the runs dir's SQLite file, at a new address each run):
     statuses record the store, so runs ids match across runs that reach it differently.
@@ -58,12 +58,18 @@ class PipelineContext:
     tracking_uri: str
     experiment_id: str
     parent_run_id: str
-    code: dict[str, str] | str = field(default_factory=keys.code_hashes)
+    code: dict[str, str] | str | None = None
     driver: locks.Owner = field(default_factory=locks.Owner)
     lock_stale_s: float = locks.STALE_AFTER_S
     store_uri: str = ""
     triggers: tuple[str, ...] = keys.TRIGGERS
     """What makes a stage rerun (``--rerun-triggers``, ``stages.mechanism.keys.TRIGGERS``)."""
+    pipeline: StageList = field(default_factory=lambda: StageList(()))
+    """The stages (``stages.registry.PIPELINE``); a test's own stage may run without them."""
+
+    def __post_init__(self) -> None:
+        if self.code is None:
+            self.code = keys.code_hashes(self.pipeline)
 
     @property
     def store(self) -> str:
@@ -123,7 +129,7 @@ def _child_run(ctx: PipelineContext, name: str, key: str, tags: dict[str, str]) 
 
 def _log_stage_params(
     tracker: tracking.Tracker,
-    cfg: PipelineConfig,
+    cfg: Any,
     sections: tuple[str, ...],
     inputs: dict[str, StageResult],
     store: str,
@@ -139,7 +145,7 @@ def _log_stage_params(
 
 
 def reuse(
-    ctx: PipelineContext, found: StageResult, cfg: PipelineConfig, sections: tuple[str, ...],
+    ctx: PipelineContext, found: StageResult, cfg: Any, sections: tuple[str, ...],
     inputs: dict[str, StageResult], kept: str = "",
 ) -> StageResult:
     """Record a reused stage: a child run tagged ``reused`` that points at its producer (its
@@ -164,7 +170,7 @@ def reuse(
     return dataclasses.replace(found, run_id=run_id)
 
 
-def _reused(ctx: PipelineContext, found: StageResult, cfg: PipelineConfig,
+def _reused(ctx: PipelineContext, found: StageResult, cfg: Any,
             stage: StageDeclaration, inputs: dict[str, StageResult], kept: str = "") -> Attempt:
     if kept:
         print(f"[stage] {stage.name}: keeps {found.key} although {kept} changed "
@@ -211,7 +217,7 @@ def _continued_run(ctx: PipelineContext, name: str, key: str,
     return run_id
 
 
-def _start_continuation(ctx: PipelineContext, source: continuation.Continuation,
+def _start_continuation(ctx: PipelineContext, source: Continuation,
                         run_id: str) -> None:
     """Tag a continued stage's new run with its source, and copy the source run's metrics up
     to the step it continues from, so the run holds the whole history (never fatal)."""
@@ -246,7 +252,7 @@ def _take_lock(ctx: PipelineContext, name: str, key: str) -> None:
 def begin(
     ctx: PipelineContext,
     stage: StageDeclaration,
-    cfg: PipelineConfig,
+    cfg: Any,
     inputs: dict[str, StageResult],
     force: bool = False,
 ) -> Attempt:
@@ -257,7 +263,7 @@ def begin(
     (``_continued_run``); the others start from an empty one and a new run.
     """
     name = stage.name
-    digests = {n: selection.digest_of(r) for n, r in inputs.items()}
+    digests = {n: selection.digest_of(r, ctx.pipeline) for n, r in inputs.items()}
     resolution = selection.resolve(ctx.runs_dir, stage, cfg, digests, ctx.code_for(name),
                                    ctx.triggers)
     key, ingredients = resolution.key, resolution.ingredients
@@ -290,8 +296,8 @@ def begin(
                                                  **_attempt_tags(1, ctx.parent_run_id)})
             if resolution.continues is not None:
                 _start_continuation(ctx, resolution.continues, run_id)
-        if resolution.continues is not None and continuation.seed(resolution.continues,
-                                                                  work_dir):
+        if resolution.continues is not None and stage.continuation.seed(resolution.continues,
+                                                                        work_dir):
             print(f"[stage] {name} {key}: {resolution.continues.why}", flush=True)
             if resolution.continues.warning:
                 print(f"[stage] warning: {resolution.continues.warning}", flush=True)
@@ -312,11 +318,11 @@ def begin(
 
 def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> StageResult:
     """Publish a stage's outputs atomically, with the digest of what it produced
-    (``stages.mechanism.digests``, computed before the rename, from the work directory),
+    (``StageDeclaration.digest``, computed before the rename, from the work directory),
     and close its MLflow run as FINISHED."""
     work, final = Path(attempt.work_dir), Path(attempt.final_dir)
-    stage = attempt.stage or selection.declared(attempt.name)
-    digest = stage.output_digest(outs) if stage else digests.report(outs)
+    stage = attempt.stage or ctx.pipeline.find(attempt.name)
+    digest = stage.output_digest(outs) if stage else json_digest(outs)
     outs = outputs.relocate(outs, str(work), str(final))
     outputs.write_outputs(work, outs)
     outputs.write_status(work, outputs.status_record(

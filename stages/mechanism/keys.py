@@ -5,29 +5,31 @@ The key is the first 16 hex digits of the SHA-256 of the JSON of its *ingredient
 (``key_ingredients``), in the vocabulary of Snakemake's rerun triggers:
 
 - ``config``: for each config section the stage reads (its declaration's ``sections``) the
-  hash of that section's values, less the fields that never change an output
-  (``NEVER_IN_KEYS``: logging and checkpoint cadence) and less the *extent* fields a stage
-  declares it can be extended by (``StageDeclaration.extends``: ``train.steps``), which go
-  to ``extent`` and only into the key of that stage;
+  hash of that section's values, less the fields its config class lists as ``KEYLESS``
+  (they change no output: logging, progress and checkpoint cadence), plus the single
+  ``fields`` of other sections it declares; its *extent* fields
+  (``StageDeclaration.extends``: ``train.steps``) go to ``extent``;
 - ``input``: a digest of what each upstream stage *produced* (``StageDeclaration.digest``:
   the token store's manifest and chunk checksums, plan.json's layout, the final checkpoint's
   manifest), not the upstream's key. An upstream that reruns and makes the same output
   leaves its downstream stages reused (Bazel's early cutoff);
-- ``code``: the code that computes the output (``code_hashes``): the stage's work module,
-  its rank worker and every project module they import, followed through the syntax tree
-  (``ast``; imports inside functions too, and module names written as string constants),
-  each hashed from its syntax tree with comments and docstrings dropped. Never followed:
-  the stage mechanism (``stages.mechanism``: keys, locks, attempts, tracking, the launcher,
-  the config loader, ...), the modules that only report (``REPORTING_ONLY``), and
-  everything outside ``stages``, ``model`` and ``data_prep`` (``workflows`` is the driver);
-  plus ``configs/clusters/*.yaml`` when the code reads them (the planner);
+- ``code``: the code that computes the output (``code_hashes``): the stage's roots (work
+  module, rank worker, ``code_roots``) and every project module they import, followed
+  through the syntax tree (``ast``; imports inside functions too, and module names written
+  as string constants), each hashed from its syntax tree with comments and docstrings
+  dropped. Never followed: the engine (``stages.mechanism``), the packages that hold the
+  stage's declaration, the modules the stage declares ``not_code`` and everything outside
+  ``stages``, ``model`` and ``data_prep`` (``workflows`` is the driver); plus the data files
+  a covered module reads as code (``data_files``: the cluster descriptions), hashed by their
+  parsed content, so a comment there changes nothing;
 - ``software``: the Python minor version (it decides the syntax trees' form) and the
   versions of the libraries that compute the stage's output
   (``StageDeclaration.software``: tokenizers and Zarr for tokenize, torch for the others).
 
-A continued training (``stages.mechanism.continuation``) adds ``continues``: the key and
-step it starts from. The ingredients are stored in ``status.json``, so ``rerun_reason``
-can say why a stage would rerun by comparing with the stage's newest succeeded output.
+A continued stage (its declaration's ``continuation`` hook: more training) adds
+``continues``: the source key, the step it starts from and the source's content digest.
+The ingredients are stored in ``status.json``, so ``rerun_reason`` can say why a stage
+would rerun by comparing with the stage's newest succeeded output.
 docs/reruns.md has the table of which change reruns what.
 """
 from __future__ import annotations
@@ -42,29 +44,20 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from stages.mechanism import outputs
-from stages.mechanism.config import PipelineConfig
-from stages.mechanism.registry import STAGE_ORDER, STAGES, StageDeclaration, declaration
+from stages.mechanism.declaration import StageDeclaration, StageList, json_digest
 
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
 CODE_PACKAGES = ("stages", "model", "data_prep")
 MECHANISM_PACKAGE = "stages.mechanism"
-REPORTING_ONLY = frozenset({"data_prep.progress", "model.training.plots"})
-"""Modules outside the mechanism that only print progress lines or draw pictures."""
-CLUSTER_SOURCE = "model.planner.cluster"  # the code that reads configs/clusters/*.yaml
-NEVER_IN_KEYS = {
-    "train": ("log_every", "checkpoint_every", "checkpoint_minutes", "keep_last", "keep_every",
-              "async_checkpoint", "resume_from", "collective_timeout_s", "slow_rank_every",
-              "slow_rank_ratio"),
-}
-"""Config fields that change no stage's output: how often it logs, saves or watches its
-ranks, how many saves it keeps, how long a collective may hang. ``train.resume_from`` enters
-a key as the resolved ``continues`` ingredient."""
 TRIGGERS = ("config", "input", "code", "software")
 """What can make a stage rerun (``--rerun-triggers``); each names ingredients below."""
-TRIGGER_INGREDIENTS = {"config": ("sections", "extent"), "input": ("inputs", "continues"),
-                       "code": ("code",), "software": ("software",)}
-ANY_STAGE = "*"  # code_hashes() entry for a stage outside STAGE_ORDER: all sources
+TRIGGER_INGREDIENTS = {"config": ("sections", "fields", "extent"),
+                       "input": ("inputs", "continues"), "code": ("code",),
+                       "software": ("software",)}
+ANY_STAGE = "*"  # code_hashes() entry for a stage outside the pipeline: all sources
 
 
 def _module_files(root: Path) -> dict[str, Path]:
@@ -108,8 +101,7 @@ def _is_type_checking(node: ast.AST) -> bool:
 def _named_modules(tree: ast.AST, module: str, is_package: bool,
                    modules: dict[str, Path]) -> set[str]:
     """The project modules ``tree`` imports (at any depth, except under ``TYPE_CHECKING``)
-    or names as a string constant (``python -m stages.train_worker``), with their parent
-    packages."""
+    or names as a string constant (``python -m stages.train.worker``)."""
     names: set[str] = set()
     base = module if is_package else module.rpartition(".")[0]
     todo = [tree]
@@ -130,11 +122,7 @@ def _named_modules(tree: ast.AST, module: str, is_package: bool,
                 names.add(node.value)
         elif not _is_type_checking(node):
             todo.extend(ast.iter_child_nodes(node))
-    found: set[str] = set()
-    for name in names:
-        parts = name.split(".")
-        found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return found & modules.keys()
+    return names & modules.keys()
 
 
 _PARSED: dict[Path, tuple[tuple[int, int], str, set[str]]] = {}
@@ -156,61 +144,83 @@ def _parsed(name: str, path: Path, modules: dict[str, Path]) -> tuple[str, set[s
     return digest, edges
 
 
-def _outside_code(name: str) -> bool:
-    """Modules never part of a stage's code: the mechanism and the reporting-only ones."""
-    return (name == MECHANISM_PACKAGE or name.startswith(MECHANISM_PACKAGE + ".")
-            or name in REPORTING_ONLY)
+def _data_file_digest(path: Path) -> str:
+    """A data file's digest by its parsed content (YAML/JSON), so comments and layout change
+    nothing; raw bytes for a file that does not parse."""
+    try:
+        value = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def code_hashes(root: str | Path = SOURCE_ROOT,
-                stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, str]:
-    """Per stage, the hash of the code that computes its output (see the module docstring),
-    plus ``ANY_STAGE``: the hash of every source file. The driver calls it once per
-    invocation and hands the result on; a file is parsed again only once it changed."""
-    root = Path(root)
+def _parsed_sources(root: Path) -> tuple[dict[str, Path], dict[str, str], dict[str, set[str]]]:
+    """(module -> file, module -> digest, module -> modules it names) of the code packages."""
     modules = _module_files(root)
     digests: dict[str, str] = {}
     edges: dict[str, set[str]] = {}
     for name, path in modules.items():
         digests[name], edges[name] = _parsed(name, path, modules)
-    clusters = sorted((root / "configs" / "clusters").glob("*.yaml"))
-    cluster_digests = {f"configs/clusters/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest()
-                       for p in clusters}
+    return modules, digests, edges
 
-    def digest(names: set[str]) -> str:
+
+def code_hashes(pipeline: StageList, root: str | Path = SOURCE_ROOT) -> dict[str, str]:
+    """Per stage of ``pipeline``, the hash of the code that computes its output (see the
+    module docstring), plus ``ANY_STAGE``: the hash of every source file. The driver calls it
+    once per invocation and hands the result on; a file is parsed again only once it
+    changed."""
+    root = Path(root)
+    modules, digests, edges = _parsed_sources(root)
+
+    def digest(stage: StageDeclaration | None, names: set[str]) -> str:
         files = {modules[n].relative_to(root).as_posix(): digests[n] for n in names}
-        if CLUSTER_SOURCE in names:
-            files.update(cluster_digests)
+        for module, pattern in (stage.data_files if stage else ()):
+            if module in names:
+                files.update({p.relative_to(root).as_posix(): _data_file_digest(p)
+                              for p in sorted(root.glob(pattern))})
         return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
 
-    hashes = {ANY_STAGE: digest(set(modules))}
-    for stage_name in stages:
-        hashes[stage_name] = digest(stage_modules(declaration(stage_name), modules, edges))
+    hashes = {ANY_STAGE: digest(None, set(modules))}
+    for stage in pipeline:
+        hashes[stage.name] = digest(stage, stage_modules(stage, modules, edges))
     return hashes
+
+
+def _declaring_packages(stage: StageDeclaration) -> set[str]:
+    """The packages above the stage's roots (``stages``, ``stages.train``): they hold its
+    declaration, which says how it runs, not what it makes."""
+    packages: set[str] = set()
+    for root in stage.roots():
+        parts = root.split(".")[:-1]
+        packages.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return packages
 
 
 def stage_modules(stage: StageDeclaration, modules: dict[str, Path],
                   edges: dict[str, set[str]]) -> set[str]:
-    """The modules a stage's code digest covers: its work module and rank worker, closed
-    over ``edges`` (module -> modules it names), the mechanism and reporting excepted."""
+    """The modules a stage's code digest covers: its roots, closed over ``edges`` (module ->
+    modules it names), less the engine, its declaring packages and its ``not_code``."""
+    outside = _declaring_packages(stage) | set(stage.not_code)
     seen: set[str] = set()
-    todo = [stage.module, stage.worker]
+    todo = list(stage.roots())
     while todo:
         name = todo.pop()
-        if name in seen or name not in modules or _outside_code(name):
+        if name in seen or name not in modules or name in outside:
+            continue
+        if name == MECHANISM_PACKAGE or name.startswith(MECHANISM_PACKAGE + "."):
             continue
         seen.add(name)
         todo.extend(edges[name] - seen)
+        parts = name.split(".")  # importing a module runs its packages' __init__ first
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
     return seen
 
 
-def code_modules(stage_name: str, root: str | Path = SOURCE_ROOT) -> list[str]:
-    """The module names stage ``stage_name``'s code digest covers, sorted (for docs and
-    tests: which edits rerun it)."""
-    root = Path(root)
-    modules = _module_files(root)
-    edges = {name: _parsed(name, path, modules)[1] for name, path in modules.items()}
-    return sorted(stage_modules(declaration(stage_name), modules, edges))
+def code_modules(stage: StageDeclaration, root: str | Path = SOURCE_ROOT) -> list[str]:
+    """The module names a stage's code digest covers, sorted (for docs and tests: which
+    edits rerun it)."""
+    modules, _, edges = _parsed_sources(Path(root))
+    return sorted(stage_modules(stage, modules, edges))
 
 
 def code_for(code: dict[str, str] | str, name: str) -> str:
@@ -236,55 +246,43 @@ def software_for(stage: StageDeclaration) -> dict[str, str]:
     return versions
 
 
-def section_values(cfg: PipelineConfig, section: str,
-                   leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
-    """One config section's values, less ``NEVER_IN_KEYS`` and ``leave_out``."""
-    values = dataclasses.asdict(getattr(cfg, section))
-    for name in (*NEVER_IN_KEYS.get(section, ()), *leave_out):
+def section_values(cfg: Any, section: str, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One config section's values, less its class's ``KEYLESS`` fields and ``leave_out``."""
+    values_of = getattr(cfg, section)
+    values = dataclasses.asdict(values_of)
+    for name in (*getattr(type(values_of), "KEYLESS", ()), *leave_out):
         values.pop(name, None)
     return values
 
 
-def _hash(value: Any) -> str:
-    blob = json.dumps(value, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def section_hash(cfg: PipelineConfig, section: str, leave_out: tuple[str, ...] = ()) -> str:
+def sectionjson_digest(cfg: Any, section: str, leave_out: tuple[str, ...] = ()) -> str:
     """Hash of one config section's values that can change an output."""
-    return _hash(section_values(cfg, section, leave_out))
+    return json_digest(section_values(cfg, section, leave_out))
 
 
-def extent_fields(section: str) -> tuple[str, ...]:
-    """The fields of ``section`` that are extent fields of some stage (left out of every
-    section hash; they enter only the extended stage's ``extent``)."""
-    return tuple(f.split(".", 1)[1] for s in STAGES for f in s.extends
-                 if f.split(".", 1)[0] == section)
-
-
-def key_ingredients(
-    stage: StageDeclaration, cfg: PipelineConfig, input_digests: dict[str, str], code: str,
-) -> dict[str, Any]:
+def key_ingredients(stage: StageDeclaration, cfg: Any, input_digests: dict[str, str],
+                    code: str) -> dict[str, Any]:
     """Everything that decides a stage's output (see the module docstring)."""
     ingredients: dict[str, Any] = {
         "stage": stage.name,
-        "sections": {s: section_hash(cfg, s, extent_fields(s))
-                     for s in sorted(stage.sections)},
+        "sections": {s: sectionjson_digest(cfg, s) for s in sorted(stage.sections)},
         "inputs": dict(sorted(input_digests.items())),
         "code": code,
         "software": software_for(stage),
     }
+    if stage.fields:
+        ingredients["fields"] = {f: _field(cfg, f) for f in sorted(stage.fields)}
     if stage.extends:
         ingredients["extent"] = {f: _field(cfg, f) for f in stage.extends}
     return ingredients
 
 
-def _field(cfg: PipelineConfig, dotted: str) -> Any:
+def _field(cfg: Any, dotted: str) -> Any:
     section, name = dotted.split(".", 1)
     return getattr(getattr(cfg, section), name)
 
 
-def config_record(stage: StageDeclaration, cfg: PipelineConfig) -> dict[str, Any]:
+def config_record(stage: StageDeclaration, cfg: Any) -> dict[str, Any]:
     """The values of the sections a stage reads, as ``status.json`` keeps them beside the
     ingredients (never hashed: for saying which field differs)."""
     return {s: section_values(cfg, s) for s in sorted(stage.sections)}
@@ -292,7 +290,7 @@ def config_record(stage: StageDeclaration, cfg: PipelineConfig) -> dict[str, Any
 
 def key_of(ingredients: dict[str, Any]) -> str:
     """The stage key: the first 16 hex digits of the SHA-256 of the ingredients."""
-    return _hash(ingredients)
+    return json_digest(ingredients)
 
 
 def same_except(old: dict[str, Any], new: dict[str, Any], triggers: tuple[str, ...]) -> bool:
@@ -312,9 +310,10 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         before, after = old.get(part, {}), new.get(part, {})
         changed = sorted(n for n in set(before) | set(after) if before.get(n) != after.get(n))
         changes.extend(f"{label} {n}" for n in changed)
-    before, after = old.get("extent", {}), new.get("extent", {})
-    changes.extend(f"{n} {before.get(n)} -> {after.get(n)}"
-                   for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n))
+    for part in ("fields", "extent"):
+        before, after = old.get(part, {}), new.get(part, {})
+        changes.extend(f"{n} {before.get(n)} -> {after.get(n)}"
+                       for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n))
     before, after = old.get("software", {}), new.get("software", {})
     changes.extend(f"software {n} {before.get(n)} -> {after.get(n)}"
                    for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n))

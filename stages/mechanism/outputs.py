@@ -40,7 +40,7 @@ class StageResult:
     producer_tracking_uri: str = ""
     """The MLflow store holding ``producer_run_id`` ("" where an older status does not say)."""
     digest: str = ""
-    """The digest of the output that downstream keys hash (``stages.mechanism.digests``);
+    """The digest of the output that downstream keys hash (``StageDeclaration.digest``);
     "" where the status predates it."""
 
 

@@ -7,7 +7,8 @@ The one home of the rule that the driver (``workflows.pipeline``), each attempt
   of its upstream stages' outputs; a stage whose key already succeeded is reused;
 - with ``--rerun-triggers`` naming fewer than all triggers, an output whose ingredients
   agree on the named ones is kept too (say, one made by other code), and says so;
-- a stage that can be extended continues an earlier output (``stages.mechanism.continuation``);
+- a stage that can be extended continues an earlier output (its declaration's
+  ``continuation`` hook);
 - ``--only``/``--from``/``--force`` recompute the selected stages.
 
 The driver decides once per invocation (``decide_stages``) and hands the decisions on. A
@@ -21,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.mechanism import continuation, digests, keys, outputs
-from stages.mechanism.config import ConfigError, PipelineConfig
+from stages.mechanism import keys, outputs
+from stages.mechanism.declaration import Continuation, StageDeclaration, StageList, json_digest
+from stages.mechanism.errors import ConfigError
 from stages.mechanism.outputs import StageResult
-from stages.mechanism.registry import STAGE_ORDER, StageDeclaration, declaration
 
 ACTIONS = ("run", "force", "reuse", "skip")
 
@@ -42,7 +43,7 @@ class Resolution:
     key: str
     found: StageResult | None = None
     kept: str = ""
-    continues: continuation.Continuation | None = None
+    continues: Continuation | None = None
     damage: str | None = None
 
 
@@ -59,25 +60,16 @@ class StageDecision:
     resolution: Resolution | None = None
 
 
-def declared(name: str) -> StageDeclaration | None:
-    """The pipeline's declaration of stage ``name``, or None for a stage declared elsewhere
-    (a test's or a notebook's own)."""
-    try:
-        return declaration(name)
-    except ValueError:
-        return None
-
-
-def digest_of(result: StageResult) -> str:
+def digest_of(result: StageResult, pipeline: StageList) -> str:
     """The digest downstream keys hash of a stage's result (computed from its outputs when
-    its status predates digests)."""
+    its status predates digests; a stage outside ``pipeline`` hashes its outputs)."""
     if result.digest:
         return result.digest
-    stage = declared(result.name)
-    return stage.output_digest(result.outputs) if stage else digests.report(result.outputs)
+    stage = pipeline.find(result.name)
+    return stage.output_digest(result.outputs) if stage else json_digest(result.outputs)
 
 
-def resolve(runs_dir: str | Path, stage: StageDeclaration, cfg: PipelineConfig,
+def resolve(runs_dir: str | Path, stage: StageDeclaration, cfg: Any,
             input_digests: dict[str, str], code: str,
             triggers: tuple[str, ...] = keys.TRIGGERS) -> Resolution:
     """The key of ``stage`` on these inputs and the output it would take (module docstring).
@@ -98,7 +90,8 @@ def resolve(runs_dir: str | Path, stage: StageDeclaration, cfg: PipelineConfig,
                 if kept is not None and not stage.output_problem(kept.outputs):
                     return Resolution(ingredients, key, kept,
                                       kept=", ".join(keys.differences(old, ingredients)))
-    continues = continuation.find(runs_dir, stage, cfg, ingredients)
+    continues = (stage.continuation.find(runs_dir, stage, cfg, ingredients)
+                 if stage.continuation is not None else None)
     if continues is not None:
         ingredients = {**ingredients, "continues": continues.ingredient()}
         key = keys.key_of(ingredients)
@@ -110,7 +103,7 @@ def resolve(runs_dir: str | Path, stage: StageDeclaration, cfg: PipelineConfig,
 
 
 def decide_stages(
-    cfg: PipelineConfig, only: str | None, start: str | None, force: bool,
+    pipeline: StageList, cfg: Any, only: str | None, start: str | None, force: bool,
     code: dict[str, str] | str | None = None, triggers: tuple[str, ...] = keys.TRIGGERS,
 ) -> list[StageDecision]:
     """Decide run / force / reuse / skip per stage; refuse selections whose upstream is missing.
@@ -120,28 +113,29 @@ def decide_stages(
 
     ``code`` is the per-stage code hash (``stages.mechanism.keys.code_hashes()`` when not
     given; the driver computes it once and passes the same to its PipelineContext)."""
-    code = keys.code_hashes() if code is None else code
+    code = keys.code_hashes(pipeline) if code is None else code
     runs_dir = cfg.runs_dir
+    order = pipeline.order
     if only:
         selected = {only}
     elif start:
-        selected = set(STAGE_ORDER[STAGE_ORDER.index(start):])
+        selected = set(order[order.index(start):])
     else:
-        selected = set(STAGE_ORDER)
+        selected = set(order)
     decided: dict[str, StageDecision] = {}
-    for name in STAGE_ORDER:
-        stage = declaration(name)
+    for stage in pipeline:
+        name = stage.name
         ups = [decided[u] for u in stage.upstream]
         pending = [u.name for u in ups if u.existing is None or u.action in ("run", "force")]
         resolution = None
         if not pending:
-            digests = {u.name: digest_of(u.existing) for u in ups}
+            digests = {u.name: digest_of(u.existing, pipeline) for u in ups}
             resolution = resolve(runs_dir, stage, cfg, digests, keys.code_for(code, name),
                                  triggers)
         existing = resolution.found if resolution else None
         key = existing.key if existing else (resolution.key if resolution else None)
         damage = resolution.damage if resolution else None
-        if only and STAGE_ORDER.index(name) > STAGE_ORDER.index(only):
+        if only and order.index(name) > order.index(only):
             decided[name] = StageDecision(name, key, "skip", existing, resolution=resolution)
             continue
         if name not in selected:
@@ -195,6 +189,7 @@ def reused_outputs(plans: list[StageDecision]) -> dict[str, dict[str, Any]]:
             if p.action == "reuse" and p.existing is not None}
 
 
-def stage_keys(cfg: PipelineConfig, code: dict[str, str] | str | None = None) -> dict[str, Any]:
+def stage_keys(pipeline: StageList, cfg: Any,
+               code: dict[str, str] | str | None = None) -> dict[str, Any]:
     """Every stage's key as the driver would decide it now (None while pending)."""
-    return {p.name: p.key for p in decide_stages(cfg, None, None, False, code)}
+    return {p.name: p.key for p in decide_stages(pipeline, cfg, None, None, False, code)}

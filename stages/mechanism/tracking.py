@@ -12,17 +12,14 @@ import json
 import logging
 import os
 import socket
-import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from stages.mechanism import locks
-from stages.mechanism.config import ConfigError
+from stages.mechanism.tracking_store import check_store, sqlite_path
 
 # import mlflow writes a telemetry file unless told not to.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -32,6 +29,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME = "mlflow.parentRunId", "mlflow.runName"
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
+STORE_LOCK_WAIT_S = 120.0  # how long a driver waits for another creating the SQLite store
 
 
 def MlflowClient(uri: str):  # stands in for the class, imported on first use
@@ -53,7 +51,7 @@ def store_full(error: BaseException, uri: str) -> OSError | None:
     is full" from store ``uri``, or None: one line naming the store and the fix."""
     if isinstance(error, OSError) or SQLITE_FULL not in str(error):
         return None
-    where = _sqlite_path(uri) or uri
+    where = sqlite_path(uri) or uri
     full = OSError(f"No space left on device (MLflow store {where}: {SQLITE_FULL}; free space "
                    "or pass another --runs-dir or --tracking-uri)")
     full.errno = errno.ENOSPC  # errno only: strerror or filename would change str(full)
@@ -84,103 +82,6 @@ class _FullDiskAware:
         return call
 
 
-def default_tracking_uri(runs_dir: Path, uri: str | None = None) -> str:
-    """The tracking URI: an explicit one, else MLFLOW_TRACKING_URI, else SQLite in runs_dir."""
-    if uri:
-        return uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path(runs_dir).resolve() / 'mlflow.db'}"
-
-
-def server_command(store_uri: str, runs_dir: Path, host: str, port: int,
-                   allowed_hosts: tuple[str, ...] = ()) -> list[str]:
-    """``mlflow server`` over ``store_uri`` with artifacts in ``runs_dir/mlartifacts``,
-    listening on ``host:port`` with one worker; ``allowed_hosts``: the Host headers it
-    answers besides localhost and private addresses (MLflow's guard against DNS
-    rebinding)."""
-    cmd = [str(Path(sys.executable).parent / "mlflow"), "server",
-           "--backend-store-uri", store_uri,
-           "--default-artifact-root", str(Path(runs_dir).resolve() / "mlartifacts"),
-           "--host", host, "--port", str(port), "--workers", "1"]
-    if allowed_hosts:
-        cmd += ["--allowed-hosts", ",".join(("localhost", "127.0.0.1", *allowed_hosts))]
-    return cmd
-
-
-def ui_command(uri: str, runs_dir: Path) -> str:
-    """The shell command that opens the MLflow UI on this store."""
-    if uri.startswith("sqlite:///"):
-        artifacts = Path(runs_dir).resolve() / "mlartifacts"
-        return (
-            f"mlflow ui --backend-store-uri {uri} --default-artifact-root {artifacts} "
-            "--host 127.0.0.1 --port 5000"
-        )
-    return f"open {uri} in a browser"
-
-
-REACH_TIMEOUT_S = 5.0  # how long the start-up check waits for a tracking server
-STORE_LOCK_WAIT_S = 120.0
-
-
-class TrackingError(ConfigError):
-    """The MLflow store cannot be used (server unreachable, SQLite location not writable)."""
-
-
-def _sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI (None for other schemes or in-memory)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    path = uri[len("sqlite:///"):].split("?", 1)[0]
-    return Path(path) if path and path != ":memory:" else None
-
-
-STORE_SCHEMES = ("sqlite", "http", "https", "file", "postgresql", "mysql", "mssql",
-                 "databricks")
-"""URI schemes of the stores MLflow's tracking client opens (the database ones may carry a
-driver: ``postgresql+psycopg2://``)."""
-
-
-def check_store(uri: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
-    """Fail fast, with one line naming ``uri``, when the store cannot be used: a scheme
-    MLflow has no store for, an http(s) server that does not answer within ``timeout_s``,
-    or a SQLite file whose directory cannot be created or written."""
-    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower() if ":" in uri else uri
-    if scheme not in STORE_SCHEMES:
-        raise TrackingError(
-            f"tracking URI {uri!r} names no MLflow store: use sqlite:///PATH, http(s)://HOST:PORT "
-            f"(an MLflow server), file:///PATH or a database URI ({', '.join(STORE_SCHEMES)}); "
-            "without --tracking-uri the store is SQLite in the runs dir")
-    if uri.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
-                pass
-        except urllib.error.HTTPError:
-            pass  # it answered: a server is there (a proxy path may not serve /health)
-        except (urllib.error.URLError, OSError, ValueError) as error:
-            reason = getattr(error, "reason", error)
-            raise TrackingError(
-                f"MLflow tracking server {uri} is not reachable ({reason}); start it, or pass "
-                "another --tracking-uri (without one the store is SQLite in the runs dir)"
-            ) from None
-        return
-    db = _sqlite_path(uri)
-    if db is None:
-        return
-    try:
-        db.parent.mkdir(parents=True, exist_ok=True)
-        probe = db.parent / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-        if db.exists() and not os.access(db, os.W_OK):
-            raise PermissionError(f"{db} is read-only")
-    except OSError as error:
-        raise TrackingError(
-            f"MLflow store {uri} cannot be written ({error}); pass a writable --runs-dir "
-            "or --tracking-uri"
-        ) from None
-
-
 def ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
     """Return the id of experiment ``name``, creating it with artifacts beside the store.
 
@@ -188,7 +89,7 @@ def ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
     experiment) under a lock file beside it, so pipelines starting together on one runs
     dir create it once instead of racing on its tables."""
     check_store(uri)
-    db = _sqlite_path(uri)
+    db = sqlite_path(uri)
     if db is None:
         return _ensure_experiment(uri, name, runs_dir)
     with locks.hold(db.with_name(f"{db.name}.lock"), wait_s=STORE_LOCK_WAIT_S):
@@ -256,66 +157,6 @@ def end_run_tree(uri: str, run_id: str, status: str, reason: str,
         children = client.search_runs([experiment],
                                       filter_string=f"tags.{MLFLOW_PARENT_RUN_ID} = '{current}'")
         todo.extend(child.info.run_id for child in children)
-    return marked
-
-
-OPEN_RUNS_DIR = "open-runs"
-"""Under the runs dir: ``<run id>.json`` for each pipeline run a driver holds open (its store
-and the driver's run marker), removed once the driver closed the run; renamed
-``<run id>.unclosed.json`` where it could not (the store's disk was full, the store was
-away). The next driver on the runs dir that can write the store closes those runs
-(``close_abandoned_runs``), so no pipeline run stays RUNNING for good."""
-UNCLOSED_SUFFIX = ".unclosed.json"
-
-
-def note_open_run(runs_dir: str | Path, store_uri: str, run_id: str) -> None:
-    """Record that this driver holds pipeline run ``run_id`` of ``store_uri`` open. Best
-    effort: a runs dir that takes no file now takes no stage either."""
-    from data_prep.atomic import write_json_atomic
-
-    record = {"store": store_uri, "run_id": run_id,
-              "driver": os.environ.get(locks.RUN_ENV, ""), "opened": time.time()}
-    with contextlib.suppress(OSError):
-        write_json_atomic(Path(runs_dir) / OPEN_RUNS_DIR / f"{run_id}.json", record)
-
-
-def note_closed_run(runs_dir: str | Path, run_id: str, closed: bool) -> None:
-    """Drop run ``run_id``'s record once the driver closed it; ``closed=False``: keep it as
-    unclosed, for the next driver (a rename, which a full disk still allows)."""
-    path = Path(runs_dir) / OPEN_RUNS_DIR / f"{run_id}.json"
-    with contextlib.suppress(OSError):
-        if closed:
-            path.unlink(missing_ok=True)
-        else:
-            path.rename(path.with_name(f"{run_id}{UNCLOSED_SUFFIX}"))
-
-
-def close_abandoned_runs(runs_dir: str | Path, store_uri: str, uri: str) -> list[str]:
-    """Mark FAILED the pipeline runs of ``store_uri`` (reached at ``uri``) that earlier
-    drivers on this runs dir left open: those recorded unclosed, and those whose driver on
-    this host is gone (``note_open_run``), with every stage run under them still RUNNING.
-    Their records are dropped once done; a store that still takes no write keeps them for
-    the next driver. The ids marked."""
-    marked: list[str] = []
-    for path in sorted((Path(runs_dir) / OPEN_RUNS_DIR).glob("*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        driver = str(record.get("driver", ""))
-        abandoned = path.name.endswith(UNCLOSED_SUFFIX) or (
-            driver.split(":", 1)[0] == socket.gethostname() and not locks.run_alive(driver))
-        if record.get("store") != store_uri or not abandoned:
-            continue
-        reason = ("the pipeline's driver could not close this run (its MLflow store took no "
-                  "more writes, or the driver was gone); marked by a later pipeline run")
-        try:
-            marked += end_run_tree(uri, record["run_id"], "FAILED", reason)
-        except OSError:
-            continue  # still full: the next driver tries again
-        except Exception:  # noqa: BLE001 - a run the store does not have: nothing to close
-            pass
-        path.unlink(missing_ok=True)
     return marked
 
 
@@ -624,73 +465,3 @@ def _global_tracking_uri(uri: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def import_metrics(spool: str | Path, uri: str | None = None) -> int:
-    """Send a metrics spool that training left behind (MLflow was away) to its runs; return
-    the records sent.
-
-    ``uri`` defaults to the tracking URI in the ``spec.json`` beside the spool, then to
-    MLFLOW_TRACKING_URI. When everything is sent the spool is renamed ``<spool>.imported``,
-    so importing again sends nothing twice; if the store fails midway, the spool keeps only
-    the records not yet sent."""
-    from model.training.metrics import deliver_spool
-
-    spool = Path(spool)
-    if not spool.is_file():
-        raise FileNotFoundError(f"{spool}: no such metrics spool")
-    uri = uri or _spool_tracking_uri(spool)
-    check_store(uri)
-    done = spool.with_name(f"{spool.name}.imported")
-    for n in range(2, 1000):
-        if not done.exists():
-            break
-        done = spool.with_name(f"{spool.name}.imported-{n}")
-    return deliver_spool(spool, Tracker(uri, "").send_metrics, done_path=done)
-
-
-def _spool_tracking_uri(spool: Path) -> str:
-    spec = spool.parent / "spec.json"
-    if spec.is_file():
-        uri = (json.loads(spec.read_text()).get("tracking") or {}).get("uri")
-        if uri:
-            return uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    raise TrackingError(f"{spool}: no spec.json with a tracking URI beside it and no "
-                        "MLFLOW_TRACKING_URI; pass --tracking-uri")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m stages.mechanism.tracking import-metrics SPOOL [--tracking-uri URI]``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m stages.mechanism.tracking",
-                                     description="MLflow tools of the pipeline")
-    commands = parser.add_subparsers(dest="command", required=True)
-    imp = commands.add_parser("import-metrics",
-                              help="send the metrics a training run kept while MLflow was away")
-    imp.add_argument("spool", type=Path, help="the spool (metrics_spool.jsonl in the train dir)")
-    imp.add_argument("--tracking-uri", help="default: the URI in spec.json beside the spool")
-    args = parser.parse_args(argv)
-    done = args.spool.with_name(f"{args.spool.name}.imported")
-    if not args.spool.exists() and done.exists():
-        print(f"{args.spool} was already imported ({done}); nothing to send")
-        return 0
-    try:
-        sent = import_metrics(args.spool, args.tracking_uri)
-    except (TrackingError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:  # noqa: BLE001 - what is left stays in the spool
-        from model.training.metrics import short_reason
-
-        print(f"error: import stopped ({short_reason(error)}); the records not sent are still in "
-              f"{args.spool}: run the command again", file=sys.stderr)
-        return 1
-    print(f"sent {sent} metric record(s) from {args.spool}; it is now marked imported")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

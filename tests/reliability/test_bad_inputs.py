@@ -32,7 +32,7 @@ import pytest
 from data_prep.config import TokenizerConfig
 from data_prep.sources import stdlib_files
 from data_prep.tokenizer import save_tokenizer, train_tokenizer
-from stages.mechanism.registry import STAGE_ORDER
+from stages.registry import PIPELINE, STAGE_ORDER
 from tests.conftest import Console
 
 REPO = Path(__file__).resolve().parents[2]
@@ -364,10 +364,10 @@ def test_parallel_settings_that_cannot_work(case: Case, tokenized, tmp_path: Pat
     names the setting and the fix. How the driver shows a stage's refusal (exit 1, "plan
     failed: <error>", no traceback, nothing published) is the unknown-cluster case's,
     which fails in the same stage through the real command line."""
-    from model.planner.plan import PlanError
-    from stages.mechanism.config import load_config
-    from stages.mechanism.inline import run_work
-    from stages.mechanism.registry import declaration
+    from model.parallel.layout import PlanError
+    from stages.config import load_config
+    from stages.mechanism.walk import run_work
+    from stages.registry import declaration
     from tests.test_data_common import make_tracker
 
     source, first, _ = tokenized
@@ -390,7 +390,7 @@ def test_parallel_settings_that_cannot_work(case: Case, tokenized, tmp_path: Pat
 def test_preflight_checks_exactly_the_stages_the_driver_computes(tokenized) -> None:
     """Pre-flight and the driver agree on what a run reuses: a published tokenize output is
     not checked again (its inputs may be gone), the stages after it are."""
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
     from stages.mechanism.preflight import stages_to_compute
     from stages.mechanism.selection import decide_stages
 
@@ -398,7 +398,8 @@ def test_preflight_checks_exactly_the_stages_the_driver_computes(tokenized) -> N
     cfg = load_config(MICRO, ["parallel.cluster=nosuch", f"tracking.runs_dir={runs}"])
 
     def computed(only: str | None = None, start: str | None = None) -> list[str]:
-        return [s.name for s in stages_to_compute(decide_stages(cfg, only, start, False))]
+        decisions = decide_stages(PIPELINE, cfg, only, start, False)
+        return [s.name for s in stages_to_compute(PIPELINE, decisions)]
 
     assert computed() == ["plan", "train", "evaluate"]
     assert computed(start="plan") == ["plan", "train", "evaluate"]

@@ -154,7 +154,7 @@ def test_full_disk_under_the_default_store_fails_once_and_the_rerun_closes_its_r
         small_disk, seed_store, seed_microbench):
     from mlflow.tracking import MlflowClient
 
-    from stages.mechanism.tracking import OPEN_RUNS_DIR, UNCLOSED_SUFFIX
+    from stages.mechanism.open_runs import OPEN_RUNS_DIR, UNCLOSED_SUFFIX
 
     runs = small_disk / "runs"
     uri = seed_store(runs)  # the default store: <runs dir>/mlflow.db, on the small disk

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from model.training.checkpoint import latest_checkpoint
-from stages.mechanism import tracking
+from stages.mechanism import tracking, tracking_store
 from stages.mechanism.launch import RankSpec, rank_environment
 from tests.reliability.test_resume import (
     CONFIG,
@@ -113,7 +113,7 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
     training_under_way(driver)
     tree = process_tree(driver)
     kinds = " ".join(" ".join(p.cmdline()) for p in tree if p.is_running())
-    for part in ("stages.mechanism.launch", "stages.train_worker"):
+    for part in ("stages.mechanism.launch", "stages.train.worker"):
         assert part in kinds, f"no {part} among the pipeline's processes: {kinds[:2000]}"
     assert ("process_worker_pool" in kinds) == (workers == "processes"), kinds[:2000]
 
@@ -138,7 +138,7 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
     assert not processes_of(runs_dir), [p.cmdline() for p in processes_of(runs_dir)]
 
     assert train_status(runs_dir)["state"] == "failed"
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     runs = {r.info.run_name: r.info.status for r in tracking.search_runs(uri, "micro")}
     parent = [s for name, s in runs.items() if name.startswith("micro-run-")]
     train = [s for name, s in runs.items() if name.startswith("train-")]
@@ -216,7 +216,7 @@ def test_shutdown_ends_when_the_poller_waits_on_a_dead_interchange(runs_dir: Pat
     # the same signal killed blocks forever, and Parsl's cleanup joins the poller forever.
     import threading
 
-    from stages.mechanism.config import load_config
+    from stages.config import load_config
     from workflows import executors
 
     cfg = load_config(REPO / CONFIG, [f"tracking.runs_dir={runs_dir}",

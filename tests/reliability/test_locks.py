@@ -18,17 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import keys, locks, outputs, tracking
+from stages.config import load_config
+from stages.mechanism import keys, locks, outputs, tracking, tracking_store
 from stages.mechanism.attempt import PipelineContext
-from stages.mechanism.config import load_config
-from stages.mechanism.inline import run_stage
+from stages.mechanism.walk import run_stage
 from tests.stagekit import declare
 
 SLEEP_S = 2.0
 
 
 def _ctx(runs_dir: Path, stale_s: float = locks.STALE_AFTER_S) -> PipelineContext:
-    uri = tracking.default_tracking_uri(runs_dir)
+    uri = tracking_store.default_tracking_uri(runs_dir)
     experiment = tracking.ensure_experiment(uri, "locks", runs_dir)
     parent = tracking.start_run(uri, experiment, f"pipeline-{os.getpid()}")
     return PipelineContext(str(runs_dir), uri, experiment, parent, "code-1",

@@ -23,11 +23,11 @@ from tests.train_helpers import REPO, tiny_config
 DRIVER = """
 import json, os, signal, sys
 from model.parallel.dist_env import from_environ, init_distributed
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.batches import SyntheticBatches
 from model.training.metrics import BackgroundSink
 from model.training.trainer import Trainer
-from stages.mechanism.config import config_from_dict
+from stages.config import config_from_dict
 from stages.mechanism.tracking import Tracker
 
 args = json.loads(sys.argv[1])

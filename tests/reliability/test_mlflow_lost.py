@@ -1,9 +1,9 @@
 """MLflow lost mid-run: training goes on, and every step's metrics reach MLflow exactly once.
 
 A real ``mlflow server`` (SQLite backend) on a free localhost port is stopped while one
-production training rank (``stages.train_worker`` with its ``BackgroundSink`` and spool)
+production training rank (``stages.train.worker`` with its ``BackgroundSink`` and spool)
 trains. Either it comes back before the end and the rank delivers what it kept, or it stays
-away and ``python -m stages.mechanism.tracking import-metrics`` delivers the spool afterwards. The
+away and ``python -m workflows.import_metrics`` delivers the spool afterwards. The
 rank pauses at chosen steps (a gate file per step) so the test can stop and start the
 server between steps; the time the training thread spends in metric calls is measured.
 """
@@ -25,6 +25,7 @@ from model.training.metrics import SPOOL_FILE, append_spool, deliver_spool, spoo
 from stages.mechanism import tracking
 from stages.mechanism.launch import RankSpec, rank_environment
 from tests.train_helpers import REPO, tiny_config
+from workflows import import_metrics
 
 KEYS = ("loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "peak_memory_gb")
 
@@ -36,7 +37,7 @@ import json, os, signal, sys, time
 from pathlib import Path
 from model.training import metrics
 from model.training.trainer import Trainer
-from stages import train_worker
+from stages.train import worker as train_worker
 
 args = json.loads(sys.argv[1])
 in_sink = [0.0]
@@ -102,7 +103,7 @@ class Rank:
                  gates: tuple[int, ...] = (), kill_at: int | None = None) -> None:
         out_dir.mkdir(parents=True)
         cfg = tiny_config(f"train.steps={steps}", f"train.checkpoint_every={every}")
-        spec = RankSpec(worker="stages.train_worker", nproc=1, nodes=1,
+        spec = RankSpec(worker="stages.train.worker", nproc=1, nodes=1,
                         out_dir=str(out_dir.resolve()), config=cfg.to_dict(),
                         plan={"micro_batch": 8, "sharding": "none"},
                         tracking={"uri": uri, "run_id": run_id})
@@ -144,8 +145,7 @@ def _steps(uri: str, run_id: str, key: str) -> list[int]:
 
 def _import(spool: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "stages.mechanism.tracking", "import-metrics",
-    str(spool),
+    return subprocess.run([sys.executable, "-m", "workflows.import_metrics", str(spool),
                            *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120, check=False)
 
@@ -188,7 +188,7 @@ def test_training_outlives_a_lost_server_and_every_step_reaches_it_once(
     # calls (MLflow's own retries would hold each checkpoint's flush for minutes).
     assert back.in_sink_s() < 3.0 and away.in_sink_s() < 3.0, (back.in_sink_s(), away.in_sink_s())
 
-    # Away to the end: the spool stays; import-metrics delivers it, and only once.
+    # Away to the end: the spool stays; workflows.import_metrics delivers it, and only once.
     assert away_output.count("is unreachable") == 1, away_output
     assert "answers again" not in away_output
     away_spool = tmp_path / "away" / SPOOL_FILE
@@ -199,7 +199,7 @@ def test_training_outlives_a_lost_server_and_every_step_reaches_it_once(
     assert first.returncode == 0, first.stderr
     assert "sent 20 metric record(s)" in first.stdout
     capsys.readouterr()
-    assert tracking.main(["import-metrics", str(away_spool), "--tracking-uri", server.uri]) == 0
+    assert import_metrics.main([str(away_spool), "--tracking-uri", server.uri]) == 0
     assert "already imported" in capsys.readouterr().out
     summary = json.loads((tmp_path / "away" / "summary.json").read_text())
     for key in KEYS:
@@ -220,7 +220,7 @@ def test_killed_rank_keeps_its_metrics_up_to_the_checkpoint(tmp_path, seed_store
     spool = tmp_path / "train" / SPOOL_FILE
     assert [json.loads(line)["step"] for line in spool_lines(spool)] == list(range(1, 7))
 
-    assert tracking.main(["import-metrics", str(spool), "--tracking-uri", store]) == 0
+    assert import_metrics.main([str(spool), "--tracking-uri", store]) == 0
     saved = load_extra(tmp_path / "train" / "checkpoints" / "step-00000006")["losses"]
     assert [v for _, v in sorted(tracking.metric_history(store, run_id, "loss"))] == saved
     assert _steps(store, run_id, "grad_norm") == list(range(1, 7))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import locks, tracking
+from stages.mechanism import locks, tracking, tracking_store
 from tests.reliability.test_interrupt import alive, drivers, process_tree  # noqa: F401 - fixture
 from tests.reliability.test_resume import (
     KILL_AFTER,
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 def statuses_of(runs: Path, prefix: str) -> list[str]:
     """The sorted statuses of the MLflow runs of ``runs``'s micro experiment whose name
     starts with ``prefix`` (``micro-run-``: parent runs; ``train-``: train stage runs)."""
-    found = tracking.search_runs(tracking.default_tracking_uri(runs), "micro")
+    found = tracking.search_runs(tracking_store.default_tracking_uri(runs), "micro")
     return sorted(r.info.status for r in found if r.info.run_name.startswith(prefix))
 
 
@@ -96,7 +96,7 @@ def test_kill_9_of_the_driver_leaves_no_process_and_the_rerun_resumes(
     assert statuses_of(runs_dir, "micro-run-") == ["FINISHED", "KILLED"]
     # The rerun continued the killed attempt's train run: one run for the key, finished.
     assert statuses_of(runs_dir, "train-") == ["FINISHED"]
-    (train_run,) = [r for r in tracking.search_runs(tracking.default_tracking_uri(runs_dir),
+    (train_run,) = [r for r in tracking.search_runs(tracking_store.default_tracking_uri(runs_dir),
                                                     "micro")
                     if r.info.run_name.startswith("train-")]
     assert train_run.data.tags["attempts"] == "2"

@@ -12,18 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from stages.config import ConfigError
 from stages.mechanism import keys, tracking
-from stages.mechanism.config import ConfigError
 from stages.mechanism.keys import ANY_STAGE, CODE_PACKAGES, code_hashes, code_modules
-from stages.mechanism.registry import STAGE_ORDER, declaration
 from stages.mechanism.selection import decide_stages, digest_of, resolve
+from stages.registry import PIPELINE, STAGE_ORDER, declaration
 from tests.evalkit import micro_config, open_pipeline, run_stages
 
 REPO = Path(__file__).resolve().parents[2]
 MECHANISM_EDITS = ("stages/mechanism/locks.py", "stages/mechanism/attempt.py",
                    "stages/mechanism/tracking.py", "stages/mechanism/keys.py",
-                   "stages/mechanism/launch.py", "stages/mechanism/config.py",
-                   "data_prep/progress.py", "model/training/plots.py")
+                   "stages/mechanism/launch.py", "stages/mechanism/walk.py",
+                   "stages/config.py", "stages/registry.py", "stages/train/__init__.py",
+                   "stages/train/checks.py", "data_prep/progress.py", "data_prep/atomic.py",
+                   "data_prep/errors.py", "model/training/plots.py")
 
 
 @pytest.fixture()
@@ -38,7 +40,8 @@ def source_copy(tmp_path: Path) -> Path:
 
 
 def _stage_hashes(root: Path) -> dict[str, str]:
-    return {name: digest for name, digest in code_hashes(root).items() if name != ANY_STAGE}
+    hashes = code_hashes(PIPELINE, root)
+    return {name: digest for name, digest in hashes.items() if name != ANY_STAGE}
 
 
 def _reword_docstrings_and_comment(path: Path) -> bool:
@@ -92,11 +95,11 @@ def test_a_code_edit_reruns_the_stages_whose_code_it_is(source_copy: Path):
 
 
 def test_tokenize_code_is_data_code_only():
-    modules = code_modules("tokenize")
-    assert "stages.tokenize" in modules and "data_prep.build" in modules
+    modules = code_modules(declaration("tokenize"))
+    assert "stages.tokenize.work" in modules and "data_prep.build" in modules
     assert not [m for m in modules if m.startswith(("model", "stages.mechanism", "workflows"))]
     for stage in STAGE_ORDER:
-        assert not [m for m in code_modules(stage) if m.startswith("stages.mechanism")]
+        assert not [m for m in code_modules(declaration(stage)) if m.startswith("stages.mechanism")]
 
 
 def test_log_and_checkpoint_cadence_and_steps_leave_the_plan_key_alone(tmp_path: Path):
@@ -149,7 +152,7 @@ def test_more_training_continues_and_matches_an_uninterrupted_run(
     # The README's recipe: raise train.steps, --from train. The plan is reused (train.steps
     # is not part of its key) and the training continues from step 4.
     longer = micro_config(runs, *TRAIN, "train.steps=6")
-    decisions = {p.name: p for p in decide_stages(longer, None, "train", False)}
+    decisions = {p.name: p for p in decide_stages(PIPELINE, longer, None, "train", False)}
     assert decisions["plan"].action == "reuse"
     assert decisions["train"].action == "force"
     assert f"continues {first['train'].key} from step 4" in decisions["train"].reason
@@ -173,13 +176,13 @@ def test_more_training_continues_and_matches_an_uninterrupted_run(
     assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6]
 
     # Asking again reuses the continued output; nothing trains.
-    again = {p.name: p for p in decide_stages(longer, None, None, False)}
+    again = {p.name: p for p in decide_stages(PIPELINE, longer, None, None, False)}
     assert again["train"].action == "reuse" and again["train"].key == more["train"].key
 
     # A change to the trainer's code: train.resume_from=auto continues at step 6.
     edited = dataclasses.replace(ctx, code={**ctx.code, "train": "edited-trainer"})
     resumed_cfg = micro_config(runs, *TRAIN, "train.steps=8", "train.resume_from=auto")
-    inputs = {"tokenize": digest_of(first["tokenize"]), "plan": digest_of(first["plan"])}
+    inputs = {name: digest_of(first[name], PIPELINE) for name in ("tokenize", "plan")}
     resolution = resolve(runs, declaration("train"), resumed_cfg, inputs, "edited-trainer")
     assert resolution.continues is not None and resolution.continues.step == 6
     assert resolution.continues.key == more["train"].key
@@ -206,11 +209,11 @@ def test_a_tokenize_that_makes_the_same_tokens_leaves_the_rest_reused(
     # A real edit of the tokenization code that changes no token.
     build = source_copy / "data_prep" / "build.py"
     build.write_text(build.read_text() + "\n_EDITED = 1\n")
-    edited = code_hashes(source_copy)
-    assert edited["tokenize"] != code_hashes()["tokenize"]
-    assert edited["train"] == code_hashes()["train"]
+    edited = code_hashes(PIPELINE, source_copy)
+    assert edited["tokenize"] != code_hashes(PIPELINE)["tokenize"]
+    assert edited["train"] == code_hashes(PIPELINE)["train"]
 
-    plans = {p.name: p for p in decide_stages(cfg, None, None, False, edited)}
+    plans = {p.name: p for p in decide_stages(PIPELINE, cfg, None, None, False, edited)}
     assert plans["tokenize"].action == "run"
     assert plans["plan"].key is None and plans["train"].key is None  # decided after tokenize
     ctx = dataclasses.replace(ctx, code=edited)
@@ -228,12 +231,12 @@ def test_rerun_triggers_keep_outputs_made_by_other_code_and_say_so(tmp_path: Pat
     seed_store(runs)
     cfg = micro_config(runs)
     ctx = open_pipeline(cfg)
-    old = dataclasses.replace(ctx, code={**code_hashes(), "tokenize": "old-code"})
+    old = dataclasses.replace(ctx, code={**code_hashes(PIPELINE), "tokenize": "old-code"})
     opened = attempt.begin(old, declaration("tokenize"), cfg, {})
     made = attempt.finish(old, opened, {})
 
-    assert decide_stages(cfg, None, None, False)[0].action == "run"  # code is a trigger
-    kept = decide_stages(cfg, None, None, False, triggers=("config", "input", "software"))
+    assert decide_stages(PIPELINE, cfg, None, None, False)[0].action == "run"  # code is a trigger
+    kept = decide_stages(PIPELINE, cfg, None, None, False, triggers=("config", "input", "software"))
     assert kept[0].action == "reuse" and kept[0].key == made.key
     assert "kept although code changed" in kept[0].reason
 

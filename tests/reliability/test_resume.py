@@ -32,7 +32,7 @@ CHECKPOINT_EVERY = 10
 KILL_AFTER = 20
 TRAINING = (f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}")
 STEP_DIR = re.compile(r"^step-(\d+)$")
-RANK_MODULE = "stages.train_worker"
+RANK_MODULE = "stages.train.worker"
 PIPELINE_TIMEOUT_S = 300
 
 pytestmark = pytest.mark.slow
@@ -126,7 +126,7 @@ def runs_module(runs: Path, module: str) -> list[psutil.Process]:
 
 
 def ranks_of(runs: Path) -> list[psutil.Process]:
-    """The training ranks (stages.train_worker processes) of ``runs``."""
+    """The training ranks (stages.train.worker processes) of ``runs``."""
     return runs_module(runs, RANK_MODULE)
 
 
@@ -184,9 +184,9 @@ def assert_one_train_run(runs: Path, key: str, losses: list[float]) -> None:
     """The store of ``runs`` holds one train run for ``key``, FINISHED under the newest
     pipeline run, whose "loss" history has each step 1..len(losses) once with ``losses``; its
     ``attempts`` tags name each pipeline run (oldest first) that worked on it."""
-    from stages.mechanism import tracking
+    from stages.mechanism import tracking, tracking_store
 
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     every = tracking.search_runs(uri, "micro")
     parents = [r.info.run_id for r in reversed(every)
                if tracking.MLFLOW_PARENT_RUN_ID not in r.data.tags]  # oldest first
@@ -303,13 +303,13 @@ def test_retry_resumes_a_killed_rank_within_the_run(
 def test_a_resumable_stage_continues_its_run_and_counts_the_attempts(tmp_path: Path) -> None:
     """The stage mechanism alone (no ranks): a resumable stage that failed is continued by
     the next pipeline run in the same MLflow run, which moves under it and keeps the error."""
-    from stages.mechanism import tracking
+    from stages.config import load_config
+    from stages.mechanism import tracking, tracking_store
     from stages.mechanism.attempt import PipelineContext
-    from stages.mechanism.config import load_config
-    from stages.mechanism.inline import run_stage
+    from stages.mechanism.walk import run_stage
     from tests.stagekit import declare
 
-    uri = tracking.default_tracking_uri(tmp_path)
+    uri = tracking_store.default_tracking_uri(tmp_path)
     experiment = tracking.ensure_experiment(uri, "test", tmp_path)
     stage, cfg = declare("resumable", resumable=True), load_config()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import tracking
+from stages.mechanism import tracking, tracking_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def _schema(db: Path) -> tuple[list[str], list[str]]:
 def test_a_new_runs_dir_gets_a_migrated_store_as_the_tests_seed_it(tmp_path: Path,
                                                                    migrated_store: Path):
     runs = tmp_path / "runs"
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     experiment = tracking.ensure_experiment(uri, "fresh", runs)
     assert uri == f"sqlite:///{runs.resolve() / 'mlflow.db'}"
     made = tracking.MlflowClient(uri).get_experiment(experiment)
@@ -50,7 +50,7 @@ def test_a_new_runs_dir_gets_a_migrated_store_as_the_tests_seed_it(tmp_path: Pat
 
 
 def _create(runs_dir: str, barrier, out: str) -> None:
-    uri = tracking.default_tracking_uri(Path(runs_dir))
+    uri = tracking_store.default_tracking_uri(Path(runs_dir))
     barrier.wait()
     experiment = tracking.ensure_experiment(uri, "together", Path(runs_dir))
     run_id = tracking.start_run(uri, experiment, f"pipeline-{os.getpid()}")
@@ -70,7 +70,7 @@ def test_two_drivers_create_one_store_at_once(tmp_path: Path):
         assert proc.exitcode == 0
     results = [json.loads(Path(out).read_text()) for out in outs]
     assert len({r["experiment"] for r in results}) == 1
-    uri = tracking.default_tracking_uri(runs)
+    uri = tracking_store.default_tracking_uri(runs)
     assert len(tracking.search_runs(uri, "together")) == 3
     assert not (runs / "mlflow.db.lock").exists()
 
@@ -104,19 +104,20 @@ def test_unusable_tracking_uri_fails_fast_with_one_line(tmp_path: Path, kind: st
 def test_check_store_names_what_cannot_be_used(tmp_path: Path):
     started = time.monotonic()
     uri = f"http://127.0.0.1:{_free_port()}"
-    with pytest.raises(tracking.TrackingError, match=f"{uri} is not reachable"):
+    with pytest.raises(tracking_store.TrackingError, match=f"{uri} is not reachable"):
         tracking.ensure_experiment(uri, "x", tmp_path)
     assert time.monotonic() - started < 10
     bad = "sqlite:////proc/no-such-dir/mlflow.db"
-    with pytest.raises(tracking.TrackingError, match="cannot be written") as info:
-        tracking.check_store(bad)
+    with pytest.raises(tracking_store.TrackingError, match="cannot be written") as info:
+        tracking_store.check_store(bad)
     assert bad in str(info.value) and "\n" not in str(info.value)
-    tracking.check_store(tracking.default_tracking_uri(tmp_path))  # a writable one passes
+    # A writable one passes.
+    tracking_store.check_store(tracking_store.default_tracking_uri(tmp_path))
     for nonsense in ("foo://bar", "runs/mlflow.db", "sqlite3:///x.db"):
-        with pytest.raises(tracking.TrackingError, match="names no MLflow store") as info:
-            tracking.check_store(nonsense)
+        with pytest.raises(tracking_store.TrackingError, match="names no MLflow store") as info:
+            tracking_store.check_store(nonsense)
         assert repr(nonsense) in str(info.value) and "\n" not in str(info.value)
-    tracking.check_store("postgresql+psycopg2://user@db.example/mlflow")  # no connection made
+    tracking_store.check_store("postgresql+psycopg2://user@db.example/mlflow")  # no connection made
 
 
 @pytest.mark.slow
@@ -129,7 +130,7 @@ def test_the_drivers_tracking_server_serves_the_runs_dir_store(tmp_path: Path):
     from workflows.tracking_server import TrackingServer
 
     runs = tmp_path / "runs"
-    store = tracking.default_tracking_uri(runs)
+    store = tracking_store.default_tracking_uri(runs)
     server = TrackingServer(store, runs, "127.0.0.1", runs / "logs" / "mlflow-server.log")
     uri = server.start()
     try:

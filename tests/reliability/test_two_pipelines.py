@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.mechanism import tracking
+from stages.mechanism import tracking, tracking_store
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def _together(code: Path, runs_dir: Path, first: tuple[str, ...], second: tuple[
 
 
 def _stage_runs(runs_dir: Path) -> tuple[list, list]:
-    runs = tracking.search_runs(tracking.default_tracking_uri(runs_dir), "micro")
+    runs = tracking.search_runs(tracking_store.default_tracking_uri(runs_dir), "micro")
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     return parents, children

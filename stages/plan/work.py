@@ -16,6 +16,7 @@ from typing import Any
 
 from data_prep.atomic import write_json_atomic
 from model.config import vocab_fit_problem
+from model.parallel.layout import Plan, PlanError
 from model.planner.calibration import load_calibration, update_calibration
 from model.planner.choose import (
     calibration_file,
@@ -26,12 +27,11 @@ from model.planner.choose import (
     planning_cluster,
 )
 from model.planner.cluster import Cluster, rehearses
-from model.planner.plan import Plan, PlanError
 from model.planner.rehearsal import rehearse_until_one_fits
 from model.training.files import SUMMARY_FILE
 from stages.mechanism import launch
 from stages.mechanism.launch import SPEC_FILE, RankSpec
-from stages.mechanism.registry import TRAIN_WORKER  # measures with stages.train_worker (in the key)
+from stages.plan import TRAIN_WORKER  # measures with stages.train.worker (in the key)
 
 MEASURE_STEPS = 4
 MEASURE_DIR = "measure"
@@ -100,7 +100,7 @@ def _calibration_path(cfg: Any, cluster: Cluster) -> Path:
 def search_stage(cfg: Any, inputs: dict[str, dict], out_dir: Path, tracker: Any) -> Searched:
     """The search of the stage: check the store's vocabulary fits, choose among the plans
     for cfg.parallel.nproc ranks, print and log the table and the comparison PNG."""
-    from stages import plan_report
+    from stages.plan import report as plan_report
 
     tok = (inputs or {}).get("tokenize") or {}
     vocab = vocab_fit_problem(tok.get("vocab_size"), cfg.model.vocab_size)
@@ -161,7 +161,7 @@ def finalize(cfg: Any, out_dir: Path, parts: list[Any], tracker: Any) -> dict[st
     """Measured refinement, last step: read each measurement, keep the measured best (its
     measured figures in its predictions), update the cluster's calibration, log the
     predicted-vs-measured report; then as ``run`` (rehearsal, plan.json)."""
-    from stages import plan_report
+    from stages.plan import report as plan_report
 
     out_dir = Path(out_dir)
     kept = json.loads((out_dir / CANDIDATES_FILE).read_text())

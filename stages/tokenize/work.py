@@ -35,7 +35,7 @@ from data_prep.corpus import load_corpus_info, prepare_corpus, saved_corpus, tra
 from data_prep.progress import Progress
 from data_prep.store import MANIFEST
 from data_prep.tokenizer import load_tokenizer, shared_tokenizer, train_tokenizer
-from stages.mechanism.config import PipelineConfig
+from stages.config import PipelineConfig
 
 __all__ = ["PREPARED", "STORE", "TOKENIZER", "finalize", "part", "prepare"]
 

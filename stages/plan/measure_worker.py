@@ -1,4 +1,4 @@
-"""Per-rank measurement of several plans in one launch: ``python -m stages.measure_worker
+"""Per-rank measurement of several plans in one launch: ``python -m stages.plan.measure_worker
 --spec SPEC.json``.
 
 Starting ranks costs seconds a launch on a small machine (interpreter, torch, the process
@@ -33,7 +33,7 @@ from typing import Any
 from model.parallel.threads import CPU_RANK_THREADS, THREADS_VAR
 
 MEASUREMENTS_FILE = "measurements.jsonl"
-MEASURE_WORKER = "stages.measure_worker"
+MEASURE_WORKER = "stages.plan.measure_worker"
 MEASURE_TIMEOUT_S = 900.0
 """A launch that runs longer is killed (what it measured so far is kept)."""
 
@@ -58,10 +58,10 @@ def run_spec(spec: Any) -> None:
     import torch.distributed as dist
 
     from model.parallel.dist_env import from_environ, init_distributed
-    from model.planner.plan import Plan
+    from model.parallel.layout import Plan
     from model.training.batches import synthetic_batch_factory
     from model.training.trainer import Trainer
-    from stages.mechanism.config import config_from_dict
+    from stages.config import config_from_dict
 
     cfg = config_from_dict(spec.config)
     plans = [Plan.from_dict(raw) for raw in spec.extra["plans"]]
@@ -110,7 +110,7 @@ def run_spec(spec: Any) -> None:
 def measure_plans(cfg: Any, plans: list[Any], out_dir: str | Path, steps: int, rounds: int,
                   timeout_s: float = MEASURE_TIMEOUT_S) -> dict[str, Any]:
     """Run every plan (one world size) for ``rounds`` rounds of ``steps`` steps of synthetic
-    tokens, all in one launch of local ranks (``stages.measure_worker``: one start-up, every
+    tokens, all in one launch of local ranks (``stages.plan.measure_worker``: one start-up, every
     plan built once, the plans taking turns step by step).
 
     Returns {"step_times": per plan, per round, the seconds of each step (each build's warm-up

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from model.planner.plan import Plan
+from model.parallel.layout import Plan
 from model.training.plots import save_png
 
 

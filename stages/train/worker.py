@@ -1,4 +1,4 @@
-"""Per-rank training entry: ``python -m stages.train_worker --spec SPEC.json``.
+"""Per-rank training entry: ``python -m stages.train.worker --spec SPEC.json``.
 
 Launched by ``stages.mechanism.launch`` (its own ranks locally, srun under Slurm; rank identity
 from either
@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 
 from data_prep.atomic import write_json_atomic  # noqa: E402
 from model.parallel.dist_env import from_environ, init_distributed, launch_id  # noqa: E402
-from model.planner.plan import Plan  # noqa: E402
+from model.parallel.layout import Plan  # noqa: E402
 from model.training.batches import synthetic_batch_factory  # noqa: E402
 from model.training.metrics import SPOOL_FILE, BackgroundSink, spool_lines  # noqa: E402
 from model.training.progress_record import (  # noqa: E402
@@ -65,7 +65,7 @@ from model.training.progress_record import (  # noqa: E402
     open_record,
 )
 from model.training.trainer import Trainer  # noqa: E402
-from stages.mechanism.config import config_from_dict  # noqa: E402
+from stages.config import config_from_dict  # noqa: E402
 from stages.mechanism.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
 
 

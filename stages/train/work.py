@@ -1,7 +1,7 @@
 """The train stage's work, a ranks stage: validate and write the rank spec, then collect.
 
 ``prepare`` makes every check before any rank starts and writes the ranks' spec.json; the
-ranks (``stages.train_worker``) are launched from it by ``stages.mechanism.launch`` locally or
+ranks (``stages.train.worker``) are launched from it by ``stages.mechanism.launch`` locally or
 srun under
 Slurm; ``finalize`` reads their summary.json.
 """
@@ -14,14 +14,14 @@ from typing import Any
 
 from data_prep.atomic import write_json_atomic
 from model.config import TrainConfig
+from model.parallel.layout import Plan
 from model.planner.cluster import ClusterError, is_measured, load_cluster
-from model.planner.plan import Plan
 from model.training.files import CHECKPOINTS_DIR, LOSS_CURVE_FILE, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
-from stages.mechanism.checks import checkpoint_cadence_problem, predicted_step_time
-from stages.mechanism.config import PipelineConfig
+from stages.config import PipelineConfig
 from stages.mechanism.launch import OUT_OF_TIME_FILE, RANK_ERROR_FILE, SPEC_FILE, RankSpec
-from stages.mechanism.registry import declaration
+from stages.train import shape
+from stages.train.checks import checkpoint_cadence_problem, predicted_step_time
 
 INIT_DIR = "init"  # train.init_from imported from Hugging Face
 
@@ -122,7 +122,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     config["train"]["checkpoint_minutes"] = train.checkpoint_minutes  # minutes, never auto
     if cfg.train.init_from:  # ranks load one of our checkpoints (an HF one imported here)
         config["train"]["init_from"] = str(initial_checkpoint(cfg, out_dir).resolve())
-    spec = RankSpec.for_shape(declaration("train").shape(cfg), out_dir=str(out_dir.resolve()),
+    spec = RankSpec.for_shape(shape(cfg), out_dir=str(out_dir.resolve()),
                               config=config, plan=plan.to_dict(), store=tok.get("store"),
                               tracking=tracking, peak_tflops=peak_tflops(cfg, plan))
     return str(spec.write(out_dir / SPEC_FILE))

@@ -19,13 +19,10 @@ import yaml
 
 from data_prep.config import DataConfig, TokenizerConfig
 from model.config import ModelConfig, ParallelConfig, TrainConfig
+from stages.mechanism.errors import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
-
-
-class ConfigError(ValueError):
-    """A configuration key or value that cannot be used; the message says what to change."""
 
 
 @dataclass
@@ -272,6 +269,12 @@ class SiteConfig:
                 f"site.save_before_end_s={self.save_before_end_s} is not shorter than "
                 f"site.walltime={self.walltime} ({wall} s): the ranks would be told to stop "
                 "before they start; lower it or lengthen the walltime")
+
+
+def walltime_seconds(walltime: str) -> int:
+    """``site.walltime`` (HH:MM:SS, hours may exceed 24) in seconds."""
+    hours, minutes, seconds = (int(part) for part in walltime.split(":"))
+    return hours * 3600 + minutes * 60 + seconds
 
 
 def walltime_rounding_problem(setting: str, walltime: str) -> str | None:

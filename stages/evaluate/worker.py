@@ -1,4 +1,4 @@
-"""Per-rank held-out evaluation: ``python -m stages.eval_worker --spec SPEC.json``.
+"""Per-rank held-out evaluation: ``python -m stages.evaluate.worker --spec SPEC.json``.
 
 Launched by ``stages.mechanism.launch`` locally or srun under Slurm (rank identity from either
 environment,
@@ -38,7 +38,7 @@ from model.evaluation.generate import generate_text
 from model.evaluation.loss import heldout_loss
 from model.parallel.dist_env import DistEnv, from_environ, start_process_group
 from model.training.checkpoint import load_for_inference
-from stages.mechanism.config import config_from_dict
+from stages.config import config_from_dict
 from stages.mechanism.launch import RankSpec, rank_main
 
 LOSS_FILE = "loss.json"

@@ -1,7 +1,8 @@
-"""Continuing a stage from another output of it: more training from the last checkpoint.
+"""The train stage's continuation hook: more training from the last checkpoint.
 
-A stage that declares extent fields (``StageDeclaration.extends``: the train stage's
-``train.steps``) can continue an earlier output instead of starting over:
+The train stage declares ``train.steps`` its extent field (``StageDeclaration.extends``) and
+this module its hook (``HOOK``), so it can continue an earlier output instead of starting
+over:
 
 - **on its own** when the only difference from a published output is a larger extent
   (``--set train.steps=60`` after a 40-step training with the same code, config and
@@ -25,13 +26,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.config import ConfigError, PipelineConfig
 from stages.mechanism import keys, outputs
-from stages.mechanism.config import ConfigError, PipelineConfig
-from stages.mechanism.registry import StageDeclaration
+from stages.mechanism.declaration import Continuation, ContinuationHook, StageDeclaration
 
 CHECKPOINTS_DIR = "checkpoints"  # where the train stage keeps its step-N directories
 RESUME_FIELD = "resume_from"
@@ -41,25 +41,12 @@ them (as it must keep the model section and the token store)."""
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-@dataclass(frozen=True)
-class Continuation:
-    """Where a stage continues from: a source output (``key``, or "" for a bare checkpoint
-    path), its checkpoint at ``step`` and why."""
+def checkpoint_digest(checkpoint: str | Path) -> str:
+    """A checkpoint's content digest: its manifest (every file's size and CRC-32) and model
+    shape (``stages.train.final_checkpoint_digest``)."""
+    from stages.train import final_checkpoint_digest
 
-    key: str
-    step: int
-    checkpoint: str
-    why: str
-    source_run_id: str = ""
-    source_store: str = ""
-    warning: str = ""
-
-    def ingredient(self) -> dict[str, Any]:
-        """What enters the key: the source and the checkpoint's content."""
-        from stages.mechanism.digests import final_checkpoint
-
-        return {"from": self.key or self.checkpoint, "step": self.step,
-                "checkpoint": final_checkpoint({"checkpoint": self.checkpoint})}
+    return final_checkpoint_digest({"checkpoint": str(checkpoint)})
 
 
 def _newest_checkpoint(directory: Path) -> tuple[Path, int] | None:
@@ -134,6 +121,7 @@ def _from_directory(directory: Path, key: str, status: dict[str, Any], why: str,
         return None
     checkpoint, step = found
     return Continuation(key=key, step=step, checkpoint=str(checkpoint), why=why,
+                        digest=checkpoint_digest(checkpoint),
                         source_run_id=status.get("run_id", ""),
                         source_store=status.get("tracking_uri", ""),
                         warning=_schedule_warning(cfg, status))
@@ -222,6 +210,7 @@ def _named(runs_dir: str | Path, stage: StageDeclaration, cfg: PipelineConfig,
         raise ConfigError(f"train.resume_from={asked}: its checkpoint is at step {step}, not "
                           f"below train.steps={target}: raise train.steps to train further")
     return Continuation(key=key, step=step, checkpoint=str(checkpoint), why=why,
+                        digest=checkpoint_digest(checkpoint),
                         source_run_id=status.get("run_id", ""),
                         source_store=status.get("tracking_uri", ""),
                         warning=_schedule_warning(cfg, status))
@@ -251,3 +240,7 @@ def seed(continuation: Continuation, work_dir: str | Path) -> bool:
             shutil.copy2(path, dest)
     os.replace(tmp, target)
     return True
+
+
+HOOK = ContinuationHook(find=find, seed=seed)
+"""The train stage's continuation hook (``StageDeclaration.continuation``)."""

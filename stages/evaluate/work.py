@@ -14,7 +14,7 @@ token store (``inputs["tokenize"]["store"]``) and writes into ``out_dir``:
 - ``plots/``: loss, learning rate and tokens/s of the train run, and perplexity (PNG).
 
 The stage has three parts, like train: ``prepare`` (every input check, then ``spec.json``),
-the ranks (``python -m stages.eval_worker --spec spec.json`` on ``eval.ranks`` processes,
+the ranks (``python -m stages.evaluate.worker --spec spec.json`` on ``eval.ranks`` processes,
 each computing the loss over its share of the windows; rank 0 writes ``loss.json``) and
 ``finalize`` (everything else, once, in the driver-side app). The pipeline launches the
 ranks like the training ranks; ``run`` chains the three on this machine, computing the loss
@@ -24,7 +24,7 @@ in this process when ``eval.ranks`` is 1.
 plan's tp x pp layout (``eval.ranks`` = tp*pp*k) and each loads only its shard of the
 checkpoint; they compute the loss and the generations (rank 0 also writes
 ``generations.json``), and ``finalize`` never loads the model. lm-eval tasks are refused
-with that layout (``stages.mechanism.config.EvalConfig``); the export is streamed either way.
+with that layout (``stages.config.EvalConfig``); the export is streamed either way.
 
 All of it is logged to the stage's MLflow run, and the export is logged as an MLflow
 ``transformers`` model with a signature (``eval.log_model``).
@@ -46,14 +46,14 @@ from model.config import vocab_fit_problem
 from model.evaluation.choice import CheckpointChoice, NoIntactCheckpoint, usable_checkpoint
 from model.evaluation.loss import plan_windows
 from model.evaluation.shards import DEFAULT_SHARD_BYTES
+from stages.config import PipelineConfig
+from stages.evaluate import shape
+from stages.evaluate.checks import EvaluationError, check_evaluate, ranks_problem
 from stages.mechanism import tracking
-from stages.mechanism.checks import EvaluationError, check_evaluate, ranks_problem
-from stages.mechanism.config import PipelineConfig
 from stages.mechanism.launch import SPEC_FILE, RankSpec
-from stages.mechanism.registry import declaration
 
 SPLIT = "validation"
-LOSS_FILE = "loss.json"  # written by rank 0 of stages.eval_worker
+LOSS_FILE = "loss.json"  # written by rank 0 of stages.evaluate.worker
 GENERATIONS_FILE = "generations.json"  # written by rank 0 with eval.layout=training
 EXPORT_SHARD_BYTES = DEFAULT_SHARD_BYTES  # safetensors shard size of the hf/ export
 # What to do when no checkpoint of the training is intact: train again (the train stage
@@ -270,7 +270,7 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     for name in (LOSS_FILE, GENERATIONS_FILE):
         (out_dir / name).unlink(missing_ok=True)
     spec = RankSpec.for_shape(
-        declaration("evaluate").shape(cfg), out_dir=str(out_dir.resolve()),
+        shape(cfg), out_dir=str(out_dir.resolve()),
         config=cfg.to_dict(), store=str(store.path),
         tracking=({"uri": tracker.uri, "run_id": tracker.run_id}  # the nodes' system metrics
                   if getattr(tracker, "run_id", None) else None),
@@ -424,7 +424,7 @@ def run(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) ->
     """The single-app shape (``eval.ranks`` = 1): prepare, the held-out loss in this
     process, finalize. With more ranks the stage runs as ranks: prepare, the ranks,
     finalize (see the module docstring)."""
-    from stages import eval_worker
+    from stages.evaluate import worker as eval_worker
 
     spec_path = prepare(cfg, inputs, out_dir, tracker)
     eval_worker.run_single(RankSpec.read(spec_path))
