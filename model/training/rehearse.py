@@ -94,7 +94,7 @@ from model.parallel.layout import Plan
 from model.parallel.pipeline import build_schedule, chunk_ids
 from model.training.batches import synthetic_batch_factory
 from model.training.rehearsed_ddp import RehearsedDDP
-from model.training.trainer import Trainer, cross_entropy
+from model.training.trainer import BuildSeam, Trainer, cross_entropy
 
 CHECKED_TORCH = (2, 13)
 """The torch release (major, minor) whose pipelining internals the bypass was checked on."""
@@ -585,7 +585,7 @@ def make_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
     materialize = ((lambda: faked(fake_mode, device)) if fake_mode is not None
                    else contextlib.nullcontext)
     return Trainer(model_cfg, train_cfg, plan, tempfile.gettempdir(), batches, device,
-                   materialize=materialize, wrap_ddp=RehearsedDDP)
+                   build=BuildSeam(materialize=materialize, wrap_ddp=RehearsedDDP))
 
 
 @contextlib.contextmanager

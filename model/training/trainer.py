@@ -36,6 +36,7 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -148,6 +149,43 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
+@dataclass(frozen=True)
+class BuildSeam:
+    """How a trainer's parts are made: the one seam the rehearsal (``model.training.rehearse``)
+    builds a trainer through; training uses the defaults.
+
+    ``materialize`` is the context in which the parallelised meta-device chunks get storage
+    and everything built on them is made (weights, DDP, optimizer, pipeline stages): a no-op
+    for training, a FakeTensorMode in the rehearsal, so that one rank of a large plan is built
+    without its memory. ``wrap_ddp`` wraps a chunk for sharding ddp without pipelining (the
+    rehearsal's stand-in replaces DistributedDataParallel, which fake tensors cannot build)."""
+
+    materialize: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+    wrap_ddp: Callable[[nn.Module, DeviceMesh], nn.Module] = apply_ddp
+
+
+@dataclass
+class RunHooks:
+    """What the launching worker tells a trainer about the run around it (all optional).
+
+    ``stop_requested``: whether this rank was asked to stop (out of time), voted on after
+    every step; ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger;
+    ``logged_through``: the last step whose metrics the tracking run already holds (a
+    resumed training recomputes the steps after its checkpoint bitwise, so those are not
+    logged again); ``faults``: injected faults, for tests and drills only."""
+
+    stop_requested: Callable[[], bool] | None = None
+    job: dict[str, Any] | None = None
+    logged_through: int = 0
+    faults: Faults | None = None
+
+
+def logs_metrics(plan: Plan, rank: int) -> bool:
+    """Whether global ``rank`` is the one that logs (the last pipeline stage's first dp and tp
+    rank), known before the trainer is built."""
+    return rank == (plan.pp - 1) * plan.dp * plan.tp
+
+
 class Trainer:
     """Builds this rank's share of the model and runs the optimisation loop."""
 
@@ -161,23 +199,48 @@ class Trainer:
         device: torch.device,
         tracker: MetricSink | None = None,
         peak_tflops: float | None = None,
-        materialize: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-        stop_requested: Callable[[], bool] | None = None,
-        job: dict[str, Any] | None = None,
-        wrap_ddp: Callable[[nn.Module, DeviceMesh], nn.Module] = apply_ddp,
+        hooks: RunHooks | None = None,
+        build: BuildSeam | None = None,
     ) -> None:
-        """``materialize`` makes the context in which the parallelised meta-device chunks get
-        storage and everything built on it is made (weights, DDP, optimizer, pipeline
-        stages): a no-op for training; the rehearsal (``model/training/rehearse.py``) passes
-        a FakeTensorMode so that one rank of a large plan is built without its memory.
-
-        ``stop_requested``: whether this rank was asked to stop (out of time); voted on after
-        every step. ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger
-        (None: none is kept). ``wrap_ddp`` wraps a chunk for sharding ddp without pipelining
-        (the rehearsal's stand-in replaces DistributedDataParallel, which fake tensors cannot
-        build)."""
+        """This rank's chunks, parallelised, with their optimizer, scheduler and pipeline
+        schedule; ``tracker`` receives the logger rank's metrics, ``peak_tflops`` is what MFU
+        is reported against (default: the device's), ``hooks`` come from the launching worker
+        (``RunHooks``) and ``build`` is the rehearsal's seam (``BuildSeam``)."""
+        hooks, build = hooks or RunHooks(), build or BuildSeam()
         self.model_cfg, self.cfg, self.plan, self.device = model_cfg, train_cfg, plan, device
         self.out_dir, self.tracker = Path(out_dir), tracker
+        self._build_mesh(plan, model_cfg, train_cfg, device)
+        self._build_model(plan, model_cfg, train_cfg, device, build)
+        self.is_logger = self.has_last and self.dp_rank == 0 and self.tp_rank == 0
+        self.logger_rank = (plan.pp - 1) * plan.dp * plan.tp  # global rank of (last, 0, 0)
+        self.batches = make_batches(self.dp_rank, plan.dp)
+        self.flops_per_token = flops_per_token(model_cfg, train_cfg.seq_len)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        self.peak_tflops = peak_tflops or default_peak_tflops(device.type, name, train_cfg.dtype)
+        self.losses: list[float] = []
+        self.step = 0
+        self.iteration_times: list[float] = []
+        self.resumed_from: Path | None = None  # never pruned during this attempt
+        self.pending: ckpt.PendingSave | None = None  # a background save not yet published
+        self._ckpt_group: dist.ProcessGroup | None = None  # made at the first async save
+        self.checkpoint_seconds: list[float] = []  # time each save held training up
+        self._clock = time.monotonic()  # when the last save gave training back (or the start)
+        self.stop_requested, self.job = hooks.stop_requested, hooks.job
+        self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
+        self.logged_through = hooks.logged_through  # steps up to here are not logged again
+        self._stopping = False
+        # Step health (model.training.health): bad steps skipped, spikes rolled back, slow
+        # ranks named. ``checking`` is on only inside fit (train.step_checks): a bare
+        # train_step (the rehearsal's fake tensors, the plan's measurement) always updates.
+        self.health, self.slow_ranks = StepHealth(train_cfg, device), SlowRanks(train_cfg, device)
+        self.faults = hooks.faults
+        self.checking = False
+        self.batch_index: int | None = None  # the global batch of the step in fit
+        self.verdict: Verdict | None = None  # the last checked step's
+
+    def _build_mesh(self, plan: Plan, model_cfg: ModelConfig, train_cfg: TrainConfig,
+                    device: torch.device) -> None:
+        """The device mesh, this rank's place in it, and the groups and flags of its layout."""
         self.dims = ParallelDims(plan.pp, plan.dp, plan.tp, dist.get_world_size())
         self.mesh = mesh = self.dims.build_mesh(device.type)
         self.pp_rank, self.dp_rank, self.tp_rank = (
@@ -196,11 +259,16 @@ class Trainer:
         self.grad_allreduce = plan.sharding == "ddp" and plan.dp > 1 and plan.pp > 1
         self.dp_mesh = mesh["dp"]
 
+    def _build_model(self, plan: Plan, model_cfg: ModelConfig, train_cfg: TrainConfig,
+                     device: torch.device, build: BuildSeam) -> None:
+        """This rank's chunks, parallelised and initialised, with the optimizer, scheduler
+        and pipeline schedule built on them (each inside ``build.materialize``)."""
+        mesh = self.mesh
         n_chunks = plan.pp * plan.virtual_stages
         ids = chunk_ids(self.pp_rank, plan.pp, plan.virtual_stages)
         self.chunks = [build_chunk(model_cfg, c, n_chunks) for c in ids]
         for chunk in self.chunks:
-            with materialize():
+            with build.materialize():
                 parallelize_chunk(chunk, mesh, plan.tp, plan.dp, plan.sharding, plan.recompute,
                                   plan.sequence_parallel, self.param_dtype, train_cfg.compile,
                                   plan.recompute_layers)
@@ -218,8 +286,9 @@ class Trainer:
             self.tied_param = dict(self.model.named_parameters())[
                 HEAD_NAME if self.tied_head else TIED_NAME]
         self.schedule = None
-        with materialize():
-            self.runners = [wrap_ddp(c, mesh["dp"]) if self.ddp else c for c in self.chunks]
+        with build.materialize():
+            self.runners = [build.wrap_ddp(c, mesh["dp"]) if self.ddp else c
+                            for c in self.chunks]
             self.params = [p for p in self.model.parameters() if p.requires_grad]
             has_dtensor = any(isinstance(p, DTensor) for p in self.params)
             self.optimizer = build_optimizer(self.model, train_cfg, has_dtensor)
@@ -228,36 +297,6 @@ class Trainer:
                 self.schedule = build_schedule(self.runners, ids, n_chunks, device,
                                                self.pp_group, plan.schedule, plan.grad_accum,
                                                cross_entropy)
-        self.is_logger = self.has_last and self.dp_rank == 0 and self.tp_rank == 0
-        self.logger_rank = (plan.pp - 1) * plan.dp * plan.tp  # global rank of (last, 0, 0)
-        self.batches = make_batches(self.dp_rank, plan.dp)
-        self.flops_per_token = flops_per_token(model_cfg, train_cfg.seq_len)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        self.peak_tflops = peak_tflops or default_peak_tflops(device.type, name, train_cfg.dtype)
-        self.losses: list[float] = []
-        self.step = 0
-        self.iteration_times: list[float] = []
-        self.resumed_from: Path | None = None  # never pruned during this attempt
-        self.pending: ckpt.PendingSave | None = None  # a background save not yet published
-        self._ckpt_group: dist.ProcessGroup | None = None  # made at the first async save
-        self.checkpoint_seconds: list[float] = []  # time each save held training up
-        self._clock = time.monotonic()  # when the last save gave training back (or the start)
-        self.stop_requested, self.job = stop_requested, job
-        self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
-        # The last step whose metrics the tracking run already holds (set by the logger
-        # rank's launcher, ``stages.train.worker.logged_through``): a resumed training
-        # recomputes the steps after its checkpoint bitwise, so those up to here are not
-        # logged again and each step is in the run once (``_log_step``).
-        self.logged_through = 0
-        self._stopping = False
-        # Step health (model.training.health): bad steps skipped, spikes rolled back, slow
-        # ranks named. ``checking`` is on only inside fit (train.step_checks): a bare
-        # train_step (the rehearsal's fake tensors, the plan's measurement) always updates.
-        self.health, self.slow_ranks = StepHealth(train_cfg, device), SlowRanks(train_cfg, device)
-        self.faults = Faults.from_environ()  # fault injection for tests and drills; None
-        self.checking = False
-        self.batch_index: int | None = None  # the global batch of the step in fit
-        self.verdict: Verdict | None = None  # the last checked step's
 
     # ---------------------------------------------------------------- one optimizer step
     def _autocast(self):

@@ -57,6 +57,7 @@ from data_prep.atomic import write_json_atomic  # noqa: E402
 from model.parallel.dist_env import from_environ, init_distributed, launch_id  # noqa: E402
 from model.parallel.layout import Plan  # noqa: E402
 from model.training.batches import synthetic_batch_factory  # noqa: E402
+from model.training.health import Faults  # noqa: E402
 from model.training.metrics import SPOOL_FILE, BackgroundSink, spool_lines  # noqa: E402
 from model.training.progress_record import (  # noqa: E402
     PROGRESS_DIR,
@@ -64,7 +65,7 @@ from model.training.progress_record import (  # noqa: E402
     explain_timeout,
     open_record,
 )
-from model.training.trainer import Trainer  # noqa: E402
+from model.training.trainer import RunHooks, Trainer, logs_metrics  # noqa: E402
 from stages.config import config_from_dict  # noqa: E402
 from stages.mechanism.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
 
@@ -159,12 +160,11 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
     open_record(spec.out_dir, env.rank, env.world_size, launch_id(env), timeout_s, stop_requested)
     sampler = None
     try:
-        trainer = Trainer(cfg.model, cfg.train, plan, spec.out_dir, make_batch_factory(spec, cfg),
-                          device, peak_tflops=spec.peak_tflops, stop_requested=stop_requested)
-        if trainer.is_logger:  # the one rank that keeps the job ledger
-            trainer.job = this_job(spec)
-        tracking = spec.tracking
-        if tracking and trainer.is_logger:
+        logger = logs_metrics(plan, env.rank)  # the one rank that logs and keeps the ledger
+        hooks = RunHooks(stop_requested=stop_requested, job=this_job(spec) if logger else None,
+                         faults=Faults.from_environ())
+        tracking, sink = spec.tracking, None
+        if tracking and logger:
             from stages.mechanism.tracking import Tracker
 
             # A lost tracking server must not stall training: one short try per write (MLflow
@@ -172,10 +172,11 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
             spool = Path(spec.out_dir) / SPOOL_FILE
-            trainer.logged_through = logged_through(tracking["uri"], tracking["run_id"], spool)
+            hooks.logged_through = logged_through(tracking["uri"], tracking["run_id"], spool)
             # Metric writes happen on a background thread, off the training step.
-            trainer.tracker = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]),
-                                             spool=spool)
+            sink = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]), spool=spool)
+        trainer = Trainer(cfg.model, cfg.train, plan, spec.out_dir, make_batch_factory(spec, cfg),
+                          device, tracker=sink, peak_tflops=spec.peak_tflops, hooks=hooks)
         from stages.mechanism.tracking import start_node_sampler
 
         sampler = start_node_sampler(cfg, tracking, env.local_rank)  # one per node
