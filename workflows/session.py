@@ -15,7 +15,8 @@ and the scaling studies (``workflows.scaling``) drive their stages through:
 - on exit, whatever happened: stop Parsl (within deadlines, also after a group signal),
   give the signal handlers back, mark this invocation's still-running stages failed,
   stop the heartbeat, release the locks of stages that never finished, close the parent
-  run (FINISHED, or FAILED on any exception), and last stop the watchdog.
+  run (FINISHED; KILLED after an interrupt; FAILED on any other exception), and last stop
+  the watchdog.
 """
 from __future__ import annotations
 
@@ -469,7 +470,7 @@ class PipelineSession:
         its stage runs (``open_runs.close_abandoned_runs``)."""
         try:
             self.parent.set_tags({"wall_seconds": f"{time.time() - self.started:.1f}"})
-            if status == "FAILED":  # stage runs whose own close failed (a full store) end too
+            if status != "FINISHED":  # stage runs whose own close failed (a full store) end too
                 tracking.end_run_tree(self.uri, self.parent_id, status, "the pipeline failed "
                                       "before this run was closed", include_root=False)
             tracking.end_run(self.uri, self.parent_id, status)
@@ -508,7 +509,8 @@ class PipelineSession:
             try:
                 self.heartbeat.stop()
                 locks.release_all(self.runs_dir, self.driver)  # stages that never finished
-                self._close_parent("FINISHED" if exc_type is None else "FAILED")
+                self._close_parent("FINISHED" if exc_type is None else
+                                   "KILLED" if interrupted else "FAILED")
             finally:
                 if self.server is not None:
                     self.server.stop()

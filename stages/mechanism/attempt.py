@@ -346,7 +346,8 @@ def finish(ctx: PipelineContext, attempt: Attempt, outs: dict[str, Any]) -> Stag
 
 
 def fail(ctx: PipelineContext, attempt: Attempt, error: BaseException) -> None:
-    """Record the error in status.json and close the MLflow run as FAILED."""
+    """Record the error in status.json and close the MLflow run as FAILED (KILLED for an
+    interrupt)."""
     work = Path(attempt.work_dir)
     if work.exists():
         detail = "".join(traceback.format_exception(error))
@@ -365,7 +366,9 @@ def fail(ctx: PipelineContext, attempt: Attempt, error: BaseException) -> None:
     try:
         tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags(
             {ERROR_TAG: str(error)[:4000]})
-        tracking.end_run(ctx.tracking_uri, attempt.run_id, "FAILED")
+        # An interrupt (Ctrl-C, SIGTERM) ends the run KILLED, as MLflow names a stopped run.
+        status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        tracking.end_run(ctx.tracking_uri, attempt.run_id, status)
     except Exception as tracking_error:  # noqa: BLE001 - tracking must not hide the original error
         print(f"[stage] could not mark MLflow run {attempt.run_id} FAILED: {tracking_error}",
               file=sys.stderr, flush=True)

@@ -142,8 +142,8 @@ def test_a_signal_stops_every_process_and_marks_training_failed(
     runs = {r.info.run_name: r.info.status for r in tracking.search_runs(uri, "micro")}
     parent = [s for name, s in runs.items() if name.startswith("micro-run-")]
     train = [s for name, s in runs.items() if name.startswith("train-")]
-    assert parent == ["FAILED"], runs
-    assert train == ["FAILED"], runs
+    assert parent == ["KILLED"], runs
+    assert train == ["KILLED"], runs
     assert "RUNNING" not in runs.values(), runs
 
 
