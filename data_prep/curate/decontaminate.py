@@ -61,8 +61,9 @@ def eval_ngrams(task_texts: dict[str, list[str]], n: int = 13, min_words: int = 
     return index
 
 
-def contamination(normalized: str, index: EvalIndex | None) -> list[str]:
-    """The tasks whose n-grams occur in ``normalized`` (a ``text.normalize`` output), sorted.
+def contamination(normalized: str | Iterable[str], index: EvalIndex | None) -> list[str]:
+    """The tasks whose n-grams occur in the normalized text (a ``text.normalize`` output,
+    or its ``normalized_segments``), sorted.
 
     Streams the words through a window of n: memory does not grow with the document.
     """
@@ -72,7 +73,8 @@ def contamination(normalized: str, index: EvalIndex | None) -> list[str]:
     window: deque[str] = deque(maxlen=lengths[-1])
     hits: set[int] = set()
     grams = index.grams
-    for match in WORD.finditer(normalized):
+    segments = [normalized] if isinstance(normalized, str) else normalized
+    for match in (m for segment in segments for m in WORD.finditer(segment)):
         window.append(match.group())
         size = len(window)
         for k in lengths:

@@ -5,8 +5,9 @@ with fewer words is one shingle; one without words is its normalized text). The 
 is rensa's ``RMinHash`` (Rust) with ``bands x rows`` permutations; rensa was ~60x faster than
 datasketch's ``MinHash.update_batch`` on the same shingles (1,000 documents of 300 words,
 112 permutations: 0.006 vs 0.36 CPU-s on this machine) and updates by running minima, so
-shingles are fed ``SHINGLE_CHUNK`` at a time: a 10 MB document never holds its million
-shingles at once. Each band's ``rows`` hashes are hashed (blake2b, 8 bytes) to its key.
+shingles are fed one segment of normalized text (``text.SEGMENT_CHARS``) at a time: a
+10 MB document never holds its 1.7 million shingles at once (about 170k at a time). Each
+band's ``rows`` hashes are hashed (blake2b, 8 bytes) to its key.
 
 Two documents are near-duplicate candidates when any band key matches: the probability
 for a pair of Jaccard similarity s is 1 - (1 - s^r)^b; even odds at about (1/b)^(1/r)
@@ -16,37 +17,36 @@ joined ~3.5 % of the time at 14 x 8 (false positives), one of 0.8 missed ~8 %.
 from __future__ import annotations
 
 import hashlib
-from collections import deque
+from collections.abc import Iterable
 
 import numpy as np
 
 from data_prep.curate.text import WORD
 
-SHINGLE_CHUNK = 65536
-"""Shingles hashed per update (bounds a document's shingle memory)."""
 SEED = 1
 
 
-def band_keys(normalized: str, shingle_words: int, bands: int, rows: int) -> list[int]:
-    """The ``bands`` LSH keys of a normalized text (see the module docstring)."""
+def band_keys(segments: Iterable[str], shingle_words: int, bands: int,
+              rows: int) -> list[int]:
+    """The ``bands`` LSH keys of a normalized text given as segments (``text.normalized_
+    segments``; a plain string is one segment): each segment's shingles are hashed in one
+    update, the last words carried into the next."""
     from rensa import RMinHash
 
     sketch = RMinHash(bands * rows, SEED)
-    window: deque[str] = deque(maxlen=shingle_words)
-    chunk: list[str] = []
+    carry: list[str] = []  # the last shingle_words - 1 words of the previous segment
     count = 0
-    for match in WORD.finditer(normalized):
-        window.append(match.group())
-        count += 1
-        if count >= shingle_words:
-            chunk.append(" ".join(window))
-            if len(chunk) >= SHINGLE_CHUNK:
-                sketch.update(chunk)
-                chunk = []
+    first = ""
+    for segment in [segments] if isinstance(segments, str) else segments:
+        first = first or segment
+        words = carry + WORD.findall(segment)
+        count += len(words) - len(carry)
+        if len(words) >= shingle_words:
+            sketch.update([" ".join(words[i:i + shingle_words])
+                           for i in range(len(words) - shingle_words + 1)])
+        carry = words[len(words) - shingle_words + 1:] if shingle_words > 1 else []
     if count < shingle_words:  # too short for one shingle: the words (or text) whole
-        chunk = [" ".join(window) if count else normalized]
-    if chunk:
-        sketch.update(chunk)
+        sketch.update([" ".join(carry[len(carry) - count:]) if count else first])
     digest = np.asarray(sketch.digest(), dtype="<u4").reshape(bands, rows)
     return [int.from_bytes(hashlib.blake2b(row.tobytes(), digest_size=8).digest(), "little")
             for row in digest]

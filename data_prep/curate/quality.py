@@ -77,20 +77,27 @@ def _ngram_keys(ids: np.ndarray, n: int) -> np.ndarray:
     return keys
 
 
-def _repeated_chars(keys: list[int], lengths: list[int], n: int) -> int:
+def _repeated_chars(keys: np.ndarray, lengths: np.ndarray, n: int) -> int:
     """Characters of repeated n-grams, left to right: a repeat is counted and skipped whole
-    (Gopher's rule, as datatrove's ``find_all_duplicate``)."""
+    (Gopher's rule, as datatrove's ``find_all_duplicate``). Only n-grams that occur more
+    than once can ever be a repeat, so the walk visits just their positions."""
+    _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+    positions = np.flatnonzero(counts[inverse] > 1).tolist()
+    if not positions:
+        return 0
+    candidates = keys[positions].tolist()
+    sizes = lengths[positions].tolist()
     seen: set[int] = set()
-    chars = i = 0
-    last = len(keys)
-    while i < last:
-        key = keys[i]
+    chars = allowed = 0
+    for pos, key, size in zip(positions, candidates, sizes, strict=True):
+        if pos < allowed:  # inside a repeat already counted
+            continue
         if key in seen:
-            chars += lengths[i]
-            i += n
+            chars += size
+            allowed = pos + n
         else:
             seen.add(key)
-            i += 1
+            allowed = pos + 1
     return chars
 
 
@@ -122,8 +129,8 @@ def repetition_values(text: str, words: list[str]) -> dict[str, float]:
     for n in DUP_NGRAMS:
         chars = 0
         if len(words) >= n:
-            span = (csum[n:] - csum[:-n]).tolist()  # characters of each n-gram (no spaces)
-            chars = _repeated_chars(_ngram_keys(ids, n).tolist(), span, n)
+            span = csum[n:] - csum[:-n]  # characters of each n-gram (no spaces)
+            chars = _repeated_chars(_ngram_keys(ids, n), span, n)
         out[f"dup_{n}gram"] = chars / size
     return out
 

@@ -9,7 +9,9 @@ order ``corpus.shard_documents`` yields them:
 - ``language``, ``language_score``: py3langid (its model ships in the wheel; nothing is
   downloaded) on the first ``LANGUAGE_CHARS`` characters, probabilities normalized;
 - the quality and repetition values of ``quality.COLUMNS``;
-- ``norm_hash``: 64-bit blake2b of ``text.normalize`` (exact dedup);
+- ``norm_hash``: 64-bit blake2b of ``text.normalize`` (exact dedup); a huge document is
+  normalized segment by segment, once for each of the hash, MinHash and decontamination,
+  so no full-size normalized copy is ever held;
 - ``band_00`` .. : the MinHash LSH band keys (``minhash``), one uint64 column per band;
 - ``contamination``: the eval tasks the document shares an n-gram with (``decontaminate``).
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from data_prep.curate.config import CurateConfig, signal_config
 from data_prep.curate.decontaminate import EvalIndex, contamination
 from data_prep.curate.minhash import band_keys
 from data_prep.curate.quality import COLUMNS, text_values
-from data_prep.curate.text import hash64, normalize
+from data_prep.curate.text import SEGMENT_CHARS, normalized_segments, segments_hash64
 from data_prep.progress import Progress
 
 LANGUAGE_CHARS = 4000
@@ -76,16 +78,30 @@ def document_signals(text: str, cfg: CurateConfig,
                      eval_index: EvalIndex | None = None) -> dict[str, Any]:
     """Every signal of one document but its place (id, source, shard, index)."""
     language, score = _identifier().classify(text[:LANGUAGE_CHARS])
-    normalized = normalize(text)
-    out: dict[str, Any] = {"bytes": len(text.encode("utf-8")), "chars": len(text),
+    out: dict[str, Any] = {"bytes": _utf8_size(text), "chars": len(text),
                            "language": language, "language_score": float(score)}
     out.update(text_values(text))
-    out["norm_hash"] = hash64(normalized)
-    for band, key in enumerate(band_keys(normalized, cfg.shingle_words, cfg.minhash_bands,
-                                         cfg.minhash_rows)):
-        out[band_column(band)] = key
-    out["contamination"] = contamination(normalized, eval_index)
+    if len(text) <= SEGMENT_CHARS:  # one segment: normalized once
+        segments: Iterable[str] = list(normalized_segments(text))
+        out["norm_hash"] = segments_hash64(segments)
+        keys = band_keys(segments, cfg.shingle_words, cfg.minhash_bands, cfg.minhash_rows)
+        out["contamination"] = contamination(segments, eval_index)
+    else:  # a huge document: each pass streams its own segments (never a full copy)
+        out["norm_hash"] = segments_hash64(normalized_segments(text))
+        keys = band_keys(normalized_segments(text), cfg.shingle_words, cfg.minhash_bands,
+                         cfg.minhash_rows)
+        out["contamination"] = contamination(normalized_segments(text), eval_index)
+    out.update((band_column(band), key) for band, key in enumerate(keys))
     return out
+
+
+def _utf8_size(text: str) -> int:
+    """UTF-8 bytes of ``text``, counted a piece at a time (no full encoded copy)."""
+    if text.isascii():
+        return len(text)
+    step = SEGMENT_CHARS
+    return sum(len(text[i:i + step].encode("utf-8", "surrogatepass"))
+               for i in range(0, len(text), step))
 
 
 def _batches(records: Iterator[tuple[str, str]], source: str | None, shard_index: int,

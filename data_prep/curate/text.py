@@ -11,34 +11,68 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Iterable, Iterator
 
 WORD = re.compile(r"\w+(?:['\u2019]\w+)*")
 """A word: letters, digits, '_' (an inner apostrophe kept); punctuation is never a word."""
 _SPACE = re.compile(r"\s+")
-FTFY_MAX_CHARS = 1 << 20
-"""ftfy repairs the text in pieces of at most this many characters (bounded memory)."""
+_NEEDS_FTFY = re.compile(r"[^\t\n\r\x20-\x25\x27-\x7e]")
+"""A character ftfy might change (anything but printable ASCII, tab and line breaks, and
+'&' for HTML entities)."""
+SEGMENT_CHARS = 1 << 20
+"""Characters of a document normalized at a time (ftfy, NFKC, lowercase, spaces)."""
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of about ``size`` characters, each cut just before a whitespace
+    character (a line break when the piece's last quarter has one), so no word is split."""
+    start = 0
+    while start < len(text):
+        stop = start + size
+        if stop >= len(text):
+            yield text[start:]
+            return
+        cut = text.rfind("\n", stop - size // 4, stop)
+        if cut <= start:
+            match = _SPACE.search(text, stop)
+            cut = match.start() if match else len(text)
+        yield text[start:cut]
+        start = cut
+
+
+def _fixed(piece: str) -> str:
+    if _NEEDS_FTFY.search(piece) is None:
+        return piece  # printable ASCII without '&': ftfy changes nothing that survives
+    import ftfy
+
+    return ftfy.fix_text(piece)
+
+
+def normalized_segments(text: str, size: int = SEGMENT_CHARS) -> Iterator[str]:
+    """The normalized text in non-empty segments of about ``size`` characters: joined with
+    single spaces they are ``normalize(text)``. One segment is in memory at a time, so a
+    huge document never has a second full-size copy."""
+    for piece in _pieces(text, size):
+        segment = _SPACE.sub(" ", unicodedata.normalize("NFKC", _fixed(piece)).lower()).strip()
+        if segment:
+            yield segment
 
 
 def normalize(text: str) -> str:
     """The text that exact dedup, MinHash and decontamination compare: mojibake and
     similar repaired (ftfy), NFKC, lowercase, every run of whitespace one space."""
-    import ftfy
-
-    if len(text) > FTFY_MAX_CHARS:  # repaired piece by piece at line ends
-        parts, start = [], 0
-        while start < len(text):
-            cut = text.rfind("\n", start, start + FTFY_MAX_CHARS)
-            stop = len(text) if start + FTFY_MAX_CHARS >= len(text) else (
-                cut + 1 if cut > start else start + FTFY_MAX_CHARS)
-            parts.append(ftfy.fix_text(text[start:stop]))
-            start = stop
-        fixed = "".join(parts)
-    else:
-        fixed = ftfy.fix_text(text)
-    return _SPACE.sub(" ", unicodedata.normalize("NFKC", fixed).lower()).strip()
+    return " ".join(normalized_segments(text))
 
 
 def hash64(data: str | bytes) -> int:
     """A 64-bit hash that is the same in every process (Python's ``hash`` is salted)."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def segments_hash64(segments: Iterable[str]) -> int:
+    """``hash64`` of the segments joined by single spaces, without joining them."""
+    digest = hashlib.blake2b(digest_size=8)
+    for i, segment in enumerate(segments):
+        digest.update(segment.encode("utf-8") if i == 0 else b" " + segment.encode("utf-8"))
+    return int.from_bytes(digest.digest(), "little")
