@@ -56,6 +56,7 @@ from data_prep.sources import (
     describe_source,
     file_record,
     is_saved_dataset,
+    piece_records,
     piece_texts,
     plan_pieces,
     unchanged,
@@ -376,14 +377,19 @@ def load_corpus_info(out_dir: Path) -> CorpusInfo:
     return CorpusInfo.load(Path(out_dir) / CORPUS_INFO)
 
 
+def _check_unchanged(entry: dict[str, Any]) -> None:
+    """Refuse a file that changed since the corpus was planned."""
+    if not unchanged({k: v for k, v in entry.items() if k != "key"}):
+        raise DataError(f"{entry['path']} changed since the tokenize stage's prepare step "
+                        "planned it: rerun the tokenize stage (it plans the corpus again)")
+
+
 def _piece_texts(info: CorpusInfo, piece: dict[str, Any], cfg: DataConfig) -> Iterator[str]:
     """The documents of ``piece`` (a piece of ``info`` or one cut like them), streamed from
     its file (refused when the file changed since it was described); errors name the
     source's config key."""
     entry = info.files[piece["file"]]
-    if not unchanged({k: v for k, v in entry.items() if k != "key"}):
-        raise DataError(f"{entry['path']} changed since the tokenize stage's prepare step "
-                        "planned it: rerun the tokenize stage (it plans the corpus again)")
+    _check_unchanged(entry)
     key = entry["key"]
     try:
         yield from piece_texts(info.source_files, piece, cfg, key)
@@ -403,6 +409,24 @@ def shard_documents(info: CorpusInfo, shard: dict[str, Any], cfg: DataConfig) ->
     """The documents of one input shard in corpus order, streamed piece by piece."""
     for index in shard["pieces"]:
         yield from piece_documents(info, index, cfg)
+
+
+def shard_records(info: CorpusInfo, shard: dict[str, Any], cfg: DataConfig,
+                  id_field: str | None = None) -> Iterator[tuple[str, str]]:
+    """(document id, text) of the documents ``shard_documents`` yields, in the same order
+    and number (``sources.piece_records`` says how the id is made)."""
+    for index in shard["pieces"]:
+        piece = info.pieces[index]
+        if piece["docs"] == 0:
+            continue
+        entry = info.files[piece["file"]]
+        _check_unchanged(entry)
+        key = entry["key"]
+        try:
+            yield from itertools.islice(
+                piece_records(info.source_files, piece, cfg, key, id_field), piece["docs"])
+        except DataError as err:
+            raise DataError(str(err) if key in str(err) else f"{key}: {err}") from None
 
 
 def training_sample(out_dir: Path, info: CorpusInfo, cfg: DataConfig, max_bytes: int,

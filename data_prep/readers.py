@@ -113,13 +113,24 @@ def record_text(record: object, field: str, where: str) -> str:
     return text
 
 
-def _json_line(path: Path, line: str, lineno: int, field: str, key: str) -> str:
+def _json_record(path: Path, line: str, lineno: int, key: str) -> object:
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as err:
         raise DataError(f"{path}:{lineno}: malformed JSON line ({err.msg} at column "
                         f"{err.colno}): fix the line or remove the file from {key}") from None
-    return record_text(record, field, f"{path}:{lineno}")
+
+
+def _json_line(path: Path, line: str, lineno: int, field: str, key: str) -> str:
+    return record_text(_json_record(path, line, lineno, key), field, f"{path}:{lineno}")
+
+
+def record_id(record: object, id_field: str | None) -> str | None:
+    """The record's ``id_field`` as a string, or None when unset, absent or null."""
+    if id_field is None or not isinstance(record, dict):
+        return None
+    value = record.get(id_field)
+    return None if value is None else str(value)
 
 
 def json_line_texts(path: Path, text: str, field: str, key: str) -> Iterator[str]:
@@ -130,17 +141,10 @@ def json_line_texts(path: Path, text: str, field: str, key: str) -> Iterator[str
             yield _json_line(path, line, lineno, field, key)
 
 
-def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0,
-               stop: int | None = None) -> Iterator[str]:
-    """The ``field`` of every JSON line whose first byte lies in ``[start, stop)``.
-
-    Line by line: memory is one line. ``start``/``stop`` are offsets into the (decompressed)
-    stream; compressed files are read whole (``start`` 0, ``stop`` None), since they cannot
-    be entered in the middle. A bad line's error names its line number in the file: for a
-    range that starts inside the file, the lines before it are counted then, on the error
-    path only.
-    """
-    path = Path(path)
+def _jsonl_lines(path: Path, key: str, start: int,
+                 stop: int | None) -> Iterator[tuple[int, int, str]]:
+    """(line number counted from the range's first line (1-based), the range's first byte,
+    line) of every non-blank line whose first byte lies in ``[start, stop)``."""
     lineno = 1
     with open_binary(path) as handle:
         pos = 0
@@ -160,14 +164,59 @@ def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0,
                 raise _utf8_error(path, pos + err.start, key) from None
             pos += len(raw)
             if line.strip():
-                try:
-                    text = _json_line(path, line, lineno, field, key)
-                except DataError:
-                    if first > 0:  # raise again with the line's number in the whole file
-                        _json_line(path, line, _lines_before(path, first) + lineno, field, key)
-                    raise
-                yield text
+                yield lineno, first, line
             lineno += 1
+
+
+def iter_jsonl(path: str | Path, field: str, key: str, start: int = 0,
+               stop: int | None = None) -> Iterator[str]:
+    """The ``field`` of every JSON line whose first byte lies in ``[start, stop)``.
+
+    Line by line: memory is one line. ``start``/``stop`` are offsets into the (decompressed)
+    stream; compressed files are read whole (``start`` 0, ``stop`` None), since they cannot
+    be entered in the middle. A bad line's error names its line number in the file: for a
+    range that starts inside the file, the lines before it are counted then, on the error
+    path only.
+    """
+    path = Path(path)
+    for lineno, first, line in _jsonl_lines(path, key, start, stop):
+        try:
+            text = _json_line(path, line, lineno, field, key)
+        except DataError:
+            if first > 0:  # raise again with the line's number in the whole file
+                _json_line(path, line, _lines_before(path, first) + lineno, field, key)
+            raise
+        yield text
+
+
+def iter_jsonl_records(path: str | Path, field: str, key: str, start: int = 0,
+                       stop: int | None = None,
+                       id_field: str | None = None) -> Iterator[tuple[str, str]]:
+    """(document id, ``field``) of every JSON line of ``[start, stop)``, as ``iter_jsonl``.
+
+    The id is the record's ``id_field`` when set and present, else ``<path>:<line>`` with
+    the 1-based line number in the whole file (for a range inside the file, the lines
+    before it are counted once, when the first record without an id needs it).
+    """
+    path = Path(path)
+    before: int | None = None
+
+    def absolute(lineno: int, first: int) -> int:
+        nonlocal before
+        if before is None:
+            before = _lines_before(path, first)
+        return before + lineno
+
+    for lineno, first, line in _jsonl_lines(path, key, start, stop):
+        try:
+            record = _json_record(path, line, lineno, key)
+        except DataError:
+            if first > 0:  # raise again with the line's number in the whole file
+                _json_record(path, line, absolute(lineno, first), key)
+            raise
+        doc_id = record_id(record, id_field)
+        where = f"{path}:{absolute(lineno, first)}" if doc_id is None else None
+        yield doc_id or where, record_text(record, field, where or f"{path}: record {doc_id}")
 
 
 def _lines_before(path: Path, offset: int) -> int:
@@ -235,6 +284,15 @@ class _JsonWindow:
 def iter_json(path: str | Path, field: str, key: str) -> Iterator[str]:
     """The records of a ``.json`` file: a top-level array streamed element by element, a
     single object as one record, and otherwise the file read as JSON lines."""
+    for _, text in iter_json_records(path, field, key):
+        yield text
+
+
+def iter_json_records(path: str | Path, field: str, key: str,
+                      id_field: str | None = None) -> Iterator[tuple[str, str]]:
+    """(document id, ``field``) of the records of a ``.json`` file, as ``iter_json``. The id
+    is the record's ``id_field`` when set and present, else ``<path>:<index>`` (0-based) for
+    an array element, ``<path>`` for a single object, ``<path>:<line>`` for JSON lines."""
     path = Path(path)
     with open_binary(path) as handle:
         window = _JsonWindow(handle, path, key)
@@ -249,7 +307,9 @@ def iter_json(path: str | Path, field: str, key: str) -> Iterator[str]:
             else:
                 while True:
                     where = f"{path}: record [{index}]"
-                    yield record_text(window.value(where), field, where)
+                    record = window.value(where)
+                    yield (record_id(record, id_field) or f"{path}:{index}",
+                           record_text(record, field, where))
                     index += 1
                     sep = window.peek()
                     window.pos += 1
@@ -268,9 +328,9 @@ def iter_json(path: str | Path, field: str, key: str) -> Iterator[str]:
         except DataError:
             single = False  # not one JSON value: JSON lines (named line by line below)
         if single:
-            yield record_text(whole, field, str(path))
+            yield record_id(whole, id_field) or str(path), record_text(whole, field, str(path))
             return
-    yield from iter_jsonl(path, field, key)
+    yield from iter_jsonl_records(path, field, key, id_field=id_field)
 
 
 def _string_column_error(where: str, field: str, names: list[str], kind: object) -> DataError:
@@ -297,6 +357,35 @@ def parquet_row_groups(path: str | Path) -> list[int]:
     return [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
 
 
+def _checked_texts(texts: list, where: str, first: int, field: str) -> list[str]:
+    for offset, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise DataError(f"{where}: record {first + offset} field {field!r} is "
+                            f"{type(text).__name__}, expected a string")
+    return texts
+
+
+def _parquet_batches(path: Path, field: str, row_groups: list[int] | None, first_row: int,
+                     id_field: str | None = None) -> Iterator[tuple[int, list[str], list | None]]:
+    """(file row of the batch's first row, texts, ids or None) per batch of ``field`` (and
+    ``id_field`` when the file has that column)."""
+    import pyarrow.parquet as pq
+
+    handle = pq.ParquetFile(path)
+    schema = handle.schema_arrow
+    names = list(schema.names)
+    kind = schema.field(field).type if field in names else None
+    if kind is None or not _is_string(kind):
+        raise _string_column_error(str(path), field, names, kind)
+    columns = [field, id_field] if id_field in names and id_field != field else [field]
+    row = first_row
+    for batch in handle.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=row_groups,
+                                     columns=columns):
+        texts = _checked_texts(batch.column(0).to_pylist(), str(path), row, field)
+        yield row, texts, batch.column(1).to_pylist() if len(columns) > 1 else None
+        row += len(texts)
+
+
 def iter_parquet(path: str | Path, field: str, row_groups: list[int] | None = None,
                  first_row: int = 0) -> Iterator[str]:
     """The ``field`` column of row groups ``row_groups`` (all when None), in order.
@@ -304,25 +393,26 @@ def iter_parquet(path: str | Path, field: str, row_groups: list[int] | None = No
     One row group's column at most is decoded at a time. ``first_row`` is the file row
     index of the first row read (for error messages); a null is a DataError.
     """
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    handle = pq.ParquetFile(path)
-    schema = handle.schema_arrow
-    names = list(schema.names)
-    kind = schema.field(field).type if field in names else None
-    if kind is None or not _is_string(kind):
-        raise _string_column_error(str(path), field, names, kind)
-    row = first_row
-    for batch in handle.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=row_groups,
-                                     columns=[field]):
-        texts = batch.column(0).to_pylist()
-        for offset, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise DataError(f"{path}: record {row + offset} field {field!r} is "
-                                f"{type(text).__name__}, expected a string")
+    for _, texts, _ in _parquet_batches(Path(path), field, row_groups, first_row):
         yield from texts
-        row += len(texts)
+
+
+def _with_ids(where: str, row: int, texts: list[str],
+              ids: list | None) -> Iterator[tuple[str, str]]:
+    """(id, text) of one batch: the id column's value, else ``<where>:<row>``."""
+    for offset, text in enumerate(texts):
+        value = None if ids is None else ids[offset]
+        yield (f"{where}:{row + offset}" if value is None else str(value)), text
+
+
+def iter_parquet_records(path: str | Path, field: str, row_groups: list[int] | None = None,
+                         first_row: int = 0,
+                         id_field: str | None = None) -> Iterator[tuple[str, str]]:
+    """(document id, ``field``) of the rows ``iter_parquet`` reads: the id is the row's
+    ``id_field`` when the file has that column and the value is not null, else
+    ``<path>:<row>`` (0-based row of the file)."""
+    for row, texts, ids in _parquet_batches(Path(path), field, row_groups, first_row, id_field):
+        yield from _with_ids(str(path), row, texts, ids)
 
 
 def open_saved_dataset(path: str | Path, key: str):
@@ -338,10 +428,10 @@ def open_saved_dataset(path: str | Path, key: str):
     return loaded
 
 
-def iter_dataset(path: str | Path, field: str, key: str, start: int = 0,
-                 stop: int | None = None) -> Iterator[str]:
-    """The ``field`` of rows ``[start, stop)`` of a saved dataset, ``DATASET_BATCH_ROWS`` at
-    a time from the memory-mapped Arrow files."""
+def _dataset_batches(path: str | Path, field: str, key: str, start: int, stop: int | None,
+                     id_field: str | None = None
+                     ) -> Iterator[tuple[int, list[str], list | None]]:
+    """(row of the batch's first row, texts, ids or None) per ``DATASET_BATCH_ROWS`` rows."""
     import datasets
 
     ds = open_saved_dataset(path, key)
@@ -351,12 +441,27 @@ def iter_dataset(path: str | Path, field: str, key: str, start: int = 0,
     feature = ds.features[field]
     if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
         raise _string_column_error(where, field, list(ds.column_names), feature)
-    ds = ds.select_columns([field])
+    with_id = id_field in ds.column_names and id_field != field
+    ds = ds.select_columns([field, id_field] if with_id else [field])
     stop = len(ds) if stop is None else stop
     for begin in range(start, stop, DATASET_BATCH_ROWS):
-        texts = ds[begin : min(stop, begin + DATASET_BATCH_ROWS)][field]
-        for offset, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise DataError(f"{where}: record {begin + offset} field {field!r} is "
-                                f"{type(text).__name__}, expected a string")
+        rows = ds[begin : min(stop, begin + DATASET_BATCH_ROWS)]
+        yield (begin, _checked_texts(rows[field], where, begin, field),
+               rows[id_field] if with_id else None)
+
+
+def iter_dataset(path: str | Path, field: str, key: str, start: int = 0,
+                 stop: int | None = None) -> Iterator[str]:
+    """The ``field`` of rows ``[start, stop)`` of a saved dataset, ``DATASET_BATCH_ROWS`` at
+    a time from the memory-mapped Arrow files."""
+    for _, texts, _ in _dataset_batches(path, field, key, start, stop):
         yield from texts
+
+
+def iter_dataset_records(path: str | Path, field: str, key: str, start: int = 0,
+                         stop: int | None = None,
+                         id_field: str | None = None) -> Iterator[tuple[str, str]]:
+    """(document id, ``field``) of the rows ``iter_dataset`` reads: the row's ``id_field``
+    when the dataset has that column and the value is not null, else ``<path>:<row>``."""
+    for row, texts, ids in _dataset_batches(path, field, key, start, stop, id_field):
+        yield from _with_ids(str(path), row, texts, ids)

@@ -44,9 +44,13 @@ from data_prep.errors import DataError
 from data_prep.readers import (
     COMPRESSIONS,
     iter_dataset,
+    iter_dataset_records,
     iter_json,
+    iter_json_records,
     iter_jsonl,
+    iter_jsonl_records,
     iter_parquet,
+    iter_parquet_records,
     json_line_texts,
     open_saved_dataset,
     parquet_row_groups,
@@ -55,7 +59,8 @@ from data_prep.readers import (
 )
 
 __all__ = ["SUPPORTED", "SourceFile", "describe_source", "expand_files", "file_kind",
-           "is_saved_dataset", "json_line_texts", "piece_texts", "plan_pieces", "record_text",
+           "is_saved_dataset", "json_line_texts", "piece_records", "piece_texts",
+           "plan_pieces", "record_text",
            "stdlib_files", "unchanged"]
 
 KINDS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -352,11 +357,18 @@ def _kept(texts: Iterator[str], max_bytes: int | None) -> Iterator[str]:
             yield text
 
 
-def piece_texts(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig,
-                key: str) -> Iterator[str]:
-    """The documents of one piece, streamed: empty ones dropped, ones over
-    ``data.max_document_bytes`` skipped."""
-    f = files[piece["file"]]
+def _kept_records(records: Iterator[tuple[str, str]],
+                  max_bytes: int | None) -> Iterator[tuple[str, str]]:
+    """``_kept`` on (id, text) pairs: the same documents in the same order."""
+    for doc_id, text in records:
+        if text and (max_bytes is None or len(text.encode("utf-8")) <= max_bytes):
+            yield doc_id, text
+
+
+def _read_piece(f: SourceFile, piece: dict[str, Any], cfg: DataConfig, key: str,
+                id_field: str | None, records: bool) -> Iterator:
+    """One piece's raw documents (before the empty/oversized filter): texts, or (id, text)
+    pairs when ``records``."""
     path = Path(f.path)
     limit = cfg.max_document_bytes
     if f.kind == "text":
@@ -369,21 +381,46 @@ def piece_texts(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig,
                 return
             raise
         if text is not None:
-            yield from _kept(iter([text]), limit)
+            yield (f.path, text) if records else text
     elif f.kind == "jsonl":
-        yield from _kept(iter_jsonl(path, cfg.text_field, key, piece["start"] or 0,
-                                    piece["stop"]), limit)
+        start, stop = piece["start"] or 0, piece["stop"]
+        yield from (iter_jsonl_records(path, cfg.text_field, key, start, stop, id_field)
+                    if records else iter_jsonl(path, cfg.text_field, key, start, stop))
     elif f.kind == "json":
-        yield from _kept(iter_json(path, cfg.text_field, key), limit)
+        yield from (iter_json_records(path, cfg.text_field, key, id_field) if records
+                    else iter_json(path, cfg.text_field, key))
     elif f.kind == "parquet":
         groups = None if piece["start"] is None else list(range(piece["start"], piece["stop"]))
         first_row = sum((f.rows or [])[: piece["start"] or 0])
-        yield from _kept(iter_parquet(path, cfg.text_field, groups, first_row), limit)
+        yield from (iter_parquet_records(path, cfg.text_field, groups, first_row, id_field)
+                    if records else iter_parquet(path, cfg.text_field, groups, first_row))
     elif f.kind == "dataset":
-        yield from _kept(iter_dataset(path, cfg.text_field, key, piece["start"] or 0,
-                                      piece["stop"]), limit)
+        start, stop = piece["start"] or 0, piece["stop"]
+        yield from (iter_dataset_records(path, cfg.text_field, key, start, stop, id_field)
+                    if records else iter_dataset(path, cfg.text_field, key, start, stop))
     else:
         raise DataError(f"{path}: unknown kind {f.kind!r}")
+
+
+def piece_texts(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig,
+                key: str) -> Iterator[str]:
+    """The documents of one piece, streamed: empty ones dropped, ones over
+    ``data.max_document_bytes`` skipped."""
+    f = files[piece["file"]]
+    return _kept(_read_piece(f, piece, cfg, key, None, False), cfg.max_document_bytes)
+
+
+def piece_records(files: list[SourceFile], piece: dict[str, Any], cfg: DataConfig, key: str,
+                  id_field: str | None = None) -> Iterator[tuple[str, str]]:
+    """(document id, text) of the documents ``piece_texts`` yields, in the same order.
+
+    The id is the record's ``id_field`` (JSON, parquet and dataset sources, when set and
+    present), else ``<file>:<line>`` (JSON lines, 1-based), ``<file>:<row>`` (parquet and
+    datasets, 0-based), ``<file>:<index>`` (a JSON array) or ``<file>`` (a text or stdlib
+    file, a single JSON object); ``<file>`` is the path as the source gave it.
+    """
+    f = files[piece["file"]]
+    return _kept_records(_read_piece(f, piece, cfg, key, id_field, True), cfg.max_document_bytes)
 
 
 def file_record(f: SourceFile) -> dict[str, Any]:

@@ -1,0 +1,253 @@
+"""The final step: dedup across every shard, the selection, and everything it writes.
+
+``curate_corpus`` reads the signal files (one per input shard, in corpus order), applies the
+thresholds shard by shard (never holding every signal at once), deduplicates the documents
+that pass (``dedup``), and writes atomically into ``out_dir``:
+
+- ``removed.parquet``: one row per removed document: ``id``, ``reason``, ``duplicate_of``
+  (the kept document's id for a duplicate, else null), ``source``, ``shard``, ``index``,
+  ``bytes``;
+- ``keep/shard-00000.npy`` ...: a bool per document of each input shard, in shard order
+  (``keep_mask``): what tokenization keeps;
+- ``summary.json``: documents and bytes per reason and per source, kept and total;
+- ``removed_sample.json``: the first ``curate.sample_per_reason`` removed documents of each
+  reason, with their text (cut at ``SAMPLE_CHARS``) when the corpus plan is at hand;
+- ``removals.png``: removed documents by reason (a bar chart).
+
+Only this step reads the thresholds, so a new threshold reruns it alone.
+"""
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_prep.atomic import atomic_path, write_bytes_atomic, write_json_atomic
+from data_prep.config import DataConfig
+from data_prep.corpus import CORPUS_INFO, CorpusInfo, shard_records
+from data_prep.curate.config import CurateConfig
+from data_prep.curate.dedup import Duplicates, find_duplicates
+from data_prep.curate.select import PRESETS, RULES, filter_reasons, preset_name
+from data_prep.curate.signals import file_metadata
+
+KEEP_DIR = "keep"
+REMOVED = "removed.parquet"
+SUMMARY = "summary.json"
+SAMPLE = "removed_sample.json"
+CHART = "removals.png"
+SAMPLE_CHARS = 2000
+"""Characters of each sampled removed document kept in removed_sample.json."""
+_FILTER_COLUMNS = sorted({"contamination", "language", *(c for c, _ in RULES.values())})
+
+
+def resolve_preset(cfg: CurateConfig, data: DataConfig,
+                   label: str | None = None) -> dict[str, float | None]:
+    """The effective thresholds of one source (``label``; None: the single data.source, or
+    the first of data.sources): its preset's, with ``curate.thresholds`` over them."""
+    specs = dict(data.labelled_sources())
+    spec = specs.get(label, next(iter(specs.values())))
+    return {**PRESETS[preset_name(cfg.preset, spec)], **cfg.thresholds}
+
+
+def keep_path(out_dir: str | Path, shard_index: int) -> Path:
+    """Where the keep mask of input shard ``shard_index`` is written."""
+    return Path(out_dir) / KEEP_DIR / f"shard-{shard_index:05d}.npy"
+
+
+def keep_mask(out_dir: str | Path, shard_index: int) -> np.ndarray:
+    """The keep mask ``curate_corpus`` wrote for input shard ``shard_index``: a bool per
+    document, in the order ``corpus.shard_documents`` yields them."""
+    path = keep_path(out_dir, shard_index)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: run the curate stage's final step")
+    return np.load(path, allow_pickle=False)
+
+
+def _shard_filters(paths: Sequence[Path], cfg: CurateConfig, data: DataConfig
+                   ) -> tuple[list[dict[str, Any]], list[list[str | None]], np.ndarray]:
+    """Per signal file: its metadata and the filter reasons of its documents; and every
+    document's normalized hash (corpus order)."""
+    import pyarrow.parquet as pq
+
+    metas, reasons, hashes = [], [], []
+    for path in paths:
+        meta = file_metadata(path)
+        table = pq.read_table(path, columns=[*_FILTER_COLUMNS, "norm_hash"])
+        columns = {name: table.column(name) for name in _FILTER_COLUMNS}
+        thresholds = resolve_preset(cfg, data, meta.get("source"))
+        reasons.append(filter_reasons(columns, thresholds, cfg.languages, table.num_rows))
+        hashes.append(table.column("norm_hash").to_numpy())
+        meta["documents"] = table.num_rows
+        metas.append(meta)
+    all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
+    return metas, reasons, all_hashes
+
+
+def _removed_rows(paths: Sequence[Path], metas: list[dict[str, Any]],
+                  reasons: list[list[str | None]], dups: Duplicates) -> tuple[list, list]:
+    """The rows of removed.parquet (corpus order) and every shard's keep mask. A keeper
+    precedes its duplicates in corpus order, so its id is known when they come."""
+    import pyarrow.parquet as pq
+
+    keeper_ids: dict[int, str] = {}
+    is_keeper = np.zeros(len(dups.keeper), dtype=bool)
+    is_keeper[dups.keeper[dups.removed()]] = True
+    rows: list[dict[str, Any]] = []
+    masks: list[np.ndarray] = []
+    first = 0
+    for path, meta, shard_reasons in zip(paths, metas, reasons, strict=True):
+        count = meta["documents"]
+        table = pq.read_table(path, columns=["id", "bytes"])
+        ids = table.column("id").to_pylist()
+        sizes = table.column("bytes").to_pylist()
+        for local in np.flatnonzero(is_keeper[first:first + count]).tolist():
+            keeper_ids[first + local] = ids[local]
+        mask = np.ones(count, dtype=bool)
+        for local in range(count):
+            reason = shard_reasons[local] or dups.reason(first + local)
+            if reason is None:
+                continue
+            mask[local] = False
+            dup_of = (keeper_ids[int(dups.keeper[first + local])]
+                      if reason.endswith("_duplicate") else None)
+            rows.append({"id": ids[local], "reason": reason, "duplicate_of": dup_of,
+                         "source": meta.get("source"), "shard": meta["shard"],
+                         "index": local, "bytes": sizes[local]})
+        masks.append(mask)
+        first += count
+    return rows, masks
+
+
+def _summary(paths: Sequence[Path], metas: list[dict[str, Any]], rows: list[dict[str, Any]],
+             masks: list[np.ndarray]) -> dict[str, Any]:
+    """Documents and bytes per reason, per source, kept and total."""
+    import pyarrow.parquet as pq
+
+    by_reason: dict[str, dict[str, int]] = {}
+    by_source: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        entry = by_reason.setdefault(row["reason"], {"documents": 0, "bytes": 0})
+        entry["documents"] += 1
+        entry["bytes"] += row["bytes"]
+        source = by_source.setdefault(str(row["source"]), {"removed": {}})
+        sub = source["removed"].setdefault(row["reason"], {"documents": 0, "bytes": 0})
+        sub["documents"] += 1
+        sub["bytes"] += row["bytes"]
+    kept_docs = kept_bytes = total_docs = total_bytes = 0
+    for path, meta, mask in zip(paths, metas, masks, strict=True):
+        sizes = pq.read_table(path, columns=["bytes"]).column(0).to_numpy()
+        source = by_source.setdefault(str(meta.get("source")), {"removed": {}})
+        for key, value in (("documents", len(mask)), ("bytes", int(sizes.sum())),
+                           ("kept_documents", int(mask.sum())),
+                           ("kept_bytes", int(sizes[mask].sum()))):
+            source[key] = source.get(key, 0) + value
+        total_docs += len(mask)
+        total_bytes += int(sizes.sum())
+        kept_docs += int(mask.sum())
+        kept_bytes += int(sizes[mask].sum())
+    return {"documents": total_docs, "bytes": total_bytes, "kept_documents": kept_docs,
+            "kept_bytes": kept_bytes, "removed_documents": total_docs - kept_docs,
+            "removed_bytes": total_bytes - kept_bytes,
+            "by_reason": dict(sorted(by_reason.items())), "by_source": by_source}
+
+
+def _sample(rows: list[dict[str, Any]], per_reason: int, data: DataConfig,
+            info: CorpusInfo | None, id_field: str | None) -> dict[str, list[dict[str, Any]]]:
+    """The first ``per_reason`` removed documents of each reason; texts re-read from the
+    shards that hold them when ``info`` (the corpus plan) is given."""
+    chosen: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        picked = chosen.setdefault(row["reason"], [])
+        if len(picked) < per_reason:
+            picked.append({k: row[k] for k in ("id", "duplicate_of", "source", "shard",
+                                               "index", "bytes")})
+    if info is None:
+        return chosen
+    wanted: dict[int, dict[int, dict[str, Any]]] = {}
+    for entries in chosen.values():
+        for entry in entries:
+            wanted.setdefault(entry["shard"], {})[entry["index"]] = entry
+    for shard, entries in sorted(wanted.items()):
+        last = max(entries)
+        for index, (_, text) in enumerate(shard_records(info, info.shards[shard], data,
+                                                        id_field)):
+            if index in entries:
+                entries[index]["text"] = text[:SAMPLE_CHARS]
+            if index >= last:
+                break
+    return chosen
+
+
+def _chart(summary: dict[str, Any], path: Path) -> None:
+    """A horizontal bar chart of removed documents by reason."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reasons = list(summary["by_reason"])
+    counts = [summary["by_reason"][r]["documents"] for r in reasons]
+    fig, ax = plt.subplots(figsize=(7, 1.0 + 0.35 * max(1, len(reasons))))
+    ax.barh(reasons or ["(none removed)"], counts or [0], color="tab:red")
+    ax.invert_yaxis()
+    ax.set_xlabel("documents removed")
+    ax.set_title(f"{summary['removed_documents']:,} of {summary['documents']:,} documents "
+                 f"removed ({summary['kept_documents']:,} kept)")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def _write_removed(rows: list[dict[str, Any]], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("id", pa.string()), ("reason", pa.string()),
+                        ("duplicate_of", pa.string()), ("source", pa.string()),
+                        ("shard", pa.int32()), ("index", pa.int64()), ("bytes", pa.int64())])
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
+
+
+def curate_corpus(signal_paths: Sequence[str | Path], curate_cfg: CurateConfig,
+                  data_cfg: DataConfig, out_dir: str | Path,
+                  info: CorpusInfo | None = None) -> dict[str, Any]:
+    """Dedup and select over the signal files (every input shard's, in shard order) and
+    write the outputs of the module docstring into ``out_dir``; returns the summary with
+    "paths". ``info`` (default: ``out_dir``/corpus.json when present) lets the sample
+    carry the removed documents' texts."""
+    out_dir = Path(out_dir)
+    paths = [Path(p) for p in signal_paths]
+    if info is None and (out_dir / CORPUS_INFO).is_file():
+        info = CorpusInfo.load(out_dir / CORPUS_INFO)
+    metas, reasons, hashes = _shard_filters(paths, curate_cfg, data_cfg)
+    shards = [m["shard"] for m in metas]
+    if shards != sorted(set(shards)):
+        raise ValueError(f"signal files must be one per shard in shard order, got shards "
+                         f"{shards}")
+    passing = np.fromiter((r is None for shard in reasons for r in shard), dtype=bool,
+                          count=len(hashes))
+    dups = find_duplicates(paths, passing, hashes, curate_cfg.minhash_bands)
+    rows, masks = _removed_rows(paths, metas, reasons, dups)
+    _write_removed(rows, out_dir / REMOVED)
+    for meta, mask in zip(metas, masks, strict=True):
+        with atomic_path(keep_path(out_dir, meta["shard"])) as tmp, open(tmp, "wb") as handle:
+            np.save(handle, mask, allow_pickle=False)
+    summary = _summary(paths, metas, rows, masks)
+    sample = _sample(rows, curate_cfg.sample_per_reason, data_cfg, info, curate_cfg.id_field)
+    write_json_atomic(out_dir / SAMPLE, sample)
+    _chart(summary, out_dir / CHART)
+    summary["thresholds"] = {str(m.get("source")): resolve_preset(curate_cfg, data_cfg,
+                                                                  m.get("source"))
+                             for m in metas}
+    summary["paths"] = {"removed": str(out_dir / REMOVED), "keep": str(out_dir / KEEP_DIR),
+                        "summary": str(out_dir / SUMMARY), "sample": str(out_dir / SAMPLE),
+                        "chart": str(out_dir / CHART)}
+    write_json_atomic(out_dir / SUMMARY, summary)
+    return json.loads(json.dumps(summary))
