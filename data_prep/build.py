@@ -241,9 +241,36 @@ def finished_part(out_dir: Path, shard_index: int, prepared: dict[str, Any],
     return result
 
 
+def kept_documents(texts: Iterator[str], keep: np.ndarray | None,
+                   shard_index: int) -> Iterator[str]:
+    """The documents of one shard whose entry in ``keep`` (the curation stage's mask, one
+    bool per document in shard order) is true; all of them when ``keep`` is None. A mask of
+    another length than the shard is refused: it was made for another corpus."""
+    if keep is None:
+        yield from texts
+        return
+
+    def refused(found: str) -> DataError:
+        return DataError(f"input shard {shard_index}: the curation mask holds {len(keep)} "
+                         f"documents, the shard {found}; the curated corpus differs from this "
+                         "one: rerun the curate stage")
+
+    count = 0
+    for text in texts:
+        if count == len(keep):
+            raise refused("more")
+        if keep[count]:
+            yield text
+        count += 1
+    if count != len(keep):
+        raise refused(str(count))
+
+
 def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: CorpusInfo,
-               tokenizer: Tokenizer, data: DataConfig, progress: Progress) -> dict[str, Any]:
+               tokenizer: Tokenizer, data: DataConfig, progress: Progress,
+               keep: np.ndarray | None = None) -> dict[str, Any]:
     """Encode input shard ``shard_index`` into its train and validation parts; record it.
+    ``keep``: the curation stage's mask of the shard's documents (None: every document).
 
     The shard's documents are streamed from its pieces of the source files, in batches of
     about ``data.encode_batch_bytes``; each is held out for validation or not by
@@ -258,8 +285,8 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
     record = _record_path(out_dir, shard_index)
     record.unlink(missing_ok=True)
     began, t0 = time.time(), time.perf_counter()
-    batches = text_batches(shard_documents(info, shard, data), shard["bytes"],
-                           data.encode_batch_bytes)
+    documents_in = kept_documents(shard_documents(info, shard, data), keep, shard_index)
+    batches = text_batches(documents_in, shard["bytes"], data.encode_batch_bytes)
     key = split_key(data.split_seed, label)
 
     def encode(texts: list[str]) -> list:
@@ -302,6 +329,7 @@ def write_part(out_dir: Path, shard_index: int, prepared: dict[str, Any], info: 
         "shard": shard_index,
         "source": label,
         "documents": documents,
+        "curated_out": 0 if keep is None else int(len(keep) - keep.sum()),
         "tokens": sum(p["tokens"] for p in parts.values()),
         "splits": parts,
         "start_time": began,
@@ -355,14 +383,16 @@ def _source_summary(info: CorpusInfo, splits: dict[str, dict[str, Any]]) -> list
 
 
 def _check_documents(info: CorpusInfo, data: DataConfig, splits: dict[str, dict[str, Any]],
-                     documents: int) -> None:
-    """Refuse a store whose parts lost documents (a capped corpus knows its count), a source
+                     documents: int, curated_out: int = 0) -> None:
+    """Refuse a store whose parts lost documents (a capped corpus knows its count; the
+    curation stage's removals, ``curated_out``, are not lost), a source
     without documents, a labelled source of several documents with none held out (its own
     validation loss is reported), or an empty split (the hash split found no document to
     hold out, or held out all), each with the fix."""
-    if info.num_documents is not None and documents != info.num_documents:
-        raise DataError(f"store parts hold {documents} documents, the corpus has "
-                        f"{info.num_documents}; rerun the tokenize stage")
+    if info.num_documents is not None and documents + curated_out != info.num_documents:
+        raise DataError(f"store parts hold {documents} documents and curation removed "
+                        f"{curated_out}, the corpus has {info.num_documents}; rerun the "
+                        "tokenize stage")
     fraction = data.validation_fraction
     for label in [s["label"] for s in info.sources] or [None]:
         held = {split: sum(p["documents"] for p in splits[split]["parts"]
@@ -426,7 +456,8 @@ def finish_store(out_dir: Path, shard_results: list[dict[str, Any]],
         splits[split] = {"tokens": sum(p["tokens"] for p in parts),
                          "documents": sum(p["documents"] for p in parts), "parts": parts}
     documents = sum(s["documents"] for s in splits.values())
-    _check_documents(info, data, splits, documents)
+    curated_out = sum(r.get("curated_out", 0) for r in shard_results)
+    _check_documents(info, data, splits, documents, curated_out)
     for split in SPLITS:  # temp dirs of writers that died (their shard was rerun since)
         for stale in (store / split).glob(".*.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from data_prep.config import DataConfig, TokenizerConfig
+from data_prep.curate.config import CurateConfig
 from model.config import ModelConfig, ParallelConfig, TrainConfig
 from stages.mechanism.errors import ConfigError
 
@@ -400,6 +401,7 @@ class PipelineConfig:
     name: str = "tiny"
     """Name of this configuration (the MLflow experiment by default)."""
     data: DataConfig = field(default_factory=DataConfig)
+    curate: CurateConfig = field(default_factory=CurateConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

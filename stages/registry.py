@@ -5,10 +5,11 @@ Adding a stage is adding a folder ``stages/<name>/`` (its declaration ``STAGE`` 
 """
 from __future__ import annotations
 
-from stages import evaluate, plan, tokenize, train
+from stages import curate, evaluate, plan, tokenize, train
 from stages.mechanism.declaration import StageDeclaration, StageList
 
 PIPELINE = StageList((
+    curate.STAGE,
     tokenize.STAGE,
     plan.STAGE,
     train.STAGE,

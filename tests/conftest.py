@@ -313,7 +313,8 @@ def runs_dir(tmp_path: Path, seed_microbench: Callable[[Path], Path],
 def micro_tokenize_output(made_once: Callable[..., Path], seed_microbench: Callable[..., Path],
                           seed_store: Callable[[Path], str]) -> Path:
     """The micro preset's published tokenize output, made once per test run (``made_once``)
-    by the pipeline's command line (``--only tokenize``); its stage directory."""
+    by the pipeline's command line (``--only curate``, then ``--only tokenize``); its stage
+    directory (the curate output beside it, under ``stages/curate``)."""
     import subprocess
     import sys
 
@@ -321,10 +322,11 @@ def micro_tokenize_output(made_once: Callable[..., Path], seed_microbench: Calla
         runs = directory / "runs"
         seed_microbench(runs)
         seed_store(runs)
-        proc = subprocess.run([sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-                               "--runs-dir", str(runs), "--only", "tokenize"], cwd=REPO,
-                              capture_output=True, text=True, timeout=600, check=False)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        for stage in ("curate", "tokenize"):
+            proc = subprocess.run([sys.executable, "-m", "workflows.pipeline", "--config",
+                                   "micro", "--runs-dir", str(runs), "--only", stage], cwd=REPO,
+                                  capture_output=True, text=True, timeout=600, check=False)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     runs = made_once("micro-tokenized", make) / "runs"
     (published,) = [p for p in (runs / "stages" / "tokenize").iterdir()
@@ -334,15 +336,21 @@ def micro_tokenize_output(made_once: Callable[..., Path], seed_microbench: Calla
 
 @pytest.fixture
 def tokenized_runs_dir(runs_dir: Path, micro_tokenize_output: Path) -> Path:
-    """``runs_dir`` holding a copy of the micro preset's tokenize output (its paths rewritten
-    to the copy), which a micro pipeline reuses: for tests about the stages after it, which
-    then reach training sooner. Tokenizing itself is tested where it is asserted."""
+    """``runs_dir`` holding a copy of the micro preset's curate and tokenize outputs (their
+    paths rewritten to the copy), which a micro pipeline reuses: for tests about the stages
+    after them, which then reach training sooner. Tokenizing itself is tested where it is
+    asserted."""
     from stages.mechanism.outputs import OUTPUTS_FILE, relocate, write_outputs
 
-    target = runs_dir / "stages" / "tokenize" / micro_tokenize_output.name
-    shutil.copytree(micro_tokenize_output, target)
-    outputs = json.loads((target / OUTPUTS_FILE).read_text())
-    write_outputs(target, relocate(outputs, str(micro_tokenize_output), str(target)))
+    made = micro_tokenize_output.parent.parent  # runs/stages of the made-once run
+    for stage in ("curate", "tokenize"):
+        for source in (made / stage).iterdir():
+            if not source.is_dir() or "." in source.name:
+                continue
+            target = runs_dir / "stages" / stage / source.name
+            shutil.copytree(source, target)
+            outputs = json.loads((target / OUTPUTS_FILE).read_text())
+            write_outputs(target, relocate(outputs, str(source), str(target)))
     return runs_dir
 
 

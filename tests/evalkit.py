@@ -34,12 +34,20 @@ def open_pipeline(cfg: PipelineConfig, name: str = "pipeline") -> PipelineContex
 
 def run_stages(cfg: PipelineConfig, ctx: PipelineContext,
                names: tuple[str, ...] = STAGE_ORDER, done: dict | None = None) -> dict:
-    """Run (or reuse) stages in order through stages.mechanism.walk.run_stage; name ->
+    """Run (or reuse) stages in order through stages.mechanism.walk.run_stage, each after its
+    upstream stages (run first when neither ``done`` nor ``names`` has them); name ->
     StageResult."""
     results = dict(done or {})
+
+    def run(name: str) -> None:
+        for up in upstream(name):
+            if up not in results:
+                run(up)
+        results[name] = run_stage(ctx, declaration(name), cfg, {u: results[u]
+                                                                 for u in upstream(name)})
+
     for name in names:
-        inputs = {u: results[u] for u in upstream(name)}
-        results[name] = run_stage(ctx, declaration(name), cfg, inputs)
+        run(name)
     return results
 
 

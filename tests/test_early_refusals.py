@@ -44,7 +44,7 @@ def test_a_directory_as_config_is_named(pipeline_main, tmp_path):
 
 @pytest.mark.parametrize(("text", "fragments"), [
     (WORKFLOW_YAML, ("is not a pipeline config: unknown key 'on/yes/true', 'jobs'",
-                     "none of the sections data, tokenizer")),
+                     "none of the sections data, curate, tokenizer")),
     ("- name: a\n- name: b\n", ("is not a pipeline config: its top level is a list",)),
     ("name: x\non: 3\ntrain: {steps: 2}\n", ("unknown key 'on/yes/true'; allowed keys: name",)),
     ("\xff\xfe not text", ()),

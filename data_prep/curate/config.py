@@ -29,6 +29,10 @@ def _require(ok: bool, message: str) -> None:
 class CurateConfig:
     """Which documents of the corpus are kept for tokenization, and why the others are not."""
 
+    KEYLESS = SELECTION_FIELDS
+    """In no section hash: the curate stage hashes them as its extent, so a new value reuses
+    the signals of an output that differs only there (``stages.curate.reuse``)."""
+
     enabled: bool = True
     """SELECTION. False: every document is kept (no signals are needed)."""
     preset: Literal["auto", "prose", "code"] = "auto"

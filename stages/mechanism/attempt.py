@@ -225,7 +225,8 @@ def _start_continuation(ctx: PipelineContext, source: Continuation,
     tracker.set_tags({"continued_from": source.key or source.checkpoint,
                       "continued_from_step": str(source.step),
                       "continued_from_run_id": source.source_run_id or "unknown"})
-    if not source.source_run_id or (source.source_store or ctx.store) != ctx.store:
+    if (not source.history or not source.source_run_id
+            or (source.source_store or ctx.store) != ctx.store):
         return
     try:
         copied = tracking.copy_history(ctx.tracking_uri, source.source_run_id, run_id,

@@ -46,6 +46,9 @@ class Continuation:
     source_run_id: str = ""
     source_store: str = ""
     warning: str = ""
+    history: bool = True
+    """Whether the new MLflow run takes the source run's metric history up to ``step`` (a
+    continued training's curve); False where the new attempt logs every figure afresh."""
 
     def ingredient(self) -> dict[str, Any]:
         """What enters the key: the source and its content's digest."""

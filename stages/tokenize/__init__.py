@@ -31,7 +31,7 @@ def token_store_digest(outputs: dict[str, Any]) -> str:
 
 
 STAGE = StageDeclaration(
-    "tokenize", sections=("data", "tokenizer"), upstream=(), shape=shape,
+    "tokenize", sections=("data", "tokenizer"), upstream=("curate",), shape=shape,
     module="stages.tokenize.work", not_code=NOT_CODE,
     resumable=True,  # finished shards are kept and not encoded again
     check=check_tokenize, verify=token_store_problem, digest=token_store_digest,

@@ -24,15 +24,24 @@ def check_tokenize(cfg: PipelineConfig, reused: dict[str, Any] | None = None) ->
     from data_prep.errors import DataError
     from model.config import vocab_fit_problem
 
-    problem = hub_budget_problem(cfg)
-    if problem:
-        raise DataError(problem)
-    checks.check_sources(cfg.data)
+    check_sources(cfg)
     vocab = checks.check_tokenizer(cfg.tokenizer, cfg.data)
     problem = vocab_fit_problem(vocab, cfg.model.vocab_size)
     if problem:
         where = f"tokenizer.path {cfg.tokenizer.path!r}: " if cfg.tokenizer.path else ""
         raise DataError(f"{where}{problem}")
+
+
+def check_sources(cfg: PipelineConfig) -> None:
+    """Every source can be read (the start of each file: ``data_prep.checks``) and a hub
+    source has a budget on a Slurm site (``hub_budget_problem``); ``DataError`` otherwise."""
+    from data_prep import checks
+    from data_prep.errors import DataError
+
+    problem = hub_budget_problem(cfg)
+    if problem:
+        raise DataError(problem)
+    checks.check_sources(cfg.data)
 
 
 def token_store_problem(outputs: dict[str, Any]) -> str | None:

@@ -22,6 +22,7 @@ token and document counts per split.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from data_prep import build
+from data_prep.atomic import write_json_atomic
 from data_prep.build import PREPARED, STORE, TOKENIZER
 from data_prep.corpus import load_corpus_info, prepare_corpus, saved_corpus, training_sample
 from data_prep.progress import Progress
@@ -39,6 +41,8 @@ from stages.config import PipelineConfig
 
 __all__ = ["PREPARED", "STORE", "TOKENIZER", "finalize", "part", "prepare"]
 
+CURATION_FILE = "curation.json"  # where the curation's keep masks are (null: none)
+
 
 def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker) -> int:
     """Plan the corpus, train or load the tokenizer, lay out the store; return the shard
@@ -47,9 +51,13 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     The count is ``data.num_shards``; with ``data.sources`` they are divided among the sources
     in proportion to their bytes (at least one each). A planned corpus and a trained tokenizer
     that an earlier attempt saved in ``out_dir`` for the same configuration are kept.
-    ``inputs`` is empty (the first stage); it keeps the signature every stage shares.
+    ``inputs["curate"]`` names the curation's keep mask of each shard (``CURATION_FILE``
+    records them for the parts); without it, or with curation off, every document is
+    encoded.
     """
     out_dir = Path(out_dir)
+    curated = (inputs.get("curate") or {}).get("keep_files")
+    write_json_atomic(out_dir / CURATION_FILE, {"keep_files": curated})
     t0 = time.perf_counter()
     info = saved_corpus(cfg.data, out_dir)
     kept = ["corpus"] if info is not None else []
@@ -118,9 +126,15 @@ def part(cfg: PipelineConfig, out_dir: Path, shard_index: int) -> dict[str, Any]
     tokenizer = shared_tokenizer(out_dir / TOKENIZER, cfg.tokenizer.eos_token)
     progress = Progress(title, shard["bytes"], cfg.data.progress_seconds)
     result = build.write_part(out_dir, shard_index, prepared, info, tokenizer, cfg.data,
-                              progress)
+                              progress, keep=_keep_mask(out_dir, shard_index))
     progress.emit(done=True)
     return result
+
+
+def _keep_mask(out_dir: Path, shard_index: int) -> np.ndarray | None:
+    """The curation's keep mask of one input shard, or None when nothing was curated."""
+    files = json.loads((out_dir / CURATION_FILE).read_text()).get("keep_files")
+    return np.load(files[shard_index], allow_pickle=False) if files else None
 
 
 def finalize(cfg: PipelineConfig, out_dir: Path, shard_results: list[dict[str, Any]],

@@ -101,7 +101,7 @@ CONFIG_CASES = [
     Case("sources-not-a-mapping", sets("data.source=null", "data.sources=[web, code]"),
          ("data.sources must be a mapping, got ['web', 'code']",)),
     Case("only-without-upstream", ("--only", "plan"),
-         ("--only plan needs the 'tokenize' stage's output",
+         ("--only plan needs the 'curate' stage's output",
           "run the pipeline without --only first")),
 ]
 

@@ -86,10 +86,10 @@ def test_changed_code_changes_the_stage_key_and_leaves_the_later_ones_pending():
     code = code_hashes(PIPELINE)
     keys = stage_keys(PIPELINE, cfg, code)
     assert keys == stage_keys(PIPELINE, cfg)  # computed from the checkout when not given
-    changed = stage_keys(PIPELINE, cfg, {**code, "tokenize": "0" * 16})
-    assert changed["tokenize"] != keys["tokenize"]
-    # Later keys hash what tokenize makes: unknown until it has made it (early cutoff).
-    assert all(changed[n] is None for n in ("plan", "train", "evaluate"))
+    changed = stage_keys(PIPELINE, cfg, {**code, "curate": "0" * 16})
+    assert changed["curate"] != keys["curate"]
+    # Later keys hash what curate makes: unknown until it has made it (early cutoff).
+    assert all(changed[n] is None for n in ("tokenize", "plan", "train", "evaluate"))
 
 
 def _publish(runs_dir: Path, name: str, cfg, code: dict[str, str] | str, inputs=None) -> str:
@@ -108,10 +108,10 @@ def test_dry_run_says_why_a_stage_reruns(tmp_path: Path, seed_store):
     seed_store(runs_dir)
     cfg = load_config("micro", [f"tracking.runs_dir={runs_dir}"])
     code = code_hashes(PIPELINE)
-    old_key = _publish(runs_dir, "tokenize", cfg, {**code, "tokenize": "old-code"})
-    status = outputs.read_status(outputs.stage_dir(runs_dir, "tokenize", old_key))
+    old_key = _publish(runs_dir, "curate", cfg, {**code, "curate": "old-code"})
+    status = outputs.read_status(outputs.stage_dir(runs_dir, "curate", old_key))
     assert status["ingredients"]["code"] == "old-code"
-    assert set(status["ingredients"]["sections"]) == set(declaration("tokenize").sections)
+    assert set(status["ingredients"]["sections"]) == set(declaration("curate").sections)
 
     plans = decide_stages(PIPELINE, cfg, None, None, False, code)
     assert plans[0].action == "run"
@@ -122,18 +122,18 @@ def test_dry_run_says_why_a_stage_reruns(tmp_path: Path, seed_store):
 
     # Same code, another data section: the section is named.
     cfg2 = load_config("micro", [f"tracking.runs_dir={runs_dir}", "data.max_documents=20"])
-    old_code = {**code, "tokenize": "old-code"}
+    old_code = {**code, "curate": "old-code"}
     assert decide_stages(PIPELINE, cfg2, None, None, False, old_code)[0].reason == (
         f"config section data changed since key {old_key}")
     both = decide_stages(PIPELINE, cfg2, None, None, False, code)[0].reason
     assert both == f"code, config section data changed since key {old_key}"
 
-    # Downstream: a plan made from another tokenize output names its input.
-    _publish(runs_dir, "tokenize", cfg, code)
-    old_plan = _publish(runs_dir, "plan", cfg, code,
-                        {"tokenize": outputs.find_succeeded(runs_dir, "tokenize", old_key)})
-    # The new tokenize output holds what the old one held (the same digest): the plan made
-    # from the old one is reused (early cutoff), however the tokenize key changed.
+    # Downstream: a tokenize output made from another curate output.
+    _publish(runs_dir, "curate", cfg, code)
+    old_tokens = _publish(runs_dir, "tokenize", cfg, code,
+                          {"curate": outputs.find_succeeded(runs_dir, "curate", old_key)})
+    # The new curate output holds what the old one held (the same digest): the tokenize
+    # output made from the old one is reused (early cutoff), however the curate key changed.
     plans = decide_stages(PIPELINE, cfg, None, None, False, code)
     assert [p.action for p in plans[:2]] == ["reuse", "reuse"]
-    assert plans[1].key == old_plan
+    assert plans[1].key == old_tokens

@@ -231,8 +231,8 @@ def test_rerun_triggers_keep_outputs_made_by_other_code_and_say_so(tmp_path: Pat
     seed_store(runs)
     cfg = micro_config(runs)
     ctx = open_pipeline(cfg)
-    old = dataclasses.replace(ctx, code={**code_hashes(PIPELINE), "tokenize": "old-code"})
-    opened = attempt.begin(old, declaration("tokenize"), cfg, {})
+    old = dataclasses.replace(ctx, code={**code_hashes(PIPELINE), "curate": "old-code"})
+    opened = attempt.begin(old, declaration("curate"), cfg, {})
     made = attempt.finish(old, opened, {})
 
     assert decide_stages(PIPELINE, cfg, None, None, False)[0].action == "run"  # code is a trigger
@@ -241,7 +241,7 @@ def test_rerun_triggers_keep_outputs_made_by_other_code_and_say_so(tmp_path: Pat
     assert "kept although code changed" in kept[0].reason
 
     narrowed = dataclasses.replace(ctx, triggers=("config", "input", "software"))
-    reused = attempt.begin(narrowed, declaration("tokenize"), cfg, {})
+    reused = attempt.begin(narrowed, declaration("curate"), cfg, {})
     assert reused.reused is not None and reused.reused.key == made.key
     tags = tracking.get_run(ctx.tracking_uri, reused.run_id).data.tags
     assert tags["reused"] == "true" and tags["kept_although"] == "code"

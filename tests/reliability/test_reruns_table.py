@@ -16,7 +16,8 @@ from stages.mechanism import keys
 from stages.registry import PIPELINE
 
 REPO = Path(__file__).resolve().parents[2]
-STAGE_INPUTS = {"tokenize": {}, "plan": {"tokenize": "t"}, "train": {"tokenize": "t", "plan": "p"},
+STAGE_INPUTS = {"curate": {}, "tokenize": {"curate": "k"}, "plan": {"tokenize": "t"},
+                "train": {"tokenize": "t", "plan": "p"},
                 "evaluate": {"tokenize": "t", "train": "c"}}
 """Fixed upstream digests: the table is about what a change does to keys by itself."""
 
@@ -92,6 +93,8 @@ CASES: dict[str, tuple[Callable[[World], None], set[str]]] = {
     "progress lines, plots, atomic writes, error classes": (
         _each(_code("data_prep/progress.py"), _code("model/training/plots.py"),
               _code("data_prep/atomic.py"), _code("data_prep/errors.py")), set()),
+    "curation code (`data_prep/curate/signals.py`, `stages/curate/work.py`)": (
+        _each(_code("data_prep/curate/signals.py"), _code("stages/curate/work.py")), {"curate"}),
     "tokenization code (`data_prep/build.py`, `stages/tokenize/work.py`)": (
         _each(_code("data_prep/build.py"), _code("stages/tokenize/work.py")), {"tokenize"}),
     "model code (`model/gpt.py`)": (_code("model/gpt.py"), {"plan", "train", "evaluate"}),
@@ -106,8 +109,16 @@ CASES: dict[str, tuple[Callable[[World], None], set[str]]] = {
         _append("configs/clusters/local.yaml", "\n# retuned by hand\n"), set()),
     "evaluation code (`model/evaluation/loss.py`)": (
         _code("model/evaluation/loss.py"), {"evaluate"}),
-    "`data.*` (say `data.num_shards`), `tokenizer.*`": (
-        _set("data.num_shards=3", "tokenizer.vocab_size=400"), {"tokenize"}),
+    "`data.*` (say `data.num_shards`)": (_set("data.num_shards=3"), {"curate", "tokenize"}),
+    "`tokenizer.*`": (_set("tokenizer.vocab_size=400"), {"tokenize"}),
+    "`curate.thresholds`, `curate.preset`, `curate.languages` (the selection)": (
+        _set("curate.thresholds={min_words: 5}", "curate.preset=prose",
+             "curate.languages=[en, de]"), {"curate"}),
+    "`curate.shingle_words`, `curate.minhash_bands`, `curate.decontamination_ngram` "
+    "(the signals)": (_set("curate.shingle_words=4", "curate.minhash_bands=20",
+                           "curate.decontamination_ngram=8"), {"curate"}),
+    "`eval.prompts`, `eval.tasks`, `eval.task_include` (what decontamination compares "
+    "against)": (_set("eval.prompts=[hello]"), {"curate", "evaluate"}),
     "`data.progress_seconds`, `data.encode_batch_bytes`": (
         _set("data.progress_seconds=1", "data.encode_batch_bytes=1000"), set()),
     "`model.*`": (_set("model.n_layers=3"), {"plan", "train"}),
@@ -121,9 +132,11 @@ CASES: dict[str, tuple[Callable[[World], None], set[str]]] = {
     "`site.*` (walltime, account, ...), `tracking.*`": (
         _set("site.walltime=05:00:00", "site.account=abc123", "tracking.experiment=other"),
         set()),
-    "`eval.*`": (_set("eval.max_tokens=4096"), {"evaluate"}),
+    "other `eval.*` (say `eval.max_tokens`)": (_set("eval.max_tokens=4096"), {"evaluate"}),
     "torch upgraded": (_upgrade("torch"), {"plan", "train", "evaluate"}),
     "tokenizers upgraded": (_upgrade("tokenizers"), {"tokenize"}),
+    "rensa, py3langid, ftfy or pyarrow upgraded": (
+        _each(*(_upgrade(n) for n in ("rensa", "py3langid", "ftfy", "pyarrow"))), {"curate"}),
 }
 
 
