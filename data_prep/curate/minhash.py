@@ -44,7 +44,7 @@ def band_keys(segments: Iterable[str], shingle_words: int, bands: int,
         if len(words) >= shingle_words:
             sketch.update([" ".join(words[i:i + shingle_words])
                            for i in range(len(words) - shingle_words + 1)])
-        carry = words[len(words) - shingle_words + 1:] if shingle_words > 1 else []
+        carry = words[max(0, len(words) - shingle_words + 1):] if shingle_words > 1 else []
     if count < shingle_words:  # too short for one shingle: the words (or text) whole
         sketch.update([" ".join(carry[len(carry) - count:]) if count else first])
     digest = np.asarray(sketch.digest(), dtype="<u4").reshape(bands, rows)
