@@ -69,7 +69,7 @@ PROSE: dict[str, float | None] = {
     "min_words": 20, "max_words": 100_000,
     "min_mean_word_length": 3, "max_mean_word_length": 12,
     "max_hash_ratio": 0.3, "max_ellipsis_ratio": 0.3, "max_ellipsis_lines": 0.3,
-    "min_alpha_words": 0.5, "min_stop_words": 2, "min_stop_word_fraction": 0.02,
+    "min_alpha_words": 0.5, "min_stop_words": 2, "min_stop_word_fraction": 0.01,
     "max_lorem_ipsum": 0,
     "min_language_score": 0.5,
 }
