@@ -53,7 +53,7 @@ class CurateConfig:
     """SIGNAL. LSH bands b. Two documents are near-duplicate candidates when any band's key
     matches; the similarity where that has even odds is about (1/b)^(1/r): 0.72 for the
     default 14 x 8 (datatrove's default), with a pair of Jaccard 0.8 caught 92 % of the time
-    and one of 0.5 under 4 %."""
+    and one of 0.5 about 5 %."""
     minhash_rows: int = 8
     """SIGNAL. Rows (hashes) per band r; the signature has b x r hashes."""
     decontamination_ngram: int = 13

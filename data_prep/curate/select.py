@@ -10,7 +10,7 @@ off. ``min_language_score`` is the language rule: a document is removed when py3
 top language is not one of ``curate.languages`` and has at least that probability. A
 document no language is sure of (menus, symbol runs, terse technical notes) is left to the
 quality rules; datatrove's LanguageFilter instead removes every document whose allowed
-language scores under its threshold, which on technical prose removes READMEs.
+language scores under its threshold, so also every document the model is unsure of.
 
 The presets were read off measurements (docs/data.md, "Curation"): PROSE keeps real
 technical prose (READMEs, changelogs, package docs) and removes navigation menus, word
