@@ -249,9 +249,15 @@ def curate_corpus(signal_paths: Sequence[str | Path], curate_cfg: CurateConfig,
     if shards != sorted(set(shards)):
         raise ValueError(f"signal files must be one per shard in shard order, got shards "
                          f"{shards}")
-    passing = np.concatenate(reasons) == 0 if reasons else np.zeros(0, dtype=bool)
-    dups = find_duplicates(paths, passing, hashes, curate_cfg.minhash_bands)
-    del hashes, passing
+    if curate_cfg.enabled:
+        passing = np.concatenate(reasons) == 0 if reasons else np.zeros(0, dtype=bool)
+        dups = find_duplicates(paths, passing, hashes, curate_cfg.minhash_bands)
+        del passing
+    else:  # curate.enabled false: every document is kept
+        reasons = [np.zeros_like(r) for r in reasons]
+        dups = Duplicates(keeper=np.arange(len(hashes), dtype=np.int64),
+                          exact=np.zeros(len(hashes), dtype=bool))
+    del hashes
     tally = _Tally(curate_cfg.sample_per_reason)
     _write_selection(paths, metas, reasons, codes, dups, out_dir, tally)
     summary = tally.summary()

@@ -138,7 +138,7 @@ def compute_shard_signals(info: CorpusInfo, shard_index: int, shard: dict[str, A
     started = time.perf_counter()
     source = shard.get("source")
     progress = progress or Progress(f"[curate] signals of shard {shard_index}",
-                                    int(shard.get("bytes") or 0))
+                                    int(shard.get("bytes") or 0), tokens=False)
     meta = {"shard": shard_index, "source": source, "signal_config": signal_config(curate_cfg)}
     table_schema = schema(curate_cfg.minhash_bands, meta)
     counts = {"documents": 0, "bytes": 0, "contaminated": 0}
