@@ -411,7 +411,9 @@ def huge_documents(out: Path, count: int, megabytes: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--docs", type=int, default=3000, help="documents in the corpus")
+    parser.add_argument("--docs", type=int, default=3000,
+                        help="documents in the corpus (fewer when the installed packages' "
+                             "descriptions run out: 2,538 here)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--doc-chars", type=int, default=700,
                         help="characters of a real document (paragraphs grouped)")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from data_prep.curate.select import PRESETS, RULES
+
 SIGNAL_FIELDS = ("shingle_words", "minhash_bands", "minhash_rows", "decontamination_ngram",
                  "decontamination_min_words", "id_field")
 """Fields that change the stored signals (a change recomputes every shard's signals)."""
@@ -65,8 +67,6 @@ class CurateConfig:
     prompt such as 'def main(' would otherwise match most of the corpus."""
 
     def __post_init__(self) -> None:
-        from data_prep.curate.select import PRESETS, RULES
-
         _require(self.preset in ("auto", *PRESETS),
                  f"curate.preset must be auto, prose or code, got {self.preset!r}")
         unknown = sorted(set(self.thresholds) - set(RULES))
