@@ -7,8 +7,9 @@ sources planned from metadata, fingerprint, the train/validation hash rule, inpu
 encoding of input shards, part records for resuming, manifest), ``writer`` (the low-level
 writer of one part), ``store`` (``open_store``, ``SplitReader``), ``loader``
 (``TokenWindowLoader``), ``atomic`` (atomic file writes), ``progress``, ``errors``
-(``DataError``, ``StoreError``). The tokenize stage (stages/tokenize/work.py) wires them to the
-configuration, progress lines and tracking.
+(``DataError``, ``StoreError``), ``curate`` (data curation: per-document signals, global
+dedup, decontamination, a threshold selection; docs/data.md, "Curation"). The curate and
+tokenize stages (stages/curate/, stages/tokenize/) wire them to the configuration, progress lines and tracking.
 
 Token store format (version 1)
 ------------------------------

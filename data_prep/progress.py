@@ -16,11 +16,12 @@ class Progress:
     """
 
     def __init__(self, label: str, total_bytes: int, every_s: float = 10.0,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, tokens: bool = True) -> None:
         self.label = label
         self.total = total_bytes
         self.every = every_s
         self.stream = stream
+        self.show_tokens = tokens  # False: work that counts no tokens (no tokens/s field)
         self.start = time.perf_counter()
         self.last = self.start
         self.docs = 0
@@ -46,7 +47,7 @@ class Progress:
         pct = 100.0 * done_bytes / self.total if self.total else 100.0
         return (f"{self.label}: {done_bytes / 1e6:,.1f}/{self.total / 1e6:,.1f} MB ({pct:.0f}%) | "
                 f"{self.docs} docs | {self.docs / elapsed:,.0f} docs/s | "
-                f"{self.tokens / elapsed:,.0f} tokens/s | "
+                + (f"{self.tokens / elapsed:,.0f} tokens/s | " if self.show_tokens else "")
                 + (f"done in {elapsed:,.1f}s" if done else f"ETA {eta:,.0f}s"))
 
     def emit(self, done: bool = False) -> None:

@@ -101,7 +101,7 @@ def planted_corpus(root: Path) -> Planted:
              ("leak", PROSE[20] + "\n\n" + LEAK), ("spam", click_spam())]
     docs = [(f"p{i:02d}", PROSE[i]) for i in range(28, 40)] + [
         (f"p{i:02d}", PROSE[i]) for i in (46, 47)]
-    docs += [("dup-p08", PROSE[8].upper()), ("dup-p09b", PROSE[9]),
+    docs += [("dup-p08", PROSE[8].replace(". ", ".\n")), ("dup-p09b", PROSE[9]),
              ("near-long1", near_copy(long1, 1))]
     _write(root / "web" / "part-1.jsonl", web1)
     _write(root / "web" / "part-2.jsonl", web2)

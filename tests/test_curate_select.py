@@ -146,3 +146,11 @@ def test_config_checks_name_the_key() -> None:
         CurateConfig(decontamination_min_words=20)
     assert set(SIGNAL_FIELDS).isdisjoint(SELECTION_FIELDS)
     assert CurateConfig().lsh_threshold == pytest.approx(0.719, abs=1e-3)
+
+
+def test_disabled_curation_keeps_every_document(curated, tmp_path: Path) -> None:
+    planted, _, paths, info, _ = curated
+    summary = curate_corpus(paths, CurateConfig(enabled=False, id_field="id"), planted.data,
+                            tmp_path, info)
+    assert summary["removed_documents"] == 0 and not removed_rows(tmp_path)
+    assert all(keep_mask(tmp_path, i).all() for i in range(len(info.shards)))

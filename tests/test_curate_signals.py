@@ -47,6 +47,16 @@ def test_minhash_streams_segments_and_catches_near_copies() -> None:
     assert candidate_probability(0.8, 14, 8) == pytest.approx(0.924, abs=1e-3)
 
 
+def test_short_documents_are_one_shingle_of_all_their_words() -> None:
+    """Under 5 words, the whole text is the shingle: two 3-word files that end alike are
+    not near duplicates (only their last word would be, were it kept alone)."""
+    a = band_keys(normalize("from .test_zoneinfo import *"), 5, 14, 8)
+    b = band_keys(normalize("from .test_import import *"), 5, 14, 8)
+    assert not set(a) & set(b)
+    assert band_keys(normalize("def util():\n    pass"), 5, 14, 8) == band_keys(
+        "def util pass", 5, 14, 8)
+
+
 PEAK_SCRIPT = """
 import resource, sys
 from data_prep.curate import CurateConfig, document_signals

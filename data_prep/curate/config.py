@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from data_prep.curate.select import PRESETS, RULES
+
 SIGNAL_FIELDS = ("shingle_words", "minhash_bands", "minhash_rows", "decontamination_ngram",
                  "decontamination_min_words", "id_field")
 """Fields that change the stored signals (a change recomputes every shard's signals)."""
@@ -57,7 +59,7 @@ class CurateConfig:
     """SIGNAL. LSH bands b. Two documents are near-duplicate candidates when any band's key
     matches; the similarity where that has even odds is about (1/b)^(1/r): 0.72 for the
     default 14 x 8 (datatrove's default), with a pair of Jaccard 0.8 caught 92 % of the time
-    and one of 0.5 under 4 %."""
+    and one of 0.5 about 5 %."""
     minhash_rows: int = 8
     """SIGNAL. Rows (hashes) per band r; the signature has b x r hashes."""
     decontamination_ngram: int = 13
@@ -69,8 +71,6 @@ class CurateConfig:
     prompt such as 'def main(' would otherwise match most of the corpus."""
 
     def __post_init__(self) -> None:
-        from data_prep.curate.select import PRESETS, RULES
-
         _require(self.preset in ("auto", *PRESETS),
                  f"curate.preset must be auto, prose or code, got {self.preset!r}")
         unknown = sorted(set(self.thresholds) - set(RULES))

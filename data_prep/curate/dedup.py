@@ -6,7 +6,7 @@ the document's index. Only candidates take part (the documents the filters pass)
 cluster whose first member is junk still keeps a good one. Memory at corpus scale: the
 normalized hashes of all documents (8 bytes each), then one band column at a time read
 from every signal file (Arrow column projection), sorted with numpy; equal neighbours are
-joined. The union-find holds one int per candidate. Pairs are not verified (see
+joined. The union-find is one int64 array over the candidates. Pairs are not verified (see
 ``minhash`` for the LSH threshold and its false positives).
 
 A removed member's ``duplicate_of`` is its cluster's keeper; its reason is
@@ -43,22 +43,32 @@ class Duplicates:
 
 
 class UnionFind:
-    """Disjoint sets over 0..n-1 (path halving, union by smaller root index)."""
+    """Disjoint sets over 0..n-1 in one int64 array (8 bytes a document): path halving,
+    and union under the smaller root, so every set's root is its smallest member."""
 
     def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
+        self.parent = np.arange(n, dtype=np.int64)
 
     def find(self, x: int) -> int:
         parent = self.parent
         while parent[x] != x:
             parent[x] = parent[parent[x]]
-            x = parent[x]
+            x = int(parent[x])
         return x
 
     def union(self, a: int, b: int) -> None:
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             self.parent[max(ra, rb)] = min(ra, rb)
+
+    def roots(self) -> np.ndarray:
+        """Every element's root, by pointer jumping over the whole array (vectorized)."""
+        parent = self.parent
+        while True:
+            jumped = parent[parent]
+            if np.array_equal(jumped, parent):
+                return parent
+            parent = jumped
 
 
 def _join_equal(keys: np.ndarray, sets: UnionFind) -> int:
@@ -93,8 +103,7 @@ def find_duplicates(paths: Sequence[str | Path], candidates: np.ndarray,
             keys = read_column(paths, band_column(band)).astype(np.uint64)[members]
             _join_equal(keys, sets)
             del keys
-    roots = np.fromiter((sets.find(i) for i in range(len(members))), dtype=np.int64,
-                        count=len(members))
+    roots = sets.roots()
     # members are in corpus order and each root is its set's smallest position
     keeper = np.arange(total, dtype=np.int64)
     keeper[members] = members[roots]

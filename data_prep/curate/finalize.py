@@ -67,10 +67,25 @@ def keep_mask(out_dir: str | Path, shard_index: int) -> np.ndarray:
     return np.load(path, allow_pickle=False)
 
 
-def _shard_filters(paths: Sequence[Path], cfg: CurateConfig, data: DataConfig
-                   ) -> tuple[list[dict[str, Any]], list[list[str | None]], np.ndarray]:
-    """Per signal file: its metadata and the filter reasons of its documents; and every
-    document's normalized hash (corpus order)."""
+class _Codes:
+    """Reason strings as small integers (0: kept), so a corpus's reasons are 2 bytes a
+    document."""
+
+    def __init__(self) -> None:
+        self.names: list[str | None] = [None]
+        self.index: dict[str | None, int] = {None: 0}
+
+    def encode(self, reasons: list[str | None]) -> np.ndarray:
+        for reason in set(reasons) - set(self.index):
+            self.index[reason] = len(self.names)
+            self.names.append(reason)
+        return np.fromiter((self.index[r] for r in reasons), dtype=np.int16, count=len(reasons))
+
+
+def _shard_filters(paths: Sequence[Path], cfg: CurateConfig, data: DataConfig, codes: _Codes
+                   ) -> tuple[list[dict[str, Any]], list[np.ndarray], np.ndarray]:
+    """Per signal file (one at a time): its metadata and its documents' filter reason
+    codes; and every document's normalized hash (corpus order)."""
     import pyarrow.parquet as pq
 
     metas, reasons, hashes = [], [], []
@@ -79,94 +94,108 @@ def _shard_filters(paths: Sequence[Path], cfg: CurateConfig, data: DataConfig
         table = pq.read_table(path, columns=[*_FILTER_COLUMNS, "norm_hash"])
         columns = {name: table.column(name) for name in _FILTER_COLUMNS}
         thresholds = resolve_preset(cfg, data, meta.get("source"))
-        reasons.append(filter_reasons(columns, thresholds, cfg.languages, table.num_rows))
+        reasons.append(codes.encode(filter_reasons(columns, thresholds, cfg.languages,
+                                                   table.num_rows)))
         hashes.append(table.column("norm_hash").to_numpy())
         meta["documents"] = table.num_rows
         metas.append(meta)
+        del table, columns
     all_hashes = np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64)
     return metas, reasons, all_hashes
 
 
-def _removed_rows(paths: Sequence[Path], metas: list[dict[str, Any]],
-                  reasons: list[list[str | None]], dups: Duplicates) -> tuple[list, list]:
-    """The rows of removed.parquet (corpus order) and every shard's keep mask. A keeper
-    precedes its duplicates in corpus order, so its id is known when they come."""
-    import pyarrow.parquet as pq
-
-    keeper_ids: dict[int, str] = {}
-    is_keeper = np.zeros(len(dups.keeper), dtype=bool)
-    is_keeper[dups.keeper[dups.removed()]] = True
-    rows: list[dict[str, Any]] = []
-    masks: list[np.ndarray] = []
-    first = 0
-    for path, meta, shard_reasons in zip(paths, metas, reasons, strict=True):
-        count = meta["documents"]
-        table = pq.read_table(path, columns=["id", "bytes"])
-        ids = table.column("id").to_pylist()
-        sizes = table.column("bytes").to_pylist()
-        for local in np.flatnonzero(is_keeper[first:first + count]).tolist():
-            keeper_ids[first + local] = ids[local]
-        mask = np.ones(count, dtype=bool)
-        for local in range(count):
-            reason = shard_reasons[local] or dups.reason(first + local)
-            if reason is None:
-                continue
-            mask[local] = False
-            dup_of = (keeper_ids[int(dups.keeper[first + local])]
-                      if reason.endswith("_duplicate") else None)
-            rows.append({"id": ids[local], "reason": reason, "duplicate_of": dup_of,
-                         "source": meta.get("source"), "shard": meta["shard"],
-                         "index": local, "bytes": sizes[local]})
-        masks.append(mask)
-        first += count
-    return rows, masks
+_REMOVED_SCHEMA = [("id", "string"), ("reason", "string"), ("duplicate_of", "string"),
+                   ("source", "string"), ("shard", "int32"), ("index", "int64"),
+                   ("bytes", "int64")]
 
 
-def _summary(paths: Sequence[Path], metas: list[dict[str, Any]], rows: list[dict[str, Any]],
-             masks: list[np.ndarray]) -> dict[str, Any]:
-    """Documents and bytes per reason, per source, kept and total."""
-    import pyarrow.parquet as pq
+class _Tally:
+    """Documents and bytes per reason and per source, kept and total, and the first
+    removed documents of each reason (the sample), gathered shard by shard."""
 
-    by_reason: dict[str, dict[str, int]] = {}
-    by_source: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        entry = by_reason.setdefault(row["reason"], {"documents": 0, "bytes": 0})
-        entry["documents"] += 1
-        entry["bytes"] += row["bytes"]
-        source = by_source.setdefault(str(row["source"]), {"removed": {}})
-        sub = source["removed"].setdefault(row["reason"], {"documents": 0, "bytes": 0})
-        sub["documents"] += 1
-        sub["bytes"] += row["bytes"]
-    kept_docs = kept_bytes = total_docs = total_bytes = 0
-    for path, meta, mask in zip(paths, metas, masks, strict=True):
-        sizes = pq.read_table(path, columns=["bytes"]).column(0).to_numpy()
-        source = by_source.setdefault(str(meta.get("source")), {"removed": {}})
+    def __init__(self, per_reason: int) -> None:
+        self.per_reason = per_reason
+        self.by_reason: dict[str, dict[str, int]] = {}
+        self.by_source: dict[str, dict[str, Any]] = {}
+        self.sample: dict[str, list[dict[str, Any]]] = {}
+        self.totals = {"documents": 0, "bytes": 0, "kept_documents": 0, "kept_bytes": 0}
+
+    def add_shard(self, source: str | None, sizes: np.ndarray, mask: np.ndarray) -> None:
+        entry = self.by_source.setdefault(str(source), {"removed": {}})
         for key, value in (("documents", len(mask)), ("bytes", int(sizes.sum())),
                            ("kept_documents", int(mask.sum())),
                            ("kept_bytes", int(sizes[mask].sum()))):
-            source[key] = source.get(key, 0) + value
-        total_docs += len(mask)
-        total_bytes += int(sizes.sum())
-        kept_docs += int(mask.sum())
-        kept_bytes += int(sizes[mask].sum())
-    return {"documents": total_docs, "bytes": total_bytes, "kept_documents": kept_docs,
-            "kept_bytes": kept_bytes, "removed_documents": total_docs - kept_docs,
-            "removed_bytes": total_bytes - kept_bytes,
-            "by_reason": dict(sorted(by_reason.items())), "by_source": by_source}
+            entry[key] = entry.get(key, 0) + value
+            self.totals[key] += value
 
-
-def _sample(rows: list[dict[str, Any]], per_reason: int, data: DataConfig,
-            info: CorpusInfo | None, id_field: str | None) -> dict[str, list[dict[str, Any]]]:
-    """The first ``per_reason`` removed documents of each reason; texts re-read from the
-    shards that hold them when ``info`` (the corpus plan) is given."""
-    chosen: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        picked = chosen.setdefault(row["reason"], [])
-        if len(picked) < per_reason:
+    def add_removed(self, row: dict[str, Any]) -> None:
+        for table in (self.by_reason,
+                      self.by_source.setdefault(str(row["source"]), {"removed": {}})["removed"]):
+            entry = table.setdefault(row["reason"], {"documents": 0, "bytes": 0})
+            entry["documents"] += 1
+            entry["bytes"] += row["bytes"]
+        picked = self.sample.setdefault(row["reason"], [])
+        if len(picked) < self.per_reason:
             picked.append({k: row[k] for k in ("id", "duplicate_of", "source", "shard",
                                                "index", "bytes")})
+
+    def summary(self) -> dict[str, Any]:
+        t = self.totals
+        return {**t, "removed_documents": t["documents"] - t["kept_documents"],
+                "removed_bytes": t["bytes"] - t["kept_bytes"],
+                "by_reason": dict(sorted(self.by_reason.items())), "by_source": self.by_source}
+
+
+def _write_selection(paths: Sequence[Path], metas: list[dict[str, Any]],
+                     reasons: list[np.ndarray], codes: _Codes, dups: Duplicates,
+                     out_dir: Path, tally: _Tally) -> None:
+    """removed.parquet and the keep masks, one shard at a time. A keeper precedes its
+    duplicates in corpus order, so its id is known when they come."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    removed_dup = dups.removed()
+    is_keeper = np.zeros(len(dups.keeper), dtype=bool)
+    is_keeper[dups.keeper[removed_dup]] = True
+    keeper_ids: dict[int, str] = {}
+    schema = pa.schema(_REMOVED_SCHEMA)
+    first = 0
+    with atomic_path(out_dir / REMOVED) as tmp, \
+            pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+        for path, meta, shard_codes in zip(paths, metas, reasons, strict=True):
+            count = meta["documents"]
+            table = pq.read_table(path, columns=["id", "bytes"])
+            ids = table.column("id").to_pylist()
+            sizes = table.column("bytes").to_numpy()
+            for local in np.flatnonzero(is_keeper[first:first + count]).tolist():
+                keeper_ids[first + local] = ids[local]
+            mask = np.ones(count, dtype=bool)
+            rows = []
+            gone = (shard_codes != 0) | removed_dup[first:first + count]
+            for local in np.flatnonzero(gone).tolist():
+                reason = codes.names[shard_codes[local]] or dups.reason(first + local)
+                mask[local] = False
+                dup_of = (keeper_ids[int(dups.keeper[first + local])]
+                          if reason.endswith("_duplicate") else None)
+                rows.append({"id": ids[local], "reason": reason, "duplicate_of": dup_of,
+                             "source": meta.get("source"), "shard": meta["shard"],
+                             "index": local, "bytes": int(sizes[local])})
+            tally.add_shard(meta.get("source"), sizes, mask)
+            for row in rows:
+                tally.add_removed(row)
+            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+            with atomic_path(keep_path(out_dir, meta["shard"])) as keep_tmp, \
+                    open(keep_tmp, "wb") as handle:
+                np.save(handle, mask, allow_pickle=False)
+            first += count
+
+
+def _sample_texts(chosen: dict[str, list[dict[str, Any]]], data: DataConfig,
+                  info: CorpusInfo | None, id_field: str | None) -> None:
+    """Add their texts (cut at ``SAMPLE_CHARS``) to the sampled removed documents, re-read
+    from the shards that hold them (only up to the last one wanted in each)."""
     if info is None:
-        return chosen
+        return
     wanted: dict[int, dict[int, dict[str, Any]]] = {}
     for entries in chosen.values():
         for entry in entries:
@@ -179,7 +208,6 @@ def _sample(rows: list[dict[str, Any]], per_reason: int, data: DataConfig,
                 entries[index]["text"] = text[:SAMPLE_CHARS]
             if index >= last:
                 break
-    return chosen
 
 
 def _chart(summary: dict[str, Any], path: Path) -> None:
@@ -204,17 +232,6 @@ def _chart(summary: dict[str, Any], path: Path) -> None:
     write_bytes_atomic(path, buffer.getvalue())
 
 
-def _write_removed(rows: list[dict[str, Any]], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pa.schema([("id", pa.string()), ("reason", pa.string()),
-                        ("duplicate_of", pa.string()), ("source", pa.string()),
-                        ("shard", pa.int32()), ("index", pa.int64()), ("bytes", pa.int64())])
-    with atomic_path(path) as tmp:
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
-
-
 def curate_corpus(signal_paths: Sequence[str | Path], curate_cfg: CurateConfig,
                   data_cfg: DataConfig, out_dir: str | Path,
                   info: CorpusInfo | None = None) -> dict[str, Any]:
@@ -226,22 +243,26 @@ def curate_corpus(signal_paths: Sequence[str | Path], curate_cfg: CurateConfig,
     paths = [Path(p) for p in signal_paths]
     if info is None and (out_dir / CORPUS_INFO).is_file():
         info = CorpusInfo.load(out_dir / CORPUS_INFO)
-    metas, reasons, hashes = _shard_filters(paths, curate_cfg, data_cfg)
+    codes = _Codes()
+    metas, reasons, hashes = _shard_filters(paths, curate_cfg, data_cfg, codes)
     shards = [m["shard"] for m in metas]
     if shards != sorted(set(shards)):
         raise ValueError(f"signal files must be one per shard in shard order, got shards "
                          f"{shards}")
-    passing = np.fromiter((r is None for shard in reasons for r in shard), dtype=bool,
-                          count=len(hashes))
-    dups = find_duplicates(paths, passing, hashes, curate_cfg.minhash_bands)
-    rows, masks = _removed_rows(paths, metas, reasons, dups)
-    _write_removed(rows, out_dir / REMOVED)
-    for meta, mask in zip(metas, masks, strict=True):
-        with atomic_path(keep_path(out_dir, meta["shard"])) as tmp, open(tmp, "wb") as handle:
-            np.save(handle, mask, allow_pickle=False)
-    summary = _summary(paths, metas, rows, masks)
-    sample = _sample(rows, curate_cfg.sample_per_reason, data_cfg, info, curate_cfg.id_field)
-    write_json_atomic(out_dir / SAMPLE, sample)
+    if curate_cfg.enabled:
+        passing = np.concatenate(reasons) == 0 if reasons else np.zeros(0, dtype=bool)
+        dups = find_duplicates(paths, passing, hashes, curate_cfg.minhash_bands)
+        del passing
+    else:  # curate.enabled false: every document is kept
+        reasons = [np.zeros_like(r) for r in reasons]
+        dups = Duplicates(keeper=np.arange(len(hashes), dtype=np.int64),
+                          exact=np.zeros(len(hashes), dtype=bool))
+    del hashes
+    tally = _Tally(curate_cfg.sample_per_reason)
+    _write_selection(paths, metas, reasons, codes, dups, out_dir, tally)
+    summary = tally.summary()
+    _sample_texts(tally.sample, data_cfg, info, curate_cfg.id_field)
+    write_json_atomic(out_dir / SAMPLE, tally.sample)
     _chart(summary, out_dir / CHART)
     summary["thresholds"] = {str(m.get("source")): resolve_preset(curate_cfg, data_cfg,
                                                                   m.get("source"))

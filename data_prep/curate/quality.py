@@ -7,9 +7,10 @@ The definitions follow the papers and datatrove 0.10.1's filters, with words fro
   ``hash_ratio`` and ``ellipsis_ratio`` ('#' and '...'/'…' per word), ``bullet_lines``
   (lines starting with '•' or '-'), ``ellipsis_lines`` (lines ending with an ellipsis),
   ``alpha_words`` (words with a letter), ``stop_words`` (how many of Gopher's eight stop
-  words occur, lowercased), and ``stop_word_fraction`` (the share of words that are one of
-  them: not in Gopher or datatrove; word salad drawn from a real vocabulary has a few
-  distinct stop words but under 1 % of its words are, against ~8 % in technical prose);
+  words occur, case-sensitive as in datatrove: "The" is not "the"), and
+  ``stop_word_fraction`` (the share of words that are one of them: not in Gopher or
+  datatrove; word salad drawn from a real vocabulary has a few distinct stop words but
+  under 1 % of its words are, against ~8 % in technical prose);
 - Gopher repetition: ``dup_line_frac``/``dup_para_frac`` (repeated lines/paragraphs over
   all) and ``dup_line_char_frac``/``dup_para_char_frac`` (their characters over the text's),
   ``top_{2,3,4}gram`` (characters of the most frequent n-gram times its count, over the
@@ -54,6 +55,7 @@ COLUMNS = ("words", "mean_word_length", "hash_ratio", "ellipsis_ratio", "bullet_
 _PARAGRAPHS = re.compile(r"\n{2,}")
 _LINES = re.compile(r"\n+")
 _MULT = np.uint64(0x9E3779B97F4A7C15)
+_LETTER = re.compile(r"[^\W\d_]")
 
 
 def _duplicates(items: list[str]) -> tuple[int, int]:
@@ -126,11 +128,13 @@ def repetition_values(text: str, words: list[str]) -> dict[str, float]:
                 # a space between the n words, as the n-gram is written
                 top = (int(csum[start + n] - csum[start]) + n - 1) * int(most)
         out[f"top_{n}gram"] = top / size
+    repeats = True
     for n in DUP_NGRAMS:
         chars = 0
-        if len(words) >= n:
+        if repeats and len(words) >= n:  # no repeated n-gram: no longer one repeats either
             span = csum[n:] - csum[:-n]  # characters of each n-gram (no spaces)
             chars = _repeated_chars(_ngram_keys(ids, n), span, n)
+            repeats = chars > 0
         out[f"dup_{n}gram"] = chars / size
     return out
 
@@ -150,11 +154,11 @@ def text_values(text: str) -> dict[str, float]:
         "ellipsis_ratio": (text.count("...") + text.count("…")) / per_word,
         "bullet_lines": sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines),
         "ellipsis_lines": sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines),
-        "alpha_words": sum(any(c.isalpha() for c in w) for w in words) / per_word,
+        "alpha_words": sum(1 for w in words if w.isalpha() or _LETTER.search(w)) / per_word,
     }
-    lowered_words = [w.lower() for w in words]
-    out["stop_words"] = len(STOP_WORDS.intersection(lowered_words))
-    out["stop_word_fraction"] = sum(w in STOP_WORDS for w in lowered_words) / per_word
+    # case-sensitive, as Gopher's rule in datatrove: an all-caps document has no stop word
+    out["stop_words"] = len(STOP_WORDS.intersection(words))
+    out["stop_word_fraction"] = sum(w in STOP_WORDS for w in words) / per_word
     out.update(repetition_values(text, words))
     stripped = [s.strip() for s in lines]
     filled = [s for s in stripped if s]

@@ -10,7 +10,7 @@ off. ``min_language_score`` is the language rule: a document is removed when py3
 top language is not one of ``curate.languages`` and has at least that probability. A
 document no language is sure of (menus, symbol runs, terse technical notes) is left to the
 quality rules; datatrove's LanguageFilter instead removes every document whose allowed
-language scores under its threshold, which on technical prose removes READMEs.
+language scores under its threshold, so also every document the model is unsure of.
 
 The presets were read off measurements (docs/data.md, "Curation"): PROSE keeps real
 technical prose (READMEs, changelogs, package docs) and removes navigation menus, word
@@ -69,7 +69,7 @@ PROSE: dict[str, float | None] = {
     "min_words": 20, "max_words": 100_000,
     "min_mean_word_length": 3, "max_mean_word_length": 12,
     "max_hash_ratio": 0.3, "max_ellipsis_ratio": 0.3, "max_ellipsis_lines": 0.3,
-    "min_alpha_words": 0.5, "min_stop_words": 2, "min_stop_word_fraction": 0.02,
+    "min_alpha_words": 0.5, "min_stop_words": 2, "min_stop_word_fraction": 0.01,
     "max_lorem_ipsum": 0,
     "min_language_score": 0.5,
 }
