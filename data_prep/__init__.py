@@ -9,7 +9,8 @@ writer of one part), ``store`` (``open_store``, ``SplitReader``), ``loader``
 (``TokenWindowLoader``), ``atomic`` (atomic file writes), ``progress``, ``errors``
 (``DataError``, ``StoreError``), ``curate`` (data curation: per-document signals, global
 dedup, decontamination, a threshold selection; docs/data.md, "Curation"). The curate and
-tokenize stages (stages/curate/, stages/tokenize/) wire them to the configuration, progress lines and tracking.
+tokenize stages (stages/curate/, stages/tokenize/) wire them to the configuration,
+progress lines and tracking.
 
 Token store format (version 1)
 ------------------------------
