@@ -17,6 +17,9 @@ error and the tail of its output, and the others still run:
    rehearses a GPU cluster's plans (fake ``cuda`` tensors, ``rehearse_isolated``), beside
    the run's real peak (``torch.cuda.max_memory_allocated``, the trainer's
    ``peak_memory_gb``): ``rehearsed_over_real``.
+   The rehearsal runs on torch 2.13 only (``model.training.torch_pin``): where the GPU's
+   torch is another release, export ``FRONTIER_LLM_REHEARSAL_PYTHON`` naming an
+   interpreter with the CPU build of torch 2.13 and the project's requirements.
 
 Everything goes to one JSON file, ``benchmarks/results/gpu_check.json``. ``--dry`` (or
 ``GPU_CHECK_DRY=1``) runs the same steps on the CPU with the GPU hidden and tiny sizes, in
