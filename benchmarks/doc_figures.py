@@ -3,8 +3,7 @@
 A quoted figure carries a marker right after it (an HTML comment, invisible once rendered):
 
     at 33.5 %<!-- figure: bench_plan_search.json#figures.22b_1024_mfu x100 --> MFU
-    encode_ratio 0.557<!-- figure: bench_data.json#figures.encode_ratio target>=0.85 -->
-    (missed)
+    0.557<!-- figure: bench_data.json#figures.encode_ratio target>=0.85 --> (missed)
 
 - ``FILE#PATH``: a file in ``benchmarks/results`` and a dot-separated path into its JSON
   (list items by index);
@@ -12,10 +11,10 @@ A quoted figure carries a marker right after it (an HTML comment, invisible once
 - ``target<op>NUMBER`` (optional, op one of ``>= <= > <``): the figure's target; the line
   must then say "missed" (or "misses") exactly when the recorded value misses it.
 
-The quoted figure is the last number (``1,024``, ``-0.75``, ``1.21e26``; or ``true`` /
-``false``) before the marker on its line, with at most a short unit between them (``%``,
-``s``, `` GB``, a backtick). It agrees with
-the file when it is the recorded value rounded to as many decimals as the text shows.
+The quoted figure is the last number (``1,024``, ``-0.75``, ``1.21e26``, the 304 of
+``182-304``; or ``true`` / ``false``) before the marker on its line, with at most a short
+unit between them (``%``, ``s``, `` GB``, a backtick). It agrees with the file when it is
+the recorded value rounded to as many decimals as the text shows.
 ``tests/test_doc_figures.py`` checks every marker; ``python benchmarks/doc_figures.py``
 prints every disagreement.
 """
@@ -36,7 +35,7 @@ DOC_FILES = ("README.md", "docs/*.md", "benchmarks/results/README.md")
 MARKER = re.compile(r"<!--\s*figure:\s*(?P<file>[\w.-]+\.json)#(?P<path>[\w.-]+)"
                     r"(?:\s+x(?P<scale>[0-9.e+-]+))?"
                     r"(?:\s+target(?P<op>>=|<=|>|<)(?P<target>-?[0-9.e+-]+))?\s*-->")
-QUOTED = re.compile(r"(?P<value>[+-]?\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?|true|false)"
+QUOTED = re.compile(r"(?<![\d.])(?P<value>[+-]?\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?|true|false)"
                     r"(?P<unit>[^\d<>]{0,16})$")
 MISSED = re.compile(r"\bmiss(?:ed|es)?\b", re.IGNORECASE)
 TARGET_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}

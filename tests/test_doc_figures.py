@@ -43,6 +43,7 @@ def test_a_marker_checks_rounding_scale_and_stated_misses(tmp_path: Path) -> Non
     assert problems("0.3<!-- figure: bench_x.json#figures.mfu --> and "
                     "2.2<!-- figure: bench_x.json#figures.runs.1 -->") == [None, None]
     assert problems("fits: false<!-- figure: bench_x.json#figures.fit -->") == [None]
+    assert problems("from 1-2.2<!-- figure: bench_x.json#figures.runs.1 --> s") == [None]
     assert "quotes true" in problems("true<!-- figure: bench_x.json#figures.fit -->")[0]
     assert "stops at 'nope'" in problems("1<!-- figure: bench_x.json#figures.nope -->")[0]
     assert "no results file" in problems("1<!-- figure: bench_y.json#figures.a -->")[0]
