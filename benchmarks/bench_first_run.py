@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -24,14 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.results import (  # noqa: E402 (needs the repository on sys.path)
     REPO,
     RESULTS_DIR,
-    code_record,
-    measured_files,
-    project_files,
+    whole_project_code,
     write_results,
 )
-
-CODE_ROOTS = ("data_prep", "model", "stages", "workflows")
-"""A run runs the whole project, in processes this one does not import."""
+from benchmarks.timing import timed_command  # noqa: E402
 
 
 def disk_gb(path: Path) -> float:
@@ -53,16 +46,10 @@ def disk_gb(path: Path) -> float:
 def timed_run(command: list[str], timeout: float) -> tuple[float, float]:
     """Run ``command`` from the repository root; (wall s, CPU s of its process tree).
     SystemExit with its output's tail when it fails."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          check=False)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, cpu, proc = timed_command(command, REPO, timeout=timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {proc.returncode}:\n"
                          f"{(proc.stdout + proc.stderr)[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu
 
 
@@ -87,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         figures["runs_dir_mb"] = round(disk_gb(Path(tmp) / "runs") * 1000, 1)
     figures["load_average_1min"] = round(os.getloadavg()[0], 2)
     if not args.tiny:
-        code = code_record(sorted(set(measured_files()) | set(project_files(CODE_ROOTS))))
         write_results("bench_first_run", figures, {"args": vars(args)}, args.results_dir,
-                      code=code)
+                      code=whole_project_code())
     print(json.dumps(figures))
     return 0
 

@@ -44,14 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.results import (  # noqa: E402 (needs the repository on sys.path)
     REPO,
     RESULTS_DIR,
-    code_record,
-    measured_files,
-    project_files,
+    whole_project_code,
     write_results,
 )
 
-CODE_ROOTS = ("data_prep", "model", "stages", "workflows")
-"""The steps run the whole project, in processes this one does not import."""
 PIPELINE_SETS = ["train.steps=2", "parallel.nproc=1", "train.dtype=bfloat16"]
 """The micro preset's overrides: two steps, one rank (one GPU), bf16."""
 TIMEOUTS = {"nvidia_smi": 20, "torch": 60, "bench_train": 150, "pipeline": 150,
@@ -185,9 +181,8 @@ def check(dry: bool, results_dir: Path, work: Path) -> dict[str, Any]:
     # without a GPU there is no nvidia-smi: the dry check needs every other step
     figures["required_ok"] = all(step["ok"] for name, step in steps.items()
                                  if not (dry and name == "nvidia_smi"))
-    code = code_record(sorted(set(measured_files()) | set(project_files(CODE_ROOTS))))
     path = write_results("gpu_check_dry" if dry else "gpu_check", figures, {"steps": steps},
-                         results_dir, code=code)
+                         results_dir, code=whole_project_code())
     print(f"[gpu_check] {figures['steps_ok']}/{figures['steps']} steps ok; written to {path}",
           flush=True)
     return figures

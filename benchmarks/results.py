@@ -42,6 +42,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESERVED = ("figures", "commit", "date", "machine", "code")
 PROJECT_PACKAGES = ("benchmarks", "data_prep", "model", "stages", "workflows")
 """Top-level folders whose modules count as the code a benchmark measured."""
+WHOLE_PROJECT = ("data_prep", "model", "stages", "workflows")
+"""The folders a benchmark runs when it runs the pipeline in processes of its own."""
 BOOKKEEPING = ("benchmarks/results.py",)
 """Files in no code record: they write results down and measure nothing."""
 
@@ -148,6 +150,12 @@ def code_changes(record: dict[str, Any], repo: Path = REPO) -> list[str] | None:
         return None
     return sorted(rel for rel, digest in code["files"].items()
                   if rel not in BOOKKEEPING and source_digest(repo / rel) != digest)
+
+
+def whole_project_code() -> dict[str, Any]:
+    """The code record of a benchmark that runs the whole project in child processes: what
+    it imported and every module of :data:`WHOLE_PROJECT`."""
+    return code_record(sorted(set(measured_files()) | set(project_files(WHOLE_PROJECT))))
 
 
 def write_results(name: str, figures: dict, extra: dict | None = None,
