@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_results
+from benchmarks.timing import timed_command
 from stages.mechanism.launch import RankSpec, local_command, rank_command, rank_environment
 from tests.train_helpers import tiny_config
 
@@ -45,16 +43,10 @@ def torchrun_command(spec_path: Path, spec: RankSpec) -> list[str]:
 
 def timed(cmd: list[str]) -> tuple[float, float]:
     """(wall s, CPU s of the command and its waited-for descendants) of one run of ``cmd``."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=rank_environment(), capture_output=True,
-                          text=True, check=False)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, cpu, proc = timed_command(cmd, ROOT, rank_environment())
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stdout[-2000:]}"
                          f"\n{proc.stderr[-2000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu
 
 

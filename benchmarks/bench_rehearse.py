@@ -61,12 +61,19 @@ from typing import Any, get_args
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.results import write_results  # noqa: E402 (needs the repository on sys.path)
+from benchmarks.results import (  # noqa: E402 (needs the repository on sys.path)
+    code_record,
+    measured_files,
+    project_files,
+    write_results,
+)
 
 PRESETS = ("frontier-22b", "frontier-175b", "frontier-1t", "llama31-8b-continue",
            "pythia-continue")
 """Every preset that plans for a GPU cluster (the others run on the local one)."""
 STAGES = ("first", "last")
+CODE_ROOTS = ("model", "data_prep")
+"""The folders whose code a rehearsal runs (in child processes this one does not import)."""
 
 
 def peak_rss_gb() -> float:
@@ -337,7 +344,16 @@ def run_child(preset: str, stage: str, devices: int | None, timeout: float,
                 "error": proc.stderr[-2000:]}
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     record["wall_seconds"] = time.perf_counter() - t0
+    record["code_digest"] = run_code()["digest"]
     return record
+
+
+@functools.cache
+def run_code() -> dict[str, Any]:
+    """The code this run rehearses with: this script, what it imported and every module of
+    :data:`CODE_ROOTS`. Each rank it rehearses records the digest (``code_digest``), so a
+    file that keeps ranks from an earlier run shows which ones other code measured."""
+    return code_record(sorted(set(measured_files()) | set(project_files(CODE_ROOTS))))
 
 
 def outcome_of(record: dict[str, Any]) -> str:
@@ -483,7 +499,7 @@ def run_heldout(args: argparse.Namespace, kind: str = HELDOUT) -> int:
               f"{stage}: {outcome_of(record)}", flush=True)
         # written after every rank, so a run stopped early keeps what it measured
         write_results(results, {**heldout_figures(records), "complete": complete()},
-                      {"args": vars(args), "ranks": records})
+                      {"args": vars(args), "ranks": records}, code=run_code())
     print(json.dumps({**heldout_figures(records), "complete": complete()}))
     return 0
 
@@ -549,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         write_results(args.remodel, figures, {
             "args": old.get("args"), "ranks": records,
             "rehearsed_at": old.get("rehearsed_at") or {"commit": old.get("commit"),
-                                                         "date": old.get("date")}})
+                                                         "date": old.get("date")}},
+            code=run_code())
         print(json.dumps(figures))
         return 0
     if sum((args.held_out, args.tuning, args.study)) > 1:
@@ -582,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"#{index} {stage}: {outcome_of(record)}", flush=True)
         # written after every rank, so a run stopped early keeps what it measured
         write_results(name, {**figures_of(records), "complete": n == len(jobs)},
-                      {"args": vars(args), "ranks": records})
+                      {"args": vars(args), "ranks": records}, code=run_code())
     print(json.dumps({**figures_of(records), "complete": True}))
     return 0
 

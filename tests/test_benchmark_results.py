@@ -48,3 +48,16 @@ def test_rewrite_replaces_the_file_and_bad_input_is_refused(tmp_path: Path) -> N
         write_results("../escape", {"a": 1}, directory=tmp_path)
     with pytest.raises(ValueError, match="commit"):
         write_results("bench_x", {"a": 1}, {"commit": "abc"}, directory=tmp_path)
+
+
+def test_timed_command_counts_the_cpu_of_the_command_and_what_it_waited_for() -> None:
+    from benchmarks.timing import timed_command
+
+    busy = "x = 0\nwhile x < 10_000_000: x += 1"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}])"
+    wall, cpu, proc = timed_command([sys.executable, "-c", child], REPO)
+    assert proc.returncode == 0
+    assert cpu > 0.3, "the grandchild's busy loop is counted"
+    assert wall > 0.3 * cpu
+    wall, cpu, proc = timed_command([sys.executable, "-c", "raise SystemExit(4)"], REPO)
+    assert proc.returncode == 4 and cpu < 1.0

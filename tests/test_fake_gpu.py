@@ -151,3 +151,23 @@ def test_every_guarded_call_is_named_in_the_docs() -> None:
     doc = (REPO / "docs" / "planner.md").read_text()
     missing = [name for name in GUARDED if f"torch.cuda.{name}" not in doc]
     assert not missing, f"docs/planner.md does not name the guarded calls {missing}"
+
+
+def test_another_interpreter_rehearses_when_one_is_named(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """$FRONTIER_LLM_REHEARSAL_PYTHON rehearses the rank (Frontier's ROCm torch is not the
+    release the rehearsal was checked on): the named interpreter runs, and gives the same
+    rehearsal as this one."""
+    from model.training.torch_pin import REHEARSAL_PYTHON
+
+    called = tmp_path / "called"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\necho \"$@\" >> {called}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    plan = Plan(dp=2, grad_accum=2, sharding="zero2")
+    _, own = rehearse_tiny(plan, 0)
+    monkeypatch.setenv(REHEARSAL_PYTHON, str(wrapper))
+    _, other = rehearse_tiny(plan, 0)
+    assert "model.training.fake_gpu_rank" in called.read_text()
+    assert other.peak_memory_bytes == own.peak_memory_bytes > 0
+    assert other.flops_per_step == own.flops_per_step

@@ -214,3 +214,83 @@ def test_walltimes_slurm_would_round_are_refused_with_the_whole_minutes(tmp_path
                       ["site.account=abc123", "site.walltime=00:02:00"])
     script = batch_script(cfg, tmp_path, "train")
     assert "#SBATCH --time=2" in script and "#SBATCH --signal=USR1@30" in script  # 120 s / 4
+
+
+def test_a_torch_the_rehearsal_refuses_is_an_error_unless_the_rehearsal_is_turned_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan stage rehearses Frontier plans; a torch other than the one the rehearsal was
+    checked on would leave the plan on the memory model alone: an error with its fix, and
+    a warning once the user turns the rehearsal off by name."""
+    from model.training import torch_pin
+
+    checked = ".".join(map(str, torch_pin.CHECKED_TORCH))
+    rows = report("frontier-175b")
+    assert rows["rehearsal"].verdict == "ok"
+    assert rows["rehearsal"].value.startswith(f"torch {checked}")
+
+    monkeypatch.setattr(torch_pin, "installed_torch", lambda: "2.8.0+rocm6.4")
+    rows = report("frontier-175b")
+    row = rows["rehearsal"]
+    assert row.verdict == "error" and "torch 2.8.0+rocm6.4 here" in row.value
+    assert f"torch {checked} only" in row.value
+    assert "--set parallel.rehearse=false" in row.fix and "docs/frontier.md" in row.fix
+    assert [name for name, r in rows.items() if r.verdict == "error"] == ["rehearsal"]
+
+    rows = report("frontier-175b", "parallel.rehearse=false")
+    assert rows["rehearsal"].verdict == "warning"
+    assert [name for name, r in rows.items() if r.verdict == "error"] == []
+
+    monkeypatch.setattr(torch_pin, "installed_torch", lambda: None)
+    assert "torch not installed here" in report("frontier-175b")["rehearsal"].value
+    # The measured local cluster is not rehearsed by default: no row.
+    cfg = load_config(str(ROOT / "configs" / "micro.yaml"), ["site.name=slurm"])
+    assert "rehearsal" not in {row.check for row in readiness(cfg)}
+
+
+def test_a_plan_the_stage_could_not_rehearse_is_an_error(tmp_path: Path) -> None:
+    from model.parallel.layout import Plan
+
+    plan = Plan.from_dict({"tp": 2, "pp": 1, "dp": 4, "micro_batch": 1, "grad_accum": 1,
+                           "sharding": "zero3",
+                           "predictions": {"step_time_s": 2.0, "memory_gb_per_device": 40.0}})
+    plan_path = plan.to_json(tmp_path / "plan.json")
+    error = tmp_path / "rehearsal.json"
+    error.write_text('{"error": "the rehearsal\'s private hooks were checked on torch 2.13"}')
+    cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"), ["site.account=abc123"])
+    rows = {row.check: row for row in plan_findings(
+        cfg, {"plan": str(plan_path), "rehearsal": str(error)})[0]}
+    memory = rows["device memory"]
+    assert memory.verdict == "error" and memory.value == "40 GB modeled, not rehearsed"
+    assert "checked on torch 2.13" in memory.fix and "parallel.rehearse=false" in memory.fix
+
+
+def test_the_rehearsal_interpreter_named_is_the_one_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from model.training.torch_pin import REHEARSAL_PYTHON
+
+    def interpreter(version: str) -> str:
+        path = tmp_path / f"python-{version}"
+        path.write_text(f"#!/bin/sh\necho {version}\n")
+        path.chmod(0o755)
+        return str(path)
+
+    monkeypatch.setenv(REHEARSAL_PYTHON, interpreter("2.13.0+cpu"))
+    row = report("frontier-175b")["rehearsal"]
+    assert row.verdict == "ok" and row.value.startswith("torch 2.13.0+cpu in ")
+    monkeypatch.setenv(REHEARSAL_PYTHON, interpreter("2.10.0"))
+    row = report("frontier-175b")["rehearsal"]
+    assert row.verdict == "error" and "torch 2.10.0 in " in row.value
+    monkeypatch.setenv(REHEARSAL_PYTHON, str(tmp_path / "absent"))
+    assert report("frontier-175b")["rehearsal"].verdict == "error"
+
+
+def test_a_reused_rehearsed_plan_needs_no_rehearsal_here(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from model.training import torch_pin
+    from workflows.readiness import rehearsal_finding
+
+    monkeypatch.setattr(torch_pin, "installed_torch", lambda: "2.8.0+rocm6.4")
+    cfg = load_config(str(ROOT / "configs" / "frontier-175b.yaml"), ["site.account=abc123"])
+    assert rehearsal_finding(cfg).verdict == "error"
+    row = rehearsal_finding(cfg, rehearsed=True)
+    assert row.verdict == "ok" and "rehearsed" in row.value

@@ -3,7 +3,8 @@ allocation, as one table (``--dry-run`` prints it on slurm and frontier sites).
 
 One row per check: the jobs (nodes x walltime, and on Frontier the job-size bin and its
 walltime limit), the plan (its predicted step time and device memory: rehearsed where the
-plan stage has rehearsed it, else modeled), when the first checkpoint lands, the
+plan stage has rehearsed it, else modeled), whether the plan stage can rehearse with the torch
+installed here, when the first checkpoint lands, the
 interruptions the training should expect and the checkpoint interval that loses least work
 to them (``model.planner.failures``) beside the configured one, host memory of the
 evaluation, the Hugging Face export, the corpus, the runs dir's file system, and the whole
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,12 @@ def job_finding(what: str, cfg: PipelineConfig, nodes: int, walltime: str,
     return Finding(what, value)
 
 
+def _rehearsed(found: dict[str, Any] | None) -> bool:
+    """Whether a reused plan output holds rehearsal records (not a rehearsal's error)."""
+    rehearsal = (found or {}).get("rehearsal")
+    return bool(rehearsal) and isinstance(json.loads(Path(rehearsal).read_text()), list)
+
+
 def _plan_of(cfg: PipelineConfig, found: dict[str, Any] | None
              ) -> tuple[Plan, list[dict[str, Any]] | None, float | None, str]:
     """(the plan, its rehearsal records or None, the device's GB or None, where it came
@@ -123,7 +131,12 @@ def plan_findings(cfg: PipelineConfig, found_plan: dict[str, Any] | None = None
     rows = [Finding("plan", f"{layout}: {step:.4g} s/step, MFU {predictions.get('mfu', 0):.0%} "
                     f"(from {source})" if step else f"{layout} (from {source})")]
     modeled = predictions.get("memory_gb_per_device")
-    if records:
+    if isinstance(records, dict):  # rehearsal.json's {"error": ...}: the plan stood unrehearsed
+        rows.append(Finding(
+            "device memory", f"{modeled or 0:.3g} GB modeled, not rehearsed", "error",
+            f"the plan stage could not rehearse its plan ({records.get('error', records)}): "
+            f"{REHEARSAL_FIX}"))
+    elif records:
         worst = max(records, key=lambda r: r["rehearsed_peak_memory_gb_with_margins"])
         fits = all(r["rehearsed_fits_device"] for r in records)
         rows.append(Finding(
@@ -140,6 +153,42 @@ def plan_findings(cfg: PipelineConfig, found_plan: dict[str, Any] | None = None
             "the plan does not fit: fix fewer plan fields (parallel.*)" if over else
             "modeled only: the plan stage rehearses the rank on fake tensors (parallel.rehearse)"))
     return rows, step
+
+
+REHEARSAL_FIX = ("give the rehearsal an interpreter with the torch it was checked on "
+                 "(export FRONTIER_LLM_REHEARSAL_PYTHON=<its python>: docs/frontier.md, "
+                 "'The rehearsal's own environment'), or opt out of the rehearsal by name "
+                 "with --set parallel.rehearse=false (the memory model alone decides)")
+
+
+def rehearsal_finding(cfg: PipelineConfig, rehearsed: bool = False) -> Finding | None:
+    """Whether the plan stage can rehearse its plan: with the torch of the interpreter that
+    rehearses (``$FRONTIER_LLM_REHEARSAL_PYTHON``, else this one: the environment the plan
+    stage runs in). An error when the rehearsal would refuse that torch
+    (``model.training.torch_pin``), since the plan would then stand on the memory model
+    alone; ok when the plan output this run reuses is already rehearsed (``rehearsed``); a
+    warning when ``parallel.rehearse=false`` opts out; None where the stage does not
+    rehearse by default (a measured cluster)."""
+    from model.planner.cluster import is_measured, rehearses
+    from model.training import torch_pin
+
+    setting = cfg.parallel.rehearse
+    if not rehearses(setting, is_measured(cfg.parallel.cluster)):
+        if setting is False:
+            return Finding("rehearsal", "off (parallel.rehearse=false)", "warning",
+                           "the plan's device memory is the memory model's alone")
+        return None
+    if rehearsed:
+        return Finding("rehearsal", "the reused plan output is rehearsed")
+    checked = ".".join(map(str, torch_pin.CHECKED_TORCH))
+    python = torch_pin.rehearsal_python()
+    where = "here" if python == sys.executable else f"in {python}"
+    version = torch_pin.torch_of(python)
+    if version is None or torch_pin.torch_release(version) != torch_pin.CHECKED_TORCH:
+        return Finding("rehearsal", f"torch {version or 'not installed'} {where}; the "
+                       f"rehearsal runs on torch {checked} only", "error",
+                       f"the plan stage would keep its plan unrehearsed: {REHEARSAL_FIX}")
+    return Finding("rehearsal", f"torch {version} {where}: the plan stage rehearses its plan")
 
 
 def _resolved_train(cfg: PipelineConfig, figures: Interruptions) -> TrainConfig:
@@ -380,6 +429,8 @@ def readiness(cfg: PipelineConfig, plans: list[StageDecision] | None = None) -> 
                                    short, "site.compute_walltime"))
     plan_rows, step = plan_findings(cfg, found_plan)
     rows += plan_rows
+    rehearsal = rehearsal_finding(cfg, _rehearsed(found_plan))
+    rows += [rehearsal] if rehearsal else []
     figures = config_interruptions(cfg)
     rows.append(checkpoint_finding(cfg, step, figures))
     rows += failure_findings(cfg, step, figures)

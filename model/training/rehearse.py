@@ -94,10 +94,8 @@ from model.parallel.layout import Plan
 from model.parallel.pipeline import build_schedule, chunk_ids
 from model.training.batches import synthetic_batch_factory
 from model.training.rehearsed_ddp import RehearsedDDP
+from model.training.torch_pin import CHECKED_TORCH, rehearsal_python, torch_release
 from model.training.trainer import BuildSeam, Trainer, cross_entropy
-
-CHECKED_TORCH = (2, 13)
-"""The torch release (major, minor) whose pipelining internals the bypass was checked on."""
 
 aten = torch.ops.aten
 FLOP_FORMULAS: dict[Any, Any] = {
@@ -223,14 +221,13 @@ def check_torch_internals() -> None:
     """Raise RehearsalError unless this torch is the release the rehearsal's private hooks
     (the pipelining vote bypass, the trackers' repeated-call rule) were checked on and
     still has the attributes they use."""
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if version != CHECKED_TORCH:
+    if torch_release(torch.__version__) != CHECKED_TORCH:
         raise RehearsalError(
             f"the rehearsal's private hooks were checked on torch "
             f"{'.'.join(map(str, CHECKED_TORCH))}, this is torch {torch.__version__}: check "
             "_PipelineSchedule._warmup_p2p, PipelineStage._inference_mode and the memory "
             "trackers' _pre_fw_hook / _fsdp_state_pre_forward, then update "
-            "model.training.rehearse.CHECKED_TORCH")
+            "model.training.torch_pin.CHECKED_TORCH")
     missing = [f"{owner.__name__}.{name}" for owner, name in PRIVATE_INTERNALS
                if not hasattr(owner, name)]
     if missing:
@@ -916,7 +913,9 @@ def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     this module (torch, DTensor, the trainer) once and rehearsed nothing: a plan stage's
     rehearsals then cost their work, not seconds of imports each. On ``cuda`` the child is
     a fresh interpreter (``python -m model.training.fake_gpu_rank``) that loads the fake GPU
-    before torch; its output goes to this process's console.
+    before torch; its output goes to this process's console. That interpreter is
+    ``$FRONTIER_LLM_REHEARSAL_PYTHON`` when set (``model.training.torch_pin``): one with the
+    CPU torch the rehearsal was checked on, where this one has another release.
     """
     if device_type == "cuda":
         return _rehearse_on_fake_gpu(
@@ -938,11 +937,13 @@ def _rehearse_on_fake_gpu(args: tuple, initializer: Callable[[], None] | None) -
 
     from model.training import fake_gpu
 
-    fake_gpu.library_path()  # built here first, so that a build failure reads as one
+    python = rehearsal_python()
+    if python == sys.executable:  # another interpreter builds it for its own torch
+        fake_gpu.library_path()  # built here first, so that a build failure reads as one
     with tempfile.TemporaryDirectory(prefix="rehearse-gpu-") as tmp:
         request, result = Path(tmp) / "request.pkl", Path(tmp) / "result.pkl"
         request.write_bytes(pickle.dumps(args))
-        proc = subprocess.run([sys.executable, "-m", "model.training.fake_gpu_rank", str(request),
+        proc = subprocess.run([python, "-m", "model.training.fake_gpu_rank", str(request),
                                str(result)], preexec_fn=initializer, check=False,
                               cwd=Path(__file__).resolve().parents[2])
         if not result.exists():

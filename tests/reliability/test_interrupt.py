@@ -34,6 +34,7 @@ from tests.reliability.test_resume import (
     poll,
     processes_of,
     ranks_of,
+    resumed_step,
     runs_module,
     start_pipeline,
     stop,
@@ -239,3 +240,45 @@ def test_shutdown_ends_when_the_poller_waits_on_a_dead_interchange(runs_dir: Pat
     assert not stopper.is_alive(), f"stop_parsl still ran {limit} s after it was called"
     assert time.monotonic() - started < limit
     wait_for("the worker pools gone", lambda: not processes_of(runs_dir), timeout=10.0)
+
+
+def test_ctrl_c_with_worker_processes_leaves_nothing_and_a_rerun_resumes(
+    tokenized_runs_dir: Path, drivers: list[Driver]
+) -> None:
+    """Ctrl-C in the terminal of the default preset's setup (the stages' apps in Parsl worker
+    processes: ``site.login_workers=processes``, as configs/tiny.yaml has it; the micro
+    preset's sizes): every process ends, nothing stays RUNNING in MLflow, and the next
+    invocation resumes the training from the interrupted attempt's checkpoint."""
+    runs_dir = tokenized_runs_dir
+    overrides = (*LONG_TRAINING, "site.login_workers=processes")
+    drivers.append(start_pipeline(runs_dir, *overrides, new_session=True))
+    first = drivers[-1]
+    training_under_way(first)
+    tree = process_tree(first)
+    kinds = " ".join(" ".join(p.cmdline()) for p in tree if p.is_running())
+    assert "process_worker_pool" in kinds and "stages.train.worker" in kinds, kinds[:2000]
+
+    os.killpg(first.proc.pid, signal.SIGINT)  # what Ctrl-C sends the foreground group
+    signalled = time.monotonic()
+    code = first.proc.wait(EXIT_WITHIN_S)
+    assert code == 130, first.console()[-3000:]
+    time.sleep(max(0.0, SETTLE_S - (time.monotonic() - signalled)))
+    assert not alive(tree), f"processes outlived the driver: {alive(tree)}"
+    assert not processes_of(runs_dir), [p.cmdline() for p in processes_of(runs_dir)]
+    kept = max(checkpoints(runs_dir))
+    assert train_status(runs_dir)["state"] == "failed"
+    uri = tracking_store.default_tracking_uri(runs_dir)
+    interrupted = {r.info.run_name: r.info.status for r in tracking.search_runs(uri, "micro")}
+    assert "RUNNING" not in interrupted.values(), interrupted
+
+    drivers.append(start_pipeline(runs_dir, *overrides, new_session=True))
+    second = drivers[-1]
+    poll("the rerun's resumed training", lambda: "resumed from step" in second.console(),
+         second)
+    assert resumed_step(second.console()) >= kept
+    os.killpg(second.proc.pid, signal.SIGINT)
+    assert second.proc.wait(EXIT_WITHIN_S) == 130, second.console()[-3000:]
+
+    stopped = [status for name, status in interrupted.items()
+               if name.startswith(("micro-run-", "train-"))]
+    assert stopped == ["KILLED", "KILLED"], interrupted
