@@ -463,7 +463,7 @@ def test_eval_ranks_use_the_same_launch_lines():
     one = load_config(None)
     assert one.eval.ranks == 1 and EVALUATE.shape(one).kind != RANKS
     frontier_one = dry_run_text(load_config(None, FRONTIER_OVERRIDES), RUN_DIR)
-    assert "eval_worker" not in frontier_one
+    assert "stages.evaluate.worker" not in frontier_one
     cfg = load_config(None, ["eval.ranks=3"])
     shape = EVALUATE.shape(cfg)
     assert (shape.kind, shape.nproc, shape.nodes, shape.worker) == (RANKS, 3, 1, EVALUATE.worker)

@@ -162,5 +162,5 @@ def test_a_rank_prints_its_stacks_on_request_and_trains_on(tmp_path: Path) -> No
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
-    assert "most recent call first" in stderr and "train_worker.py" in stderr, stderr[-4000:]
+    assert "most recent call first" in stderr and "stages/train/worker.py" in stderr, stderr[-4000:]
     assert json.loads((tmp_path / "rank" / "summary.json").read_text())["steps_done"] == STEPS
