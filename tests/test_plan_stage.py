@@ -183,3 +183,35 @@ def test_plans_of_one_world_size_are_measured_in_one_launch(runs_dir: Path) -> N
     assert not list(out_dir.glob("plan*/checkpoints"))  # a measurement saves nothing
     with pytest.raises(ValueError, match="share a world size"):
         measure_worker.measure_plans(cfg, [plans[0], Plan()], out_dir, 2, 1)
+
+
+@pytest.mark.slow
+def test_a_gpu_plan_that_cannot_be_rehearsed_is_an_error_unless_opted_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan stage under a GPU cluster (Frontier's) with a rehearsal interpreter whose
+    torch is another release than the one the rehearsal was checked on (as Frontier's ROCm
+    build is): the stage refuses, naming both ways out, instead of keeping an unrehearsed
+    plan; with ``parallel.rehearse=false`` it plans without the rehearsal."""
+    import sys
+
+    from model.training.torch_pin import REHEARSAL_PYTHON
+
+    other_torch = tmp_path / "python"  # this interpreter, its torch calling itself 2.8
+    other_torch.write_text(
+        "#!/bin/sh\n"
+        f"exec {sys.executable} -c \"import sys; from pathlib import Path; "
+        "from model.training import fake_gpu; fake_gpu.load_runtime(); "
+        "fake_gpu.load_runtime = lambda: None; import torch; "
+        "torch.__version__ = '2.8.0+rocm6.4'; "
+        "from model.training.fake_gpu_rank import run_rank; "
+        "run_rank(Path(sys.argv[1]), Path(sys.argv[2]))\" \"$3\" \"$4\"\n")
+    other_torch.chmod(0o755)
+    monkeypatch.setenv(REHEARSAL_PYTHON, str(other_torch))
+    frontier = ["parallel.cluster=frontier", "parallel.nproc=8", "parallel.nodes=1"]
+    tracker, _, _ = _tracker(tmp_path, "plan-unrehearsed")
+    with pytest.raises(PlanError, match=r"cannot be rehearsed .*torch 2\.8\.0\+rocm6\.4.*"
+                                        r"FRONTIER_LLM_REHEARSAL_PYTHON.*parallel\.rehearse=false"):
+        run_work(PLAN, _cfg(tmp_path, *frontier), {}, _out_dir(tmp_path, "refused"), tracker)
+    out = run_work(PLAN, _cfg(tmp_path, *frontier, "parallel.rehearse=false"), {},
+                   _out_dir(tmp_path, "opted-out"), tracker)
+    assert json.loads(Path(out["plan"]).read_text())["tp"] >= 1

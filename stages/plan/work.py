@@ -217,9 +217,10 @@ def rehearse_in_stage(cfg: Any, plan: Plan, ranked: list[Plan], cluster: Cluster
     ``plan`` and the search's next best (``model.planner.rehearsal.rehearse_until_one_fits``),
     each rank in a process that dies with the stage. Writes ``rehearsal.json`` (the kept
     plan's ``rehearsal_records``, or ``{"error": ...}`` for a plan that cannot be
-    rehearsed: that plan stands) and, when plans gave way, ``rehearsal_rejected.json``;
-    logs both and the kept plan's rehearsed peaks.
-    PlanError, with every plan's rehearsed peak and the fix, when none fits."""
+    rehearsed) and, when plans gave way, ``rehearsal_rejected.json``; logs both and the kept
+    plan's rehearsed peaks. PlanError, with every plan's rehearsed peak and the fix, when
+    none fits; PlanError naming both ways out when the plan cannot be rehearsed at all (a
+    plan that was never rehearsed must not reach the queue as if it had been)."""
     kept = rehearse_until_one_fits(cfg.model, cfg.train, cluster, cfg.parallel.nproc, plan,
                                    ranked, calibration, initializer=launch.die_with_parent,
                                    log=lambda s: print(s, flush=True))
@@ -231,6 +232,12 @@ def rehearse_in_stage(cfg: Any, plan: Plan, ranked: list[Plan], cluster: Cluster
     path.write_text(json.dumps(kept.records if kept.error is None else {"error": kept.error},
                                indent=2))
     tracker.log_artifact(path)
+    if kept.error is not None:
+        raise PlanError(
+            f"the plan {kept.plan.describe()} cannot be rehearsed ({kept.error}); the rehearsal "
+            "is how the plan stage knows a GPU plan fits: set FRONTIER_LLM_REHEARSAL_PYTHON to "
+            "an interpreter with the torch it was checked on (docs/frontier.md, the "
+            "rehearsal's own environment), or opt out with --set parallel.rehearse=false")
     if kept.records:
         tracker.log_metrics({f"rehearsed_peak_memory_gb_rank{r['rank']}":
                              r["rehearsed_peak_memory_gb"] for r in kept.records})
