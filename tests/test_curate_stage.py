@@ -93,3 +93,15 @@ def test_a_threshold_change_reselects_from_the_same_signals(curated) -> None:
     assert again["curate"].outputs["removed_documents"] > results["curate"].outputs[
         "removed_documents"]
     assert again["tokenize"].outputs["documents"] == again["curate"].outputs["kept_documents"]
+
+
+def test_a_selection_that_empties_a_source_is_refused_naming_why(curated) -> None:
+    """Tokenization would only say the source yielded no documents: curation says which
+    rules removed them and what to change."""
+    from data_prep.errors import DataError
+
+    root, planted, _, _ = curated
+    cfg = _config(root / "runs", planted, "curate.thresholds={min_words: 100000}")
+    with pytest.raises(DataError, match=r"curate removed all \d+ documents of data\.sources\.\w+ "
+                                        r"\(.*quality:min_words \d+.*\).*relax curate\.thresholds"):
+        run_stages(cfg, open_pipeline(cfg), ("curate",))

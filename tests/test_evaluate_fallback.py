@@ -31,9 +31,10 @@ NEWEST, PREVIOUS = "step-00000006", "step-00000003"
 
 
 def copy_stages(results: dict, dest: Path, seed_store: Callable[[Path], str]) -> Path:
-    """A runs dir ``dest`` holding copies of the fixture's published tokenize, plan and train
-    stages (outputs rewritten to the copies) and a fresh MLflow store; its train stage dir."""
-    for name in ("tokenize", "plan", "train"):
+    """A runs dir ``dest`` holding copies of the fixture's published curate, tokenize, plan and
+    train stages (outputs rewritten to the copies) and a fresh MLflow store; its train stage
+    dir."""
+    for name in ("curate", "tokenize", "plan", "train"):
         source = Path(results[name].out_dir)
         target = dest / "stages" / name / source.name
         shutil.copytree(source, target)

@@ -125,19 +125,19 @@ def test_selection_decides_run_reuse_and_force_per_stage(history: History, tmp_p
     def actions(only=None, start=None, force=False) -> list[str]:
         return [p.action for p in decide_stages(PIPELINE, cfg, only, start, force, code)]
 
-    assert actions() == ["reuse"] * 4
-    assert actions(force=True) == ["force"] * 4
-    assert actions(only="evaluate") == ["reuse", "reuse", "reuse", "force"]
-    assert actions(start="train") == ["reuse", "reuse", "force", "force"]
+    assert actions() == ["reuse"] * 5
+    assert actions(force=True) == ["force"] * 5
+    assert actions(only="evaluate") == ["reuse", "reuse", "reuse", "reuse", "force"]
+    assert actions(start="train") == ["reuse", "reuse", "reuse", "force", "force"]
     assert [p.key for p in decide_stages(PIPELINE, cfg, None, None, False, code)] == [
         history.only_evaluate.stages[n][0] for n in STAGE_ORDER]
     # An empty runs dir: everything runs, and a selection that needs upstream output is refused.
     empty = load_config("micro", [f"tracking.runs_dir={tmp_path}", *SESSION_OVERRIDES])
     fresh = decide_stages(PIPELINE, empty, None, None, False, code)
-    assert [p.action for p in fresh] == ["run"] * 4
-    with pytest.raises(ConfigError, match="--only evaluate needs the 'tokenize' stage's output"):
+    assert [p.action for p in fresh] == ["run"] * 5
+    with pytest.raises(ConfigError, match="--only evaluate needs the 'curate' stage's output"):
         decide_stages(PIPELINE, empty, "evaluate", None, False, code)
-    with pytest.raises(ConfigError, match="--from train needs the 'tokenize' stage's output"):
+    with pytest.raises(ConfigError, match="--from train needs the 'curate' stage's output"):
         decide_stages(PIPELINE, empty, None, "train", False, code)
 
 

@@ -232,10 +232,12 @@ def test_tokenize_fans_out_on_compute_nodes_and_the_plan_rehearses_there(
     name = jobcomp_records().get(jobs[0], ("?",))[0]
     assert name.startswith("parsl.compute.block-0"), name
 
-    # The same configuration tokenized in this process gives the same tokens.
+    # The same configuration curated and tokenized in this process gives the same tokens.
     cfg = load_config("micro", DATA)
     tracker, _, _ = make_tracker(tmp_path / "local-mlflow", seed_store)
-    local = run_work(declaration("tokenize"), cfg, {}, tmp_path / "local", tracker)
+    curated = run_work(declaration("curate"), cfg, {}, tmp_path / "local-curate", tracker)
+    local = run_work(declaration("tokenize"), cfg, {"curate": curated}, tmp_path / "local",
+                     tracker)
     assert open_store(local["store"]).tokenizer_hash == open_store(
         tok_dir / "store.zarr").tokenizer_hash
     here, there = split_tokens(Path(local["store"])), split_tokens(tok_dir / "store.zarr")

@@ -27,6 +27,7 @@ from data_prep.curate import (
 )
 from data_prep.curate.finalize import keep_path
 from data_prep.curate.signals import file_metadata
+from data_prep.errors import DataError
 from stages.config import PipelineConfig
 from stages.curate.reuse import SIGNALS_DIR, signal_files
 
@@ -96,6 +97,21 @@ def _metric(reason: str) -> str:
     return reason.replace(":", ".")
 
 
+def _refuse_an_emptied_source(summary: dict[str, Any]) -> None:
+    """DataError when curation removed every document of a source: tokenization would fail
+    saying the source yielded none, which hides why."""
+    for label, source in summary["by_source"].items():
+        if source.get("documents") and not source.get("kept_documents"):
+            key = "data.source" if label == "None" else f"data.sources.{label}"
+            reasons = ", ".join(f"{reason} {value['documents']}" for reason, value
+                                in sorted(source["removed"].items()))
+            raise DataError(
+                f"curate removed all {source['documents']} documents of {key} ({reasons}); "
+                f"see {summary['paths']['removed']} and {Path(summary['paths']['sample']).name}"
+                ": if they are text you want, relax curate.thresholds or curate.preset, or "
+                "set curate.enabled=false")
+
+
 def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[dict[str, Any]],
              tracker: Any) -> dict[str, Any]:
     """Deduplicate and select over every shard's signals; log the removals per reason
@@ -120,6 +136,7 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[dict[str, Any]],
     for name in ("removed", "summary", "sample", "chart"):
         tracker.log_artifact(Path(summary["paths"][name]))
     tracker.flush()
+    _refuse_an_emptied_source(summary)
     keep = Path(summary["paths"]["keep"])
     return {"enabled": True, "keep": str(keep),
             "keep_files": [str(keep_path(out_dir, i)) for i in range(len(parts))],

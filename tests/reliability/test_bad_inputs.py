@@ -296,10 +296,11 @@ def _status_of_attempt(console: str) -> dict:
 @pytest.mark.slow
 def test_bad_line_past_the_first_record_fails_in_the_stage(bad_data: Path, tmp_path: Path,
                                                            seed_store) -> None:
-    """Pre-flight reads only the first record: the stage finds line 41 and says so."""
+    """Pre-flight reads only the first record: the first stage that reads the corpus
+    (curation) finds line 41 and says so."""
     seed_store(tmp_path / "runs")
     case = Case("bad-json-line-41", sets(f"data.source={DATA}/bad_third.jsonl"),
-                ("pipeline failed:", "tokenize failed: DataError",
+                ("pipeline failed:", "curate failed: DataError",
                  "bad_third.jsonl:41: malformed JSON line", "fix the line"), code=1)
     proc, runs = run_cli(case, bad_data, tmp_path, SLOW_TIMEOUT)
     console = assert_refused(proc, case, runs)
@@ -311,12 +312,12 @@ def test_bad_line_past_the_first_record_fails_in_the_stage(bad_data: Path, tmp_p
 def test_unreachable_hub_corpus_fails_in_the_stage_with_its_cause(bad_data: Path,
                                                                   tmp_path: Path,
                                                                   seed_store) -> None:
-    """An ``hf:`` corpus the hub cannot serve (the tests run offline): the tokenize stage
-    fails with the hub's own reason and the driver exits, rather than hanging after the
-    error."""
+    """An ``hf:`` corpus the hub cannot serve (the tests run offline): the first stage that
+    reads it (curation) fails with the hub's own reason and the driver exits, rather than
+    hanging after the error."""
     seed_store(tmp_path / "runs")
-    case = Case("offline-hub", (*sets("data.source=hf:someorg/nocorpus"), "--only", "tokenize"),
-                ("pipeline failed:", "tokenize failed: ConnectionError",
+    case = Case("offline-hub", (*sets("data.source=hf:someorg/nocorpus"), "--only", "curate"),
+                ("pipeline failed:", "curate failed: ConnectionError",
                  "Couldn't reach 'someorg/nocorpus' on the Hub (OfflineModeIsEnabled)"), code=1)
     proc, runs = run_cli(case, bad_data, tmp_path, SLOW_TIMEOUT)
     console = assert_refused(proc, case, runs)

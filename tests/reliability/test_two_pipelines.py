@@ -80,12 +80,12 @@ def test_two_pipelines_share_one_runs_dir(tmp_path: Path, runs_dir: Path):
     parents, children = _stage_runs(runs_dir)
     assert len(parents) == 2 and all(p.info.status == "FINISHED" for p in parents)
     computed = _computed(children)
-    assert sorted(s for s, _ in computed) == ["evaluate", "plan", "tokenize", "train"]
+    assert sorted(s for s, _ in computed) == ["curate", "evaluate", "plan", "tokenize", "train"]
     assert set(computed.values()) == {1}, computed
     # One driver waited for a stage the other held (which one depends on how soon each gets
     # going: a micro pipeline tokenizes in about a second, then trains for many).
     assert any(f"waiting for {stage} " in out for out in outputs
-               for stage in ("tokenize", "plan", "train", "evaluate")), outputs[1][-3000:]
+               for stage in ("curate", "tokenize", "plan", "train", "evaluate")), outputs[1][-3000:]
 
     # Different configs: the shared keys once, the differing evaluate keys once each.
     _together(code, runs_dir, ("train.steps=4",), ("train.steps=4", "eval.max_tokens=1024"))
@@ -94,8 +94,8 @@ def test_two_pipelines_share_one_runs_dir(tmp_path: Path, runs_dir: Path):
     computed = _computed(children)
     assert set(computed.values()) == {1}, computed
     first, second = (_keys(children, p.info.run_id) for p in parents[1::-1])  # newest first
-    assert {n: first[n] for n in ("tokenize", "plan", "train")} == {
-        n: second[n] for n in ("tokenize", "plan", "train")}
+    assert {n: first[n] for n in ("curate", "tokenize", "plan", "train")} == {
+        n: second[n] for n in ("curate", "tokenize", "plan", "train")}
     assert first["evaluate"] != second["evaluate"]
     assert set(first.items()) | set(second.items()) <= set(computed)  # each made by someone
     assert not list(runs_dir.glob("stages/*/*.lock"))
