@@ -25,8 +25,23 @@ from stages.tokenize.checks import check_sources
 SELECTION = ("curate.enabled", "curate.preset", "curate.thresholds", "curate.languages",
              "curate.sample_per_reason")
 """The curate fields that decide only the selection (``data_prep.curate.SELECTION_FIELDS``)."""
-EVAL_TEXTS = ("eval.prompts", "eval.tasks", "eval.task_include")
-"""The evaluation's texts, which decontamination removes from the corpus."""
+
+
+def eval_texts(cfg: PipelineConfig) -> dict[str, list[str]]:
+    """The texts the evaluation stage scores, which decontamination removes from the corpus:
+    its generation prompts and the records of its local lm-eval task files
+    (``eval.task_include``; of the tasks ``eval.tasks`` names, when it names any). Hub tasks
+    have no local text and are not decontaminated against. Part of the stage's key (as
+    ``derived``): a change to these texts reruns curation, a change to other evaluation
+    settings does not."""
+    from data_prep.curate.decontaminate import local_task_texts, prompt_texts
+
+    texts = prompt_texts(cfg.eval.prompts)
+    if cfg.eval.task_include:
+        local = local_task_texts(cfg.eval.task_include)
+        texts.update({name: items for name, items in local.items()
+                      if not cfg.eval.tasks or name in cfg.eval.tasks})
+    return texts
 
 
 def shape(cfg: PipelineConfig) -> StageShape:
@@ -55,7 +70,7 @@ def check(cfg: PipelineConfig, reused: dict[str, Any] | None = None) -> None:
 
 
 STAGE = StageDeclaration(
-    "curate", sections=("data", "curate"), fields=EVAL_TEXTS, upstream=(), shape=shape,
+    "curate", sections=("data", "curate"), derived=eval_texts, upstream=(), shape=shape,
     module="stages.curate.work", not_code=NOT_CODE,
     resumable=True,  # finished shards' signals are kept and not computed again
     check=check, digest=selection_digest,

@@ -20,8 +20,6 @@ from data_prep.curate import (
     compute_shard_signals,
     curate_corpus,
     eval_ngrams,
-    local_task_texts,
-    prompt_texts,
     resolve_preset,
     signal_config,
 )
@@ -29,21 +27,10 @@ from data_prep.curate.finalize import keep_path
 from data_prep.curate.signals import file_metadata
 from data_prep.errors import DataError
 from stages.config import PipelineConfig
+from stages.curate import eval_texts
 from stages.curate.reuse import SIGNALS_DIR, signal_files
 
 EVAL_TEXTS_FILE = "eval_texts.json"  # task -> texts decontamination compares against
-
-
-def eval_texts(cfg: PipelineConfig) -> dict[str, list[str]]:
-    """The texts the evaluation stage scores: its generation prompts and the records of its
-    local lm-eval task files (``eval.task_include``; of the tasks ``eval.tasks`` names, when
-    it names any). Hub tasks have no local text and are not decontaminated against."""
-    texts = prompt_texts(cfg.eval.prompts)
-    if cfg.eval.task_include:
-        local = local_task_texts(cfg.eval.task_include)
-        texts.update({name: items for name, items in local.items()
-                      if not cfg.eval.tasks or name in cfg.eval.tasks})
-    return texts
 
 
 def _signal_path(out_dir: Path, index: int) -> Path:

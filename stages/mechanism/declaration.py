@@ -76,6 +76,9 @@ class StageDeclaration:
     - ``sections``: the config sections its key hashes (and its MLflow run records), each
       less the fields its config class lists in ``KEYLESS`` (they change no output);
     - ``fields``: single ``section.field`` values of other sections its key hashes too;
+    - ``derived``: a value computed from the config that decides the output and that no
+      section states directly (curation's evaluation texts, read from the task files the
+      config names), hashed into the key; cheap and light, since the driver calls it;
     - ``upstream``: the stages whose outputs (and digests) it consumes;
     - ``shape``: how it runs for a config (``stages.mechanism.shape.StageShape``);
     - ``module``: the work module; ``worker``: the rank worker module of a ranks stage;
@@ -104,6 +107,7 @@ class StageDeclaration:
     module: str
     worker: str = ""
     fields: tuple[str, ...] = ()
+    derived: Callable[[Any], Any] | None = None
     code_roots: tuple[str, ...] = ()
     not_code: tuple[str, ...] = ()
     data_files: tuple[tuple[str, str], ...] = ()

@@ -7,7 +7,7 @@ The key is the first 16 hex digits of the SHA-256 of the JSON of its *ingredient
 - ``config``: for each config section the stage reads (its declaration's ``sections``) the
   hash of that section's values, less the fields its config class lists as ``KEYLESS``
   (they change no output: logging, progress and checkpoint cadence), plus the single
-  ``fields`` of other sections it declares; its *extent* fields
+  ``fields`` of other sections it declares and its ``derived`` value (a digest); its *extent* fields
   (``StageDeclaration.extends``: ``train.steps``) go to ``extent``;
 - ``input``: a digest of what each upstream stage *produced* (``StageDeclaration.digest``:
   the token store's manifest and chunk checksums, plan.json's layout, the final checkpoint's
@@ -54,7 +54,7 @@ CODE_PACKAGES = ("stages", "model", "data_prep")
 MECHANISM_PACKAGE = "stages.mechanism"
 TRIGGERS = ("config", "input", "code", "software")
 """What can make a stage rerun (``--rerun-triggers``); each names ingredients below."""
-TRIGGER_INGREDIENTS = {"config": ("sections", "fields", "extent"),
+TRIGGER_INGREDIENTS = {"config": ("sections", "fields", "derived", "extent"),
                        "input": ("inputs", "continues"), "code": ("code",),
                        "software": ("software",)}
 ANY_STAGE = "*"  # code_hashes() entry for a stage outside the pipeline: all sources
@@ -272,6 +272,8 @@ def key_ingredients(stage: StageDeclaration, cfg: Any, input_digests: dict[str, 
     }
     if stage.fields:
         ingredients["fields"] = {f: _field(cfg, f) for f in sorted(stage.fields)}
+    if stage.derived is not None:
+        ingredients["derived"] = json_digest(stage.derived(cfg))
     if stage.extends:
         ingredients["extent"] = {f: _field(cfg, f) for f in stage.extends}
     return ingredients
@@ -306,6 +308,8 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     changes = []
     if old.get("code") != new.get("code"):
         changes.append("code")
+    if old.get("derived") != new.get("derived"):
+        changes.append("derived config values")
     for label, part in (("config section", "sections"), ("input", "inputs")):
         before, after = old.get(part, {}), new.get(part, {})
         changed = sorted(n for n in set(before) | set(after) if before.get(n) != after.get(n))

@@ -117,8 +117,9 @@ CASES: dict[str, tuple[Callable[[World], None], set[str]]] = {
     "`curate.shingle_words`, `curate.minhash_bands`, `curate.decontamination_ngram` "
     "(the signals)": (_set("curate.shingle_words=4", "curate.minhash_bands=20",
                            "curate.decontamination_ngram=8"), {"curate"}),
-    "`eval.prompts`, `eval.tasks`, `eval.task_include` (what decontamination compares "
-    "against)": (_set("eval.prompts=[hello]"), {"curate", "evaluate"}),
+    "the evaluation's texts (`eval.prompts`, the local task files of `eval.task_include`: "
+    "what decontamination compares against)": (_set("eval.prompts=[hello]"),
+                                                {"curate", "evaluate"}),
     "`data.progress_seconds`, `data.encode_batch_bytes`": (
         _set("data.progress_seconds=1", "data.encode_batch_bytes=1000"), set()),
     "`model.*`": (_set("model.n_layers=3"), {"plan", "train"}),
