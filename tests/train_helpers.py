@@ -87,12 +87,13 @@ def _forked(target: dict[str, Any], argv: list[str], env: dict[str, str], scratc
 
 
 def worker_ranks(root: psutil.Process) -> list[psutil.Process]:
-    """The ranks at or under ``root`` (``python -m stages.<name>_worker``, not the launcher)."""
+    """The ranks at or under ``root`` (``python -m stages.<name>.worker`` or another rank
+    worker of a stage, not the launcher)."""
     found = []
     for proc in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
             args = proc.cmdline()
             module = args[args.index("-m") + 1:][:1] if "-m" in args else []
-            if module and module[0].startswith("stages.") and module[0].endswith("_worker"):
+            if module and module[0].startswith("stages.") and module[0].endswith("worker"):
                 found.append(proc)
     return found
