@@ -6,7 +6,7 @@ frontier-22b.yaml, -175b, -1t, llama31-8b-continue.yaml and pythia-continue.yaml
 (``model.planner.choose.choose`` on the preset's cluster with the preset's fixed fields), then
 with ``--top K`` the next best plans that differ in memory, and each of their busiest ranks
 (the first and the last pipeline stage) is rehearsed by
-``model.planner.rehearsal.rehearsal_records`` (``model.training.rehearse``: the real trainer,
+``model.rehearsal.plans.rehearsal_records`` (``model.rehearsal.rehearse``: the real trainer,
 one warm-up and one measured training step on fake tensors in a fake process group of the
 plan's world size), each in a fresh process so that its host peak RSS is its own. Recorded per rank:
 wall seconds of the rehearsal and of the whole process, host peak RSS and the RSS before
@@ -272,8 +272,8 @@ def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0)
     ``index`` (0: the plan the stage chooses), or of a study's or held-out plan (``preset``
     ``dash2023:NAME`` or ``heldout:NAME``, index -1)."""
     t0 = time.perf_counter()
-    from model.planner.rehearsal import rehearsal_records
-    from model.training.rehearse import busiest_ranks
+    from model.rehearsal.plans import rehearsal_records
+    from model.rehearsal.rehearse import busiest_ranks
     run = source_run(preset)
     if run is not None:  # index -1: a study's or held-out plan as written
         model_cfg, train_cfg, cluster, plan, world = run
@@ -301,7 +301,7 @@ def remodel(record: dict[str, Any]) -> dict[str, Any]:
     figures are measurements and stay."""
     from model.parallel.layout import Plan
     from model.planner.microbench import load_measured_cluster
-    from model.planner.rehearsal import modeled_rank_memory
+    from model.rehearsal.plans import modeled_rank_memory
     from workflows.plan import load_model_file
 
     if "error" in record:
@@ -445,7 +445,7 @@ def heldout_jobs(only: list[str] | None, kind: str = HELDOUT) -> list[tuple[str,
     """(source, plan index, stage) of every held-out entry's busiest ranks, or of those named
     by ``only`` (``NAME`` or ``NAME:STAGE``, comma-separated); SystemExit naming an unknown
     one."""
-    from model.training.rehearse import busiest_ranks
+    from model.rehearsal.rehearse import busiest_ranks
 
     jobs = [(f"{kind}:{e.name}", -1, stage) for e in load_heldout(PLAN_SETS[kind][0])
             for stage in STAGES[:len(busiest_ranks(e.plan))]]

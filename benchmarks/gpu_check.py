@@ -17,7 +17,7 @@ error and the tail of its output, and the others still run:
    rehearses a GPU cluster's plans (fake ``cuda`` tensors, ``rehearse_isolated``), beside
    the run's real peak (``torch.cuda.max_memory_allocated``, the trainer's
    ``peak_memory_gb``): ``rehearsed_over_real``.
-   The rehearsal runs on torch 2.13 only (``model.training.torch_pin``): where the GPU's
+   The rehearsal runs on torch 2.13 only (``model.rehearsal.torch_pin``): where the GPU's
    torch is another release, export ``FRONTIER_LLM_REHEARSAL_PYTHON`` naming an
    interpreter with the CPU build of torch 2.13 and the project's requirements.
 
@@ -118,7 +118,7 @@ def rehearse_run(runs_dir: Path, overrides: list[str]) -> dict[str, Any]:
     """Rehearse rank 0 of the plan a micro run trained with, on fake ``cuda`` tensors as the
     plan stage rehearses a GPU cluster's plans, and set it beside that run's real peak."""
     from model.parallel.layout import Plan
-    from model.training.rehearse import rehearse_isolated
+    from model.rehearsal.rehearse import rehearse_isolated
     from stages.config import load_config
 
     cfg = load_config(REPO / "configs" / "micro.yaml", overrides)

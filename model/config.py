@@ -213,7 +213,7 @@ class ParallelConfig:
     rehearse: bool | None = None
     """Whether the plan stage rehearses its plan: the first and last pipeline stage's ranks
     run two training steps on fake tensors in a fake process group of the plan's world size
-    (``model/training/rehearse.py``), and a plan whose rehearsed peak (with the cluster's
+    (``model/rehearsal/rehearse.py``), and a plan whose rehearsed peak (with the cluster's
     margins) does not fit the device gives way to the next best that does (``rehearsal.json``
     beside the memory model's figures). None (the default): on for every cluster but the
     measured local one, whose plans run for real at once; a Frontier-size rank takes one to

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from model.training import fake_gpu
+from model.rehearsal import fake_gpu
 
 fake_gpu.load_runtime()
 
@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from model.config import ModelConfig, TrainConfig  # noqa: E402
 from model.parallel.layout import Plan  # noqa: E402
-from model.training import rehearse  # noqa: E402
+from model.rehearsal import rehearse  # noqa: E402
 
 MODEL = dict(family="llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128,
              vocab_size=256, max_seq_len=64)

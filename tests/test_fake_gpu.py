@@ -1,4 +1,4 @@
-"""The rehearsal on the fake GPU (``model.training.fake_gpu``): the tiny preset's trainer runs
+"""The rehearsal on the fake GPU (``model.rehearsal.fake_gpu``): the tiny preset's trainer runs
 whole training steps on fake ``cuda`` tensors, on each schedule and sharding, with the GPU's
 attention kernels; a tensor left on the host is named where it was made; a run of many
 micro-batches extrapolated from two short ones, after a short warm-up, equals the full run."""
@@ -30,7 +30,7 @@ def run_case(name: str) -> dict:
 
 
 def rehearse_tiny(plan: Plan, rank: int, dtype: str = "bfloat16", model=TINY_MODEL, **kwargs):
-    from model.training.rehearse import rehearse_isolated
+    from model.rehearsal.rehearse import rehearse_isolated
 
     train = TINY_TRAIN.__class__(**{**TINY_TRAIN.__dict__, "dtype": dtype, "global_batch":
                                     plan.dp * plan.micro_batch * plan.grad_accum})
@@ -119,7 +119,7 @@ def test_short_rehearsals_equal_the_full_step(plan: Plan, model, measured) -> No
     steps of 2 pp and 3 pp (3 pp and 4 pp interleaved), extrapolated to the plan's count, or
     its own count when that is no more: peak memory, FLOPs and collective bytes equal those
     of two steps that run every micro-batch."""
-    from model.training.rehearse import rehearsed_micro_batches
+    from model.rehearsal.rehearse import rehearsed_micro_batches
 
     assert rehearsed_micro_batches(plan) == (min(plan.pp, plan.grad_accum), measured)
     for rank in sorted({0, plan.world_size - 1}):
@@ -138,7 +138,7 @@ def test_short_rehearsals_equal_the_full_step(plan: Plan, model, measured) -> No
 
 def test_the_fake_gpu_refuses_a_process_that_imported_torch_first() -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", "import torch\nfrom model.training import fake_gpu\n"
+        [sys.executable, "-c", "import torch\nfrom model.rehearsal import fake_gpu\n"
          "fake_gpu.load_runtime()"], cwd=REPO, capture_output=True, text=True, timeout=120,
         check=False)
     assert proc.returncode != 0
@@ -146,7 +146,7 @@ def test_the_fake_gpu_refuses_a_process_that_imported_torch_first() -> None:
 
 
 def test_every_guarded_call_is_named_in_the_docs() -> None:
-    from model.training.fake_gpu import GUARDED
+    from model.rehearsal.fake_gpu import GUARDED
 
     doc = (REPO / "docs" / "planner.md").read_text()
     missing = [name for name in GUARDED if f"torch.cuda.{name}" not in doc]
@@ -158,7 +158,7 @@ def test_another_interpreter_rehearses_when_one_is_named(tmp_path: Path,
     """$FRONTIER_LLM_REHEARSAL_PYTHON rehearses the rank (Frontier's ROCm torch is not the
     release the rehearsal was checked on): the named interpreter runs, and gives the same
     rehearsal as this one."""
-    from model.training.torch_pin import REHEARSAL_PYTHON
+    from model.rehearsal.torch_pin import REHEARSAL_PYTHON
 
     called = tmp_path / "called"
     wrapper = tmp_path / "python"
@@ -168,6 +168,6 @@ def test_another_interpreter_rehearses_when_one_is_named(tmp_path: Path,
     _, own = rehearse_tiny(plan, 0)
     monkeypatch.setenv(REHEARSAL_PYTHON, str(wrapper))
     _, other = rehearse_tiny(plan, 0)
-    assert "model.training.fake_gpu_rank" in called.read_text()
+    assert "model.rehearsal.fake_gpu_rank" in called.read_text()
     assert other.peak_memory_bytes == own.peak_memory_bytes > 0
     assert other.flops_per_step == own.flops_per_step

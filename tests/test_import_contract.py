@@ -209,3 +209,31 @@ def test_preflight_errors_import_neither_torch_nor_datasets_nor_mlflow(tmp_path:
         assert code == 2, f"{what}: exit {code}\n{err[-3000:]}"
         assert heavy == [], f"{what}: the refusal imported {heavy}\n{err[-1000:]}"
         assert not (tmp_path / "runs" / "mlflow.db").exists(), f"{what}: a store was created"
+
+
+MODEL_LAYERS = {
+    "parallel": set(),  # the layout and the parallelism functions: no other concern
+    "planner": {"parallel"},  # plans over the layout; imports no torch
+    "training": {"parallel"},  # the trainer: never the planner that chose its layout
+    "evaluation": {"parallel", "training"},
+    "rehearsal": {"parallel", "planner", "training"},  # runs the trainer on the planner's plans
+}
+"""Which subpackages of ``model/`` each may import (besides ``model``'s own top modules):
+no import points upward, so the planner and the trainer each stand without the other and
+the rehearsal, which needs both, sits above them."""
+
+
+def test_no_subpackage_of_model_imports_upward() -> None:
+    wrong = []
+    for name, path in _sources().items():
+        parts = name.split(".")
+        if parts[0] != "model" or len(parts) < 3 or parts[1] not in MODEL_LAYERS:
+            continue
+        for imported in _imports(path, top_level_only=False):
+            target = imported.split(".")
+            if (target[0] == "model" and len(target) > 1 and target[1] in MODEL_LAYERS
+                    and target[1] != parts[1] and target[1] not in MODEL_LAYERS[parts[1]]):
+                wrong.append(f"{name} imports {imported}")
+    assert not wrong, "\n".join(sorted(wrong))
+    packages = {p.name for p in (ROOT / "model").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(MODEL_LAYERS), "a new subpackage of model/ needs its place here"

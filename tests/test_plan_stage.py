@@ -194,16 +194,16 @@ def test_a_gpu_plan_that_cannot_be_rehearsed_is_an_error_unless_opted_out(
     plan; with ``parallel.rehearse=false`` it plans without the rehearsal."""
     import sys
 
-    from model.training.torch_pin import REHEARSAL_PYTHON
+    from model.rehearsal.torch_pin import REHEARSAL_PYTHON
 
     other_torch = tmp_path / "python"  # this interpreter, its torch calling itself 2.8
     other_torch.write_text(
         "#!/bin/sh\n"
         f"exec {sys.executable} -c \"import sys; from pathlib import Path; "
-        "from model.training import fake_gpu; fake_gpu.load_runtime(); "
+        "from model.rehearsal import fake_gpu; fake_gpu.load_runtime(); "
         "fake_gpu.load_runtime = lambda: None; import torch; "
         "torch.__version__ = '2.8.0+rocm6.4'; "
-        "from model.training.fake_gpu_rank import run_rank; "
+        "from model.rehearsal.fake_gpu_rank import run_rank; "
         "run_rank(Path(sys.argv[1]), Path(sys.argv[2]))\" \"$3\" \"$4\"\n")
     other_torch.chmod(0o755)
     monkeypatch.setenv(REHEARSAL_PYTHON, str(other_torch))

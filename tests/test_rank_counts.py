@@ -78,7 +78,7 @@ def by_k_g(table: np.ndarray) -> np.ndarray:
 def test_counts_equal_the_rehearsed_ones(name: str) -> None:
     """FLOPs and every collective kind per mesh dim equal the rehearsal's (llama: within
     0.01 %; neox within 0.5 %: its biases are left out of the planner's counts)."""
-    from model.training.rehearse import busiest_ranks, rehearse_isolated
+    from model.rehearsal.rehearse import busiest_ranks, rehearse_isolated
 
     model, fields, stage = LAYOUTS[name]
     plan = Plan(**fields)
@@ -143,7 +143,7 @@ def test_count_errors_name_what_one_side_lacks() -> None:
 
 def test_the_plan_stage_prints_the_counts_beside_the_rehearsal() -> None:
     """The rehearsal's console lines end with the planner's count errors, the worst named."""
-    from model.planner.rehearsal import rehearsal_text
+    from model.rehearsal.plans import rehearsal_text
 
     record = {"rank": 0, "stage": "first", "peak_memory_gb": 50.0,
               "modeled_tensor_memory_gb": 44.0, "rehearsed_peak_memory_gb": 43.0,

@@ -221,7 +221,7 @@ def test_a_torch_the_rehearsal_refuses_is_an_error_unless_the_rehearsal_is_turne
     """The plan stage rehearses Frontier plans; a torch other than the one the rehearsal was
     checked on would leave the plan on the memory model alone: an error with its fix, and
     a warning once the user turns the rehearsal off by name."""
-    from model.training import torch_pin
+    from model.rehearsal import torch_pin
 
     checked = ".".join(map(str, torch_pin.CHECKED_TORCH))
     rows = report("frontier-175b")
@@ -266,7 +266,7 @@ def test_a_plan_the_stage_could_not_rehearse_is_an_error(tmp_path: Path) -> None
 
 def test_the_rehearsal_interpreter_named_is_the_one_checked(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from model.training.torch_pin import REHEARSAL_PYTHON
+    from model.rehearsal.torch_pin import REHEARSAL_PYTHON
 
     def interpreter(version: str) -> str:
         path = tmp_path / f"python-{version}"
@@ -286,7 +286,7 @@ def test_the_rehearsal_interpreter_named_is_the_one_checked(
 
 def test_a_reused_rehearsed_plan_needs_no_rehearsal_here(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from model.training import torch_pin
+    from model.rehearsal import torch_pin
     from workflows.readiness import rehearsal_finding
 
     monkeypatch.setattr(torch_pin, "installed_torch", lambda: "2.8.0+rocm6.4")

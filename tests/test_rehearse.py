@@ -1,4 +1,4 @@
-"""The rehearsal (``model.training.rehearse``) against the same steps on real gloo ranks.
+"""The rehearsal (``model.rehearsal.rehearse``) against the same steps on real gloo ranks.
 
 Two real CPU ranks (``stages.mechanism.launch``, gloo, a 4-layer d=64 GQA LLaMA) run each layout
 family
@@ -19,7 +19,7 @@ reduce-scatter volumes) and FLOPs against the matmul and attention formula.
 Not compared on real ranks, and why:
 
 - sharding ddp without pipelining is rehearsed with a stand-in for DDP, whose C++
-  constructor reads parameter storage (``model.training.rehearsed_ddp``): its gradients
+  constructor reads parameter storage (``model.rehearsal.rehearsed_ddp``): its gradients
   are checked against DDP's on real ranks, its traffic and buckets in the rehearsal.
 - ddp under pipelining, FSDP2 under pipelining and tp x FSDP2 need pp2 x dp2 or tp2 x dp2 =
   4 ranks, more than the 2 real ranks these tests start; they are rehearsed only, ddp with
@@ -44,7 +44,7 @@ from torch.distributed.pipelining._utils import InferenceMode
 from model.config import ModelConfig, TrainConfig
 from model.parallel.layout import Plan, PlanError
 from model.parallel.pipeline import build_schedule, chunk_ids
-from model.training.rehearse import (
+from model.rehearsal.rehearse import (
     RehearsalError,
     busiest_ranks,
     check_stage_outputs,
@@ -86,7 +86,7 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from model.config import ModelConfig, TrainConfig
 from model.parallel.layout import Plan
-from model.training.rehearse import make_trainer, measure_steps, rehearsal_train_config
+from model.rehearsal.rehearse import make_trainer, measure_steps, rehearsal_train_config
 from torch.distributed.tensor import DTensor
 torch.set_num_threads(1)
 spec = json.loads(Path(sys.argv[1]).read_text())
@@ -270,7 +270,7 @@ REHEARSED_DDP_CHILD = r"""
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
-from model.training.rehearsed_ddp import RehearsedDDP
+from model.rehearsal.rehearsed_ddp import RehearsedDDP
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
@@ -405,8 +405,8 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     import dataclasses
 
     from model.planner.cluster import load_cluster
-    from model.planner.rehearsal import rehearsal_records
-    from model.training import rehearse
+    from model.rehearsal import rehearse
+    from model.rehearsal.plans import rehearsal_records
     from stages.config import load_config
     from stages.mechanism import tracking, tracking_store
     from stages.plan import work as plan_stage

@@ -25,10 +25,10 @@ from model.planner.calibration import load_calibration
 from model.planner.choose import FIX_TYPES, choose, fixed_fields, parse_fix
 from model.planner.microbench import load_measured_cluster
 from model.planner.model_file import read_model_file
-from model.planner.rehearsal import GiveWay, rehearse_until_one_fits
 from model.planner.run_cost import plan_run_cost
 from model.planner.search import explain
 from model.planner.shapes import Shapes
+from model.rehearsal.plans import GiveWay, rehearse_until_one_fits
 from stages.mechanism.launch import die_with_parent
 
 

@@ -165,12 +165,12 @@ def rehearsal_finding(cfg: PipelineConfig, rehearsed: bool = False) -> Finding |
     """Whether the plan stage can rehearse its plan: with the torch of the interpreter that
     rehearses (``$FRONTIER_LLM_REHEARSAL_PYTHON``, else this one: the environment the plan
     stage runs in). An error when the rehearsal would refuse that torch
-    (``model.training.torch_pin``), since the plan would then stand on the memory model
+    (``model.rehearsal.torch_pin``), since the plan would then stand on the memory model
     alone; ok when the plan output this run reuses is already rehearsed (``rehearsed``); a
     warning when ``parallel.rehearse=false`` opts out; None where the stage does not
     rehearse by default (a measured cluster)."""
     from model.planner.cluster import is_measured, rehearses
-    from model.training import torch_pin
+    from model.rehearsal import torch_pin
 
     setting = cfg.parallel.rehearse
     if not rehearses(setting, is_measured(cfg.parallel.cluster)):

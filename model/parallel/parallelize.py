@@ -171,7 +171,7 @@ def allreduce_gradients(params: list[torch.Tensor], dp_mesh: DeviceMesh,
     Used for sharding 'ddp' under pipeline parallelism, where wrapping each stage in
     DistributedDataParallel breaks (its reducer cannot follow several micro-batch backward
     passes of a pipeline schedule in torch 2.13), and by the rehearsal's stand-in for DDP
-    (``model.training.rehearsed_ddp``) with its bucket.
+    (``model.rehearsal.rehearsed_ddp``) with its bucket.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:

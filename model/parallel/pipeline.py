@@ -70,7 +70,7 @@ def build_schedule(
     ``stage_io`` optionally gives each local stage an example (input, output) of one
     micro-batch (meta tensors do): the stages then know their shapes without inferring
     them from their neighbours at the first step (the rehearsal in
-    ``model/training/rehearse.py`` uses it).
+    ``model/rehearsal/rehearse.py`` uses it).
     """
     # Imported here: torch's pipelining pulls in dynamo (about a CPU second), which a rank
     # without a pipeline never needs.

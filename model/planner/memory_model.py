@@ -2,7 +2,7 @@
 
 The model counts the tensors ``model.training.trainer.Trainer`` keeps, term by term, and is
 checked against rehearsals of the trainer's own ranks under fake tensors
-(``model/training/rehearse.py``; ``tests/test_rehearse.py``, ``benchmarks/bench_rehearse.py``).
+(``model/rehearsal/rehearse.py``; ``tests/test_rehearse.py``, ``benchmarks/bench_rehearse.py``).
 Every term is a function below whose docstring gives its formula; ``memory_breakdown``
 adds them up for the first and the last pipeline rank, and docs/planner.md tables them.
 

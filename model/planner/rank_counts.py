@@ -1,7 +1,7 @@
 """What one rank of this trainer computes and communicates in a training step: FLOPs and
 collective bytes, per pipeline rank, for one plan (no torch needed).
 
-These are the counts a rehearsal (``model.training.rehearse``: torch's FLOP formulas and
+These are the counts a rehearsal (``model.rehearsal.rehearse``: torch's FLOP formulas and
 every collective's full buffer, as NCCL's tests size it) reads off the real trainer; the
 tests hold the two together on every layout family. What this trainer does, and so what
 is counted (sbh = seq_len x micro_batch x d_model elements, c = compute-dtype bytes):

@@ -151,7 +151,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BuildSeam:
-    """How a trainer's parts are made: the one seam the rehearsal (``model.training.rehearse``)
+    """How a trainer's parts are made: the one seam the rehearsal (``model.rehearsal.rehearse``)
     builds a trainer through; training uses the defaults.
 
     ``materialize`` is the context in which the parallelised meta-device chunks get storage

@@ -27,7 +27,7 @@ from model.planner.choose import (
     planning_cluster,
 )
 from model.planner.cluster import Cluster, rehearses
-from model.planner.rehearsal import rehearse_until_one_fits
+from model.rehearsal.plans import rehearse_until_one_fits
 from model.training.files import SUMMARY_FILE
 from stages.mechanism import launch
 from stages.mechanism.launch import SPEC_FILE, RankSpec
@@ -214,7 +214,7 @@ def rehearse_in_stage(cfg: Any, plan: Plan, ranked: list[Plan], cluster: Cluster
                       calibration: dict[str, float] | None, out_dir: Path,
                       tracker: Any) -> Plan:
     """The stage's rehearsal (``parallel.rehearse``): the planner's give-way rule over
-    ``plan`` and the search's next best (``model.planner.rehearsal.rehearse_until_one_fits``),
+    ``plan`` and the search's next best (``model.rehearsal.plans.rehearse_until_one_fits``),
     each rank in a process that dies with the stage. Writes ``rehearsal.json`` (the kept
     plan's ``rehearsal_records``, or ``{"error": ...}`` for a plan that cannot be
     rehearsed) and, when plans gave way, ``rehearsal_rejected.json``; logs both and the kept

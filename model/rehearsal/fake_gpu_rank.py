@@ -1,10 +1,10 @@
 """One rank rehearsed on the fake GPU, in a process of its own:
-``python -m model.training.fake_gpu_rank REQUEST RESULT``.
+``python -m model.rehearsal.fake_gpu_rank REQUEST RESULT``.
 
-``REQUEST`` holds the pickled positional arguments of ``model.training.rehearse.rehearse``
+``REQUEST`` holds the pickled positional arguments of ``model.rehearsal.rehearse.rehearse``
 (device type ``cuda`` among them); ``RESULT`` gets the pickled Rehearsal, or the
 RehearsalError that refused it. The fake GPU is loaded before torch is imported
-(``model.training.fake_gpu.load_runtime``), which is why this is a module of its own.
+(``model.rehearsal.fake_gpu.load_runtime``), which is why this is a module of its own.
 """
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from model.training import fake_gpu
+from model.rehearsal import fake_gpu
 
 
 def run_rank(request: Path, result: Path) -> None:
     """Load the fake GPU, rehearse the rank ``request`` describes, write ``result``
     (a temp file renamed into place)."""
     fake_gpu.load_runtime()
-    from model.training.rehearse import RehearsalError, rehearse  # torch: after the runtime
+    from model.rehearsal.rehearse import RehearsalError, rehearse  # torch: after the runtime
 
     args = pickle.loads(request.read_bytes())
     try:

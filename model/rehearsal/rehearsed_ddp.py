@@ -1,7 +1,7 @@
 """DistributedDataParallel as a rehearsal sees it: what DDP keeps and sends, without its C++.
 
 DDP's constructor and reducer read parameter storage, which fake tensors do not have, so
-a rehearsal (``model.training.rehearse``) builds the trainer with ``RehearsedDDP`` in its
+a rehearsal (``model.rehearsal.rehearse``) builds the trainer with ``RehearsedDDP`` in its
 place. It keeps what DDP keeps in torch's default setting (``gradient_as_bucket_view``
 off): a float32 bucket copy of every gradient, made with the wrapper, beside the
 gradients themselves. It sends what DDP sends: on a step's last micro-batch (outside

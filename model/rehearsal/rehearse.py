@@ -32,12 +32,12 @@ What differs from training, on purpose:
   STATIC in a real run too, so this is the vote's own outcome; the trainer's real runs infer
   the same shapes at their first step and then run the same steps. Each stage's real output
   is checked against the shape it was given after the steps.
-- Sharding ``ddp`` without pipelining runs ``model.training.rehearsed_ddp.RehearsedDDP``
+- Sharding ``ddp`` without pipelining runs ``model.rehearsal.rehearsed_ddp.RehearsedDDP``
   in DistributedDataParallel's place, whose C++ constructor and reducer read parameter
   storage: the same bucket copy of the gradients and the same all-reduce. (Under
   pipelining the trainer all-reduces gradients itself, which rehearses as it is.)
 - On a GPU cluster the rank runs on device type ``cuda`` (ROCm's torch uses the same
-  type) through ``model.training.fake_gpu``: this CPU-only torch is given a fake CUDA
+  type) through ``model.rehearsal.fake_gpu``: this CPU-only torch is given a fake CUDA
   device, and the few calls it refuses are answered in one place (``guarded_cuda``), with
   the attention and RMSNorm kernels a GPU build takes. Any op that meets a tensor of
   another device fails the rehearsal with where that tensor was made (``DeviceCheck``).
@@ -92,9 +92,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from model.config import ModelConfig, TrainConfig
 from model.parallel.layout import Plan
 from model.parallel.pipeline import build_schedule, chunk_ids
+from model.rehearsal.rehearsed_ddp import RehearsedDDP
+from model.rehearsal.torch_pin import CHECKED_TORCH, rehearsal_python, torch_release
 from model.training.batches import synthetic_batch_factory
-from model.training.rehearsed_ddp import RehearsedDDP
-from model.training.torch_pin import CHECKED_TORCH, rehearsal_python, torch_release
 from model.training.trainer import BuildSeam, Trainer, cross_entropy
 
 aten = torch.ops.aten
@@ -227,7 +227,7 @@ def check_torch_internals() -> None:
             f"{'.'.join(map(str, CHECKED_TORCH))}, this is torch {torch.__version__}: check "
             "_PipelineSchedule._warmup_p2p, PipelineStage._inference_mode and the memory "
             "trackers' _pre_fw_hook / _fsdp_state_pre_forward, then update "
-            "model.training.torch_pin.CHECKED_TORCH")
+            "model.rehearsal.torch_pin.CHECKED_TORCH")
     missing = [f"{owner.__name__}.{name}" for owner, name in PRIVATE_INTERNALS
                if not hasattr(owner, name)]
     if missing:
@@ -752,13 +752,13 @@ def rehearsal_train_config(train_cfg: TrainConfig) -> TrainConfig:
 @contextlib.contextmanager
 def on_device(device_type: str) -> Iterator[torch.device]:
     """The device a rehearsed rank runs on: the CPU, or (``cuda``) the fake GPU with
-    ``torch.cuda``'s refusals answered (``model.training.fake_gpu.guarded_cuda``)."""
+    ``torch.cuda``'s refusals answered (``model.rehearsal.fake_gpu.guarded_cuda``)."""
     if device_type == "cpu":
         yield torch.device("cpu")
         return
     if device_type != "cuda":
         raise RehearsalError(f"cannot rehearse on device type {device_type!r}: cpu or cuda")
-    from model.training import fake_gpu
+    from model.rehearsal import fake_gpu
 
     if not fake_gpu.runtime_loaded():
         raise RehearsalError("rehearsing on cuda needs the fake GPU loaded before torch: use "
@@ -912,9 +912,9 @@ def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     On the CPU the child is forked from multiprocessing's fork server, which has imported
     this module (torch, DTensor, the trainer) once and rehearsed nothing: a plan stage's
     rehearsals then cost their work, not seconds of imports each. On ``cuda`` the child is
-    a fresh interpreter (``python -m model.training.fake_gpu_rank``) that loads the fake GPU
+    a fresh interpreter (``python -m model.rehearsal.fake_gpu_rank``) that loads the fake GPU
     before torch; its output goes to this process's console. That interpreter is
-    ``$FRONTIER_LLM_REHEARSAL_PYTHON`` when set (``model.training.torch_pin``): one with the
+    ``$FRONTIER_LLM_REHEARSAL_PYTHON`` when set (``model.rehearsal.torch_pin``): one with the
     CPU torch the rehearsal was checked on, where this one has another release.
     """
     if device_type == "cuda":
@@ -935,7 +935,7 @@ def _rehearse_on_fake_gpu(args: tuple, initializer: Callable[[], None] | None) -
     import subprocess
     import sys
 
-    from model.training import fake_gpu
+    from model.rehearsal import fake_gpu
 
     python = rehearsal_python()
     if python == sys.executable:  # another interpreter builds it for its own torch
@@ -943,7 +943,7 @@ def _rehearse_on_fake_gpu(args: tuple, initializer: Callable[[], None] | None) -
     with tempfile.TemporaryDirectory(prefix="rehearse-gpu-") as tmp:
         request, result = Path(tmp) / "request.pkl", Path(tmp) / "result.pkl"
         request.write_bytes(pickle.dumps(args))
-        proc = subprocess.run([python, "-m", "model.training.fake_gpu_rank", str(request),
+        proc = subprocess.run([python, "-m", "model.rehearsal.fake_gpu_rank", str(request),
                                str(result)], preexec_fn=initializer, check=False,
                               cwd=Path(__file__).resolve().parents[2])
         if not result.exists():

@@ -14,7 +14,7 @@ here, in one place (docs/planner.md lists each refusal and the call that made it
 - in Python (``GUARDED``, installed by ``guarded_cuda``): the ``torch.cuda`` runtime
   queries, streams and events FSDP2 and autocast call.
 
-``model.training.fake_gpu_rank`` (``python -m model.training.fake_gpu_rank REQUEST RESULT``)
+``model.rehearsal.fake_gpu_rank`` (``python -m model.rehearsal.fake_gpu_rank REQUEST RESULT``)
 is such a process: it loads the runtime, then imports torch and rehearses the rank on
 ``cuda``.
 """
@@ -65,12 +65,12 @@ def library_path() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # the interpreter's own bin dir first: pip's ninja lives there, unactivated or not
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "model.training.fake_gpu", "--build",
+    proc = subprocess.run([sys.executable, "-m", "model.rehearsal.fake_gpu", "--build",
                            str(target.parent)], capture_output=True, text=True, check=False,
                           cwd=Path(__file__).resolve().parents[2], env={**os.environ, "PATH": path})
     if proc.returncode != 0 or not target.exists():
         raise FakeGpuError(
-            "building the rehearsal's fake GPU (model/training/fake_gpu.cpp) failed; it needs "
+            "building the rehearsal's fake GPU (model/rehearsal/fake_gpu.cpp) failed; it needs "
             f"a C++ compiler (c++) and ninja on PATH:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return target
 
@@ -265,5 +265,5 @@ def guarded_cuda() -> Iterator[None]:
         kernels._destroy()
 
 
-if __name__ == "__main__":  # python -m model.training.fake_gpu --build DIR
+if __name__ == "__main__":  # python -m model.rehearsal.fake_gpu --build DIR
     print(build(Path(sys.argv[2])))

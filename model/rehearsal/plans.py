@@ -1,4 +1,4 @@
-"""Rehearsing a plan: its busiest ranks run on fake tensors (``model.training.rehearse``,
+"""Rehearsing a plan: its busiest ranks run on fake tensors (``model.rehearsal.rehearse``,
 imported only when asked: torch), their memory, FLOPs and collective bytes set beside the
 planner's models; and the give-way rule, by which a plan whose rehearsal does not fit the
 device gives way to the next best."""
@@ -38,7 +38,7 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
                       calibration: dict[str, float] | None = None,
                       ranks: list[int] | None = None,
                       initializer: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """Rehearse ``plan``'s first and last pipeline stage (``model.training.rehearse``; or the
+    """Rehearse ``plan``'s first and last pipeline stage (``model.rehearsal.rehearse``; or the
     given ``ranks``) and set each rank's rehearsed figures beside the memory model's.
 
     Per rank (``stage`` first, middle or last; the model prices a middle stage as the
@@ -54,7 +54,7 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     ``initializer`` runs first in each rank's process (the plan stage's makes it die with
     its parent). Raises RehearsalError (a RuntimeError) for a plan that cannot be rehearsed.
     """
-    from model.training.rehearse import busiest_ranks, rehearse_isolated  # torch: when asked
+    from model.rehearsal.rehearse import busiest_ranks, rehearse_isolated  # torch: when asked
 
     shapes = Shapes.from_configs(model_cfg, train_cfg, cluster)
     model_flops = (flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.global_batch
@@ -144,7 +144,7 @@ def give_way(plans: list[Plan], rehearse: Callable[[Plan], list[dict[str, Any]]]
     the first whose rehearsed ranks fit the device with the cluster's margins. A plan that
     cannot be rehearsed (RehearsalError) stands. PlanError, with every plan's rehearsed peak
     and the fix, when none fits."""
-    from model.training.rehearse import RehearsalError  # torch: only when rehearsing
+    from model.rehearsal.rehearse import RehearsalError  # torch: only when rehearsing
 
     rejected: list[dict[str, Any]] = []
     for plan in plans:

@@ -1,6 +1,6 @@
 """The torch release the rehearsal was checked on, readable without importing torch.
 
-``model.training.rehearse`` refuses any other release (its private pipelining and
+``model.rehearsal.rehearse`` refuses any other release (its private pipelining and
 memory-tracker hooks were checked on this one); the readiness report compares the torch
 installed where the plan stage runs against it before any job is submitted, and so must not
 import torch itself.
