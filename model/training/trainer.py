@@ -62,7 +62,14 @@ from model.parallel.parallelize import (
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.training import checkpoint as ckpt
 from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
-from model.training.health import Faults, SlowRanks, StepHealth, Verdict
+from model.training.health import (
+    Faults,
+    SlowRanks,
+    StepHealth,
+    TrainingDiverged,
+    Verdict,
+    written_in_bad_streak,
+)
 from model.training.metrics import (
     MEDIAN_SUFFIX,
     median_step_time,
@@ -75,6 +82,9 @@ from model.training.metrics import (
 )
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from model.training.progress_record import mark
+
+HEALTH_FILE = "health.json"
+"""Every skipped step and rollback of a training that diverged, beside its checkpoints."""
 
 JOBS_FILE = "jobs.json"
 """The jobs a training ran in, beside its checkpoints (``record_job``, ``job_totals``)."""
@@ -109,6 +119,14 @@ def job_totals(ledger: list[dict[str, Any]]) -> dict[str, Any]:
     hours = sum(e["nodes"] * max(0.0, e.get("ended", e["started"]) - e["started"]) / 3600
                 for e in ledger)
     return {"jobs": len(ledger), "node_hours": hours}
+
+
+def _refuse_bad_streak(path: Path) -> str | None:
+    """Why a rollback passes over the checkpoint at ``path``, or None: one saved inside a run
+    of bad steps (``health.written_in_bad_streak``)."""
+    if written_in_bad_streak(ckpt.load_extra(path)):
+        return "saved inside a run of bad steps (its weights led to them)"
+    return None
 
 
 class BatchSource(Protocol):
@@ -229,6 +247,7 @@ class Trainer:
         self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
         self.logged_through = hooks.logged_through  # steps up to here are not logged again
         self._stopping = False
+        self._save_waiting = False  # a scheduled save put off by a run of bad steps
         # Step health (model.training.health): bad steps skipped, spikes rolled back, slow
         # ranks named. ``checking`` is on only inside fit (train.step_checks): a bare
         # train_step (the rehearsal's fake tensors, the plan's measurement) always updates.
@@ -523,6 +542,8 @@ class Trainer:
         times when due. True when the step was rolled back (``self.step`` is then the
         checkpoint's)."""
         verdict = self.verdict
+        if verdict is None or verdict.update:
+            self.health.last_good_step = self.step
         if verdict is not None and not verdict.update:
             loss_value = float(loss) if loss is not None else None
             if verdict.rollback and self._roll_back(verdict, loss_value):
@@ -547,7 +568,8 @@ class Trainer:
         """Restore the newest checkpoint, skipping the batches drawn since (collective);
         False when there is none to go back to."""
         self.publish()  # a background save in flight is the newest good state
-        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        # A checkpoint saved inside a run of bad steps holds the weights that led to it.
+        latest = ckpt.latest_checkpoint(self.ckpt_root, refuse=_refuse_bad_streak)
         reason = ("loss spike" if verdict.spike
                   else f"{self.health.bad_streak} bad steps in a row")
         good = self.health.good
@@ -556,12 +578,19 @@ class Trainer:
                        f"the last {len(good)} good steps)")
         if latest is None:
             if self.is_logger:
-                print(f"[train] step {self.step}: {reason}, but no checkpoint to roll back to",
-                      flush=True)
+                print(f"[train] step {self.step}: {reason}, but no checkpoint before the "
+                      "trouble to roll back to", flush=True)
+            self._diverged_unless(lambda: self.health.record_rollback(
+                self.step, None, reason, None, []))
+            if self.is_logger:
+                self._log_event({"rollbacks_total": float(len(self.health.rollbacks))},
+                                self.step)
             return False
         step, batches = self.step, list(self.health.since_checkpoint)
         self._restore(latest, rollback=True)
-        record = self.health.record_rollback(step, self.step, reason, str(latest), batches)
+        self._save_waiting = False  # the state now is the checkpoint's
+        record = self._diverged_unless(lambda: self.health.record_rollback(
+            step, self.step, reason, str(latest), batches))
         self.slow_ranks.restart()
         if self.is_logger:
             print(f"[train] step {step}: {reason}: rolled back to step {self.step} ({latest}), "
@@ -569,6 +598,21 @@ class Trainer:
                   f"{record['first_sequence']}-{record['last_sequence']})", flush=True)
             self._log_event(rollback_metrics(record, len(self.health.rollbacks)), step)
         return True
+
+    def _diverged_unless(self, record: Callable[[], dict]) -> dict:
+        """``record()`` (a rollback's record); when it raises ``TrainingDiverged`` the logger
+        rank first sends the metrics it holds and writes ``health.json`` (every skipped step
+        and rollback), which the error then names."""
+        try:
+            return record()
+        except TrainingDiverged as error:
+            path = self.out_dir / HEALTH_FILE
+            if self.is_logger:
+                if self.tracker is not None:
+                    self.tracker.flush()
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(path, self.health.summary())
+            raise TrainingDiverged(f"{error}; every skipped step and rollback: {path}") from None
 
     def _log_event(self, metrics: dict[str, float], step: int) -> None:
         """Send a step-health metric (the logger rank), unless the run already holds it."""
@@ -600,7 +644,11 @@ class Trainer:
         are voted on (``checkpoint.agree``, one small all-reduce, only when one is in play).
         A stop sets ``_stopping`` after its save."""
         every, minutes = self.cfg.checkpoint_every, self.cfg.checkpoint_minutes
-        due = bool(every and self.step % every == 0) or (save_final and self.step == steps)
+        # A scheduled save inside a run of bad steps waits for the run to end: the weights
+        # then are those that led to it (every rank counts the same streak).
+        scheduled = self._save_waiting or bool(every and self.step % every == 0)
+        self._save_waiting = scheduled and self.health.bad_streak > 0
+        due = (scheduled and not self._save_waiting) or (save_final and self.step == steps)
         finished = False
         if minutes is not None or self.pending is not None or self.stop_requested is not None:
             late = minutes is not None and time.monotonic() - self._clock >= minutes * 60
@@ -608,6 +656,7 @@ class Trainer:
             asked = self.stop_requested is not None and bool(self.stop_requested())
             late, writing, stop = ckpt.agree(late, writing, asked, device=self.device)
             self._stopping = stop
+            late = late and self.health.bad_streak == 0  # the clock waits too
             due, finished = due or late or stop, self.pending is not None and not writing
         if not (due or finished):
             return None
