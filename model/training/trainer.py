@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
 import statistics
 import time
@@ -82,6 +83,7 @@ from model.training.metrics import (
 )
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from model.training.progress_record import mark
+from model.training.validation import ValidationSet, validate, validation_metrics
 
 HEALTH_FILE = "health.json"
 """Every skipped step and rollback of a training that diverged, beside its checkpoints."""
@@ -190,12 +192,14 @@ class RunHooks:
     every step; ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger;
     ``logged_through``: the last step whose metrics the tracking run already holds (a
     resumed training recomputes the steps after its checkpoint bitwise, so those are not
-    logged again); ``faults``: injected faults, for tests and drills only."""
+    logged again); ``faults``: injected faults, for tests and drills only; ``validation``: the
+    split scored every train.eval_every steps (``model.training.validation``)."""
 
     stop_requested: Callable[[], bool] | None = None
     job: dict[str, Any] | None = None
     logged_through: int = 0
     faults: Faults | None = None
+    validation: ValidationSet | None = None
 
 
 def logs_metrics(plan: Plan, rank: int) -> bool:
@@ -256,6 +260,12 @@ class Trainer:
         self.checking = False
         self.batch_index: int | None = None  # the global batch of the step in fit
         self.verdict: Verdict | None = None  # the last checked step's
+        # Validation in the loop (train.eval_every): each result, and the checkpoint whose
+        # validation loss is the lowest (kept by the retention rules, tagged by the stage).
+        self.validation = hooks.validation if train_cfg.eval_every else None
+        self.val_history: list[dict[str, Any]] = []
+        self.val_slice: dict[str, int] = {}  # the slice's tokens, windows and seq_len
+        self.best: dict[str, Any] | None = None
 
     def _build_mesh(self, plan: Plan, model_cfg: ModelConfig, train_cfg: TrainConfig,
                     device: torch.device) -> None:
@@ -405,7 +415,8 @@ class Trainer:
         dist.broadcast_object_list(history, src=self.logger_rank)
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "loader": self.batches.state_dict(), "rng": torch.get_rng_state(),
-                 "losses": history[0], "health": history[1]}
+                 "losses": history[0], "health": history[1],
+                 "validation": {"history": self.val_history, "best": self.best}}
         self.health.saved()  # a later rollback comes back here
         asynchronous = self.cfg.async_checkpoint
         if asynchronous and self._ckpt_group is None:
@@ -427,9 +438,12 @@ class Trainer:
         return self._published(ckpt.finish_save(pending))
 
     def _published(self, path: Path) -> Path:
-        """After a save is complete on every rank: rank 0 applies the retention rules."""
+        """After a save is complete on every rank: rank 0 applies the retention rules (the
+        checkpoint of the best validation loss is kept too)."""
+        self._note_best(path)
         if dist.get_rank() == 0:
-            keep = [p for p in (self.resumed_from, path, self.cfg.init_from) if p]
+            best = self.best["checkpoint"] if self.best else None
+            keep = [p for p in (self.resumed_from, path, self.cfg.init_from, best) if p]
             ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last, self.cfg.keep_every,
                                    protect=keep)
         return path
@@ -454,6 +468,9 @@ class Trainer:
         torch.set_rng_state(extra["rng"])
         self.step, self.losses = int(extra["step"]), list(extra["losses"])
         self.health.load_state_dict(extra.get("health"), rollback=rollback)
+        validation = extra.get("validation") or {}
+        self.val_history = list(validation.get("history") or [])
+        self.best = validation.get("best")
 
     # ---------------------------------------------------------------- the loop
     def fit(self, steps: int | None = None, save_final: bool = True) -> dict[str, Any] | None:
@@ -510,6 +527,9 @@ class Trainer:
                 if self.step % self.cfg.log_every == 0 or median:  # one record a step
                     self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step,
                                    median, full=self.step % self.cfg.log_every == 0)
+            if self.validation is not None and (self.step % self.cfg.eval_every == 0
+                                                or self.step == steps):
+                self._validate(steps)
             self.iteration_times.append(time.perf_counter() - start)
             last_ckpt = self._checkpoint_if_due(steps, save_final) or last_ckpt
             if self._stopping:
@@ -598,6 +618,41 @@ class Trainer:
                   f"{record['first_sequence']}-{record['last_sequence']})", flush=True)
             self._log_event(rollback_metrics(record, len(self.health.rollbacks)), step)
         return True
+
+    def _validate(self, steps: int) -> None:
+        """Score the fixed validation slice now (collective; every rank gets the figures) and
+        log them from the logger rank."""
+        result = validate(self, self.validation)
+        entry = {"step": self.step, **{k: result[k] for k in ("val_loss", "val_bpb",
+                                                              "per_source") if k in result}}
+        self.val_history.append(entry)
+        self.val_slice = {k: result[k] for k in ("tokens", "windows", "seq_len")}
+        if self.is_logger:
+            bpb = f" val_bpb {result['val_bpb']:.4f}" if "val_bpb" in result else ""
+            print(f"[train] step {self.step}/{steps} val_loss {result['val_loss']:.4f}{bpb} "
+                  f"over {result['tokens']:,} validation tokens ({result['seconds']:.2f} s)",
+                  flush=True)
+            self._log_event(validation_metrics(result), self.step)
+
+    def _validation_summary(self) -> dict[str, Any] | None:
+        """The summary's ``validation``: the slice (``eval_tokens`` asked, ``tokens``,
+        ``windows``, ``seq_len`` scored), every result, the last and the best checkpoint."""
+        if self.validation is None:
+            return None
+        return {"every": self.cfg.eval_every, "eval_tokens": self.cfg.eval_tokens,
+                **self.val_slice, "history": self.val_history,
+                "last": self.val_history[-1] if self.val_history else None, "best": self.best}
+
+    def _note_best(self, path: Path) -> None:
+        """A checkpoint is published: if it was validated at its step and its validation loss
+        is the lowest of the published ones, it is the best so far."""
+        step = ckpt.checkpoint_step(path)
+        scored = next((e for e in reversed(self.val_history) if e["step"] == step), None)
+        if scored is None or not math.isfinite(scored["val_loss"]):
+            return
+        if self.best is None or scored["val_loss"] < self.best["val_loss"]:
+            self.best = {"step": step, "val_loss": scored["val_loss"],
+                         "val_bpb": scored.get("val_bpb"), "checkpoint": str(path)}
 
     def _diverged_unless(self, record: Callable[[], dict]) -> dict:
         """``record()`` (a rollback's record); when it raises ``TrainingDiverged`` the logger
@@ -726,7 +781,8 @@ class Trainer:
                    "checkpoint": str(last_ckpt) if last_ckpt else None,
                    "checkpoint_seconds": sum(self.checkpoint_seconds),
                    "plan": self.plan.to_dict(), "world_size": self.dims.world_size,
-                   "hosts": hosts, **self._job_summary(), "health": self.health.summary()}
+                   "hosts": hosts, **self._job_summary(), "health": self.health.summary(),
+                   "validation": self._validation_summary()}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.tracker is not None:
             self.tracker.flush()  # waits for queued metrics

@@ -139,11 +139,7 @@ def check_inputs(cfg: PipelineConfig, store: StoreInfo, train_outputs: dict[str,
 
 def split_sources(store: StoreInfo, split: str) -> list[tuple[int, int, str]]:
     """(start, stop, source) token spans of a split from its parts' optional "source" label."""
-    spans, pos = [], 0
-    for part in store.splits[split].parts:
-        spans.append((pos, pos + int(part["tokens"]), str(part.get("source", "all"))))
-        pos += int(part["tokens"])
-    return spans
+    return store.split_spans(split)
 
 
 def heldout_documents(reader: SplitReader, tokenizer, eos_id: int, limit: int | None) -> list[str]:
