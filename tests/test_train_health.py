@@ -84,7 +84,8 @@ def test_a_spike_rolls_back_and_skips_the_windows_since_the_checkpoint(never_saw
                                                                       tmp_path) -> None:
     """Batch 5 (step 6) is a spike: back to step 4, batches 4-5 skipped; the losses are then
     bitwise those of the run that never saw them, and MLflow holds the rollback (and the
-    slow-rank ratio, gathered every 4 steps)."""
+    slow-rank ratio, gathered at the first step and every 4, and the health counters from
+    step 1)."""
     from stages.mechanism import tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -100,7 +101,11 @@ def test_a_spike_rolls_back_and_skips_the_windows_since_the_checkpoint(never_saw
     assert tracking.metric_history(uri, run_id, "rollback") == [(6, 1.0)]
     assert tracking.metric_history(uri, run_id, "rollback_to_step") == [(6, 4.0)]
     ratios = tracking.metric_history(uri, run_id, "slow_rank_ratio")
-    assert [step for step, _ in ratios] == [4, 8] and all(r >= 1 for _, r in ratios)
+    assert [step for step, _ in ratios] == [1, 4, 8] and all(r >= 1 for _, r in ratios)
+    # the health counters are charted from step 1, zeros included
+    for name, after in (("skipped_steps_total", 0.0), ("rollbacks_total", 1.0)):
+        history = tracking.metric_history(uri, run_id, name)
+        assert history[0] == (1, 0.0) and history[-1] == (8, after), (name, history)
 
 
 def test_bad_steps_in_a_row_roll_back(never_saw, tmp_path) -> None:

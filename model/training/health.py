@@ -266,6 +266,8 @@ class SlowRankReport:
     """Slowest over the lower median."""
     slow: list[int] = field(default_factory=list)
     """Ranks above train.slow_rank_ratio x the lower median."""
+    first: bool = False
+    """The first step's gathering (start-up included: a metric, never a console warning)."""
 
 
 class SlowRanks:
@@ -274,6 +276,7 @@ class SlowRanks:
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.every, self.limit, self.device = cfg.slow_rank_every, cfg.slow_rank_ratio, device
         self._since, self._steps = busy_seconds(), 0
+        self._first = True  # the first step counted gathers too: the chart starts at step 1
         self.hosts: list[str] | None = None
 
     def restart(self) -> None:
@@ -281,9 +284,11 @@ class SlowRanks:
         self._since, self._steps = busy_seconds(), 0
 
     def after_step(self, step: int) -> SlowRankReport | None:
-        """Count a step; on every ``every``-th, gather (collective) and return the report."""
+        """Count a step; on the first one and every ``every``-th, gather (collective) and return
+        the report (``first`` set on the first: its busy time includes the start-up)."""
         self._steps += 1
-        if not self.every or step % self.every or not dist.is_initialized():
+        first, self._first = self._first, False
+        if not self.every or (step % self.every and not first) or not dist.is_initialized():
             return None
         now = busy_seconds()
         mine = torch.tensor([(now - self._since) / max(1, self._steps)], dtype=torch.float64,
@@ -301,7 +306,7 @@ class SlowRanks:
             hosts: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(hosts, socket.gethostname())
             self.hosts = [str(h) for h in hosts]
-        return SlowRankReport(step, seconds, ratio, slow)
+        return SlowRankReport(step, seconds, ratio, slow, first)
 
     def describe(self, report: SlowRankReport) -> str:
         """The console line naming the slow ranks and their hosts."""

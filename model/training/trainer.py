@@ -580,7 +580,7 @@ class Trainer:
         report = self.slow_ranks.after_step(self.step)
         if report is not None and self.is_logger:
             self._log_event(slow_rank_metrics(report.ratio, report.seconds), self.step)
-            if report.slow:
+            if report.slow and not report.first:  # a first step's start-up is not slowness
                 print(self.slow_ranks.describe(report), flush=True)
         return False
 
@@ -760,7 +760,11 @@ class Trainer:
         if full:
             metrics.update({"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": dt,
                             **self._throughput(dt, tokens),
-                            "peak_memory_gb": peak_memory_gb(self.device)})
+                            "peak_memory_gb": peak_memory_gb(self.device),
+                            # the health counters from step 1, zeros included: a chart that
+                            # exists before anything goes wrong
+                            "skipped_steps_total": float(len(self.health.skipped)),
+                            "rollbacks_total": float(len(self.health.rollbacks))})
         self.tracker.log_metrics(metrics, step=self.step)  # buffered by the tracker
 
     def _finish(self, step_times: list[float], first_step: int, tokens: int,
