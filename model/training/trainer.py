@@ -624,7 +624,8 @@ class Trainer:
         log them from the logger rank."""
         result = validate(self, self.validation)
         entry = {"step": self.step, **{k: result[k] for k in ("val_loss", "val_bpb",
-                                                              "per_source") if k in result}}
+                                                              "per_source", "seconds")
+                                       if k in result}}
         self.val_history.append(entry)
         self.val_slice = {k: result[k] for k in ("tokens", "windows", "seq_len")}
         if self.is_logger:
