@@ -27,8 +27,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,18 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.bench_health import rounds
-from benchmarks.results import RESULTS_DIR, report
+from benchmarks.bench_health import RANKS, rounds, spawn_and_report
+from benchmarks.results import RESULTS_DIR
 from model.config import ModelConfig, TrainConfig
 from model.parallel.layout import Plan
 from model.training.batches import SyntheticBatches
 from model.training.trainer import RunHooks, Trainer
 from model.training.validation import ValidationSet
 from stages.config import load_config
-
-RANKS = 2
 
 
 def make_trainer(model_cfg: ModelConfig, cfg: TrainConfig, out: Path, validate: bool) -> Trainer:
@@ -119,13 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", default=str(RESULTS_DIR),
                         help="where bench_validation.json goes (not with --tiny)")
     args = parser.parse_args(argv)
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-validation-") as tmp:
-        mp.start_processes(rank_main, (args, tmp), nprocs=RANKS, start_method="spawn")
-        result = json.loads((Path(tmp) / "figures.json").read_text())
-    result["wall_s"] = time.perf_counter() - started
-    report("bench_validation", result, args)
+    spawn_and_report("bench_validation", rank_main, args)
     return 0
 
 

@@ -5,28 +5,20 @@ rollbacks, and no rollback ever goes back to a checkpoint written inside a run o
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from model.training.checkpoint import load_extra
 from model.training.health import FAULTS_VAR, written_in_bad_streak
-from stages.mechanism.launch import RANK_ERROR_FILE, USER_ERROR_EXIT, RankSpec
-from tests.train_helpers import run_ranks, tiny_config
+from stages.mechanism.launch import RANK_ERROR_FILE, USER_ERROR_EXIT
+from tests.train_helpers import launch_with, tiny_config
 
 DP2 = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
 
 
 def launch(out: Path, faults: dict[str, Any] | None, *overrides: str) -> tuple[int, str, str]:
     """2 gloo ranks of the tiny model: (exit code, stdout, stderr)."""
-    cfg = tiny_config(*overrides)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(out.resolve()),
-                    config=cfg.to_dict(), plan=DP2)
-    env = {k: v for k, v in os.environ.items() if k != FAULTS_VAR}
-    if faults is not None:
-        env[FAULTS_VAR] = json.dumps(faults)
-    return run_ranks(spec.worker, spec.write(out / "spec.json"), 2, 240, env)
+    return launch_with(out, tiny_config(*overrides), DP2, FAULTS_VAR, faults)
 
 
 def checkpoint_steps(out: Path) -> dict[int, bool]:

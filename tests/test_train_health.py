@@ -17,8 +17,7 @@ import torch
 
 from model.training.checkpoint import load_extra, load_for_inference
 from model.training.health import FAULTS_VAR, Faults, is_spike, written_in_bad_streak
-from stages.mechanism.launch import RankSpec
-from tests.train_helpers import run_ranks, tiny_config
+from tests.train_helpers import launch_with, tiny_config
 
 DP2 = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
 
@@ -26,16 +25,8 @@ DP2 = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
 def train(out: Path, faults: dict[str, Any] | None, *overrides: str,
           tracking: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """2 gloo ranks (dp 2) of the tiny model with ``faults`` injected: (summary, stdout)."""
-    import os
-
-    cfg = tiny_config(*overrides)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(out.resolve()),
-                    config=cfg.to_dict(), plan=DP2, tracking=tracking)
-    env = {k: v for k, v in os.environ.items() if k != FAULTS_VAR}
-    if faults is not None:
-        env[FAULTS_VAR] = json.dumps(faults)
-    code, stdout, stderr = run_ranks(spec.worker, spec.write(out / "spec.json"), 2, 240, env)
+    code, stdout, stderr = launch_with(out, tiny_config(*overrides), DP2, FAULTS_VAR, faults,
+                                       tracking=tracking)
     assert code == 0, f"rc {code}:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return json.loads((out / "summary.json").read_text()), stdout
 
