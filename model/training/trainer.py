@@ -524,9 +524,12 @@ class Trainer:
                 median = {}
                 if self.step % max(1, steps // 10) == 0 or self.step == steps:
                     median = self._progress(loss_value, step_times, steps, tokens_per_step)
-                if self.step % self.cfg.log_every == 0 or median:  # one record a step
+                # the attempt's first step is logged in full whatever train.log_every: every
+                # chart, the health counters' zeros included, starts there
+                full = self.step % self.cfg.log_every == 0 or self.step == first_step + 1
+                if full or median:  # one record a step
                     self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step,
-                                   median, full=self.step % self.cfg.log_every == 0)
+                                   median, full=full)
             if self.validation is not None and (self.step % self.cfg.eval_every == 0
                                                 or self.step == steps):
                 self._validate(steps)
