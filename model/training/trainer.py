@@ -62,7 +62,7 @@ from model.parallel.parallelize import (
 )
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.training import checkpoint as ckpt
-from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
+from model.training.files import CHECKPOINTS_DIR, HEALTH_FILE, SUMMARY_FILE
 from model.training.health import (
     Faults,
     SlowRanks,
@@ -84,9 +84,6 @@ from model.training.metrics import (
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from model.training.progress_record import mark
 from model.training.validation import ValidationSet, validate, validation_metrics
-
-HEALTH_FILE = "health.json"
-"""Every skipped step and rollback of a training that diverged, beside its checkpoints."""
 
 JOBS_FILE = "jobs.json"
 """The jobs a training ran in, beside its checkpoints (``record_job``, ``job_totals``)."""

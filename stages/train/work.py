@@ -16,7 +16,7 @@ from data_prep.atomic import write_json_atomic
 from model.config import TrainConfig
 from model.parallel.layout import Plan
 from model.planner.cluster import ClusterError, is_measured, load_cluster
-from model.training.files import CHECKPOINTS_DIR, LOSS_CURVE_FILE, SUMMARY_FILE
+from model.training.files import CHECKPOINTS_DIR, HEALTH_FILE, LOSS_CURVE_FILE, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.config import PipelineConfig
 from stages.mechanism.launch import OUT_OF_TIME_FILE, RANK_ERROR_FILE, SPEC_FILE, RankSpec
@@ -112,7 +112,8 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     cadence = checkpoint_cadence_problem(train, cfg.site, predicted_step_time(plan.predictions))
     if cadence:
         raise TrainSetupError(cadence)
-    for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE, OUT_OF_TIME_FILE):
+    for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE, OUT_OF_TIME_FILE,
+                     HEALTH_FILE):
         (out_dir / leftover).unlink(missing_ok=True)
     tracking = None
     if tracker is not None and getattr(tracker, "run_id", None):
