@@ -57,3 +57,24 @@ def test_every_layout_scores_the_same_figure(single, tmp_path, plan, nproc) -> N
         assert mine["step"] == theirs["step"]
         assert math.isclose(mine["val_loss"], theirs["val_loss"], rel_tol=1e-5), (mine, theirs)
     assert summary["losses"] == pytest.approx(single["losses"], rel=1e-5)
+
+
+def test_the_benchmark_runs(tmp_path) -> None:
+    """``benchmarks/bench_validation.py --tiny``: two ranks, rounds with and without a
+    validation; its last line is the JSON figures, and a --tiny run records nothing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_validation.py"
+    proc = subprocess.run([sys.executable, str(script), "--tiny", "--rounds", "1",
+                           "--results-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["eval_every"] == 2 and figures["validations_per_run"] == 12
+    assert figures["validation_s"] > 0 and figures["step_s"] > 0
+    assert figures["validation_overhead"] == pytest.approx(
+        12 * figures["validation_s"] / (300 * figures["step_s"]))
+    assert list(tmp_path.iterdir()) == []
