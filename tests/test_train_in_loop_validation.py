@@ -26,7 +26,7 @@ def test_validation_changes_no_training_loss_and_falls(single, tmp_path) -> None
     the single process's (the windows dealt over two replicas, summed in float64)."""
     dp2 = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
     on = run_worker(tmp_path / "on", dp2, 2, *EVAL)
-    off = run_worker(tmp_path / "off", dp2, 2, "train.steps=8")
+    off = run_worker(tmp_path / "off", dp2, 2, "train.steps=8", "train.eval_every=0")
     assert on["losses"] == off["losses"]
     assert off["validation"] is None
     validation = on["validation"]

@@ -180,7 +180,11 @@ def heldout_loss(
             last = now
     totals = torch.from_numpy(np.concatenate([loss_sums, counts, byte_sums]))
     if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+        # a NCCL group (the trainer's own, on GPUs) reduces device tensors only
+        on_device = dist.get_backend(group) == "nccl"
+        reduced = totals.to(device) if on_device else totals
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+        totals = reduced.cpu()
     loss_sums, counts, byte_sums = (part.numpy() for part in totals.split(len(names)))
     total_loss, total_tokens = float(loss_sums.sum()), round(counts.sum())
     val_loss = total_loss / total_tokens

@@ -128,14 +128,14 @@ class LoopModel:
             if c == 0:
                 h = t.chunks[self.ids.index(c)](inputs)
             else:
-                shape = torch.zeros(3, dtype=torch.int64)
+                shape = torch.zeros(3, dtype=torch.int64, device=t.device)  # NCCL: on device
                 dist.recv(shape, src=self._peer(c - 1), group=t.pp_group)
                 h = torch.empty(*shape.tolist(), dtype=torch.float32, device=t.device)
                 dist.recv(h, src=self._peer(c - 1), group=t.pp_group)
                 h = t.chunks[self.ids.index(c)](h)
             if c < n_chunks - 1:
-                dist.send(torch.tensor(h.shape, dtype=torch.int64), dst=self._peer(c + 1),
-                          group=t.pp_group)
+                dist.send(torch.tensor(h.shape, dtype=torch.int64, device=t.device),
+                          dst=self._peer(c + 1), group=t.pp_group)
                 dist.send(h.float().contiguous(), dst=self._peer(c + 1), group=t.pp_group)
         return h if t.has_last else None
 
