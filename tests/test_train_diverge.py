@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from model.training.checkpoint import load_extra
 from model.training.health import FAULTS_VAR, written_in_bad_streak
 from stages.mechanism.launch import RANK_ERROR_FILE, USER_ERROR_EXIT
-from tests.train_helpers import launch_with, tiny_config
+from tests.train_helpers import REPO, launch_with, tiny_config
 
 DP2 = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
 
@@ -61,3 +63,31 @@ def test_a_rollback_never_returns_into_a_bad_run(tmp_path) -> None:
     assert "rolled back to step 2" in stdout
     assert checkpoint_steps(tmp_path) == {2: False, 4: False, 6: False, 8: False}
     assert summary["health"]["last_good_step"] == 8
+
+
+@pytest.mark.slow
+def test_the_pipeline_names_the_divergence_in_one_line(tokenized_runs_dir) -> None:
+    """The issue's command on the micro preset through the pipeline's command line: the
+    console ends with ``train failed: TrainingDiverged: ...``, no traceback anywhere in it,
+    nothing retried, and the train stage's MLflow run is FAILED with the message as its
+    ``error`` tag."""
+    import subprocess
+    import sys
+
+    from stages.mechanism import tracking, tracking_store
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflows.pipeline", "--config", "micro", "--runs-dir",
+         str(tokenized_runs_dir), "--set", "train.lr=10000", "train.steps=40",
+         "train.checkpoint_every=5", "train.spike_window=5"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode != 0, console[-3000:]
+    assert "Traceback" not in console and "retrying" not in console, console[-6000:]
+    failed = [line for line in console.splitlines() if line.startswith("train failed: ")]
+    assert len(failed) == 1 and failed[0].startswith(
+        "train failed: TrainingDiverged: training diverged: 6 rollbacks called for"), failed
+    uri = tracking_store.default_tracking_uri(tokenized_runs_dir)
+    [train] = [r for r in tracking.search_runs(uri, "micro") if r.data.tags.get("stage") == "train"]
+    assert train.info.status == "FAILED"
+    assert "TrainingDiverged: training diverged" in train.data.tags["error"]
