@@ -121,14 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch % RANKS:
         parser.error(f"--batch must be a multiple of {RANKS} (one share per rank)")
+    spawn_and_report("bench_health", rank_main, args)
+    return 0
+
+
+def spawn_and_report(name: str, rank_main, args) -> dict:
+    """Run ``rank_main(rank, args, tmp)`` on ``RANKS`` spawned CPU processes; rank 0 leaves
+    its figures in ``tmp/figures.json``; add the wall time and ``report`` them as ``name``."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench-health-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
         mp.start_processes(rank_main, (args, tmp), nprocs=RANKS, start_method="spawn")
         result = json.loads((Path(tmp) / "figures.json").read_text())
     result["wall_s"] = time.perf_counter() - started
-    report("bench_health", result, args)
-    return 0
+    report(name, result, args)
+    return result
 
 
 if __name__ == "__main__":

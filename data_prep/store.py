@@ -69,6 +69,24 @@ class StoreInfo:
     def tokenizer_file(self) -> Path:
         return Path(self.path) / self.manifest.get("tokenizer_file", "tokenizer.json")
 
+    def split_spans(self, split: str) -> list[tuple[int, int, str]]:
+        """(start, stop, source) token spans of ``split``, from its parts' optional "source"
+        label ("all" without one): what a per-source held-out loss breaks down by."""
+        spans, pos = [], 0
+        for part in self.splits[split].parts:
+            spans.append((pos, pos + int(part["tokens"]), str(part.get("source", "all"))))
+            pos += int(part["tokens"])
+        return spans
+
+    def token_bytes(self) -> np.ndarray:
+        """The UTF-8 bytes each token id of this store stands for (its own tokenizer's,
+        ``data_prep.tokenizer.token_byte_lengths``): a slice's bytes, for bits per byte."""
+        from tokenizers import Tokenizer
+
+        from data_prep.tokenizer import token_byte_lengths
+
+        return token_byte_lengths(Tokenizer.from_file(str(self.tokenizer_file)), self.vocab_size)
+
 
 def open_store(path: str | Path, expected_tokenizer_hash: str | None = None) -> StoreInfo:
     """Describe the store at ``path``; refuse one that is incomplete or has another tokenizer."""

@@ -41,6 +41,31 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerConfig) -> Tokenizer:
     return tokenizer
 
 
+def token_byte_lengths(tokenizer: Tokenizer, size: int | None = None) -> np.ndarray:
+    """The UTF-8 bytes of text each token id stands for: int64 [max(size, vocabulary)].
+
+    What bits per byte divide by: a slice's bytes are the sum over its tokens, so no store
+    has to keep its documents' text. A byte-level BPE token's string holds one character per
+    byte (GPT-2's byte-to-character map), so its length is exact; special tokens (eos) and
+    ids beyond the tokenizer (a padded model vocabulary) stand for no text (0). Another kind
+    of tokenizer counts each token's own decoding (a token that splits a character then
+    counts a replacement character: an estimate).
+    """
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    lengths = np.zeros(max(size or 0, vocab), dtype=np.int64)
+    special = {int(i) for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
+    byte_level = json.loads(tokenizer.to_str()).get("decoder", {}) or {}
+    byte_level = byte_level.get("type") == "ByteLevel"
+    for i in range(vocab):
+        if i in special:
+            continue
+        if byte_level:
+            lengths[i] = len(tokenizer.id_to_token(i) or "")
+        else:
+            lengths[i] = len(tokenizer.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return lengths
+
+
 def load_tokenizer(path: str | Path, eos_token: str) -> Tokenizer:
     """Load a tokenizer.json and check that it knows the eos token."""
     path = Path(path)

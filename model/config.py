@@ -245,9 +245,10 @@ class TrainConfig:
 
     KEYLESS = ("steps", "log_every", "checkpoint_every", "checkpoint_minutes", "keep_last",
                "keep_every", "async_checkpoint", "resume_from", "collective_timeout_s",
-               "slow_rank_every", "slow_rank_ratio")
+               "slow_rank_every", "slow_rank_ratio", "eval_every", "eval_tokens")
     """Fields that enter no stage key: how often the run logs, saves or watches its ranks, how
-    many saves it keeps, how long a collective may hang; ``resume_from`` enters the train key
+    many saves it keeps, how long a collective may hang, how often and on how much it
+    validates (validation changes no weight); ``resume_from`` enters the train key
     as the resolved continuation, and ``steps`` as the train stage's extent (it is the only
     stage whose output it changes: more steps continue a training)."""
 
@@ -338,6 +339,14 @@ class TrainConfig:
     and log the slowest over the median rank; 0: never."""
     slow_rank_ratio: float = 1.5
     """Name on the console the ranks busier per step than this multiple of the median rank."""
+    eval_every: int = 0
+    """Score the validation split's fixed slice (eval_tokens) every N steps and after the last
+    (``val_loss``, ``val_bpb``), under the training layout, without touching the training's
+    data order or random state; 0: never. The presets choose about ten a run."""
+    eval_tokens: int = 4096
+    """Predicted tokens of that slice: the windows of seq_len tokens spread evenly over the
+    split that the evaluate stage scores again for the final checkpoint (its
+    ``train_slice_val_*``). A split with fewer tokens is scored whole."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this for its peers fails the job, naming the ranks
     that did not arrive and what each was last doing (docs/training.md, "A hung collective").
@@ -378,5 +387,10 @@ class TrainConfig:
                  f"got {self.slow_rank_every}")
         _require(self.slow_rank_ratio > 1, f"train.slow_rank_ratio must be > 1, got "
                  f"{self.slow_rank_ratio}")
+        _require(self.eval_every >= 0, f"train.eval_every must be >= 0 steps (0: no validation "
+                 f"in the loop), got {self.eval_every}")
+        _require(not self.eval_every or self.eval_tokens >= self.seq_len,
+                 f"train.eval_tokens must be at least one window of train.seq_len="
+                 f"{self.seq_len} tokens, got {self.eval_tokens}")
         _require(self.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0 "
                  f"seconds, got {self.collective_timeout_s}")

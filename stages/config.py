@@ -111,14 +111,15 @@ class TrackingConfig:
     system_metrics: Literal["auto", True, False] = "auto"
     """Sample each node's CPU, memory, disk, network and (with pynvml or pyrsmi) GPU use into
     the train and evaluate stage runs, as ``system/<host>/<metric>``: one sampler per node
-    (its local rank 0). auto: on for slurm and frontier sites, off locally."""
+    (its local rank 0). auto: on, on every site (a laptop's run shows its machine's use too;
+    benchmarks/bench_system_metrics.py measures the cost below 1 % of a step)."""
     system_metrics_interval_s: float = 10.0
     """Seconds between two samples of ``system_metrics``."""
 
     def system_metrics_on(self, site: str) -> bool:
         """Whether the nodes sample system metrics on site ``site`` (``site.name``)."""
         if self.system_metrics == "auto":
-            return site != "local"
+            return True
         return bool(self.system_metrics)
 
     def __post_init__(self) -> None:

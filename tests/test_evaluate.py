@@ -43,12 +43,15 @@ def test_report_loss_matches_direct_computation(micro_pipeline):
     windows = cfg.eval.max_tokens // T
     assert reader.num_tokens > windows * T + 1  # the split is longer than the budget
     plan = plan_windows(reader.num_tokens, T, cfg.eval.max_tokens)  # spread over the split
-    total = 0.0
+    total, nbytes = 0.0, 0
+    token_bytes = open_store(tok["store"]).token_bytes()
     with torch.no_grad():
         for w in map(plan.window_index, range(windows)):
             x = torch.from_numpy(reader.read(w * T, w * T + T + 1).astype(np.int64))
             total += F.cross_entropy(model(x[None, :-1])[0], x[1:], reduction="sum").item()
+            nbytes += int(token_bytes[x[1:].numpy()].sum())
     expected = total / (windows * T)
+    assert report["val_bpb"] == pytest.approx(total / math.log(2) / nbytes, rel=1e-6)
     assert report["tokens"] == windows * T == ev.outputs["tokens"]
     assert report["val_loss"] == pytest.approx(expected, rel=1e-6)
     assert report["perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
@@ -56,11 +59,34 @@ def test_report_loss_matches_direct_computation(micro_pipeline):
     # One corpus, no source labels: a single "all" source equal to the total.
     assert report["per_source"] == {
         "all": {"val_loss": report["val_loss"], "perplexity": report["perplexity"],
-                "tokens": report["tokens"]}}
+                "tokens": report["tokens"], "val_bpb": report["val_bpb"], "bytes": nbytes}}
     # Six steps of training already beat the uniform distribution over the vocabulary.
     assert report["val_loss"] < math.log(cfg.model.vocab_size)
     md = (Path(ev.out_dir) / "report.md").read_text()
     assert f"{report['val_loss']:.4f}" in md and "| all |" in md
+
+
+def test_the_trainings_validation_slice_gives_one_figure_in_two_places(micro_pipeline):
+    """The training validated every 3 steps (the micro preset); the evaluate stage scores the
+    same slice for the final checkpoint and gets the figures the training logged last (the
+    training on 2 DDP ranks, the evaluation in one process); the best checkpoint is tagged."""
+    cfg, ctx, tok, train, ev = _outputs(micro_pipeline)
+    report = json.loads(Path(ev.outputs["report"]).read_text())
+    loop = report["train_slice"]
+    assert train["validation"]["step"] == loop["trained_step"] == cfg.train.steps == 6
+    assert loop["tokens"] == cfg.train.eval_tokens == 512
+    assert loop["val_loss"] == pytest.approx(train["validation"]["val_loss"], rel=1e-6)
+    assert loop["val_bpb"] == pytest.approx(train["validation"]["val_bpb"], rel=1e-6)
+    client = MlflowClient(ctx.tracking_uri)
+    ev_metrics = client.get_run(ev.run_id).data.metrics
+    train_run = client.get_run(micro_pipeline[2]["train"].run_id)
+    assert ev_metrics["train_slice_val_bpb"] == pytest.approx(
+        train_run.data.metrics["val_bpb"], rel=1e-6)
+    assert [m.step for m in client.get_metric_history(train_run.info.run_id, "val_bpb")] == [3, 6]
+    summary = json.loads(Path(train["summary"]).read_text())
+    best = min((e for e in summary["validation"]["history"]), key=lambda e: e["val_loss"])
+    assert train_run.data.tags["best_val_step"] == str(best["step"])
+    assert train_run.data.tags["best_val_checkpoint"] == f"checkpoints/step-{best['step']:08d}"
 
 
 def test_generations_are_the_models_greedy_continuations(micro_pipeline):

@@ -1,6 +1,6 @@
 """System metrics in MLflow: one sampler per node writes the host's CPU and memory (and GPUs,
 where a GPU library finds them) into the train and evaluate stage runs, keyed by the node;
-on by default on Slurm sites, a switch locally."""
+on by default on every site, local included."""
 from __future__ import annotations
 
 import pytest
@@ -14,10 +14,9 @@ HOST_METRICS = ("cpu_utilization_percentage", "system_memory_usage_megabytes",
 
 
 @pytest.mark.parametrize(("value", "site", "on"), [
-    ("auto", "local", False), ("auto", "slurm", True), ("auto", "frontier", True),
-    ("true", "local", True), ("false", "frontier", False)])
-def test_the_switch_is_on_by_default_on_slurm_sites_only(value: str, site: str,
-                                                          on: bool) -> None:
+    ("auto", "local", True), ("auto", "slurm", True), ("auto", "frontier", True),
+    ("true", "local", True), ("false", "frontier", False), ("false", "local", False)])
+def test_the_switch_is_on_by_default_on_every_site(value: str, site: str, on: bool) -> None:
     cfg = load_config("micro", [f"tracking.system_metrics={value}"])
     assert cfg.tracking.system_metrics_on(site) is on
 

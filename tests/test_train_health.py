@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from model.training.checkpoint import load_for_inference
-from model.training.health import FAULTS_VAR, Faults, is_spike
-from stages.mechanism.launch import RankSpec
-from tests.train_helpers import run_ranks, tiny_config
+from model.training.checkpoint import load_extra, load_for_inference
+from model.training.health import FAULTS_VAR, Faults, is_spike, written_in_bad_streak
+from tests.train_helpers import launch_with, tiny_config
 
 DP2 = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
 
@@ -26,16 +25,8 @@ DP2 = {"dp": 2, "micro_batch": 4, "grad_accum": 1, "sharding": "ddp"}
 def train(out: Path, faults: dict[str, Any] | None, *overrides: str,
           tracking: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
     """2 gloo ranks (dp 2) of the tiny model with ``faults`` injected: (summary, stdout)."""
-    import os
-
-    cfg = tiny_config(*overrides)
-    out.mkdir(parents=True, exist_ok=True)
-    spec = RankSpec(worker="stages.train.worker", nproc=2, nodes=1, out_dir=str(out.resolve()),
-                    config=cfg.to_dict(), plan=DP2, tracking=tracking)
-    env = {k: v for k, v in os.environ.items() if k != FAULTS_VAR}
-    if faults is not None:
-        env[FAULTS_VAR] = json.dumps(faults)
-    code, stdout, stderr = run_ranks(spec.worker, spec.write(out / "spec.json"), 2, 240, env)
+    code, stdout, stderr = launch_with(out, tiny_config(*overrides), DP2, FAULTS_VAR, faults,
+                                       tracking=tracking)
     assert code == 0, f"rc {code}:\n{stdout[-3000:]}\n{stderr[-6000:]}"
     return json.loads((out / "summary.json").read_text()), stdout
 
@@ -47,9 +38,10 @@ def weights(ckpt: Path) -> dict[str, torch.Tensor]:
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path) -> None:
     """Batch 2 (step 3) has NaN gradients on rank 1 only, after they were averaged: rank 0
     (the one that writes the weights) sees a finite loss and norm, yet no rank updates, and
-    the weights of step 3 are those of step 2."""
+    the weights of step 3 (the last: its save is written, marked as inside a run of bad steps,
+    where a scheduled one would wait for a good step) are those of step 2."""
     summary, stdout = train(tmp_path, {"nan_batches": [2], "nan_rank": 1, "nan_loss": False},
-                            "train.steps=4", "train.checkpoint_every=1", "train.keep_last=4")
+                            "train.steps=3", "train.checkpoint_every=1", "train.keep_last=4")
     [skipped] = summary["health"]["skipped_steps"]
     assert (skipped["step"], skipped["batch"], skipped["first_sequence"],
             skipped["last_sequence"]) == (3, 2, 16, 23)
@@ -58,11 +50,12 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path) -> None:
     assert "[train] step 3 skipped (not finite on some rank" in stdout
     assert all(math.isfinite(x) for x in summary["losses"])
     root = tmp_path / "checkpoints"
-    before, at, after = (weights(root / f"step-{s:08d}") for s in (2, 3, 4))
+    first, before, at = (weights(root / f"step-{s:08d}") for s in (1, 2, 3))
     for name, value in before.items():
         assert torch.equal(value, at[name]), f"{name} changed in the skipped step"
-    assert all(torch.isfinite(v).all() for v in after.values())
-    assert any(not torch.equal(value, after[name]) for name, value in before.items())
+    assert any(not torch.equal(value, before[name]) for name, value in first.items())
+    assert written_in_bad_streak(load_extra(root / "step-00000003"))
+    assert not written_in_bad_streak(load_extra(root / "step-00000002"))
 
 
 SPIKE = ("train.steps=8", "train.checkpoint_every=2", "train.spike_window=3",
@@ -73,7 +66,8 @@ SPIKE = ("train.steps=8", "train.checkpoint_every=2", "train.spike_window=3",
 def never_saw(tmp_path_factory) -> dict[str, Any]:
     """The run that never saw batches 4 and 5 (drawn and thrown away)."""
     summary, _ = train(tmp_path_factory.mktemp("never-saw"), {"drop_batches": [4, 5]}, *SPIKE)
-    assert summary["health"] == {"skipped_steps": [], "rollbacks": [], "batches_drawn": 10}
+    assert summary["health"] == {"skipped_steps": [], "rollbacks": [], "batches_drawn": 10,
+                                 "last_good_step": 8}
     return summary
 
 
@@ -81,7 +75,8 @@ def test_a_spike_rolls_back_and_skips_the_windows_since_the_checkpoint(never_saw
                                                                       tmp_path) -> None:
     """Batch 5 (step 6) is a spike: back to step 4, batches 4-5 skipped; the losses are then
     bitwise those of the run that never saw them, and MLflow holds the rollback (and the
-    slow-rank ratio, gathered every 4 steps)."""
+    slow-rank ratio, gathered at the first step and every 4, and the health counters from
+    step 1)."""
     from stages.mechanism import tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -97,7 +92,11 @@ def test_a_spike_rolls_back_and_skips_the_windows_since_the_checkpoint(never_saw
     assert tracking.metric_history(uri, run_id, "rollback") == [(6, 1.0)]
     assert tracking.metric_history(uri, run_id, "rollback_to_step") == [(6, 4.0)]
     ratios = tracking.metric_history(uri, run_id, "slow_rank_ratio")
-    assert [step for step, _ in ratios] == [4, 8] and all(r >= 1 for _, r in ratios)
+    assert [step for step, _ in ratios] == [1, 4, 8] and all(r >= 1 for _, r in ratios)
+    # the health counters are charted from step 1, zeros included
+    for name, after in (("skipped_steps_total", 0.0), ("rollbacks_total", 1.0)):
+        history = tracking.metric_history(uri, run_id, name)
+        assert history[0] == (1, 0.0) and history[-1] == (8, after), (name, history)
 
 
 def test_bad_steps_in_a_row_roll_back(never_saw, tmp_path) -> None:

@@ -48,6 +48,24 @@ def run_worker(
     return json.loads((out_dir / "summary.json").read_text())
 
 
+def launch_with(out: Path, cfg, plan: dict[str, Any], var: str, value: dict | None,
+                nproc: int = 2, timeout: float = 240,
+                tracking: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """The training ranks of ``cfg`` and ``plan`` in ``out``, with the environment variable
+    ``var`` set to ``value`` as JSON (a fault or stall switch; unset when None): (exit code,
+    stdout, stderr)."""
+    import os
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = RankSpec(worker="stages.train.worker", nproc=nproc, nodes=1,
+                    out_dir=str(out.resolve()), config=cfg.to_dict(), plan=plan,
+                    tracking=tracking)
+    env = {k: v for k, v in os.environ.items() if k != var}
+    if value is not None:
+        env[var] = json.dumps(value)
+    return run_ranks(spec.worker, spec.write(out / "spec.json"), nproc, timeout, env)
+
+
 def run_ranks(worker: str, spec_path: Path, nproc: int, timeout: float,
               base_env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """The ``nproc`` ranks of the spec at ``spec_path`` as a forked launch

@@ -12,6 +12,11 @@ rank sums per-token losses (float64) and counts, and the sums are all-reduced wh
 The reader is any object with ``num_tokens`` and ``read(start, stop) -> np.ndarray`` (e.g.
 ``data_prep.store.SplitReader``); sources are optional (start, stop, name) spans of the split
 for a per-source breakdown (each token counts for the span that contains it).
+
+Bits per byte: given the bytes each token id stands for (``StoreInfo.token_bytes``), the
+result also holds ``val_bpb`` = the summed loss in bits over the summed bytes of the predicted
+tokens (an eos predicts no bytes but its loss counts: ending a document is information).
+Unlike the loss per token, it compares models with different tokenizers.
 """
 from __future__ import annotations
 
@@ -88,6 +93,16 @@ def _source_index(
     return names, starts, ids
 
 
+def _bits_per_byte(loss_nats: float, nbytes: float,
+                   token_bytes: np.ndarray | None) -> dict[str, float]:
+    """{"val_bpb", "bytes"} of a summed loss over the bytes its tokens stand for ({} without
+    ``token_bytes``; a bpb of NaN when the tokens stand for no bytes)."""
+    if token_bytes is None:
+        return {}
+    bpb = loss_nats / math.log(2) / nbytes if nbytes > 0 else float("nan")
+    return {"val_bpb": float(bpb), "bytes": round(nbytes)}
+
+
 @torch.no_grad()
 def heldout_loss(
     model: nn.Module,
@@ -99,15 +114,20 @@ def heldout_loss(
     world: int | None = None,
     sources: list[tuple[int, int, str]] | None = None,
     progress_seconds: float = 10.0,
+    token_bytes: np.ndarray | None = None,
 ) -> dict:
     """Token-weighted loss over ``max_tokens`` predicted tokens spread over ``reader``.
 
     Returns {"val_loss", "perplexity", "tokens", "windows", "local_windows", "seq_len",
     "per_source": {name: {"val_loss", "perplexity", "tokens"}}}; identical on every rank
-    except ``local_windows`` (the windows this rank evaluated).
+    except ``local_windows`` (the windows this rank evaluated). With ``token_bytes`` (the
+    UTF-8 bytes of each token id), also "val_bpb" and "bytes", overall and per source.
 
     A ``model.evaluation.layout.LayoutModel`` (the model spread over tp x pp ranks) supplies
-    the per-token losses itself; its replicas (dp) split the windows and reduce over dp.
+    the per-token losses itself; its replicas (dp) split the windows and reduce over dp. A
+    model whose ``lockstep`` is true (the trainer's own chunks, whose FSDP forward gathers
+    over dp) gets the same number of batches on every replica: a short one runs a repeat of
+    a window of its own and discards it.
     """
     group = None
     if hasattr(model, "token_losses"):
@@ -118,12 +138,20 @@ def heldout_loss(
     names, span_starts, span_ids = _source_index(sources)
     loss_sums = np.zeros(len(names), dtype=np.float64)
     counts = np.zeros(len(names), dtype=np.float64)
+    byte_sums = np.zeros(len(names), dtype=np.float64)
     mine = list(range(rank, plan.windows, world))
     device = next(model.parameters()).device  # batches go where the model is (CPU or a GPU)
     t0 = last = time.monotonic()
     model.eval()
-    for b in range(0, len(mine), batch_size):
+    batches = math.ceil(len(mine) / batch_size)
+    if getattr(model, "lockstep", False):
+        batches = math.ceil(math.ceil(plan.windows / world) / batch_size)
+    for b in range(0, batches * batch_size, batch_size):
         batch = [plan.window_index(k) for k in mine[b : b + batch_size]]
+        if not batch:  # lockstep: keep the other replicas company, count nothing
+            rows = np.stack([reader.read(0, plan.seq_len + 1)]).astype(np.int64)
+            model.token_losses(torch.from_numpy(rows).to(device))
+            continue
         rows = np.stack([reader.read(w * plan.seq_len, w * plan.seq_len + plan.seq_len + 1)
                          for w in batch]).astype(np.int64)  # [B, T+1]
         tokens = torch.from_numpy(rows).to(device)
@@ -140,6 +168,8 @@ def heldout_loss(
         which = span_ids[np.searchsorted(span_starts, pos, side="right") - 1]
         np.add.at(loss_sums, which.ravel(), losses.ravel())
         np.add.at(counts, which.ravel(), 1.0)
+        if token_bytes is not None:
+            np.add.at(byte_sums, which.ravel(), token_bytes[rows[:, 1:]].ravel())
         now = time.monotonic()
         if progress_seconds and now - last > progress_seconds:
             done = b + len(batch)
@@ -148,17 +178,23 @@ def heldout_loss(
             print(f"[eval rank {rank}] {done}/{len(mine)} windows, {rate:,.0f} tokens/s, "
                   f"ETA {eta:.0f}s", file=sys.stderr, flush=True)
             last = now
-    totals = torch.from_numpy(np.concatenate([loss_sums, counts]))
+    totals = torch.from_numpy(np.concatenate([loss_sums, counts, byte_sums]))
     if world > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
-    loss_sums, counts = totals[: len(names)].numpy(), totals[len(names) :].numpy()
+        # a NCCL group (the trainer's own, on GPUs) reduces device tensors only
+        on_device = dist.get_backend(group) == "nccl"
+        reduced = totals.to(device) if on_device else totals
+        dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+        totals = reduced.cpu()
+    loss_sums, counts, byte_sums = (part.numpy() for part in totals.split(len(names)))
     total_loss, total_tokens = float(loss_sums.sum()), round(counts.sum())
     val_loss = total_loss / total_tokens
     per_source = {
-        name: {"val_loss": float(ls / n), "perplexity": math.exp(ls / n), "tokens": round(n)}
-        for name, ls, n in zip(names, loss_sums, counts) if n > 0
+        name: {"val_loss": float(ls / n), "perplexity": math.exp(ls / n), "tokens": round(n),
+               **_bits_per_byte(ls, nb, token_bytes)}
+        for name, ls, n, nb in zip(names, loss_sums, counts, byte_sums) if n > 0
     }
     return {
+        **_bits_per_byte(total_loss, float(byte_sums.sum()), token_bytes),
         "val_loss": val_loss,
         "perplexity": math.exp(val_loss),
         "tokens": total_tokens,

@@ -221,10 +221,12 @@ def checkpoint_step(ckpt_dir: str | Path) -> int | None:
 
 
 def newest_intact(
-    root: str | Path, below: int | None = None, checksum_limit: int = CHECKSUM_LIMIT_BYTES
+    root: str | Path, below: int | None = None, checksum_limit: int = CHECKSUM_LIMIT_BYTES,
+    refuse: Callable[[Path], str | None] | None = None,
 ) -> tuple[Path | None, list[tuple[Path, str]]]:
     """(the newest ``step-N`` under ``root`` that passes checkpoint_problem, or None; each
-    newer one skipped, newest first, with its problem). ``below``: only steps under it.
+    newer one skipped, newest first, with its problem). ``below``: only steps under it;
+    ``refuse``: a further reason to pass over an intact one (None: take it).
 
     Prints nothing: ``latest_checkpoint`` (resume) and ``model.evaluation.choice``
     (evaluation, export) each say what they skipped in their own words.
@@ -238,23 +240,31 @@ def newest_intact(
     skipped: list[tuple[Path, str]] = []
     for _, child in found:
         problem = checkpoint_problem(child, checksum_limit)
+        if problem is None and refuse is not None:
+            problem = refuse(child)
         if problem is None:
             return child, skipped
         skipped.append((child, problem))
     return None, skipped
 
 
-def _choose(root: Path, checksum_limit: int) -> Path | None:
-    """The newest ``step-N`` under ``root`` that passes checkpoint_problem; report the others."""
-    chosen, skipped = newest_intact(root, checksum_limit=checksum_limit)
+def _choose(root: Path, checksum_limit: int,
+            refuse: Callable[[Path], str | None] | None = None) -> Path | None:
+    """The newest ``step-N`` under ``root`` that passes checkpoint_problem (and ``refuse``);
+    report the others."""
+    chosen, skipped = newest_intact(root, checksum_limit=checksum_limit, refuse=refuse)
     fallback = f"falling back to {chosen}" if chosen else "no complete checkpoint is left"
     for path, problem in skipped:
         print(f"[checkpoint] skipping {path}: {problem}; {fallback}", file=sys.stderr, flush=True)
     return chosen
 
 
-def latest_checkpoint(root: str | Path, checksum_limit: int = CHECKSUM_LIMIT_BYTES) -> Path | None:
+def latest_checkpoint(root: str | Path, checksum_limit: int = CHECKSUM_LIMIT_BYTES,
+                      refuse: Callable[[Path], str | None] | None = None) -> Path | None:
     """The newest complete, intact ``step-N`` checkpoint under ``root``, or None.
+
+    ``refuse(path)`` may pass over an intact one with a reason (a rollback refuses one written
+    inside a run of bad steps); it is asked on rank 0 only.
 
     ``*.tmp`` directories are never considered. Each newer checkpoint that fails
     ``checkpoint_problem`` (no manifest, a missing, truncated or damaged file) is skipped
@@ -264,10 +274,10 @@ def latest_checkpoint(root: str | Path, checksum_limit: int = CHECKSUM_LIMIT_BYT
     """
     root = Path(root)
     if _world() == 1:
-        return _choose(root, checksum_limit)
+        return _choose(root, checksum_limit, refuse)
     choice = [None]
     if _rank() == 0:
-        chosen = _choose(root, checksum_limit)
+        chosen = _choose(root, checksum_limit, refuse)
         choice = [str(chosen) if chosen else None]
     dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None

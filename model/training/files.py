@@ -10,3 +10,6 @@ LOSS_CURVE_FILE = "loss_curve.png"
 
 CHECKPOINTS_DIR = "checkpoints"
 """Holds one ``step-N/`` directory per checkpoint (torch.distributed.checkpoint)."""
+
+HEALTH_FILE = "health.json"
+"""Every skipped step and rollback of a training that diverged (``TrainingDiverged``)."""

@@ -18,8 +18,12 @@ The rules (one home for them; the trainer only asks and acts):
   data stream stays where it is: the batches drawn since that checkpoint, those that led to
   the spike included, are skipped, as PaLM did. The spike rule then waits for
   ``spike_window`` new good steps before it judges again. Without a checkpoint to go back
-  to, the step is skipped instead. More than ``train.max_rollbacks`` rollbacks end the training
-  with an error (the run diverges whatever data it sees).
+  to, the step is skipped instead. A checkpoint written inside a run of bad steps (an
+  out-of-time or final save; scheduled saves wait for the run to end) holds the weights that
+  led to it and is never a rollback's target: the newest one taken before the run began is.
+  A rollback called for with no such checkpoint counts as one too. More than
+  ``train.max_rollbacks`` of them end the training with ``TrainingDiverged`` (it diverges
+  whatever data it sees): one named line, like a hung collective's.
 - **Slow ranks.** Every ``train.slow_rank_every`` steps each rank's busy seconds per step
   (``busy_seconds``: time the rank's thread ran or was ready to run, not time blocked in a
   collective waiting for the others) are gathered (one all-gather of a float); the slowest
@@ -52,6 +56,18 @@ FAULTS_VAR = "FRONTIER_LLM_TRAIN_FAULTS"
 """Fault injection (tests and drills only): a JSON object with the fields of ``Faults``."""
 
 MAD_SIGMA = 1.4826  # MAD x this estimates the standard deviation of normal noise
+
+
+class TrainingDiverged(ValueError):
+    """More than ``train.max_rollbacks`` rollbacks: the training diverges whatever data it sees.
+    A ``ValueError`` so that the stage fails with this one message and no retry
+    (``stages.mechanism.launch.rank_main``'s ``rank-error.json``), as a hung collective does."""
+
+
+def written_in_bad_streak(extra: dict[str, Any]) -> bool:
+    """Whether a checkpoint's extra state (``extra.pt``) says it was saved inside a run of bad
+    steps: its weights are those that led to the run, so a rollback must go further back."""
+    return bool((extra.get("health") or {}).get("bad_streak", 0))
 
 
 # ---------------------------------------------------------------- the rules
@@ -97,6 +113,7 @@ class StepHealth:
         self.skipped: list[dict[str, Any]] = []  # one record per skipped step
         self.rollbacks: list[dict[str, Any]] = []  # one record per rollback
         self.since_checkpoint: list[int] = []  # batches drawn since the newest checkpoint
+        self.last_good_step = 0  # the newest step whose update was applied (0: none yet)
 
     def judge(self, loss: torch.Tensor | None, norm: torch.Tensor, counts: bool,
               dp: int) -> tuple[torch.Tensor, Verdict]:
@@ -152,23 +169,39 @@ class StepHealth:
         self.skipped.append(record)
         return record
 
-    def record_rollback(self, step: int, to_step: int, reason: str, checkpoint: str,
-                        batches: list[int]) -> dict:
+    def record_rollback(self, step: int, to_step: int | None, reason: str,
+                        checkpoint: str | None, batches: list[int]) -> dict:
         """Record a rollback from ``step`` to ``to_step``; ``batches`` (those drawn since that
-        checkpoint) are the skipped windows. Raises RuntimeError past train.max_rollbacks."""
+        checkpoint) are the skipped windows. ``to_step`` None: one was called for but no
+        checkpoint before the trouble exists (the step is only skipped); it counts all the
+        same. Raises ``TrainingDiverged`` past train.max_rollbacks."""
         record = {"step": step, "to_step": to_step, "reason": reason, "checkpoint": checkpoint,
                   "batches": batches,
                   "first_sequence": batches[0] * self.cfg.global_batch if batches else None,
                   "last_sequence": ((batches[-1] + 1) * self.cfg.global_batch - 1
                                     if batches else None)}
         self.rollbacks.append(record)
-        self.since_checkpoint, self.bad_streak = [], 0
+        if to_step is not None:
+            self.since_checkpoint, self.bad_streak = [], 0
+        # else the run of bad steps goes on, and each further bad step calls again
         if len(self.rollbacks) > self.cfg.max_rollbacks:
-            raise RuntimeError(
-                f"training diverges: {len(self.rollbacks)} rollbacks (train.max_rollbacks="
-                f"{self.cfg.max_rollbacks}), the last at step {step} ({reason}); lower train.lr, "
-                f"raise train.warmup_steps or check the data")
+            raise TrainingDiverged(self.diverged_message())
         return record
+
+    def diverged_message(self) -> str:
+        """What ``TrainingDiverged`` says: the rollbacks' steps, the last good step, the fix."""
+        cfg, steps = self.cfg, [r["step"] for r in self.rollbacks]
+        last = self.rollbacks[-1]
+        nowhere = sum(r["to_step"] is None for r in self.rollbacks)
+        without = ("" if not nowhere else ", none of them with" if nowhere == len(steps)
+                   else f", {nowhere} of them without")
+        without += " a checkpoint before the trouble to go back to" if nowhere else ""
+        return (f"training diverged: {len(steps)} rollbacks called for (train.max_rollbacks="
+                f"{cfg.max_rollbacks}) at steps {', '.join(map(str, steps))}{without}; the last "
+                f"at step {last['step']} ({last['reason']}); the last good step was "
+                f"{self.last_good_step}. Try a lower train.lr (now {cfg.lr:g}), a longer "
+                f"train.warmup_steps (now {cfg.warmup_steps}) or a smaller train.grad_clip (now "
+                f"{cfg.grad_clip:g}), or check the data near the skipped batches")
 
     def saved(self) -> None:
         """A checkpoint of the current state was written: later rollbacks start from it."""
@@ -178,7 +211,7 @@ class StepHealth:
         """Plain state for the checkpoint's extra."""
         return {"good": list(self.good), "bad_streak": self.bad_streak,
                 "batches_drawn": self.batches_drawn, "skipped": list(self.skipped),
-                "rollbacks": list(self.rollbacks)}
+                "rollbacks": list(self.rollbacks), "last_good_step": self.last_good_step}
 
     def load_state_dict(self, state: dict[str, Any] | None, rollback: bool = False) -> None:
         """Restore from a checkpoint (a resume). A ``rollback`` restores nothing: the stream
@@ -194,11 +227,12 @@ class StepHealth:
             self.batches_drawn = int(state.get("batches_drawn", 0))
             self.skipped = list(state.get("skipped", []))
             self.rollbacks = list(state.get("rollbacks", []))
+            self.last_good_step = int(state.get("last_good_step", 0))
 
     def summary(self) -> dict[str, Any]:
         """The training summary's ``health`` entry."""
         return {"skipped_steps": self.skipped, "rollbacks": self.rollbacks,
-                "batches_drawn": self.batches_drawn}
+                "batches_drawn": self.batches_drawn, "last_good_step": self.last_good_step}
 
 
 def _plain(value: float | None) -> float | str | None:
@@ -232,6 +266,8 @@ class SlowRankReport:
     """Slowest over the lower median."""
     slow: list[int] = field(default_factory=list)
     """Ranks above train.slow_rank_ratio x the lower median."""
+    first: bool = False
+    """The first step's gathering (start-up included: a metric, never a console warning)."""
 
 
 class SlowRanks:
@@ -240,6 +276,7 @@ class SlowRanks:
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         self.every, self.limit, self.device = cfg.slow_rank_every, cfg.slow_rank_ratio, device
         self._since, self._steps = busy_seconds(), 0
+        self._first = True  # the first step counted gathers too: the chart starts at step 1
         self.hosts: list[str] | None = None
 
     def restart(self) -> None:
@@ -247,9 +284,11 @@ class SlowRanks:
         self._since, self._steps = busy_seconds(), 0
 
     def after_step(self, step: int) -> SlowRankReport | None:
-        """Count a step; on every ``every``-th, gather (collective) and return the report."""
+        """Count a step; on the first one and every ``every``-th, gather (collective) and return
+        the report (``first`` set on the first: its busy time includes the start-up)."""
         self._steps += 1
-        if not self.every or step % self.every or not dist.is_initialized():
+        first, self._first = self._first, False
+        if not self.every or (step % self.every and not first) or not dist.is_initialized():
             return None
         now = busy_seconds()
         mine = torch.tensor([(now - self._since) / max(1, self._steps)], dtype=torch.float64,
@@ -267,7 +306,7 @@ class SlowRanks:
             hosts: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(hosts, socket.gethostname())
             self.hosts = [str(h) for h in hosts]
-        return SlowRankReport(step, seconds, ratio, slow)
+        return SlowRankReport(step, seconds, ratio, slow, first)
 
     def describe(self, report: SlowRankReport) -> str:
         """The console line naming the slow ranks and their hosts."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import socket
 import statistics
 import time
@@ -61,8 +62,15 @@ from model.parallel.parallelize import (
 )
 from model.parallel.pipeline import build_chunk, build_schedule, chunk_ids
 from model.training import checkpoint as ckpt
-from model.training.files import CHECKPOINTS_DIR, SUMMARY_FILE
-from model.training.health import Faults, SlowRanks, StepHealth, Verdict
+from model.training.files import CHECKPOINTS_DIR, HEALTH_FILE, SUMMARY_FILE
+from model.training.health import (
+    Faults,
+    SlowRanks,
+    StepHealth,
+    TrainingDiverged,
+    Verdict,
+    written_in_bad_streak,
+)
 from model.training.metrics import (
     MEDIAN_SUFFIX,
     median_step_time,
@@ -75,6 +83,7 @@ from model.training.metrics import (
 )
 from model.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from model.training.progress_record import mark
+from model.training.validation import ValidationSet, validate, validation_metrics
 
 JOBS_FILE = "jobs.json"
 """The jobs a training ran in, beside its checkpoints (``record_job``, ``job_totals``)."""
@@ -109,6 +118,14 @@ def job_totals(ledger: list[dict[str, Any]]) -> dict[str, Any]:
     hours = sum(e["nodes"] * max(0.0, e.get("ended", e["started"]) - e["started"]) / 3600
                 for e in ledger)
     return {"jobs": len(ledger), "node_hours": hours}
+
+
+def _refuse_bad_streak(path: Path) -> str | None:
+    """Why a rollback passes over the checkpoint at ``path``, or None: one saved inside a run
+    of bad steps (``health.written_in_bad_streak``)."""
+    if written_in_bad_streak(ckpt.load_extra(path)):
+        return "saved inside a run of bad steps (its weights led to them)"
+    return None
 
 
 class BatchSource(Protocol):
@@ -172,12 +189,14 @@ class RunHooks:
     every step; ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger;
     ``logged_through``: the last step whose metrics the tracking run already holds (a
     resumed training recomputes the steps after its checkpoint bitwise, so those are not
-    logged again); ``faults``: injected faults, for tests and drills only."""
+    logged again); ``faults``: injected faults, for tests and drills only; ``validation``: the
+    split scored every train.eval_every steps (``model.training.validation``)."""
 
     stop_requested: Callable[[], bool] | None = None
     job: dict[str, Any] | None = None
     logged_through: int = 0
     faults: Faults | None = None
+    validation: ValidationSet | None = None
 
 
 def logs_metrics(plan: Plan, rank: int) -> bool:
@@ -229,6 +248,7 @@ class Trainer:
         self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
         self.logged_through = hooks.logged_through  # steps up to here are not logged again
         self._stopping = False
+        self._save_waiting = False  # a scheduled save put off by a run of bad steps
         # Step health (model.training.health): bad steps skipped, spikes rolled back, slow
         # ranks named. ``checking`` is on only inside fit (train.step_checks): a bare
         # train_step (the rehearsal's fake tensors, the plan's measurement) always updates.
@@ -237,6 +257,12 @@ class Trainer:
         self.checking = False
         self.batch_index: int | None = None  # the global batch of the step in fit
         self.verdict: Verdict | None = None  # the last checked step's
+        # Validation in the loop (train.eval_every): each result, and the checkpoint whose
+        # validation loss is the lowest (kept by the retention rules, tagged by the stage).
+        self.validation = hooks.validation if train_cfg.eval_every else None
+        self.val_history: list[dict[str, Any]] = []
+        self.val_slice: dict[str, int] = {}  # the slice's tokens, windows and seq_len
+        self.best: dict[str, Any] | None = None
 
     def _build_mesh(self, plan: Plan, model_cfg: ModelConfig, train_cfg: TrainConfig,
                     device: torch.device) -> None:
@@ -386,7 +412,8 @@ class Trainer:
         dist.broadcast_object_list(history, src=self.logger_rank)
         extra = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "loader": self.batches.state_dict(), "rng": torch.get_rng_state(),
-                 "losses": history[0], "health": history[1]}
+                 "losses": history[0], "health": history[1],
+                 "validation": {"history": self.val_history, "best": self.best}}
         self.health.saved()  # a later rollback comes back here
         asynchronous = self.cfg.async_checkpoint
         if asynchronous and self._ckpt_group is None:
@@ -408,9 +435,12 @@ class Trainer:
         return self._published(ckpt.finish_save(pending))
 
     def _published(self, path: Path) -> Path:
-        """After a save is complete on every rank: rank 0 applies the retention rules."""
+        """After a save is complete on every rank: rank 0 applies the retention rules (the
+        checkpoint of the best validation loss is kept too)."""
+        self._note_best(path)
         if dist.get_rank() == 0:
-            keep = [p for p in (self.resumed_from, path, self.cfg.init_from) if p]
+            best = self.best["checkpoint"] if self.best else None
+            keep = [p for p in (self.resumed_from, path, self.cfg.init_from, best) if p]
             ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last, self.cfg.keep_every,
                                    protect=keep)
         return path
@@ -435,6 +465,9 @@ class Trainer:
         torch.set_rng_state(extra["rng"])
         self.step, self.losses = int(extra["step"]), list(extra["losses"])
         self.health.load_state_dict(extra.get("health"), rollback=rollback)
+        validation = extra.get("validation") or {}
+        self.val_history = list(validation.get("history") or [])
+        self.best = validation.get("best")
 
     # ---------------------------------------------------------------- the loop
     def fit(self, steps: int | None = None, save_final: bool = True) -> dict[str, Any] | None:
@@ -488,9 +521,15 @@ class Trainer:
                 median = {}
                 if self.step % max(1, steps // 10) == 0 or self.step == steps:
                     median = self._progress(loss_value, step_times, steps, tokens_per_step)
-                if self.step % self.cfg.log_every == 0 or median:  # one record a step
+                # the attempt's first step is logged in full whatever train.log_every: every
+                # chart, the health counters' zeros included, starts there
+                full = self.step % self.cfg.log_every == 0 or self.step == first_step + 1
+                if full or median:  # one record a step
                     self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step,
-                                   median, full=self.step % self.cfg.log_every == 0)
+                                   median, full=full)
+            if self.validation is not None and (self.step % self.cfg.eval_every == 0
+                                                or self.step == steps):
+                self._validate(steps)
             self.iteration_times.append(time.perf_counter() - start)
             last_ckpt = self._checkpoint_if_due(steps, save_final) or last_ckpt
             if self._stopping:
@@ -523,6 +562,8 @@ class Trainer:
         times when due. True when the step was rolled back (``self.step`` is then the
         checkpoint's)."""
         verdict = self.verdict
+        if verdict is None or verdict.update:
+            self.health.last_good_step = self.step
         if verdict is not None and not verdict.update:
             loss_value = float(loss) if loss is not None else None
             if verdict.rollback and self._roll_back(verdict, loss_value):
@@ -539,7 +580,7 @@ class Trainer:
         report = self.slow_ranks.after_step(self.step)
         if report is not None and self.is_logger:
             self._log_event(slow_rank_metrics(report.ratio, report.seconds), self.step)
-            if report.slow:
+            if report.slow and not report.first:  # a first step's start-up is not slowness
                 print(self.slow_ranks.describe(report), flush=True)
         return False
 
@@ -547,7 +588,8 @@ class Trainer:
         """Restore the newest checkpoint, skipping the batches drawn since (collective);
         False when there is none to go back to."""
         self.publish()  # a background save in flight is the newest good state
-        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        # A checkpoint saved inside a run of bad steps holds the weights that led to it.
+        latest = ckpt.latest_checkpoint(self.ckpt_root, refuse=_refuse_bad_streak)
         reason = ("loss spike" if verdict.spike
                   else f"{self.health.bad_streak} bad steps in a row")
         good = self.health.good
@@ -556,12 +598,19 @@ class Trainer:
                        f"the last {len(good)} good steps)")
         if latest is None:
             if self.is_logger:
-                print(f"[train] step {self.step}: {reason}, but no checkpoint to roll back to",
-                      flush=True)
+                print(f"[train] step {self.step}: {reason}, but no checkpoint before the "
+                      "trouble to roll back to", flush=True)
+            self._diverged_unless(lambda: self.health.record_rollback(
+                self.step, None, reason, None, []))
+            if self.is_logger:
+                self._log_event({"rollbacks_total": float(len(self.health.rollbacks))},
+                                self.step)
             return False
         step, batches = self.step, list(self.health.since_checkpoint)
         self._restore(latest, rollback=True)
-        record = self.health.record_rollback(step, self.step, reason, str(latest), batches)
+        self._save_waiting = False  # the state now is the checkpoint's
+        record = self._diverged_unless(lambda: self.health.record_rollback(
+            step, self.step, reason, str(latest), batches))
         self.slow_ranks.restart()
         if self.is_logger:
             print(f"[train] step {step}: {reason}: rolled back to step {self.step} ({latest}), "
@@ -569,6 +618,57 @@ class Trainer:
                   f"{record['first_sequence']}-{record['last_sequence']})", flush=True)
             self._log_event(rollback_metrics(record, len(self.health.rollbacks)), step)
         return True
+
+    def _validate(self, steps: int) -> None:
+        """Score the fixed validation slice now (collective; every rank gets the figures) and
+        log them from the logger rank."""
+        result = validate(self, self.validation)
+        entry = {"step": self.step, **{k: result[k] for k in ("val_loss", "val_bpb",
+                                                              "per_source", "seconds")
+                                       if k in result}}
+        self.val_history.append(entry)
+        self.val_slice = {k: result[k] for k in ("tokens", "windows", "seq_len")}
+        if self.is_logger:
+            bpb = f" val_bpb {result['val_bpb']:.4f}" if "val_bpb" in result else ""
+            print(f"[train] step {self.step}/{steps} val_loss {result['val_loss']:.4f}{bpb} "
+                  f"over {result['tokens']:,} validation tokens ({result['seconds']:.2f} s)",
+                  flush=True)
+            self._log_event(validation_metrics(result), self.step)
+
+    def _validation_summary(self) -> dict[str, Any] | None:
+        """The summary's ``validation``: the slice (``eval_tokens`` asked, ``tokens``,
+        ``windows``, ``seq_len`` scored), every result, the last and the best checkpoint."""
+        if self.validation is None:
+            return None
+        return {"every": self.cfg.eval_every, "eval_tokens": self.cfg.eval_tokens,
+                **self.val_slice, "history": self.val_history,
+                "last": self.val_history[-1] if self.val_history else None, "best": self.best}
+
+    def _note_best(self, path: Path) -> None:
+        """A checkpoint is published: if it was validated at its step and its validation loss
+        is the lowest of the published ones, it is the best so far."""
+        step = ckpt.checkpoint_step(path)
+        scored = next((e for e in reversed(self.val_history) if e["step"] == step), None)
+        if scored is None or not math.isfinite(scored["val_loss"]):
+            return
+        if self.best is None or scored["val_loss"] < self.best["val_loss"]:
+            self.best = {"step": step, "val_loss": scored["val_loss"],
+                         "val_bpb": scored.get("val_bpb"), "checkpoint": str(path)}
+
+    def _diverged_unless(self, record: Callable[[], dict]) -> dict:
+        """``record()`` (a rollback's record); when it raises ``TrainingDiverged`` the logger
+        rank first sends the metrics it holds and writes ``health.json`` (every skipped step
+        and rollback), which the error then names."""
+        try:
+            return record()
+        except TrainingDiverged as error:
+            path = self.out_dir / HEALTH_FILE
+            if self.is_logger:
+                if self.tracker is not None:
+                    self.tracker.flush()
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(path, self.health.summary())
+            raise TrainingDiverged(f"{error}; every skipped step and rollback: {path}") from None
 
     def _log_event(self, metrics: dict[str, float], step: int) -> None:
         """Send a step-health metric (the logger rank), unless the run already holds it."""
@@ -600,7 +700,11 @@ class Trainer:
         are voted on (``checkpoint.agree``, one small all-reduce, only when one is in play).
         A stop sets ``_stopping`` after its save."""
         every, minutes = self.cfg.checkpoint_every, self.cfg.checkpoint_minutes
-        due = bool(every and self.step % every == 0) or (save_final and self.step == steps)
+        # A scheduled save inside a run of bad steps waits for the run to end: the weights
+        # then are those that led to it (every rank counts the same streak).
+        scheduled = self._save_waiting or bool(every and self.step % every == 0)
+        self._save_waiting = scheduled and self.health.bad_streak > 0
+        due = (scheduled and not self._save_waiting) or (save_final and self.step == steps)
         finished = False
         if minutes is not None or self.pending is not None or self.stop_requested is not None:
             late = minutes is not None and time.monotonic() - self._clock >= minutes * 60
@@ -608,6 +712,7 @@ class Trainer:
             asked = self.stop_requested is not None and bool(self.stop_requested())
             late, writing, stop = ckpt.agree(late, writing, asked, device=self.device)
             self._stopping = stop
+            late = late and self.health.bad_streak == 0  # the clock waits too
             due, finished = due or late or stop, self.pending is not None and not writing
         if not (due or finished):
             return None
@@ -656,7 +761,11 @@ class Trainer:
         if full:
             metrics.update({"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": dt,
                             **self._throughput(dt, tokens),
-                            "peak_memory_gb": peak_memory_gb(self.device)})
+                            "peak_memory_gb": peak_memory_gb(self.device),
+                            # the health counters from step 1, zeros included: a chart that
+                            # exists before anything goes wrong
+                            "skipped_steps_total": float(len(self.health.skipped)),
+                            "rollbacks_total": float(len(self.health.rollbacks))})
         self.tracker.log_metrics(metrics, step=self.step)  # buffered by the tracker
 
     def _finish(self, step_times: list[float], first_step: int, tokens: int,
@@ -677,7 +786,8 @@ class Trainer:
                    "checkpoint": str(last_ckpt) if last_ckpt else None,
                    "checkpoint_seconds": sum(self.checkpoint_seconds),
                    "plan": self.plan.to_dict(), "world_size": self.dims.world_size,
-                   "hosts": hosts, **self._job_summary(), "health": self.health.summary()}
+                   "hosts": hosts, **self._job_summary(), "health": self.health.summary(),
+                   "validation": self._validation_summary()}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.tracker is not None:
             self.tracker.flush()  # waits for queued metrics

@@ -139,11 +139,7 @@ def check_inputs(cfg: PipelineConfig, store: StoreInfo, train_outputs: dict[str,
 
 def split_sources(store: StoreInfo, split: str) -> list[tuple[int, int, str]]:
     """(start, stop, source) token spans of a split from its parts' optional "source" label."""
-    spans, pos = [], 0
-    for part in store.splits[split].parts:
-        spans.append((pos, pos + int(part["tokens"]), str(part.get("source", "all"))))
-        pos += int(part["tokens"])
-    return spans
+    return store.split_spans(split)
 
 
 def heldout_documents(reader: SplitReader, tokenizer, eos_id: int, limit: int | None) -> list[str]:
@@ -212,6 +208,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"**{report['perplexity']:.2f}** over {report['tokens']:,} tokens "
         f"({report['windows']} windows of {report['seq_len']}, "
         f"{report.get('eval_ranks', 1)} rank(s){_layout_text(report.get('eval_layout'))})"),
+        *_bpb_lines(report),
         f"- {report['tokenizer_check']}",
         "",
         "| source | tokens | loss | perplexity |",
@@ -229,6 +226,21 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Hugging Face export: `{report['hf_export']}/` beside this report "
                       f"({report['hf_class']})"]
     return "\n".join(lines) + "\n"
+
+
+def _bpb_lines(report: dict[str, Any]) -> list[str]:
+    """report.md's bits-per-byte lines: this slice's, and the training's validation slice
+    scored again (the figure the training's last in-loop validation logged)."""
+    lines = []
+    if report.get("val_bpb") is not None:
+        lines.append(f"- bits per byte: **{report['val_bpb']:.4f}**")
+    loop = report.get("train_slice")
+    if loop:
+        bpb = f", {loop['val_bpb']:.4f} bits/byte" if loop.get("val_bpb") is not None else ""
+        lines.append(f"- the training's validation slice ({loop['tokens']:,} tokens): "
+                     f"{loop['val_loss']:.4f} nats/token{bpb} (the training logged "
+                     f"{loop['trained_val_loss']:.4f} at step {loop['trained_step']})")
+    return lines
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -284,6 +296,8 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
             "tokenizer_check": tokenizer_note,
             "hf_class": hf_class,
             "layout": layout,
+            # the training's in-loop validation slice, scored again for this checkpoint
+            "train_slice": train_out.get("validation"),
         },
     )
     return str(spec.write(out_dir / SPEC_FILE))
@@ -292,6 +306,9 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
 def _loss_metrics(result: dict[str, Any]) -> dict[str, float]:
     """The MLflow metrics of the ranks' held-out loss (per source when there are several)."""
     metrics = {"val_loss": result["val_loss"], "perplexity": result["perplexity"],
+               **({"val_bpb": result["val_bpb"]} if "val_bpb" in result else {}),
+               **{f"train_slice_{k}": v for k, v in (result.get("train_slice") or {}).items()
+                  if k in ("val_loss", "val_bpb") and v is not None},
                "eval_tokens": result["tokens"],
                "eval_tokens_per_s": result["tokens"] / result["eval_seconds"],
                "eval_ranks": result["ranks"]}
@@ -299,6 +316,8 @@ def _loss_metrics(result: dict[str, Any]) -> dict[str, float]:
         for name, src in result["per_source"].items():
             metrics[f"val_loss.{name}"] = src["val_loss"]
             metrics[f"perplexity.{name}"] = src["perplexity"]
+            if "val_bpb" in src:
+                metrics[f"val_bpb.{name}"] = src["val_bpb"]
     return metrics
 
 
@@ -349,6 +368,8 @@ def _report(spec: RankSpec, store: StoreInfo, result: dict[str, Any],
         "store": store.path,
         "split": extra["split"],
         **{k: result[k] for k in loss_keys},
+        "val_bpb": result.get("val_bpb"),
+        "train_slice": result.get("train_slice"),
         "eval_ranks": result["ranks"],
         "eval_layout": extra.get("layout") or "replicas",
         "windows_per_rank": result["windows_per_rank"],

@@ -57,15 +57,36 @@ def evaluate_spec(spec: RankSpec, rank: int = 0, world: int = 1,
     model = load_for_inference(spec.extra["checkpoint"], cfg.model)
     if torch.cuda.is_available():
         model = model.to(f"cuda:{local_rank % torch.cuda.device_count()}")
-    reader = SplitReader(open_store(spec.store), spec.extra["split"])
+    store = open_store(spec.store)
+    reader = SplitReader(store, spec.extra["split"])
     t1 = time.perf_counter()
     sources = [(int(a), int(b), str(name)) for a, b, name in spec.extra["sources"]]
+    token_bytes = store.token_bytes()
     result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
-                          cfg.eval.batch_size, rank=rank, world=world, sources=sources)
+                          cfg.eval.batch_size, rank=rank, world=world, sources=sources,
+                          token_bytes=token_bytes)
+    result["train_slice"] = train_slice(spec, model, reader, token_bytes, rank, world)
     # Ends after the all-reduce, so rank 0's time is the slowest rank's.
     eval_s = time.perf_counter() - t1
     return {**result, "ranks": world, "device": str(next(model.parameters()).device),
             "load_seconds": t1 - t0, "eval_seconds": eval_s}
+
+
+def train_slice(spec: RankSpec, model: Any, reader: SplitReader, token_bytes: Any,
+                rank: int | None = None, world: int | None = None) -> dict[str, Any] | None:
+    """The training's in-loop validation slice (``train.eval_tokens`` of the split, the same
+    windows) scored for this checkpoint, beside the figures the training logged last
+    (``trained_*``): one figure, seen in two places. None when the training did not
+    validate."""
+    trained = spec.extra.get("train_slice")
+    if not trained:
+        return None
+    cfg = config_from_dict(spec.config)
+    again = heldout_loss(model, reader, cfg.train.seq_len, int(trained["eval_tokens"]),
+                         cfg.eval.batch_size, rank=rank, world=world, token_bytes=token_bytes)
+    return {"val_loss": again["val_loss"], "val_bpb": again.get("val_bpb"),
+            "tokens": again["tokens"], "trained_step": trained["step"],
+            "trained_val_loss": trained["val_loss"], "trained_val_bpb": trained.get("val_bpb")}
 
 
 def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
@@ -158,8 +179,10 @@ def evaluate_layout(spec: RankSpec, device: torch.device | str = "cpu") -> dict[
     reader = SplitReader(store, spec.extra["split"])
     t1 = time.perf_counter()
     sources = [(int(a), int(b), str(name)) for a, b, name in spec.extra["sources"]]
+    token_bytes = store.token_bytes()
     result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
-                          cfg.eval.batch_size, sources=sources)
+                          cfg.eval.batch_size, sources=sources, token_bytes=token_bytes)
+    result["train_slice"] = train_slice(spec, model, reader, token_bytes)
     t2 = time.perf_counter()
     tokenizer = Tokenizer.from_file(spec.extra["tokenizer"])
     generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,

@@ -29,6 +29,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME = "mlflow.parentRunId", "mlflow.runName"
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on one param value
+# MLflow 3's UI opens an experiment by this tag: "custom_model_development" on its training
+# runs; without it, an experiment with no runs yet opens on the GenAI overview.
+EXPERIMENT_KIND, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
 STORE_LOCK_WAIT_S = 120.0  # how long a driver waits for another creating the SQLite store
 
 
@@ -100,6 +103,8 @@ def _ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
+        if EXPERIMENT_KIND not in experiment.tags:  # made before the tag: open it on its runs
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND, TRAINING_KIND)
         return experiment.experiment_id
     location = None
     if uri.startswith("sqlite:"):
@@ -109,7 +114,7 @@ def _ensure_experiment(uri: str, name: str, runs_dir: Path) -> str:
         return client.create_experiment(
             name,
             artifact_location=location,
-            tags={"mlflow.experimentKind": "custom_model_development"},
+            tags={EXPERIMENT_KIND: TRAINING_KIND},
         )
     except Exception:  # created concurrently by another process
         experiment = client.get_experiment_by_name(name)

@@ -52,7 +52,8 @@ def measurement_spec(cfg: Any, plan: Plan, out_dir: str | Path, steps: int = MEA
     (out_dir / SUMMARY_FILE).unlink(missing_ok=True)  # a result must come from this launch
     raw = cfg.to_dict()
     raw["parallel"].update(nproc=plan.world_size, nodes=nodes)
-    raw["train"].update(checkpoint_every=0, checkpoint_minutes=None)
+    # a measurement times steps: no checkpoint, no validation (train.eval_every)
+    raw["train"].update(checkpoint_every=0, checkpoint_minutes=None, eval_every=0)
     spec = RankSpec(worker=TRAIN_WORKER, nproc=plan.world_size, nodes=nodes,
                     out_dir=str(out_dir.resolve()), config=raw, plan=plan.to_dict(), steps=steps,
                     peak_tflops=peak_tflops, timeout_s=timeout_s, extra={"save_final": False})

@@ -16,7 +16,7 @@ from data_prep.atomic import write_json_atomic
 from model.config import TrainConfig
 from model.parallel.layout import Plan
 from model.planner.cluster import ClusterError, is_measured, load_cluster
-from model.training.files import CHECKPOINTS_DIR, LOSS_CURVE_FILE, SUMMARY_FILE
+from model.training.files import CHECKPOINTS_DIR, HEALTH_FILE, LOSS_CURVE_FILE, SUMMARY_FILE
 from model.training.validate import TrainSetupError, plan_from_parallel, validate_training
 from stages.config import PipelineConfig
 from stages.mechanism.launch import OUT_OF_TIME_FILE, RANK_ERROR_FILE, SPEC_FILE, RankSpec
@@ -112,7 +112,8 @@ def prepare(cfg: PipelineConfig, inputs: dict[str, dict], out_dir: Path, tracker
     cadence = checkpoint_cadence_problem(train, cfg.site, predicted_step_time(plan.predictions))
     if cadence:
         raise TrainSetupError(cadence)
-    for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE, OUT_OF_TIME_FILE):
+    for leftover in (SUMMARY_FILE, LOSS_CURVE_FILE, RANK_ERROR_FILE, OUT_OF_TIME_FILE,
+                     HEALTH_FILE):
         (out_dir / leftover).unlink(missing_ok=True)
     tracking = None
     if tracker is not None and getattr(tracker, "run_id", None):
@@ -164,7 +165,25 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[Any], tracker: Any)
     outputs["tokenizer_hash"] = _tokenizer_hash(spec.store)
     if summary.get("losses"):
         outputs["loss_curve"] = str(loss_curve(summary["losses"], out_dir, tracker).resolve())
+    outputs["validation"] = validation_outputs(summary.get("validation"), out_dir, tracker)
     return outputs
+
+
+def validation_outputs(validation: dict[str, Any] | None, out_dir: Path,
+                       tracker: Any) -> dict[str, Any] | None:
+    """The in-loop validation the evaluate stage scores again (the slice's ``eval_tokens``,
+    the last figures and their step), and the best checkpoint's tags on the run
+    (``best_val_checkpoint``, ``best_val_step``, ``best_val_loss``); None without validation."""
+    if not validation or not validation.get("last"):
+        return None
+    last, best = validation["last"], validation.get("best")
+    if best and tracker is not None:
+        where = _beside(best["checkpoint"], out_dir)
+        tracker.set_tags({"best_val_checkpoint": where, "best_val_step": best["step"],
+                          "best_val_loss": f"{best['val_loss']:.6g}"})
+    return {"eval_tokens": validation["eval_tokens"], "step": last["step"],
+            "val_loss": last["val_loss"], "val_bpb": last.get("val_bpb"),
+            "best_step": best["step"] if best else None}
 
 
 def _beside(checkpoint: str | None, out_dir: Path) -> str | None:

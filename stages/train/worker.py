@@ -66,6 +66,7 @@ from model.training.progress_record import (  # noqa: E402
     open_record,
 )
 from model.training.trainer import RunHooks, Trainer, logs_metrics  # noqa: E402
+from model.training.validation import ValidationSet  # noqa: E402
 from stages.config import config_from_dict  # noqa: E402
 from stages.mechanism.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
 
@@ -83,6 +84,18 @@ def make_batch_factory(spec: RankSpec, cfg):
                                  dp_rank, dp_size, train.seed)
 
     return factory
+
+
+def validation_set(spec: RankSpec, cfg) -> ValidationSet | None:
+    """What the trainer validates on every train.eval_every steps: the store's validation
+    split, or held-out synthetic sequences without a store; None when eval_every is 0."""
+    train = cfg.train
+    if not train.eval_every:
+        return None
+    if spec.store:
+        return ValidationSet.from_store(spec.store)
+    return ValidationSet.synthetic(cfg.model.vocab_size, train.seq_len, train.eval_tokens,
+                                   train.seed)
 
 
 def this_job(spec: RankSpec) -> dict[str, Any]:
@@ -162,7 +175,7 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
     try:
         logger = logs_metrics(plan, env.rank)  # the one rank that logs and keeps the ledger
         hooks = RunHooks(stop_requested=stop_requested, job=this_job(spec) if logger else None,
-                         faults=Faults.from_environ())
+                         faults=Faults.from_environ(), validation=validation_set(spec, cfg))
         tracking, sink = spec.tracking, None
         if tracking and logger:
             from stages.mechanism.tracking import Tracker
