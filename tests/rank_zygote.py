@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 # their top and on their first step; not the workers themselves, which run as ``__main__``.
 PRELOAD = ("torch.distributed", "torch.distributed.checkpoint", "model.training.trainer",
            "model.training.checkpoint", "model.training.batches", "model.training.metrics",
-           "model.evaluation.generate", "model.evaluation.loss", "model.parallel.dist_env",
+           "model.evaluation.generate", "model.training.heldout", "model.parallel.dist_env",
            "model.parallel.layout", "data_prep.atomic", "data_prep.loader", "data_prep.store",
            "stages.config", "stages.mechanism.launch", "stages.mechanism.forked_ranks")
 

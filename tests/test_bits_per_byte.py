@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from data_prep.config import TokenizerConfig
 from data_prep.tokenizer import token_byte_lengths, train_tokenizer
 from model.config import ModelConfig
-from model.evaluation.loss import heldout_loss
 from model.gpt import GPT
+from model.training.heldout import heldout_loss
 from model.training.validation import SplitTokens, validation_metrics
 
 TEXTS = ["déjà vu: naïve café — 東京 and plain ascii words " * 20,

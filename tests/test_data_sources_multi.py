@@ -24,8 +24,8 @@ from data_prep.corpus import (
 from data_prep.errors import DataError, StoreError
 from data_prep.store import SplitReader, open_store
 from model.config import ModelConfig
-from model.evaluation.loss import heldout_loss
 from model.gpt import GPT
+from model.training.heldout import heldout_loss
 from stages.config import ConfigError, load_config
 from stages.evaluate.work import split_sources
 from stages.mechanism import tracking

@@ -10,9 +10,9 @@ import pytest
 from model.config import ModelConfig
 from model.evaluation.dcp_io import write_model_checkpoint
 from model.evaluation.generate import generate_tokens
-from model.evaluation.loss import heldout_loss
 from model.gpt import GPT
 from model.training.checkpoint import load_for_inference
+from model.training.heldout import heldout_loss
 from tests.train_helpers import run_script_ranks
 
 # init_std 0.2: decided (not near-uniform) next-token logits, so greedy picks are not ties.
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from model.config import ModelConfig
 from model.evaluation.generate import generate_tokens
 from model.evaluation.layout import LayoutModel
-from model.evaluation.loss import heldout_loss
+from model.training.heldout import heldout_loss
 from tests.test_eval_layout import ArrayReader, PROMPTS
 
 ckpt, cfg_json, out, tp, pp = sys.argv[1:6]

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.evaluation.loss import heldout_loss, plan_windows
 from model.gpt import GPT
+from model.training.heldout import heldout_loss, plan_windows
 
 
 class ArrayReader:

@@ -14,8 +14,8 @@ from mlflow.tracking import MlflowClient
 from data_prep.store import MANIFEST, SplitReader, open_store
 from data_prep.writer import PartWriter
 from model.evaluation.generate import generate_tokens
-from model.evaluation.loss import EmptySplitError, plan_windows
 from model.training.checkpoint import load_for_inference
+from model.training.heldout import EmptySplitError, plan_windows
 from stages.evaluate import work as evaluate
 from stages.mechanism import tracking
 from stages.mechanism.walk import run_work

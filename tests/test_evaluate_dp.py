@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from data_prep.store import MANIFEST, SplitReader, open_store
-from model.evaluation.loss import heldout_loss, plan_windows
 from model.training.checkpoint import load_for_inference
+from model.training.heldout import heldout_loss, plan_windows
 from stages.config import config_from_dict
 from stages.evaluate.work import split_sources
 

@@ -24,10 +24,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (imports for type
+    checkers only, which never run)."""
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
 def _imports(path: Path, top_level_only: bool) -> set[str]:
-    """Absolute module names imported by a file (every import, or module-level ones)."""
+    """Absolute module names imported by a file (every import that runs, or module-level
+    ones)."""
     tree = ast.parse(path.read_text(), str(path))
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    nodes = tree.body if top_level_only else _runtime_nodes(tree)
     found: set[str] = set()
     for node in nodes:
         if isinstance(node, ast.Import):

@@ -8,7 +8,7 @@ result is broadcast over the pipeline group, so every rank of a model replica re
 answer and callers stay rank-agnostic:
 
 - ``token_losses(tokens [B, T+1]) -> [B, T]`` float64 per-token losses (what
-  ``model.evaluation.loss.heldout_loss`` sums; only [B, T] crosses ranks, not the logits);
+  ``model.training.heldout.heldout_loss`` sums; only [B, T] crosses ranks, not the logits);
 - ``last_logits(tokens [B, T]) -> [B, V]`` the next-token logits (what
   ``model.evaluation.generate.generate_tokens`` picks from).
 

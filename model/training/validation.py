@@ -2,7 +2,7 @@
 
 Every ``train.eval_every`` steps (and after the last) the trainer scores the same
 ``train.eval_tokens`` predicted tokens of the validation split: the windows
-``model.evaluation.loss.plan_windows`` chooses for that many tokens (spread evenly over the
+``model.training.heldout.plan_windows`` chooses for that many tokens (spread evenly over the
 split), which is the very slice the evaluate stage scores again for the final checkpoint
 (``train_slice_val_loss`` / ``train_slice_val_bpb`` there). The windows are dealt over the
 data-parallel replicas; each replica runs them through its own chunks (``LoopModel``), tensor
@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.evaluation.loss import heldout_loss, plan_windows
 from model.parallel.pipeline import chunk_ids
+from model.training.heldout import heldout_loss, plan_windows
 
 if TYPE_CHECKING:
     from model.training.trainer import Trainer

@@ -44,8 +44,8 @@ from data_prep.atomic import write_text_atomic
 from data_prep.store import SplitReader, StoreInfo, open_store
 from model.config import vocab_fit_problem
 from model.evaluation.choice import CheckpointChoice, NoIntactCheckpoint, usable_checkpoint
-from model.evaluation.loss import plan_windows
 from model.evaluation.shards import DEFAULT_SHARD_BYTES
+from model.training.heldout import plan_windows
 from stages.config import PipelineConfig
 from stages.evaluate import shape
 from stages.evaluate.checks import EvaluationError, check_evaluate, ranks_problem

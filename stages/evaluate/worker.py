@@ -4,7 +4,7 @@ Launched by ``stages.mechanism.launch`` locally or srun under Slurm (rank identi
 environment,
 ``model.parallel.dist_env.from_environ``); with no launcher it runs as a single process. Every rank
 loads the checkpoint, computes the loss over its round-robin share of the validation
-windows (``model.evaluation.loss.heldout_loss``, sums all-reduced), and rank 0 writes
+windows (``model.training.heldout.heldout_loss``, sums all-reduced), and rank 0 writes
 ``<out_dir>/loss.json`` atomically.
 
 With the training layout (``extra["layout"]`` = {"tp", "pp", "dp"}, ``eval.layout=training``)
@@ -35,9 +35,9 @@ import torch.distributed as dist
 from data_prep.atomic import write_json_atomic
 from data_prep.store import SplitReader, open_store
 from model.evaluation.generate import generate_text
-from model.evaluation.loss import heldout_loss
 from model.parallel.dist_env import DistEnv, from_environ, start_process_group
 from model.training.checkpoint import load_for_inference
+from model.training.heldout import heldout_loss
 from stages.config import config_from_dict
 from stages.mechanism.launch import RankSpec, rank_main
 
@@ -95,7 +95,7 @@ def write_loss(out_dir: str | Path, result: dict[str, Any]) -> Path:
 
 
 def _init_gloo(env: DistEnv) -> None:
-    # gloo even on GPU nodes: model.evaluation.loss all-reduces its sums as CPU tensors.
+    # gloo even on GPU nodes: model.training.heldout all-reduces its sums as CPU tensors.
     start_process_group(env, "gloo")
 
 

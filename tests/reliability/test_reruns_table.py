@@ -107,8 +107,8 @@ CASES: dict[str, tuple[Callable[[World], None], set[str]]] = {
         _append("configs/clusters/h100.yaml", "\nretuned: 1\n"), {"plan"}),
     "a comment in a cluster file": (
         _append("configs/clusters/local.yaml", "\n# retuned by hand\n"), set()),
-    "evaluation code (`model/evaluation/loss.py`)": (
-        _code("model/evaluation/loss.py"), {"evaluate"}),
+    "evaluation code (`model/evaluation/generate.py`)": (
+        _code("model/evaluation/generate.py"), {"evaluate"}),
     "`data.*` (say `data.num_shards`)": (_set("data.num_shards=3"), {"curate", "tokenize"}),
     "`tokenizer.*`": (_set("tokenizer.vocab_size=400"), {"tokenize"}),
     "`curate.thresholds`, `curate.preset`, `curate.languages` (the selection)": (
@@ -127,9 +127,10 @@ CASES: dict[str, tuple[Callable[[World], None], set[str]]] = {
     "`train.lr`, `train.global_batch`, other `train.*` that change the result": (
         _set("train.lr=0.01"), {"plan", "train"}),
     "`train.steps`": (_set("train.steps=99"), {"train"}),
-    "`train.log_every`, checkpoint cadence, `train.resume_from`": (
+    "`train.log_every`, checkpoint cadence, `train.resume_from`, in-loop validation "
+    "(`train.eval_every`, `train.eval_tokens`)": (
         _set("train.log_every=3", "train.checkpoint_every=2", "train.checkpoint_minutes=5",
-             "train.keep_last=4"), set()),
+             "train.keep_last=4", "train.eval_every=2", "train.eval_tokens=1024"), set()),
     "`site.*` (walltime, account, ...), `tracking.*`": (
         _set("site.walltime=05:00:00", "site.account=abc123", "tracking.experiment=other"),
         set()),
