@@ -346,11 +346,18 @@ class TrainConfig:
     eval_tokens: int = 4096
     """Predicted tokens of that slice: the windows of seq_len tokens spread evenly over the
     split that the evaluate stage scores again for the final checkpoint (its
-    ``train_slice_val_*``). A split with fewer tokens is scored whole."""
+    ``train_slice_val_*``). A split with fewer tokens is scored whole; at least one window
+    is scored (``slice_tokens``)."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer than this for its peers fails the job, naming the ranks
     that did not arrive and what each was last doing (docs/training.md, "A hung collective").
     Longer than the slowest step and checkpoint save or load; changes no output."""
+
+    @property
+    def slice_tokens(self) -> int:
+        """Tokens of the in-loop validation slice: ``eval_tokens``, at least one window of
+        ``seq_len`` (a longer sequence does not need eval_tokens raised with it)."""
+        return max(self.eval_tokens, self.seq_len)
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every"):
@@ -389,8 +396,6 @@ class TrainConfig:
                  f"{self.slow_rank_ratio}")
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0 steps (0: no validation "
                  f"in the loop), got {self.eval_every}")
-        _require(not self.eval_every or self.eval_tokens >= self.seq_len,
-                 f"train.eval_tokens must be at least one window of train.seq_len="
-                 f"{self.seq_len} tokens, got {self.eval_tokens}")
+        _require(self.eval_tokens > 0, f"train.eval_tokens must be > 0, got {self.eval_tokens}")
         _require(self.collective_timeout_s > 0, f"train.collective_timeout_s must be > 0 "
                  f"seconds, got {self.collective_timeout_s}")

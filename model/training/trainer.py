@@ -254,6 +254,7 @@ class Trainer:
         # train_step (the rehearsal's fake tensors, the plan's measurement) always updates.
         self.health, self.slow_ranks = StepHealth(train_cfg, device), SlowRanks(train_cfg, device)
         self.faults = hooks.faults
+        self._step_events: dict[str, float] = {}  # events of the step being finished
         self.checking = False
         self.batch_index: int | None = None  # the global batch of the step in fit
         self.verdict: Verdict | None = None  # the last checked step's
@@ -516,7 +517,9 @@ class Trainer:
             self.step += 1
             mark("step end", self.step)
             if self._watch(loss, norm):  # rolled back to a checkpoint: go on from there
+                self._send_step({})
                 continue
+            record: dict[str, float] = {}
             if self.is_logger:
                 median = {}
                 if self.step % max(1, steps // 10) == 0 or self.step == steps:
@@ -524,12 +527,12 @@ class Trainer:
                 # the attempt's first step is logged in full whatever train.log_every: every
                 # chart, the health counters' zeros included, starts there
                 full = self.step % self.cfg.log_every == 0 or self.step == first_step + 1
-                if full or median:  # one record a step
-                    self._log_step(loss_value, norm_value, lr, step_times[-1], tokens_per_step,
-                                   median, full=full)
+                record = self._step_metrics(loss_value, norm_value, lr, step_times[-1],
+                                            tokens_per_step, median, full=full)
             if self.validation is not None and (self.step % self.cfg.eval_every == 0
                                                 or self.step == steps):
                 self._validate(steps)
+            self._send_step(record)  # one record a step: its metrics and its events
             self.iteration_times.append(time.perf_counter() - start)
             last_ckpt = self._checkpoint_if_due(steps, save_final) or last_ckpt
             if self._stopping:
@@ -640,7 +643,7 @@ class Trainer:
         ``windows``, ``seq_len`` scored), every result, the last and the best checkpoint."""
         if self.validation is None:
             return None
-        return {"every": self.cfg.eval_every, "eval_tokens": self.cfg.eval_tokens,
+        return {"every": self.cfg.eval_every, "eval_tokens": self.cfg.slice_tokens,
                 **self.val_slice, "history": self.val_history,
                 "last": self.val_history[-1] if self.val_history else None, "best": self.best}
 
@@ -671,9 +674,21 @@ class Trainer:
             raise TrainingDiverged(f"{error}; every skipped step and rollback: {path}") from None
 
     def _log_event(self, metrics: dict[str, float], step: int) -> None:
-        """Send a step-health metric (the logger rank), unless the run already holds it."""
-        if self.tracker is not None and step > self.logged_through:
-            self.tracker.log_metrics(metrics, step=step)
+        """Send a step-health or validation metric (the logger rank), unless the run already
+        holds it; one of the step being finished joins that step's record (``_send_step``)."""
+        if self.tracker is None or step <= self.logged_through:
+            return
+        if step == self.step:
+            self._step_events.update(metrics)
+            return
+        self.tracker.log_metrics(metrics, step=step)
+
+    def _send_step(self, record: dict[str, float]) -> None:
+        """Send this step's metrics and the events of the step as one record (the logger
+        rank; nothing when both are empty or the run already holds the step)."""
+        merged, self._step_events = {**record, **self._step_events}, {}
+        if merged and self.tracker is not None and self.step > self.logged_through:
+            self.tracker.log_metrics(merged, step=self.step)  # buffered by the tracker
 
     def _stop(self, last_ckpt: Path | None) -> None:
         """Out of time: the step's checkpoint is published; say so and record the job."""
@@ -750,13 +765,13 @@ class Trainer:
                             median, dt), flush=True)
         return median
 
-    def _log_step(self, loss: float, norm: float, lr: float, dt: float, tokens: int,
-                  median: dict[str, float], full: bool = True) -> None:
-        """Send this step's metrics (``full``) and the progress line's ``median`` figures as
-        one record, unless the run already holds them (``logged_through``: an earlier try
+    def _step_metrics(self, loss: float, norm: float, lr: float, dt: float, tokens: int,
+                      median: dict[str, float], full: bool = True) -> dict[str, float]:
+        """This step's metrics (``full``) and the progress line's ``median`` figures, as one
+        record; empty when the run already holds them (``logged_through``: an earlier try
         logged them before it was killed, and this one recomputed them)."""
         if self.tracker is None or self.step <= self.logged_through:
-            return
+            return {}
         metrics = dict(median)
         if full:
             metrics.update({"loss": loss, "lr": lr, "grad_norm": norm, "step_time_s": dt,
@@ -766,7 +781,7 @@ class Trainer:
                             # exists before anything goes wrong
                             "skipped_steps_total": float(len(self.health.skipped)),
                             "rollbacks_total": float(len(self.health.rollbacks))})
-        self.tracker.log_metrics(metrics, step=self.step)  # buffered by the tracker
+        return metrics
 
     def _finish(self, step_times: list[float], first_step: int, tokens: int,
                 last_ckpt: Path | None) -> dict[str, Any] | None:

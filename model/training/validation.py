@@ -191,7 +191,7 @@ def validate(trainer: Trainer, data: ValidationSet) -> dict[str, Any]:
     batch = max(1, trainer.plan.micro_batch)  # the activations training already fits
     try:
         with _untouched_rng(trainer.device):
-            result = heldout_loss(LoopModel(trainer), data.reader, cfg.seq_len, cfg.eval_tokens,
+            result = heldout_loss(LoopModel(trainer), data.reader, cfg.seq_len, cfg.slice_tokens,
                                   batch, sources=data.sources, progress_seconds=0,
                                   token_bytes=data.token_bytes)
     finally:

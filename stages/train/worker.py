@@ -94,7 +94,7 @@ def validation_set(spec: RankSpec, cfg) -> ValidationSet | None:
         return None
     if spec.store:
         return ValidationSet.from_store(spec.store)
-    return ValidationSet.synthetic(cfg.model.vocab_size, train.seq_len, train.eval_tokens,
+    return ValidationSet.synthetic(cfg.model.vocab_size, train.seq_len, train.slice_tokens,
                                    train.seed)
 
 
