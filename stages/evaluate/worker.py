@@ -58,18 +58,26 @@ def evaluate_spec(spec: RankSpec, rank: int = 0, world: int = 1,
     if torch.cuda.is_available():
         model = model.to(f"cuda:{local_rank % torch.cuda.device_count()}")
     store = open_store(spec.store)
-    reader = SplitReader(store, spec.extra["split"])
     t1 = time.perf_counter()
+    result = score_split(spec, cfg, model, store, rank, world)
+    # Ends after the all-reduce, so rank 0's time is the slowest rank's.
+    eval_s = time.perf_counter() - t1
+    return {**result, "ranks": world, "device": str(next(model.parameters()).device),
+            "load_seconds": t1 - t0, "eval_seconds": eval_s}
+
+
+def score_split(spec: RankSpec, cfg: Any, model: Any, store: Any, rank: int | None = None,
+                world: int | None = None) -> dict[str, Any]:
+    """The held-out loss of the spec's split (``eval.max_tokens`` of it, per source) and,
+    under "train_slice", the training's validation slice scored again."""
+    reader = SplitReader(store, spec.extra["split"])
     sources = [(int(a), int(b), str(name)) for a, b, name in spec.extra["sources"]]
     token_bytes = store.token_bytes()
     result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
                           cfg.eval.batch_size, rank=rank, world=world, sources=sources,
                           token_bytes=token_bytes)
     result["train_slice"] = train_slice(spec, model, reader, token_bytes, rank, world)
-    # Ends after the all-reduce, so rank 0's time is the slowest rank's.
-    eval_s = time.perf_counter() - t1
-    return {**result, "ranks": world, "device": str(next(model.parameters()).device),
-            "load_seconds": t1 - t0, "eval_seconds": eval_s}
+    return result
 
 
 def train_slice(spec: RankSpec, model: Any, reader: SplitReader, token_bytes: Any,
@@ -176,13 +184,8 @@ def evaluate_layout(spec: RankSpec, device: torch.device | str = "cpu") -> dict[
     t0 = time.perf_counter()
     model = LayoutModel(spec.extra["checkpoint"], cfg.model, layout["tp"], layout["pp"], device)
     store = open_store(spec.store)
-    reader = SplitReader(store, spec.extra["split"])
     t1 = time.perf_counter()
-    sources = [(int(a), int(b), str(name)) for a, b, name in spec.extra["sources"]]
-    token_bytes = store.token_bytes()
-    result = heldout_loss(model, reader, cfg.train.seq_len, cfg.eval.max_tokens,
-                          cfg.eval.batch_size, sources=sources, token_bytes=token_bytes)
-    result["train_slice"] = train_slice(spec, model, reader, token_bytes)
+    result = score_split(spec, cfg, model, store)
     t2 = time.perf_counter()
     tokenizer = Tokenizer.from_file(spec.extra["tokenizer"])
     generations = generate_text(model, tokenizer, cfg.eval.prompts, cfg.eval.generate_tokens,
