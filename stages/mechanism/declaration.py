@@ -185,11 +185,5 @@ class StageList:
         """The declaration of stage ``name``, or None (a test's or a notebook's own stage)."""
         return self._by_name.get(name)
 
-    def extent_fields(self, section: str) -> tuple[str, ...]:
-        """The fields of ``section`` that are some stage's extent fields (left out of every
-        section hash; they enter only the extended stage's ``extent`` ingredient)."""
-        return tuple(f.split(".", 1)[1] for s in self.stages for f in s.extends
-                     if f.split(".", 1)[0] == section)
-
     def __reduce__(self) -> tuple[Any, ...]:
         return (StageList, (self.stages,))
