@@ -47,3 +47,23 @@ def test_run_local_raises_with_the_killed_rank_first(tmp_path):
     assert failed.value.exit_code == 137 and failed.value.user_error is None
     assert str(failed.value).startswith(
         "stage ranks failed (exit 137): rank 1 was killed by signal 9 (SIGKILL)")
+
+
+def test_rank_main_ends_the_group_a_worker_left_open(tmp_path):
+    """A gloo thread still releasing the last collective's tensors while the interpreter
+    finalizes aborts the rank (exit 134, "terminate called without an active exception"):
+    rank_main destroys the group a successful worker left open, in this process."""
+    import torch.distributed as dist
+
+    from stages.mechanism.launch import rank_main
+    from tests import killed_rank_worker
+
+    spec = _spec(tmp_path, victim=-1, nproc=1)
+    seen: list[bool] = []
+
+    def run(spec: RankSpec) -> None:
+        killed_rank_worker.run(spec)  # joins a group, all-reduces twice, leaves it open
+        seen.append(dist.is_initialized())
+
+    code = rank_main("test", run, ["--spec", str(spec)])
+    assert (code, seen, dist.is_initialized()) == (0, [True], False)

@@ -436,7 +436,9 @@ def _run_rank(description: str, run: Callable[[RankSpec], Any], argv: list[str] 
     spec = RankSpec.read(args.spec)
     try:
         run(spec)
+        _end_process_group()
     except OutOfTime:
+        _end_process_group()
         return 0 if os.environ.get("TORCHELASTIC_RUN_ID") else OUT_OF_TIME_EXIT
     except BaseException as error:  # torch's CheckpointException is a BaseException
         full = storage_error(error)
@@ -452,6 +454,19 @@ def _run_rank(description: str, run: Callable[[RankSpec], Any], argv: list[str] 
                               {"message": message, "traceback": traceback.format_exc()})
         return USER_ERROR_EXIT
     return 0
+
+
+def _end_process_group() -> None:
+    """Destroy the default process group a worker left open, before the interpreter ends.
+
+    gloo's worker threads release a finished collective's tensors through Python; one that
+    does so while the interpreter finalizes aborts the process ("terminate called without
+    an active exception", exit 134), so a rank that succeeded would read as killed. Destroying
+    the group joins those threads first. Only on success: a failed rank's group may hold a
+    collective still waiting for a dead peer."""
+    dist = sys.modules.get("torch.distributed")  # a worker that never imported it has none
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
