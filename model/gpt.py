@@ -39,11 +39,16 @@ import math
 import zlib
 
 import torch
+import torch._dynamo  # noqa: F401 - see below
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.config import ModelConfig
+
+# torch._dynamo is imported here, with the model, not by its first initialisation: nn.init
+# under a device context runs torch._refs, which imports it (about 1 CPU-second). Imported
+# before a local launch forks its ranks, it is paid once per launch, not once per rank.
 
 
 # --------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ os.environ.setdefault(THREADS_VAR, str(CPU_RANK_THREADS))  # before torch starts
 import torch.distributed as dist  # noqa: E402
 
 from data_prep.atomic import write_json_atomic  # noqa: E402
+from data_prep.store import open_store  # noqa: E402, F401 - before the ranks fork (validation)
 from model.parallel.dist_env import from_environ, init_distributed, launch_id  # noqa: E402
 from model.parallel.layout import Plan  # noqa: E402
 from model.training.batches import synthetic_batch_factory  # noqa: E402
