@@ -55,3 +55,16 @@ def test_two_ranks_on_one_host_log_one_nodes_metrics_into_train_and_evaluate(
     # samplers are not the plan's business (its measurement ranks have no tracked run)
     plan = tracking.get_run(ctx.tracking_uri, results["plan"].run_id)
     assert not [k for k in plan.data.metrics if k.startswith("system/")]
+
+
+@pytest.mark.parametrize("ranks_per_node, nodes, logger, samplers", [
+    (2, 1, 1, [1]),  # the micro preset's pp2: the logger rank samples its node
+    (2, 1, 0, [0]),
+    (4, 2, 6, [0, 6]),  # node 0 by its local rank 0, node 1 by the logger rank
+    (4, 2, None, [0, 4]),  # no logger (evaluation): local rank 0 of each node
+])
+def test_one_rank_a_node_samples_and_the_logger_rank_on_its_node(
+        ranks_per_node: int, nodes: int, logger: int | None, samplers: list[int]) -> None:
+    ranks = range(ranks_per_node * nodes)
+    assert [r for r in ranks if tracking.samples_node(r, r % ranks_per_node, ranks_per_node,
+                                                      logger)] == samplers

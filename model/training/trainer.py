@@ -199,10 +199,15 @@ class RunHooks:
     validation: ValidationSet | None = None
 
 
+def logger_rank(plan: Plan) -> int:
+    """The global rank that logs: the last pipeline stage's first dp and tp rank."""
+    return (plan.pp - 1) * plan.dp * plan.tp
+
+
 def logs_metrics(plan: Plan, rank: int) -> bool:
-    """Whether global ``rank`` is the one that logs (the last pipeline stage's first dp and tp
-    rank), known before the trainer is built."""
-    return rank == (plan.pp - 1) * plan.dp * plan.tp
+    """Whether global ``rank`` is the one that logs (``logger_rank``), known before the
+    trainer is built."""
+    return rank == logger_rank(plan)
 
 
 class Trainer:
@@ -231,7 +236,7 @@ class Trainer:
         self._build_mesh(plan, model_cfg, train_cfg, device)
         self._build_model(plan, model_cfg, train_cfg, device, build)
         self.is_logger = self.has_last and self.dp_rank == 0 and self.tp_rank == 0
-        self.logger_rank = (plan.pp - 1) * plan.dp * plan.tp  # global rank of (last, 0, 0)
+        self.logger_rank = logger_rank(plan)  # global rank of (last, 0, 0)
         self.batches = make_batches(self.dp_rank, plan.dp)
         self.flops_per_token = flops_per_token(model_cfg, train_cfg.seq_len)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""

@@ -120,7 +120,7 @@ def _node_metrics(spec: RankSpec, local_rank: int):
     """This node's system metrics in the stage run while the block runs (local rank 0)."""
     from stages.mechanism.tracking import node_system_metrics
 
-    return node_system_metrics(config_from_dict(spec.config), spec.tracking, local_rank)
+    return node_system_metrics(config_from_dict(spec.config), spec.tracking, local_rank == 0)
 
 
 def run_spec(spec: RankSpec) -> dict[str, Any]:

@@ -323,14 +323,36 @@ class SystemMetricsSampler:
                     "could not send the last system metrics: %s", error)
 
 
+def import_client(spec: Any) -> None:
+    """Import MLflow's client and system-metrics monitor when the rank spec ``spec`` is
+    tracked: a rank worker's ``preload`` (``stages.mechanism.launch.rank_main``), so that the
+    rank that uses them, whichever it is, does not pay their seconds after a local launch
+    forked its ranks."""
+    if spec.tracking:
+        import mlflow.system_metrics.system_metrics_monitor  # noqa: F401
+        import psutil  # noqa: F401
+
+
+def samples_node(rank: int, local_rank: int, ranks_per_node: int,
+                 logger_rank: int | None = None) -> bool:
+    """Whether ``rank`` is the one of its node that samples the node's system metrics: the
+    logger rank on its own node (it has MLflow's client and store open already), local rank 0
+    on every other node. Ranks are placed on nodes in blocks of ``ranks_per_node`` (the
+    local launcher's and srun's default)."""
+    first = rank - local_rank
+    if logger_rank is not None and first <= logger_rank < first + ranks_per_node:
+        return rank == logger_rank
+    return local_rank == 0
+
+
 def start_node_sampler(cfg: Any, run: dict[str, str] | None,
-                       local_rank: int) -> SystemMetricsSampler | None:
-    """The system-metrics sampler of this node for a stage's ranks, or None: started by the
-    node's local rank 0 only (one sampler per node, whatever its rank count), where the
-    stage run is tracked (``run``: the rank spec's {"uri", "run_id"}) and
+                       here: bool) -> SystemMetricsSampler | None:
+    """The system-metrics sampler of this node for a stage's ranks, or None: started by one
+    rank of each node only (``here``: ``samples_node``), where the stage run is tracked
+    (``run``: the rank spec's {"uri", "run_id"}) and
     ``cfg.tracking.system_metrics_on(cfg.site.name)``. A sampler that cannot start is one
     line, never a failed stage."""
-    if not run or local_rank != 0 or not cfg.tracking.system_metrics_on(cfg.site.name):
+    if not run or not here or not cfg.tracking.system_metrics_on(cfg.site.name):
         return None
     try:
         return SystemMetricsSampler(run["uri"], run["run_id"],
@@ -342,9 +364,9 @@ def start_node_sampler(cfg: Any, run: dict[str, str] | None,
 
 @contextlib.contextmanager
 def node_system_metrics(cfg: Any, run: dict[str, str] | None,
-                        local_rank: int) -> Iterator[SystemMetricsSampler | None]:
+                        here: bool) -> Iterator[SystemMetricsSampler | None]:
     """``start_node_sampler`` around a block; the sampler is stopped when it ends."""
-    sampler = start_node_sampler(cfg, run, local_rank)
+    sampler = start_node_sampler(cfg, run, here)
     try:
         yield sampler
     finally:

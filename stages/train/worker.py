@@ -66,10 +66,11 @@ from model.training.progress_record import (  # noqa: E402
     explain_timeout,
     open_record,
 )
-from model.training.trainer import RunHooks, Trainer, logs_metrics  # noqa: E402
+from model.training.trainer import RunHooks, Trainer, logger_rank, logs_metrics  # noqa: E402
 from model.training.validation import ValidationSet  # noqa: E402
 from stages.config import config_from_dict  # noqa: E402
 from stages.mechanism.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
+from stages.mechanism.tracking import import_client  # noqa: E402
 
 
 def make_batch_factory(spec: RankSpec, cfg):
@@ -191,9 +192,12 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             sink = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]), spool=spool)
         trainer = Trainer(cfg.model, cfg.train, plan, spec.out_dir, make_batch_factory(spec, cfg),
                           device, tracker=sink, peak_tflops=spec.peak_tflops, hooks=hooks)
-        from stages.mechanism.tracking import start_node_sampler
+        from stages.mechanism.tracking import samples_node, start_node_sampler
 
-        sampler = start_node_sampler(cfg, tracking, env.local_rank)  # one per node
+        # one per node: the logger rank on its node (its MLflow client open already)
+        here = samples_node(env.rank, env.local_rank, env.world_size // spec.nodes,
+                            logger_rank(plan))
+        sampler = start_node_sampler(cfg, tracking, here)
         # A measurement (the plan stage's refinement) keeps no weights: no final save.
         summary = trainer.fit(spec.steps, save_final=spec.extra.get("save_final", True))
         if trainer.out_of_time is not None and trainer.is_logger:
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     interpreter shuts down, and by then Python has put the default handlers back, which
     would end a finished rank by the signal (a failed attempt, a spent retry)."""
     try:
-        return rank_main(__doc__.splitlines()[0], run_spec, argv)
+        return rank_main(__doc__.splitlines()[0], run_spec, argv, preload=import_client)
     finally:
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)  # Python leaves SIG_IGN in place at exit
