@@ -397,8 +397,7 @@ STACKS_SIGNAL = signal.SIGUSR2
 
 
 def rank_main(description: str, run: Callable[[RankSpec], Any],
-              argv: list[str] | None = None,
-              preload: Callable[[RankSpec], Any] | None = None) -> int:
+              argv: list[str] | None = None) -> int:
     """The command-line entry every rank worker shares: parse ``--spec``, run, report.
 
     A ``ValueError`` (the project's input errors derive from it) or a full disk is written
@@ -408,15 +407,11 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     anything else propagates. A hung rank shows where it waits: ``kill -USR2 <pid>`` prints
     the stack of each of its threads to its stderr (``STACKS_SIGNAL``). Rank 0 of a local
     launch first forks the launch's other ranks and ends with the launch's exit code
-    (``stages.mechanism.forked_ranks``). ``preload(spec)`` runs before that fork: the imports
-    some ranks of the spec make later (MLflow's, for a tracked spec) are then paid once per
-    launch, not once per rank; it must start no thread.
+    (``stages.mechanism.forked_ranks``).
     """
     from stages.mechanism.forked_ranks import fork_peers
 
     die_with_parent()
-    if preload is not None:
-        preload(RankSpec.read(_parse_spec_argument(description, argv)))
     peers = fork_peers(_arm_parent_death_signal, ok=(0, OUT_OF_TIME_EXIT))
     if peers is None:
         return _run_rank(description, run, argv)
@@ -431,10 +426,13 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
 
 def _run_rank(description: str, run: Callable[[RankSpec], Any], argv: list[str] | None) -> int:
     """This rank's part of ``rank_main``."""
+    import argparse
     import faulthandler
 
     faulthandler.register(STACKS_SIGNAL, all_threads=True)
-    spec = RankSpec.read(_parse_spec_argument(description, argv))
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--spec", required=True, help="path of the rank spec (JSON)")
+    spec = RankSpec.read(parser.parse_args(argv).spec)
     try:
         run(spec)
         _end_process_group()
@@ -455,15 +453,6 @@ def _run_rank(description: str, run: Callable[[RankSpec], Any], argv: list[str] 
                               {"message": message, "traceback": traceback.format_exc()})
         return USER_ERROR_EXIT
     return 0
-
-
-def _parse_spec_argument(description: str, argv: list[str] | None) -> str:
-    """The ``--spec`` path of a rank worker's command line."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--spec", required=True, help="path of the rank spec (JSON)")
-    return parser.parse_args(argv).spec
 
 
 def _end_process_group() -> None:

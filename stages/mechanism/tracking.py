@@ -323,16 +323,6 @@ class SystemMetricsSampler:
                     "could not send the last system metrics: %s", error)
 
 
-def import_client(spec: Any) -> None:
-    """Import MLflow's client and system-metrics monitor when the rank spec ``spec`` is
-    tracked: a rank worker's ``preload`` (``stages.mechanism.launch.rank_main``), so that the
-    rank that uses them, whichever it is, does not pay their seconds after a local launch
-    forked its ranks."""
-    if spec.tracking:
-        import mlflow.system_metrics.system_metrics_monitor  # noqa: F401
-        import psutil  # noqa: F401
-
-
 def samples_node(rank: int, local_rank: int, ranks_per_node: int,
                  logger_rank: int | None = None) -> bool:
     """Whether ``rank`` is the one of its node that samples the node's system metrics: the

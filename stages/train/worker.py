@@ -70,7 +70,6 @@ from model.training.trainer import RunHooks, Trainer, logger_rank, logs_metrics 
 from model.training.validation import ValidationSet  # noqa: E402
 from stages.config import config_from_dict  # noqa: E402
 from stages.mechanism.launch import OUT_OF_TIME_FILE, OutOfTime, RankSpec, rank_main  # noqa: E402
-from stages.mechanism.tracking import import_client  # noqa: E402
 
 
 def make_batch_factory(spec: RankSpec, cfg):
@@ -227,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     interpreter shuts down, and by then Python has put the default handlers back, which
     would end a finished rank by the signal (a failed attempt, a spent retry)."""
     try:
-        return rank_main(__doc__.splitlines()[0], run_spec, argv, preload=import_client)
+        return rank_main(__doc__.splitlines()[0], run_spec, argv)
     finally:
         for signum in STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)  # Python leaves SIG_IGN in place at exit
