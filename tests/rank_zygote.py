@@ -22,7 +22,7 @@ in place of ``stages.mechanism.launch.LocalRanks``; ``train_helpers.run_worker``
 So the ranks, their rendezvous, gloo, their files and exit codes are those of a real local
 launch; only the exec of a fresh interpreter is skipped. What the launcher itself does
 (streaming, the exit-code mapping, killing) is tested where it is the subject
-(``test_forked_ranks.py``, the pipeline and reliability tests). A variable torch reads at
+(``test_forked_ranks.py``, the pipeline and reliability tests). A variable torch or MLflow reads at
 import time comes from the zygote's environment (the session's), not the request's.
 
 The protocol is one JSON line each way on the zygote's stdin and stdout: a request
@@ -52,7 +52,11 @@ PRELOAD = ("torch.distributed", "torch.distributed.checkpoint", "model.training.
            "model.training.checkpoint", "model.training.batches", "model.training.metrics",
            "model.evaluation.generate", "model.training.heldout", "model.parallel.dist_env",
            "model.parallel.layout", "data_prep.atomic", "data_prep.loader", "data_prep.store",
-           "stages.config", "stages.mechanism.launch", "stages.mechanism.forked_ranks")
+           "stages.config", "stages.mechanism.launch", "stages.mechanism.forked_ranks",
+           # the tracked ranks' (the logger rank's and the node sampler's): seconds a launch
+           "stages.mechanism.tracking", "mlflow.tracking",
+           "mlflow.system_metrics.system_metrics_monitor",
+           "mlflow.store.tracking.sqlalchemy_store")
 
 
 def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
