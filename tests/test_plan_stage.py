@@ -215,3 +215,29 @@ def test_a_gpu_plan_that_cannot_be_rehearsed_is_an_error_unless_opted_out(
     out = run_work(PLAN, _cfg(tmp_path, *frontier, "parallel.rehearse=false"), {},
                    _out_dir(tmp_path, "opted-out"), tracker)
     assert json.loads(Path(out["plan"]).read_text())["tp"] >= 1
+
+
+@pytest.mark.slow
+def test_the_documented_rehearsal_install_rehearses_beside_another_torch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/frontier.md's install: the driver's torch is another release (Frontier's ROCm
+    build), ``$FRONTIER_LLM_REHEARSAL_PYTHON`` names an interpreter with the checked CPU
+    torch (here this one, behind a wrapper that records its calls): the plan stage under the
+    Frontier cluster rehearses in that interpreter and keeps a rehearsed plan."""
+    import sys
+
+    from model.rehearsal import torch_pin
+
+    called = tmp_path / "called"
+    checked = tmp_path / "python"
+    checked.write_text(f"#!/bin/sh\necho \"$@\" >> {called}\nexec {sys.executable} \"$@\"\n")
+    checked.chmod(0o755)
+    monkeypatch.setattr(torch_pin, "installed_torch", lambda: "2.8.0+rocm6.4")
+    monkeypatch.setenv(torch_pin.REHEARSAL_PYTHON, str(checked))
+    tracker, _, _ = _tracker(tmp_path, "plan-rehearsed-elsewhere")
+    cfg = _cfg(tmp_path, "parallel.cluster=frontier", "parallel.nproc=8", "parallel.nodes=1")
+    out = run_work(PLAN, cfg, {}, _out_dir(tmp_path, "rehearsed"), tracker)
+    assert "model.rehearsal.fake_gpu_rank" in called.read_text()
+    records = json.loads(Path(out["rehearsal"]).read_text())
+    assert isinstance(records, list) and records, records  # not {"error": ...}
+    assert all(r["rehearsed_peak_memory_gb"] > 0 for r in records), records
