@@ -334,4 +334,6 @@ class ForkedLocalRanks(LocalRanks):
             raise
         self.rank0 = _ForkedRankZero(zygote, pid)
         self.pgid = pid
+        self.nproc = spec.nproc
+        self.killed_here = False  # as LocalRanks: set by kill()
         self.stdout = open(reader, errors="replace")  # noqa: SIM115 - closed by run_local

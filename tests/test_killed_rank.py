@@ -49,6 +49,15 @@ def test_run_local_raises_with_the_killed_rank_first(tmp_path):
         "stage ranks failed (exit 137): rank 1 was killed by signal 9 (SIGKILL)")
 
 
+def test_a_lone_killed_rank_is_named_without_peers(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "stages.mechanism.launch", "--spec",
+                           str(_spec(tmp_path, victim=0, nproc=1))], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 128 + 9, proc.stderr[-3000:]
+    assert "rank 0 was killed by signal 9 (SIGKILL) (a killed rank" in proc.stderr, proc.stderr
+    assert "other ranks" not in proc.stderr, proc.stderr
+
+
 def test_rank_main_ends_the_group_a_worker_left_open(tmp_path):
     """A gloo thread still releasing the last collective's tensors while the interpreter
     finalizes aborts the rank (exit 134, "terminate called without an active exception"):

@@ -58,14 +58,16 @@ KILLED_PREFIX = "[launch] "
 """How the launch's line naming a rank killed by a signal starts (``killed_message``)."""
 
 
-def killed_message(rank: int, signum: int) -> str:
+def killed_message(rank: int, signum: int, peers: bool = True) -> str:
     """The one line that names a rank killed by a signal (the launch did not send), the
-    cause the other ranks' failures follow from (a peer gone from a collective)."""
+    cause the other ranks' failures follow from (a peer gone from a collective); ``peers``
+    False for a launch of one rank, which has no others."""
     try:
         name = f" ({signal.Signals(signum).name})"
     except ValueError:
         name = ""
-    return (f"rank {rank} was killed by signal {signum}{name}; the other ranks failed after it "
+    after = "; the other ranks failed after it" if peers else ""
+    return (f"rank {rank} was killed by signal {signum}{name}{after} "
             "(a killed rank: out of memory, a scheduler's or a user's kill)")
 
 

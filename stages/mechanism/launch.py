@@ -211,6 +211,7 @@ class LocalRanks:
         finally:
             os.close(write_end)
         self.pgid = self.rank0.pid
+        self.nproc = spec.nproc
         self.killed_here = False  # this launcher killed the ranks (a timeout, its own end)
         self.stdout = open(read_end, errors="replace")  # noqa: SIM115 - closed in wait
 
@@ -239,7 +240,7 @@ class LocalRanks:
         code = self.rank0.returncode
         if code is None or code >= 0 or self.killed_here:
             return None
-        return killed_message(0, -code)
+        return killed_message(0, -code, peers=self.nproc > 1)
 
 
 def read_out_of_time(out_dir: str | Path) -> dict[str, Any] | None:
