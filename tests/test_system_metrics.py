@@ -68,3 +68,21 @@ def test_one_rank_a_node_samples_and_the_logger_rank_on_its_node(
     ranks = range(ranks_per_node * nodes)
     assert [r for r in ranks if tracking.samples_node(r, r % ranks_per_node, ranks_per_node,
                                                       logger)] == samplers
+
+
+def test_the_monitors_store_errors_are_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk under the SQLite store: the monitor's warning would carry the SQL
+    statement and every parameter of the failed write; it is the store's one line."""
+    import logging
+
+    uri = "sqlite:////runs/mlflow.db"
+    emitter = logging.getLogger("test.system_metrics.one_line")
+    emitter.addFilter(tracking._OneLineStoreErrors(uri))
+    with caplog.at_level(logging.WARNING, logger=emitter.name):
+        emitter.warning("Failed to log system metrics: (sqlite3.OperationalError) database or "
+                        "disk is full\n[SQL: INSERT INTO metrics ...]\n[parameters: ...]")
+        emitter.warning("could not send the last system metrics: %s", "timed out\nretry 2")
+    full = tracking.store_full(RuntimeError(tracking.SQLITE_FULL), uri)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"system metrics not logged: {full}", "could not send the last system metrics: timed out"]
+    assert "/runs/mlflow.db" in str(full) and "free space" in str(full)

@@ -91,6 +91,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     """SIGTERM and SIGINT stop the driver like Ctrl-C. Both are set explicitly while it runs:
     a driver started in the background by a script inherits SIGINT ignored, and a
     ``kill -INT`` (or a group SIGINT) must stop it all the same."""
+    attempts.INTERRUPTED.set()  # a stage its threads still run, failing now, was stopped
     raise KeyboardInterrupt(f"signal {signum}")
 
 
@@ -426,6 +427,7 @@ class PipelineSession:
                                          locks.STALE_AFTER_S / 10).start()
         # The store itself: after a kill -9 the watchdog stops the server before it marks.
         self.watchdog = watchdog.start(self.runs_dir, self.store_uri, self.parent_id)
+        attempts.INTERRUPTED.clear()  # an earlier session's interrupt is not this one's
         self._handlers = {sig: signal.signal(sig, _interrupt)
                           for sig in (signal.SIGTERM, signal.SIGINT)}
         return self

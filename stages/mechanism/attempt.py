@@ -30,6 +30,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,10 @@ ATTEMPTS_TAG = "attempts"
 """How many attempts (pipeline runs) a stage run holds; ``attempt.<n>.parent_run_id`` names
 the pipeline run of attempt ``n`` and ``attempt.<n>.error`` the error that ended it."""
 ERROR_TAG = "error"  # the error of a failed run (``fail``)
+INTERRUPTED = threading.Event()
+"""Set by the driver when a signal interrupts the pipeline (``workflows.session``): a stage
+that fails in one of its threads from then on (its ranks died of the same Ctrl-C) was
+stopped, not broken, and its run ends KILLED as the interrupt's own marking would leave it."""
 
 
 def _attempt_tags(n: int, parent_run_id: str) -> dict[str, str]:
@@ -368,7 +373,8 @@ def fail(ctx: PipelineContext, attempt: Attempt, error: BaseException) -> None:
         tracking.Tracker(ctx.tracking_uri, attempt.run_id).set_tags(
             {ERROR_TAG: str(error)[:4000]})
         # An interrupt (Ctrl-C, SIGTERM) ends the run KILLED, as MLflow names a stopped run.
-        status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        stopped = isinstance(error, KeyboardInterrupt) or INTERRUPTED.is_set()
+        status = "KILLED" if stopped else "FAILED"
         tracking.end_run(ctx.tracking_uri, attempt.run_id, status)
     except Exception as tracking_error:  # noqa: BLE001 - tracking must not hide the original error
         print(f"[stage] could not mark MLflow run {attempt.run_id} FAILED: {tracking_error}",

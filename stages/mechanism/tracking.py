@@ -300,6 +300,11 @@ class SystemMetricsSampler:
         # Its warnings are one line each (a store that took no sample); its info lines and a
         # missing GPU library's note say nothing a run needs.
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+        # a logger's filter sees only its own records: the monitor's and this class's
+        for name in ("mlflow.system_metrics.system_metrics_monitor", "mlflow.system_metrics"):
+            emitter = logging.getLogger(name)
+            if not any(isinstance(f, _OneLineStoreErrors) for f in emitter.filters):
+                emitter.addFilter(_OneLineStoreErrors(uri))
         psutil.cpu_percent()  # the first sample's utilization counts from here, not from 0
         self.node = node or node_id()
         # resume_logging: a resumed attempt's samples continue after the run's last one.
@@ -321,6 +326,24 @@ class SystemMetricsSampler:
             except Exception as error:  # noqa: BLE001 - as the monitor's own sends: a warning
                 logging.getLogger("mlflow.system_metrics").warning(
                     "could not send the last system metrics: %s", error)
+
+
+class _OneLineStoreErrors(logging.Filter):
+    """Shortens the system-metrics monitor's warnings to their first line, and a full disk
+    under a SQLite store to ``store_full``'s line: its SQL error would print the statement
+    and every parameter of the failed write, a dozen lines a sample."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__()
+        self.uri = uri
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        full = store_full(RuntimeError(message), self.uri)
+        record.msg = (f"system metrics not logged: {full}" if full is not None
+                      else message.splitlines()[0])
+        record.args = ()
+        return True
 
 
 def samples_node(rank: int, local_rank: int, ranks_per_node: int,

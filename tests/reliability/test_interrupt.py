@@ -282,3 +282,29 @@ def test_ctrl_c_with_worker_processes_leaves_nothing_and_a_rerun_resumes(
     stopped = [status for name, status in interrupted.items()
                if name.startswith(("micro-run-", "train-"))]
     assert stopped == ["KILLED", "KILLED"], interrupted
+
+
+def test_a_stage_failing_while_the_pipeline_is_interrupted_ends_killed(
+        tmp_path: Path, seed_store) -> None:
+    """With the apps in the driver's threads, a Ctrl-C also kills the ranks: the stage's
+    thread may fail on them before the driver's interrupt marks it. It is stopped all the
+    same, so its run ends KILLED, not FAILED; any other failure stays FAILED."""
+    from stages.mechanism import attempt as attempts
+    from stages.registry import PIPELINE
+
+    runs = tmp_path / "runs"
+    uri = seed_store(runs)
+    experiment = tracking.ensure_experiment(uri, "micro", runs)
+    ctx = attempts.PipelineContext(str(runs), uri, experiment, None, pipeline=PIPELINE)
+    statuses = []
+    for interrupted in (False, True):
+        run_id = tracking.start_run(uri, experiment, f"train-{interrupted}")
+        attempt = attempts.Attempt("train", "k", run_id, str(runs / "stages" / "train" / "k"))
+        if interrupted:
+            attempts.INTERRUPTED.set()
+        try:
+            attempts.fail(ctx, attempt, RuntimeError("the ranks exited with code 1"))
+        finally:
+            attempts.INTERRUPTED.clear()
+        statuses.append(tracking.get_run(uri, run_id).info.status)
+    assert statuses == ["FAILED", "KILLED"]
