@@ -300,11 +300,13 @@ class SystemMetricsSampler:
         # Its warnings are one line each (a store that took no sample); its info lines and a
         # missing GPU library's note say nothing a run needs.
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-        # a logger's filter sees only its own records: the monitor's and this class's
+        # a logger's filter sees only its own records: the monitor's and this class's; one
+        # filter each, naming the store of the newest sampler (not one an earlier run used)
         for name in ("mlflow.system_metrics.system_metrics_monitor", "mlflow.system_metrics"):
             emitter = logging.getLogger(name)
-            if not any(isinstance(f, _OneLineStoreErrors) for f in emitter.filters):
-                emitter.addFilter(_OneLineStoreErrors(uri))
+            for old in [f for f in emitter.filters if isinstance(f, _OneLineStoreErrors)]:
+                emitter.removeFilter(old)
+            emitter.addFilter(_OneLineStoreErrors(uri))
         psutil.cpu_percent()  # the first sample's utilization counts from here, not from 0
         self.node = node or node_id()
         # resume_logging: a resumed attempt's samples continue after the run's last one.
