@@ -17,6 +17,7 @@ from data_prep.curate import (
     curate_corpus,
     find_duplicates,
     keep_mask,
+    removals_chart,
     resolve_preset,
     select,
     signal_config,
@@ -84,7 +85,9 @@ def test_outputs_and_summary(curated) -> None:
     sample = json.loads((out / "removed_sample.json").read_text())
     assert sample["language"][0]["id"] == "german"
     assert sample["language"][0]["text"].startswith("Die Bibliothek")
-    assert (out / "removals.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "removals.png").exists()  # the stage draws it, beside its logging
+    chart = removals_chart(summary, out / "removals.png")
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.rglob(".*.tmp-*")), "a temporary file was left"
     table = pq.read_table(out / "removed.parquet")
     assert table.column_names == ["id", "reason", "duplicate_of", "source", "shard", "index",

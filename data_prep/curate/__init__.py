@@ -32,8 +32,8 @@ Public API
   out_path, progress=None) -> dict``: writes the shard's signal parquet atomically and
   returns its counts.
 - ``curate_corpus(signal_paths, curate_cfg, data_cfg, out_dir, info=None) -> dict``: dedup,
-  selection, removed.parquet, keep masks, summary.json, removed_sample.json, removals.png;
-  returns the summary with "paths".
+  selection, removed.parquet, keep masks, summary.json, removed_sample.json; returns the
+  summary with "paths"; ``removals_chart(summary, path)`` draws removals.png from it.
 - ``keep_mask(out_dir, shard_index) -> np.ndarray``: a shard's keep mask.
 - ``select(table, dedup, thresholds, languages) -> list[reason | None]`` and
   ``find_duplicates`` for callers holding a whole (small) signal table; ``PROSE``,
@@ -41,7 +41,8 @@ Public API
 
 Modules: ``text`` (words, normalization, hashes), ``quality`` (Gopher/C4/FineWeb values),
 ``minhash`` (LSH band keys), ``decontaminate``, ``signals`` (one shard's parquet), ``dedup``,
-``select`` (rules, presets, reasons), ``finalize`` (the corpus-wide step and its outputs).
+``select`` (rules, presets, reasons), ``finalize`` (the corpus-wide step and its outputs),
+``arrow`` (Arrow columns without pyarrow's pandas import).
 """
 from __future__ import annotations
 
@@ -60,7 +61,13 @@ from data_prep.curate.decontaminate import (
     prompt_texts,
 )
 from data_prep.curate.dedup import Duplicates, find_duplicates
-from data_prep.curate.finalize import curate_corpus, keep_mask, keep_path, resolve_preset
+from data_prep.curate.finalize import (
+    curate_corpus,
+    keep_mask,
+    keep_path,
+    removals_chart,
+    resolve_preset,
+)
 from data_prep.curate.select import CODE, PRESETS, PROSE, RULES, select
 from data_prep.curate.signals import compute_shard_signals, document_signals
 
@@ -68,4 +75,4 @@ __all__ = ["CODE", "PRESETS", "PROSE", "RULES", "SELECTION_FIELDS", "SIGNAL_FIEL
            "CurateConfig", "Duplicates", "EvalIndex", "compute_shard_signals",
            "contamination", "curate_corpus", "document_signals", "eval_ngrams",
            "find_duplicates", "keep_mask", "keep_path", "local_task_texts", "prompt_texts",
-           "resolve_preset", "select", "shard_records", "signal_config"]
+           "removals_chart", "resolve_preset", "select", "shard_records", "signal_config"]

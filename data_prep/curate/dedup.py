@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.curate import arrow
 from data_prep.curate.signals import band_column
 
 
@@ -83,9 +84,7 @@ def _join_equal(keys: np.ndarray, sets: UnionFind) -> int:
 
 def read_column(paths: Sequence[str | Path], column: str) -> np.ndarray:
     """One column of every signal file, concatenated in corpus order."""
-    import pyarrow.parquet as pq
-
-    parts = [pq.read_table(p, columns=[column]).column(0).to_numpy() for p in paths]
+    parts = [arrow.numbers(arrow.read(p, [column]).column(0)) for p in paths]
     return np.concatenate(parts) if parts else np.zeros(0)
 
 

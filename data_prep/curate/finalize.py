@@ -12,7 +12,10 @@ that pass (``dedup``), and writes atomically into ``out_dir``:
 - ``summary.json``: documents and bytes per reason and per source, kept and total;
 - ``removed_sample.json``: the first ``curate.sample_per_reason`` removed documents of each
   reason, with their text (cut at ``SAMPLE_CHARS``) when the corpus plan is at hand;
-- ``removals.png``: removed documents by reason (a bar chart).
+
+``removals_chart`` draws ``removals.png`` (removed documents by reason) from the summary;
+the stage calls it beside its MLflow logging, so the selection itself never imports
+matplotlib (a task's peak memory is the curate stage's budget: ``arrow``).
 
 Only this step reads the thresholds, so a new threshold reruns it alone.
 """
@@ -29,6 +32,7 @@ import numpy as np
 from data_prep.atomic import atomic_path, write_bytes_atomic, write_json_atomic
 from data_prep.config import DataConfig
 from data_prep.corpus import CORPUS_INFO, CorpusInfo, shard_records
+from data_prep.curate import arrow
 from data_prep.curate.config import CurateConfig
 from data_prep.curate.dedup import Duplicates, find_duplicates
 from data_prep.curate.select import PRESETS, RULES, filter_reasons, preset_name
@@ -86,17 +90,15 @@ def _shard_filters(paths: Sequence[Path], cfg: CurateConfig, data: DataConfig, c
                    ) -> tuple[list[dict[str, Any]], list[np.ndarray], np.ndarray]:
     """Per signal file (one at a time): its metadata and its documents' filter reason
     codes; and every document's normalized hash (corpus order)."""
-    import pyarrow.parquet as pq
-
     metas, reasons, hashes = [], [], []
     for path in paths:
         meta = file_metadata(path)
-        table = pq.read_table(path, columns=[*_FILTER_COLUMNS, "norm_hash"])
+        table = arrow.read(path, [*_FILTER_COLUMNS, "norm_hash"])
         columns = {name: table.column(name) for name in _FILTER_COLUMNS}
         thresholds = resolve_preset(cfg, data, meta.get("source"))
         reasons.append(codes.encode(filter_reasons(columns, thresholds, cfg.languages,
                                                    table.num_rows)))
-        hashes.append(table.column("norm_hash").to_numpy())
+        hashes.append(arrow.numbers(table.column("norm_hash")))
         meta["documents"] = table.num_rows
         metas.append(meta)
         del table, columns
@@ -164,9 +166,9 @@ def _write_selection(paths: Sequence[Path], metas: list[dict[str, Any]],
             pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
         for path, meta, shard_codes in zip(paths, metas, reasons, strict=True):
             count = meta["documents"]
-            table = pq.read_table(path, columns=["id", "bytes"])
+            table = arrow.read(path, ["id", "bytes"])
             ids = table.column("id").to_pylist()
-            sizes = table.column("bytes").to_numpy()
+            sizes = arrow.numbers(table.column("bytes"))
             for local in np.flatnonzero(is_keeper[first:first + count]).tolist():
                 keeper_ids[first + local] = ids[local]
             mask = np.ones(count, dtype=bool)
@@ -183,7 +185,7 @@ def _write_selection(paths: Sequence[Path], metas: list[dict[str, Any]],
             tally.add_shard(meta.get("source"), sizes, mask)
             for row in rows:
                 tally.add_removed(row)
-            writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+            writer.write_table(arrow.table(rows, schema))
             with atomic_path(keep_path(out_dir, meta["shard"])) as keep_tmp, \
                     open(keep_tmp, "wb") as handle:
                 np.save(handle, mask, allow_pickle=False)
@@ -210,8 +212,9 @@ def _sample_texts(chosen: dict[str, list[dict[str, Any]]], data: DataConfig,
                 break
 
 
-def _chart(summary: dict[str, Any], path: Path) -> None:
-    """A horizontal bar chart of removed documents by reason."""
+def removals_chart(summary: dict[str, Any], path: str | Path) -> Path:
+    """Write a horizontal bar chart of removed documents by reason (``curate_corpus``'s
+    summary) to ``path`` (PNG, atomically); returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -230,6 +233,7 @@ def _chart(summary: dict[str, Any], path: Path) -> None:
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
     write_bytes_atomic(path, buffer.getvalue())
+    return Path(path)
 
 
 def curate_corpus(signal_paths: Sequence[str | Path], curate_cfg: CurateConfig,
@@ -263,12 +267,10 @@ def curate_corpus(signal_paths: Sequence[str | Path], curate_cfg: CurateConfig,
     summary = tally.summary()
     _sample_texts(tally.sample, data_cfg, info, curate_cfg.id_field)
     write_json_atomic(out_dir / SAMPLE, tally.sample)
-    _chart(summary, out_dir / CHART)
     summary["thresholds"] = {str(m.get("source")): resolve_preset(curate_cfg, data_cfg,
                                                                   m.get("source"))
                              for m in metas}
     summary["paths"] = {"removed": str(out_dir / REMOVED), "keep": str(out_dir / KEEP_DIR),
-                        "summary": str(out_dir / SUMMARY), "sample": str(out_dir / SAMPLE),
-                        "chart": str(out_dir / CHART)}
+                        "summary": str(out_dir / SUMMARY), "sample": str(out_dir / SAMPLE)}
     write_json_atomic(out_dir / SUMMARY, summary)
     return json.loads(json.dumps(summary))

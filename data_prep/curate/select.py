@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from data_prep.curate import arrow
+
 RULES: dict[str, tuple[str, str]] = {
     # Gopher repetition
     "max_dup_para_frac": ("dup_para_frac", "max"),
@@ -142,12 +144,7 @@ def select(table: Any, dedup: Any, thresholds: dict[str, float | None],
 
 
 def _numbers(column: Any) -> np.ndarray:
-    if hasattr(column, "to_numpy"):
-        try:
-            return np.asarray(column.to_numpy(), dtype=np.float64)
-        except TypeError:  # a ChunkedArray of several chunks
-            return np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
-    return np.asarray(column, dtype=np.float64)
+    return np.asarray(arrow.numbers(column), dtype=np.float64)
 
 
 def _pylist(column: Any) -> list:

@@ -20,18 +20,19 @@ The file is written under a temporary name and renamed when complete; its schema
 """
 from __future__ import annotations
 
-import functools
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from data_prep.atomic import atomic_path
 from data_prep.config import DataConfig
 from data_prep.corpus import CorpusInfo, shard_records
+from data_prep.curate import arrow
 from data_prep.curate.config import CurateConfig, signal_config
 from data_prep.curate.decontaminate import EvalIndex, contamination
+from data_prep.curate.language import identifier
 from data_prep.curate.minhash import band_keys
 from data_prep.curate.quality import COLUMNS, text_values
 from data_prep.curate.text import SEGMENT_CHARS, normalized_segments, segments_hash64
@@ -42,6 +43,10 @@ LANGUAGE_CHARS = 1500
 the text: at 4,000 it was a quarter of all signal time)."""
 ROW_GROUP_DOCS = 8192
 """Documents per parquet row group (what is held before a write)."""
+DICTIONARY_COLUMNS = ["source", "language"]
+"""The columns of few distinct values, dictionary-encoded. Hashes and measures are not: a
+dictionary of distinct values costs a hash table a column while writing (4 MB of the
+task's peak) and makes the file larger, not smaller."""
 METADATA_KEY = b"curate"
 _COUNTS = frozenset(["words", "stop_words", "lorem_ipsum", "javascript", "curly_braces"])
 
@@ -68,17 +73,10 @@ def schema(bands: int, metadata: dict[str, Any] | None = None):
     return pa.schema(fields, metadata=meta)
 
 
-@functools.cache
-def _identifier():
-    from py3langid.langid import MODEL_FILE, LanguageIdentifier
-
-    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
-
-
 def document_signals(text: str, cfg: CurateConfig,
                      eval_index: EvalIndex | None = None) -> dict[str, Any]:
     """Every signal of one document but its place (id, source, shard, index)."""
-    language, score = _identifier().classify(text[:LANGUAGE_CHARS])
+    language, score = identifier().classify(text[:LANGUAGE_CHARS])
     out: dict[str, Any] = {"bytes": _utf8_size(text), "chars": len(text),
                            "language": language, "language_score": float(score)}
     out.update(text_values(text))
@@ -105,23 +103,6 @@ def _utf8_size(text: str) -> int:
                for i in range(0, len(text), step))
 
 
-def _batches(records: Iterator[tuple[str, str]], source: str | None, shard_index: int,
-             cfg: CurateConfig, eval_index: EvalIndex | None,
-             progress: Progress) -> Iterator[list[dict[str, Any]]]:
-    """Rows of signals, ``ROW_GROUP_DOCS`` at a time."""
-    rows: list[dict[str, Any]] = []
-    for index, (doc_id, text) in enumerate(records):
-        row = {"id": doc_id, "source": source, "shard": shard_index, "index": index}
-        row.update(document_signals(text, cfg, eval_index))
-        rows.append(row)
-        progress.update(1, 0, row["bytes"])
-        if len(rows) >= ROW_GROUP_DOCS:
-            yield rows
-            rows = []
-    if rows:
-        yield rows
-
-
 def compute_shard_signals(info: CorpusInfo, shard_index: int, shard: dict[str, Any],
                           data_cfg: DataConfig, curate_cfg: CurateConfig,
                           eval_index: EvalIndex | None, out_path: str | Path,
@@ -132,7 +113,6 @@ def compute_shard_signals(info: CorpusInfo, shard_index: int, shard: dict[str, A
     Returns {"shard", "source", "documents", "bytes", "contaminated", "path", "seconds"}.
     ``progress`` prints periodic lines (a default one every 10 s when None).
     """
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     started = time.perf_counter()
@@ -143,14 +123,22 @@ def compute_shard_signals(info: CorpusInfo, shard_index: int, shard: dict[str, A
     table_schema = schema(curate_cfg.minhash_bands, meta)
     counts = {"documents": 0, "bytes": 0, "contaminated": 0}
     records = shard_records(info, shard, data_cfg, curate_cfg.id_field)
+    columns = arrow.Columns(table_schema)
     with atomic_path(out_path) as tmp:
-        with pq.ParquetWriter(tmp, table_schema, compression="zstd") as writer:
-            for rows in _batches(records, source, shard_index, curate_cfg, eval_index,
-                                 progress):
-                writer.write_table(pa.Table.from_pylist(rows, schema=table_schema))
-                counts["documents"] += len(rows)
-                counts["bytes"] += sum(r["bytes"] for r in rows)
-                counts["contaminated"] += sum(bool(r["contamination"]) for r in rows)
+        with pq.ParquetWriter(tmp, table_schema, compression="zstd",
+                              use_dictionary=DICTIONARY_COLUMNS) as writer:
+            for index, (doc_id, text) in enumerate(records):
+                row = {"id": doc_id, "source": source, "shard": shard_index, "index": index}
+                row.update(document_signals(text, curate_cfg, eval_index))
+                columns.append(row)
+                counts["documents"] += 1
+                counts["bytes"] += row["bytes"]
+                counts["contaminated"] += bool(row["contamination"])
+                progress.update(1, 0, row["bytes"])
+                if len(columns) >= ROW_GROUP_DOCS:
+                    writer.write_table(columns.take())
+            if len(columns):
+                writer.write_table(columns.take())
     progress.emit(done=True)
     return {"shard": shard_index, "source": source, **counts, "path": str(out_path),
             "seconds": round(time.perf_counter() - started, 3)}
