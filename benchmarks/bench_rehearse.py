@@ -78,7 +78,8 @@ CODE_ROOTS = ("model", "data_prep")
 
 def peak_rss_gb() -> float:
     """Peak resident memory so far of this process or of a child it waited for (GB; Linux
-    reports KiB); the rehearsal itself runs in a spawned child (``rehearse_isolated``)."""
+    reports KiB); the rehearsal itself runs in a process the rank server forks, whose peak
+    the record carries (``rehearsal_host_peak_rss_gb``)."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return max(own, children) * 1024 / 1e9
@@ -292,7 +293,8 @@ def rehearse_stage(preset: str, stage: str, devices: int | None, index: int = 0)
             "device_memory_gb": cluster.memory_gb, **record,
             "memory_error_pct": memory_error_pct(record),
             "process_seconds": time.perf_counter() - t0,
-            "host_peak_rss_before_gb": before, "host_peak_rss_gb": peak_rss_gb()}
+            "host_peak_rss_before_gb": before,
+            "host_peak_rss_gb": max(peak_rss_gb(), record["rehearsal_host_peak_rss_gb"])}
 
 
 def remodel(record: dict[str, Any]) -> dict[str, Any]:

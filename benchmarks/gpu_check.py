@@ -118,7 +118,7 @@ def rehearse_run(runs_dir: Path, overrides: list[str]) -> dict[str, Any]:
     """Rehearse rank 0 of the plan a micro run trained with, on fake ``cuda`` tensors as the
     plan stage rehearses a GPU cluster's plans, and set it beside that run's real peak."""
     from model.parallel.layout import Plan
-    from model.rehearsal.rehearse import rehearse_isolated
+    from model.rehearsal.rank_server import rehearse_isolated
     from stages.config import load_config
 
     cfg = load_config(REPO / "configs" / "micro.yaml", overrides)

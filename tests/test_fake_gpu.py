@@ -30,7 +30,7 @@ def run_case(name: str) -> dict:
 
 
 def rehearse_tiny(plan: Plan, rank: int, dtype: str = "bfloat16", model=TINY_MODEL, **kwargs):
-    from model.rehearsal.rehearse import rehearse_isolated
+    from model.rehearsal.rank_server import rehearse_isolated
 
     train = TINY_TRAIN.__class__(**{**TINY_TRAIN.__dict__, "dtype": dtype, "global_batch":
                                     plan.dp * plan.micro_batch * plan.grad_accum})
@@ -168,6 +168,6 @@ def test_another_interpreter_rehearses_when_one_is_named(tmp_path: Path,
     _, own = rehearse_tiny(plan, 0)
     monkeypatch.setenv(REHEARSAL_PYTHON, str(wrapper))
     _, other = rehearse_tiny(plan, 0)
-    assert "model.rehearsal.fake_gpu_rank" in called.read_text()
+    assert "model.rehearsal.rank_server cuda" in called.read_text()
     assert other.peak_memory_bytes == own.peak_memory_bytes > 0
     assert other.flops_per_step == own.flops_per_step

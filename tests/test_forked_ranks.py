@@ -24,13 +24,13 @@ import json, os, signal, sys, time
 from pathlib import Path
 import stages.mechanism.forked_ranks as forked
 from model.parallel.dist_env import local_rank_variables
-from stages.mechanism.launch import _arm_parent_death_signal
+from model.parallel.parent_death import arm_parent_death_signal
 
 forked.FAILED_RANKS_GRACE_S = {grace}
 out = Path({out!r})
 os.environ.update(local_rank_variables(0, {world}, str(out / "store")))
 os.environ[forked.FORK_PEERS_VAR] = "1"
-peers = forked.fork_peers(_arm_parent_death_signal, ok={ok})
+peers = forked.fork_peers(arm_parent_death_signal, ok={ok})
 rank = int(os.environ["RANK"])
 (out / f"rank{{rank}}.json").write_text(json.dumps(
     {{"pid": os.getpid(), "ppid": os.getppid(), "world": os.environ["WORLD_SIZE"],

@@ -78,6 +78,7 @@ ENGINE_MAY_USE = {
     "data_prep.atomic",  # write a file whole or not at all: a file helper, not a data rule
     "model.parallel.dist_env",  # the torch.distributed environment variables a rank reads
     "model.parallel.threads",  # one thread per CPU rank: the environment a rank starts with
+    "model.parallel.parent_death",  # a child dies with its parent: ranks, rank servers
 }
 """The only project modules outside the engine that it may name: plumbing its launcher and
 outputs share with the ranks, none of which decides what a stage computes."""

@@ -203,8 +203,8 @@ def test_a_gpu_plan_that_cannot_be_rehearsed_is_an_error_unless_opted_out(
         "from model.rehearsal import fake_gpu; fake_gpu.load_runtime(); "
         "fake_gpu.load_runtime = lambda: None; import torch; "
         "torch.__version__ = '2.8.0+rocm6.4'; "
-        "from model.rehearsal.fake_gpu_rank import run_rank; "
-        "run_rank(Path(sys.argv[1]), Path(sys.argv[2]))\" \"$3\" \"$4\"\n")
+        "from model.rehearsal.rank_server import serve; "
+        "serve(sys.argv[1], int(sys.argv[2]))\" \"$3\" \"$4\"\n")
     other_torch.chmod(0o755)
     monkeypatch.setenv(REHEARSAL_PYTHON, str(other_torch))
     frontier = ["parallel.cluster=frontier", "parallel.nproc=8", "parallel.nodes=1"]
@@ -237,7 +237,7 @@ def test_the_documented_rehearsal_install_rehearses_beside_another_torch(
     tracker, _, _ = _tracker(tmp_path, "plan-rehearsed-elsewhere")
     cfg = _cfg(tmp_path, "parallel.cluster=frontier", "parallel.nproc=8", "parallel.nodes=1")
     out = run_work(PLAN, cfg, {}, _out_dir(tmp_path, "rehearsed"), tracker)
-    assert "model.rehearsal.fake_gpu_rank" in called.read_text()
+    assert "model.rehearsal.rank_server cuda" in called.read_text()
     records = json.loads(Path(out["rehearsal"]).read_text())
     assert isinstance(records, list) and records, records  # not {"error": ...}
     assert all(r["rehearsed_peak_memory_gb"] > 0 for r in records), records

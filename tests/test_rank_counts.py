@@ -78,7 +78,8 @@ def by_k_g(table: np.ndarray) -> np.ndarray:
 def test_counts_equal_the_rehearsed_ones(name: str) -> None:
     """FLOPs and every collective kind per mesh dim equal the rehearsal's (llama: within
     0.01 %; neox within 0.5 %: its biases are left out of the planner's counts)."""
-    from model.rehearsal.rehearse import busiest_ranks, rehearse_isolated
+    from model.rehearsal.rank_server import rehearse_isolated
+    from model.rehearsal.rehearse import busiest_ranks
 
     model, fields, stage = LAYOUTS[name]
     plan = Plan(**fields)

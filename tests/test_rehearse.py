@@ -44,6 +44,7 @@ from torch.distributed.pipelining._utils import InferenceMode
 from model.config import ModelConfig, TrainConfig
 from model.parallel.layout import Plan, PlanError
 from model.parallel.pipeline import build_schedule, chunk_ids
+from model.rehearsal.rank_server import rehearse_isolated
 from model.rehearsal.rehearse import (
     RehearsalError,
     busiest_ranks,
@@ -52,7 +53,6 @@ from model.rehearsal.rehearse import (
     fake_process_group,
     make_trainer,
     rehearse,
-    rehearse_isolated,
     stage_io,
     static_schedule,
 )
@@ -405,14 +405,14 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
     import dataclasses
 
     from model.planner.cluster import load_cluster
-    from model.rehearsal import rehearse
+    from model.rehearsal import rank_server
     from model.rehearsal.plans import rehearsal_records
     from stages.config import load_config
     from stages.mechanism import tracking, tracking_store
     from stages.plan import work as plan_stage
 
     rehearsed: dict[tuple, object] = {}
-    real = rehearse.rehearse_isolated
+    real = rank_server.rehearse_isolated
 
     def once(model_cfg, train_cfg, plan, rank, **kwargs):
         key = (plan.key(), rank)
@@ -420,7 +420,7 @@ def test_plan_stage_never_keeps_a_plan_its_rehearsal_says_does_not_fit(
             rehearsed[key] = real(model_cfg, train_cfg, plan, rank, **kwargs)
         return rehearsed[key]
 
-    monkeypatch.setattr(rehearse, "rehearse_isolated", once)
+    monkeypatch.setattr(rank_server, "rehearse_isolated", once)
 
     runs = runs_dir  # the session's measurement and migrated store
     cfg = load_config("tiny", [f"tracking.runs_dir={runs}", "parallel.nproc=2",

@@ -29,7 +29,6 @@ from model.planner.run_cost import plan_run_cost
 from model.planner.search import explain
 from model.planner.shapes import Shapes
 from model.rehearsal.plans import GiveWay, rehearse_until_one_fits
-from stages.mechanism.launch import die_with_parent
 
 
 def load_model_file(path: str | Path) -> tuple[ModelConfig, TrainConfig | None, Any]:
@@ -105,7 +104,7 @@ def plan_and_price(args: argparse.Namespace) -> Priced:
         log_to = sys.stderr if args.json else sys.stdout
         kept = rehearse_until_one_fits(
             model_cfg, train, cluster, args.devices, plan,
-            result.plans if result is not None else [], cal, initializer=die_with_parent,
+            result.plans if result is not None else [], cal,
             log=lambda line: print(line, file=log_to, flush=True))
         plan = kept.plan
     ex = explain(Shapes.from_configs(model_cfg, train, cluster), cluster, plan, args.devices,

@@ -14,9 +14,9 @@ here, in one place (docs/planner.md lists each refusal and the call that made it
 - in Python (``GUARDED``, installed by ``guarded_cuda``): the ``torch.cuda`` runtime
   queries, streams and events FSDP2 and autocast call.
 
-``model.rehearsal.fake_gpu_rank`` (``python -m model.rehearsal.fake_gpu_rank REQUEST RESULT``)
-is such a process: it loads the runtime, then imports torch and rehearses the rank on
-``cuda``.
+``model.rehearsal.rank_server`` (``python -m model.rehearsal.rank_server cuda FD``) is such a
+process: it loads the runtime, then imports torch, and forks a process per rank it
+rehearses on ``cuda``.
 """
 from __future__ import annotations
 

@@ -36,8 +36,7 @@ def modeled_rank_memory(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Pl
 def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
                       cluster: Cluster, world: int,
                       calibration: dict[str, float] | None = None,
-                      ranks: list[int] | None = None,
-                      initializer: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+                      ranks: list[int] | None = None) -> list[dict[str, Any]]:
     """Rehearse ``plan``'s first and last pipeline stage (``model.rehearsal.rehearse``; or the
     given ``ranks``) and set each rank's rehearsed figures beside the memory model's.
 
@@ -51,10 +50,11 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
     (``model.planner.rank_counts``: ``modeled_flops_per_step``,
     ``modeled_collective_bytes_by_dim``, their relative errors in ``count_errors``), and the
     model-FLOP count per device for scale.
-    ``initializer`` runs first in each rank's process (the plan stage's makes it die with
-    its parent). Raises RehearsalError (a RuntimeError) for a plan that cannot be rehearsed.
+    Each rank runs in a process of its own (``rehearse_isolated``). Raises RehearsalError
+    (a RuntimeError) for a plan that cannot be rehearsed.
     """
-    from model.rehearsal.rehearse import busiest_ranks, rehearse_isolated  # torch: when asked
+    from model.rehearsal.rank_server import rehearse_isolated  # torch: when asked
+    from model.rehearsal.rehearse import busiest_ranks
 
     shapes = Shapes.from_configs(model_cfg, train_cfg, cluster)
     model_flops = (flops_per_token(model_cfg, train_cfg.seq_len) * train_cfg.global_batch
@@ -67,7 +67,7 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
         peak, tensors = modeled_rank_memory(model_cfg, train_cfg, plan, cluster, world, stage,
                                             calibration)
         result = rehearse_isolated(model_cfg, train_cfg, plan, rank,
-                                   initializer=initializer, device_type=cluster.device_type)
+                                   device_type=cluster.device_type)
         with_margins = result.peak_memory_gb * margin + cluster.reserved_gb
         flops = rank_flops(shapes, plan, pp_rank)
         comm = rank_collective_bytes(shapes, plan, pp_rank)
@@ -89,6 +89,7 @@ def rehearsal_records(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan
             "count_errors": count_errors(flops, comm, result.flops_per_step[-1],
                                          result.collective_bytes_by_dim),
             "rehearsal_seconds": result.seconds, "rehearsal_notes": result.notes,
+            "rehearsal_host_peak_rss_gb": result.host_peak_rss_bytes / 1e9,
             "device_type": cluster.device_type,
         })
     return records
@@ -179,14 +180,12 @@ def rehearsal_candidates(plan: Plan, ranked: list[Plan]) -> list[Plan]:
 def rehearse_until_one_fits(model_cfg: ModelConfig, train_cfg: TrainConfig, cluster: Cluster,
                             world: int, plan: Plan, ranked: list[Plan],
                             calibration: dict[str, float] | None = None,
-                            initializer: Callable[[], None] | None = None,
                             log: Callable[[str], None] = print) -> GiveWay:
     """The plan stage's and the CLI's rehearsal: ``give_way`` over ``rehearsal_candidates``,
     each plan's busiest ranks rehearsed by ``rehearsal_records`` on the cluster's device
     type, and, when the kept plan is not the chosen one, a line that says so."""
     def rehearse(candidate: Plan) -> list[dict[str, Any]]:
-        return rehearsal_records(model_cfg, train_cfg, candidate, cluster, world, calibration,
-                                 initializer=initializer)
+        return rehearsal_records(model_cfg, train_cfg, candidate, cluster, world, calibration)
 
     kept = give_way(rehearsal_candidates(plan, ranked), rehearse, cluster.memory_gb, log=log)
     if kept.rejected:

@@ -53,15 +53,13 @@ the two on gloo ranks).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
-import multiprocessing
 import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -93,7 +91,7 @@ from model.config import ModelConfig, TrainConfig
 from model.parallel.layout import Plan
 from model.parallel.pipeline import build_schedule, chunk_ids
 from model.rehearsal.rehearsed_ddp import RehearsedDDP
-from model.rehearsal.torch_pin import CHECKED_TORCH, rehearsal_python, torch_release
+from model.rehearsal.torch_pin import CHECKED_TORCH, torch_release
 from model.training.batches import synthetic_batch_factory
 from model.training.trainer import BuildSeam, Trainer, cross_entropy
 
@@ -189,6 +187,9 @@ class Rehearsal:
     """Wall time of building and running the steps."""
     notes: list[str] = field(default_factory=list)
     """What this run did differently from training (see the module docstring)."""
+    host_peak_rss_bytes: int = 0
+    """Peak resident memory of the process that rehearsed the rank (set by
+    ``rank_server.rehearse_isolated``; 0 for a rehearsal in the caller's process)."""
 
     @property
     def peak_memory_gb(self) -> float:
@@ -896,63 +897,6 @@ def rehearse(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: i
     if train_cfg.grad_clip > 0:
         result.notes.append("grad_clip skipped (the norm and its all-reduce still run)")
     return result
-
-
-def rehearse_isolated(model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan, rank: int,
-                      steps: int = 1, warmup: int = 1,
-                      initializer: Callable[[], None] | None = None,
-                      device_type: str = "cpu", extrapolate: bool = True) -> Rehearsal:
-    """``rehearse`` in a process of its own, its RehearsalError re-raised here.
-
-    One rank per process: DTensor caches device meshes by value, so a second rehearsal in
-    the same process would reach collectives bound to the first one's destroyed process
-    group ("Could not resolve the process group registered under the name ...").
-    ``initializer`` runs first in the child (the plan stage's makes it die with its parent).
-
-    On the CPU the child is forked from multiprocessing's fork server, which has imported
-    this module (torch, DTensor, the trainer) once and rehearsed nothing: a plan stage's
-    rehearsals then cost their work, not seconds of imports each. On ``cuda`` the child is
-    a fresh interpreter (``python -m model.rehearsal.fake_gpu_rank``) that loads the fake GPU
-    before torch; its output goes to this process's console. That interpreter is
-    ``$FRONTIER_LLM_REHEARSAL_PYTHON`` when set (``model.rehearsal.torch_pin``): one with the
-    CPU torch the rehearsal was checked on, where this one has another release.
-    """
-    if device_type == "cuda":
-        return _rehearse_on_fake_gpu(
-            (model_cfg, train_cfg, plan, rank, None, steps, warmup, "cuda", extrapolate),
-            initializer)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context,
-                                                initializer=initializer) as pool:
-        return pool.submit(rehearse, model_cfg, train_cfg, plan, rank, None, steps,
-                           warmup, "cpu", extrapolate).result()
-
-
-def _rehearse_on_fake_gpu(args: tuple, initializer: Callable[[], None] | None) -> Rehearsal:
-    """``rehearse(*args, device_type='cuda')`` in a fresh interpreter with the fake GPU."""
-    import pickle
-    import subprocess
-    import sys
-
-    from model.rehearsal import fake_gpu
-
-    python = rehearsal_python()
-    if python == sys.executable:  # another interpreter builds it for its own torch
-        fake_gpu.library_path()  # built here first, so that a build failure reads as one
-    with tempfile.TemporaryDirectory(prefix="rehearse-gpu-") as tmp:
-        request, result = Path(tmp) / "request.pkl", Path(tmp) / "result.pkl"
-        request.write_bytes(pickle.dumps(args))
-        proc = subprocess.run([python, "-m", "model.rehearsal.fake_gpu_rank", str(request),
-                               str(result)], preexec_fn=initializer, check=False,
-                              cwd=Path(__file__).resolve().parents[2])
-        if not result.exists():
-            raise RuntimeError(f"the rehearsal of rank {args[3]} on the fake GPU exited with "
-                               f"code {proc.returncode} (its own error is printed above)")
-        outcome = pickle.loads(result.read_bytes())
-    if isinstance(outcome, RehearsalError):
-        raise outcome
-    return outcome
 
 
 def busiest_ranks(plan: Plan) -> list[int]:

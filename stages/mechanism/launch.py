@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from data_prep.atomic import storage_error, write_json_atomic
+from model.parallel.parent_death import arm_parent_death_signal, die_with_parent
 from model.parallel.threads import rank_threads_env
 from stages.mechanism.shape import StageShape
 
@@ -204,7 +205,7 @@ class LocalRanks:
                 rank_command(spec_path, spec),
                 env={**env, **local_rank_variables(0, spec.nproc, store), FORK_PEERS_VAR: "1"},
                 cwd=REPO_ROOT, stdout=write_end, stderr=write_end, process_group=0,
-                preexec_fn=_arm_parent_death_signal)  # noqa: PLW1509 (one prctl)
+                preexec_fn=arm_parent_death_signal)  # noqa: PLW1509 (one prctl)
         except BaseException:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
             raise
@@ -376,23 +377,6 @@ def run_series_local(spec: RankSpec, log_path: str | Path | None = None, what: s
                     log.write(line)
 
 
-def _arm_parent_death_signal() -> None:
-    """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; kept across exec)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-
-
-def die_with_parent() -> None:
-    """Have the kernel kill this process when its parent (the launcher, srun's step) dies."""
-    parent = os.getppid()
-    _arm_parent_death_signal()
-    if os.getppid() != parent:  # the parent died before the signal was armed
-        os._exit(1)
-
-
 STACKS_SIGNAL = signal.SIGUSR2
 """The signal on which a rank prints every thread's Python stack to its stderr and goes on."""
 
@@ -413,7 +397,7 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     from stages.mechanism.forked_ranks import fork_peers
 
     die_with_parent()
-    peers = fork_peers(_arm_parent_death_signal, ok=(0, OUT_OF_TIME_EXIT))
+    peers = fork_peers(arm_parent_death_signal, ok=(0, OUT_OF_TIME_EXIT))
     if peers is None:
         return _run_rank(description, run, argv)
     try:

@@ -223,8 +223,7 @@ def rehearse_in_stage(cfg: Any, plan: Plan, ranked: list[Plan], cluster: Cluster
     none fits; PlanError naming both ways out when the plan cannot be rehearsed at all (a
     plan that was never rehearsed must not reach the queue as if it had been)."""
     kept = rehearse_until_one_fits(cfg.model, cfg.train, cluster, cfg.parallel.nproc, plan,
-                                   ranked, calibration, initializer=launch.die_with_parent,
-                                   log=lambda s: print(s, flush=True))
+                                   ranked, calibration, log=lambda s: print(s, flush=True))
     if kept.rejected:
         gave_way = out_dir / "rehearsal_rejected.json"
         gave_way.write_text(json.dumps(kept.rejected, indent=2))
