@@ -25,24 +25,21 @@ launch; only the exec of a fresh interpreter is skipped. What the launcher itsel
 (``test_forked_ranks.py``, the pipeline and reliability tests). A variable torch or MLflow reads at
 import time comes from the zygote's environment (the session's), not the request's.
 
-The protocol is one JSON line each way on the zygote's stdin and stdout: a request
-(``Zygote.start``), then ``{"pid": <launch pid>}`` when the launch started and
-``{"code": <exit code>}`` when it ended.
+The zygote is a fork server (``model.parallel.fork_server``, as the rehearsal's rank server
+is): its protocol, its death with this process and a launch's with it are that module's.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from model.parallel import fork_server
 from stages.mechanism.launch import LocalRanks, RankSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,10 +60,9 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     """In the forked launch process: become the launch, fork its processes (rank 0 alone, or
     one per identity in ``request["ranks"]``), end with the launch's code."""
     from stages.mechanism.forked_ranks import launch_code, shell_exit_code
-    from stages.mechanism.launch import STACKS_SIGNAL, die_with_parent
+    from stages.mechanism.launch import STACKS_SIGNAL
 
     os.setpgid(0, 0)
-    die_with_parent()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -84,7 +80,7 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
         if pid == 0:
             signal.signal(STACKS_SIGNAL, signal.SIG_DFL)
             os.environ.update(identity)
-            _run_main(request)
+            fork_server.exit_after(lambda: _run_main(request))
         running.append(pid)
     codes = []
     while running:
@@ -100,130 +96,64 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
 
 def _run_main(request: dict[str, Any]) -> None:
     """In a rank: run the module as ``python -m`` would, or the script as ``python PATH``
-    would; never returns."""
+    would (ended by ``fork_server.exit_after``)."""
     import runpy
 
-    code = 1
-    try:
-        if "module" in request:
-            sys.argv = [request["module"], *request["argv"]]
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = [request["path"], *request["argv"]]
-            sys.path.insert(0, str(Path(request["path"]).parent))
-            runpy.run_path(request["path"], run_name="__main__")
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-    except BaseException:  # what the interpreter prints for an uncaught exception
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
+    if "module" in request:
+        sys.argv = [request["module"], *request["argv"]]
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [request["path"], *request["argv"]]
+        sys.path.insert(0, str(Path(request["path"]).parent))
+        runpy.run_path(request["path"], run_name="__main__")
 
 
-def serve() -> None:
-    """The zygote's loop: import the ranks' modules, then fork a launch per request."""
+def _open_outputs(request: dict[str, Any]) -> tuple[int, int]:
+    """The launch's stdout and stderr, opened in the zygote before the fork: a reader of a
+    FIFO sees its writer once the launch's pid is sent."""
+    return tuple(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                 for name in ("stdout", "stderr"))
+
+
+def serve(reply_fd: int) -> None:
+    """The zygote: import the ranks' modules, then fork a launch per request."""
     import importlib
 
-    from stages.mechanism.launch import die_with_parent
-
-    die_with_parent()
     for name in PRELOAD:
         importlib.import_module(name)
-    replies = os.fdopen(os.dup(1), "w")
-    for line in sys.stdin:
-        request = json.loads(line)
-        # opened here, before the fork: a reader of a FIFO sees its writer once "pid" is sent
-        outputs = tuple(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                        for name in ("stdout", "stderr"))
-        pid = os.fork()
-        if pid == 0:
-            replies.close()
-            _launch_process(request, outputs)
-        for fd in outputs:
-            os.close(fd)
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        replies.flush()
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
-        replies.flush()
+    fork_server.serve(reply_fd, _launch_process, _open_outputs)
 
 
-class Zygote:
-    """One zygote process: one launch at a time (``start``, then ``finish``)."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from tests.rank_zygote import serve; serve()"],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.busy = False
-
-    def close(self) -> None:
-        """End the zygote (and with it any launch still running)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def start(self, target: dict[str, Any], argv: list[str], env: dict[str, str],
-              stdout: Path, stderr: Path) -> int:
-        """Fork a launch of ``target`` (``{"module": name}``, ``python -m``; or ``{"path":
-        script}``, with ``"ranks"``, one identity per process) with ``argv`` and ``env``,
-        its output to the two paths; the launch's pid, which is also its process group."""
-        request = {**target, "argv": argv, "env": env, "cwd": str(REPO),
-                   "stdout": str(stdout), "stderr": str(stderr)}
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"the rank zygote ended (exit {self.proc.wait()})")
-        return json.loads(reply)["pid"]
-
-    def finish(self) -> int:
-        """Wait for the launch; its exit code as a shell reports it (128 + a signal)."""
-        assert self.proc.stdout is not None
-        reply = self.proc.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"the rank zygote ended (exit {self.proc.wait()})")
-        from stages.mechanism.forked_ranks import shell_exit_code
-
-        return shell_exit_code(json.loads(reply)["code"])
+ZYGOTES = "tests.rank_zygote"
+"""The zygotes' pool (``fork_server.acquire``)."""
 
 
-_zygotes: list[Zygote] = []
-_pool_lock = threading.Lock()
-
-
-@atexit.register
-def _close_all() -> None:
-    for zygote in _zygotes:
-        zygote.close()
-
-
-def acquire_zygote() -> Zygote:
-    """An idle zygote of this process, marked busy (``release`` it after one launch); one is
-    started with the ranks' environment when none is idle (launches from several threads
-    each get one)."""
+def acquire_zygote() -> fork_server.ForkServer:
+    """An idle zygote of this process, marked busy (``fork_server.release`` it after one
+    launch); one is started with the ranks' environment when none is idle (launches from
+    several threads each get one)."""
     from stages.mechanism.launch import rank_environment
 
-    with _pool_lock:
-        _zygotes[:] = [z for z in _zygotes if z.proc.poll() is None]
-        zygote = next((z for z in _zygotes if not z.busy), None)
-        if zygote is None:
-            zygote = Zygote(rank_environment())
-            _zygotes.append(zygote)
-        zygote.busy = True
-    return zygote
+    command = [sys.executable, "-c",
+               "import sys; from tests.rank_zygote import serve; serve(int(sys.argv[1]))"]
+    return fork_server.acquire(ZYGOTES, lambda: fork_server.ForkServer(
+        command, env=rank_environment()))
 
 
-def release(zygote: Zygote) -> None:
-    """Give a zygote back to the pool once its launch ended."""
-    zygote.busy = False
+def start_launch(zygote: fork_server.ForkServer, target: dict[str, Any], argv: list[str],
+                 env: dict[str, str], stdout: Path, stderr: Path) -> int:
+    """Fork a launch of ``target`` (``{"module": name}``, ``python -m``; or ``{"path":
+    script}``, with ``"ranks"``, one identity per process) with ``argv`` and ``env``, its
+    output to the two paths; the launch's pid, which is also its process group."""
+    return zygote.start({**target, "argv": argv, "env": env, "cwd": str(REPO),
+                         "stdout": str(stdout), "stderr": str(stderr)})
+
+
+def finish_launch(zygote: fork_server.ForkServer) -> int:
+    """Wait for the launch; its exit code as a shell reports it (128 + a signal)."""
+    from stages.mechanism.forked_ranks import shell_exit_code
+
+    return shell_exit_code(zygote.finish()["code"])
 
 
 def local_launch_env(env: dict[str, str], nproc: int, store: str) -> dict[str, str]:
@@ -248,11 +178,11 @@ def stacks_then_kill(pgid: int, grace_s: float = 2.0) -> None:
 
 def run_forked(target: dict[str, Any], argv: list[str], env: dict[str, str], stdout: Path,
                stderr: Path, timeout: float) -> int:
-    """A forked launch (``Zygote.start``); its exit code. Past ``timeout`` the ranks print
+    """A forked launch (``start_launch``); its exit code. Past ``timeout`` the ranks print
     their stacks to ``stderr``, are killed, and TimeoutError is raised."""
     zygote = acquire_zygote()
     try:
-        pgid = zygote.start(target, argv, env, stdout, stderr)
+        pgid = start_launch(zygote, target, argv, env, stdout, stderr)
         timed_out = threading.Event()
 
         def expire() -> None:
@@ -262,11 +192,11 @@ def run_forked(target: dict[str, Any], argv: list[str], env: dict[str, str], std
         timer = threading.Timer(timeout, expire)
         timer.start()
         try:
-            code = zygote.finish()
+            code = finish_launch(zygote)
         finally:
             timer.cancel()
     finally:
-        release(zygote)
+        fork_server.release(zygote)
     if timed_out.is_set():
         raise TimeoutError(f"the launch ran past {timeout} s")
     return code
@@ -288,7 +218,7 @@ def torchrun_ranks(nproc: int) -> list[dict[str, str]]:
 class _ForkedRankZero:
     """What ``LocalRanks`` keeps of rank 0 (``wait``, ``poll``, ``pid``), for a forked launch."""
 
-    def __init__(self, zygote: Zygote, pid: int) -> None:
+    def __init__(self, zygote: fork_server.ForkServer, pid: int) -> None:
         self.pid, self._zygote = pid, zygote
         self.returncode: int | None = None
         self._lock = threading.Lock()
@@ -297,9 +227,9 @@ class _ForkedRankZero:
         with self._lock:
             if self.returncode is None:
                 try:
-                    self.returncode = self._zygote.finish()
+                    self.returncode = finish_launch(self._zygote)
                 finally:
-                    release(self._zygote)
+                    fork_server.release(self._zygote)
             return self.returncode
 
     def poll(self) -> int | None:
@@ -325,10 +255,10 @@ class ForkedLocalRanks(LocalRanks):
         os.set_blocking(reader, True)
         zygote = acquire_zygote()
         try:
-            pid = zygote.start({"module": spec.worker}, ["--spec", str(spec_path)],
+            pid = start_launch(zygote, {"module": spec.worker}, ["--spec", str(spec_path)],
                                local_launch_env(env, spec.nproc, store), fifo, fifo)
         except BaseException:
-            release(zygote)
+            fork_server.release(zygote)
             os.close(reader)
             shutil.rmtree(self._rendezvous, ignore_errors=True)
             raise

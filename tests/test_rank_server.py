@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from model.config import ModelConfig, TrainConfig
+from model.parallel import fork_server
 from model.parallel.layout import Plan
 from model.rehearsal import rank_server
 
@@ -22,8 +23,7 @@ TRAIN = TrainConfig(seq_len=16, global_batch=4)
 
 
 def _cpu_servers() -> list:
-    return [s for s in rank_server._servers.get((sys.executable, "cpu"), [])
-            if s.proc.poll() is None]
+    return fork_server.servers(("rehearsal", sys.executable, "cpu"))
 
 
 @pytest.mark.slow
@@ -47,7 +47,7 @@ def test_a_rank_that_fails_is_named_and_the_server_serves_the_next() -> None:
 
 
 SERVER_OWNER = """
-import json, os, pickle, sys, time
+import os, pickle, sys, time
 from pathlib import Path
 from model.rehearsal import rank_server
 
@@ -58,10 +58,9 @@ class Hang:  # unpickled by the rank process: it sleeps there, as a long rehears
 server = rank_server._acquire(sys.executable, "cpu")
 request = Path(sys.argv[1])
 request.write_bytes(pickle.dumps(Hang()))
-server.proc.stdin.write(json.dumps({"request": str(request), "result": str(request) + ".out",
-                                    "env": dict(os.environ), "cwd": os.getcwd()}) + "\\n")
-server.proc.stdin.flush()
-print(server.proc.pid, flush=True)
+rank = server.start({"request": str(request), "result": str(request) + ".out",
+                     "env": dict(os.environ), "cwd": os.getcwd()})
+print(server.proc.pid, rank, flush=True)
 time.sleep(600)
 """
 
@@ -85,12 +84,8 @@ def test_a_killed_caller_takes_its_server_and_a_running_rank_with_it(tmp_path: P
                              cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout is not None
-        server = int(owner.stdout.readline())
-        deadline = time.monotonic() + 60
-        while not _children(server):  # the server imports torch, then forks the rank
-            assert time.monotonic() < deadline, "the rank server forked no rank"
-            time.sleep(0.2)
-        rank = _children(server)[0]
+        server, rank = (int(pid) for pid in owner.stdout.readline().split())
+        assert _children(server) == [rank]
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(timeout=30)
         deadline = time.monotonic() + 30

@@ -1,0 +1,169 @@
+"""A warm interpreter that forks a process per request: ``serve`` on its side, ``ForkServer``
+and ``acquire`` on its caller's.
+
+Starting an interpreter for a rank costs seconds of imports (torch, DTensor, the trainer)
+before it does anything. A fork server is an interpreter that has imported what its
+processes need, and started no thread, then forks one process per request; each process
+costs its work. The rehearsal's rank server (``model.rehearsal.rank_server``) is one, the
+tests' rank zygote (``tests/rank_zygote.py``) another: they differ in what a process does,
+not in how it starts, ends and is reported.
+
+- A request is one JSON line on the server's stdin. The server answers on the pipe whose
+  descriptor is its command's last argument: ``{"pid": <pid>}`` once the process is forked,
+  ``{"code": <exit code, negative for a signal>, "maxrss_kb": <its peak resident memory>}``
+  once it ended. One request at a time: a busy server's caller acquires another.
+- The server dies with its caller, and a process it forks with the server (parent-death
+  signals): a killed caller leaves nothing behind.
+- A forked process ends through ``exit_after``: its code (0, ``SystemExit``'s, or 1 with the
+  traceback printed as the interpreter prints it), its streams flushed, never returning into
+  the server's loop.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any, NoReturn
+
+from model.parallel.parent_death import die_with_parent
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def exit_after(body: Callable[[], Any]) -> NoReturn:
+    """Run ``body`` in a forked process, then end the process: code 0, the code of a
+    ``SystemExit`` it raised, or 1 with any other exception's traceback on stderr."""
+    code = 1
+    try:
+        body()
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+def serve(reply_fd: int, run: Callable[[dict[str, Any], tuple[int, ...]], Any],
+          open_fds: Callable[[dict[str, Any]], tuple[int, ...]] | None = None) -> None:
+    """The server's loop, after its imports: per request, ``open_fds(request)`` (descriptors
+    opened before the fork, closed in the server after it), then a forked process that runs
+    ``run(request, fds)`` (which should end through ``exit_after``); replies on
+    ``reply_fd``. Returns when the caller closes the server's stdin."""
+    die_with_parent()
+    replies = os.fdopen(reply_fd, "w")
+
+    def reply(message: dict[str, Any]) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        fds = open_fds(request) if open_fds else ()
+        pid = os.fork()
+        if pid == 0:
+            replies.close()
+            die_with_parent()
+            exit_after(lambda: run(request, fds))
+        for fd in fds:
+            os.close(fd)
+        reply({"pid": pid})
+        _, status, usage = os.wait4(pid, 0)
+        reply({"code": os.waitstatus_to_exitcode(status), "maxrss_kb": usage.ru_maxrss})
+
+
+class ForkServer:
+    """One fork server process (``command`` plus its reply pipe's descriptor), one request
+    at a time: ``start``, then ``finish``."""
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None,
+                 cwd: Path = REPO) -> None:
+        read, write = os.pipe()
+        try:
+            self.proc = subprocess.Popen([*command, str(write)], cwd=cwd, env=env,
+                                         stdin=subprocess.PIPE, pass_fds=(write,), text=True)
+        finally:
+            os.close(write)
+        self.replies = os.fdopen(read, "r")
+        self.busy = False
+
+    def _reply(self) -> dict[str, Any]:
+        line = self.replies.readline()
+        if not line:
+            code = self.proc.wait()
+            raise RuntimeError(f"the fork server {self.proc.args[:4]} ended (exit code "
+                               f"{code}); its error is printed above")
+        return json.loads(line)
+
+    def start(self, request: dict[str, Any]) -> int:
+        """Send a request; the forked process's pid."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return int(self._reply()["pid"])
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for the process; {"code", "maxrss_kb"}. Interrupted, the server is ended
+        (and with it the process)."""
+        try:
+            return self._reply()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End the server and a process it is running."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.replies.close()
+
+
+_pools: dict[Hashable, list[ForkServer]] = {}
+_lock = threading.Lock()
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in _pools.values():
+        for server in pool:
+            server.close()
+
+
+def acquire(key: Hashable, make: Callable[[], ForkServer]) -> ForkServer:
+    """An idle server of this process's pool ``key``, marked busy (``release`` it after its
+    request); ``make()`` starts one when none is idle (callers in several threads get one
+    each)."""
+    with _lock:
+        pool = _pools.setdefault(key, [])
+        pool[:] = [s for s in pool if s.proc.poll() is None]
+        server = next((s for s in pool if not s.busy), None)
+        if server is None:
+            server = make()
+            pool.append(server)
+        server.busy = True
+    return server
+
+
+def release(server: ForkServer) -> None:
+    """Give a server back to its pool once its request ended."""
+    server.busy = False
+
+
+def servers(key: Hashable) -> list[ForkServer]:
+    """The live servers of pool ``key``."""
+    with _lock:
+        return [s for s in _pools.get(key, []) if s.proc.poll() is None]
