@@ -17,12 +17,12 @@ from data_prep.curate import (
     curate_corpus,
     find_duplicates,
     keep_mask,
-    removals_chart,
     resolve_preset,
     select,
     signal_config,
 )
 from data_prep.curate.config import SELECTION_FIELDS, SIGNAL_FIELDS
+from stages.curate.report import removals_chart
 from tests.curatekit import planted_corpus, signal_files
 
 

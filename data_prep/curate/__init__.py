@@ -33,7 +33,7 @@ Public API
   returns its counts.
 - ``curate_corpus(signal_paths, curate_cfg, data_cfg, out_dir, info=None) -> dict``: dedup,
   selection, removed.parquet, keep masks, summary.json, removed_sample.json; returns the
-  summary with "paths"; ``removals_chart(summary, path)`` draws removals.png from it.
+  summary with "paths" (the stage draws removals.png from it).
 - ``keep_mask(out_dir, shard_index) -> np.ndarray``: a shard's keep mask.
 - ``select(table, dedup, thresholds, languages) -> list[reason | None]`` and
   ``find_duplicates`` for callers holding a whole (small) signal table; ``PROSE``,
@@ -65,7 +65,6 @@ from data_prep.curate.finalize import (
     curate_corpus,
     keep_mask,
     keep_path,
-    removals_chart,
     resolve_preset,
 )
 from data_prep.curate.select import CODE, PRESETS, PROSE, RULES, select
@@ -75,4 +74,4 @@ __all__ = ["CODE", "PRESETS", "PROSE", "RULES", "SELECTION_FIELDS", "SIGNAL_FIEL
            "CurateConfig", "Duplicates", "EvalIndex", "compute_shard_signals",
            "contamination", "curate_corpus", "document_signals", "eval_ngrams",
            "find_duplicates", "keep_mask", "keep_path", "local_task_texts", "prompt_texts",
-           "removals_chart", "resolve_preset", "select", "shard_records", "signal_config"]
+           "resolve_preset", "select", "shard_records", "signal_config"]

@@ -13,15 +13,13 @@ that pass (``dedup``), and writes atomically into ``out_dir``:
 - ``removed_sample.json``: the first ``curate.sample_per_reason`` removed documents of each
   reason, with their text (cut at ``SAMPLE_CHARS``) when the corpus plan is at hand;
 
-``removals_chart`` draws ``removals.png`` (removed documents by reason) from the summary;
-the stage calls it beside its MLflow logging, so the selection itself never imports
-matplotlib (a task's peak memory is the curate stage's budget: ``arrow``).
+The stage draws the removals chart from the summary beside its MLflow logging
+(``stages.curate.report``): the selection itself never imports matplotlib.
 
 Only this step reads the thresholds, so a new threshold reruns it alone.
 """
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from data_prep.atomic import atomic_path, write_bytes_atomic, write_json_atomic
+from data_prep.atomic import atomic_path, write_json_atomic
 from data_prep.config import DataConfig
 from data_prep.corpus import CORPUS_INFO, CorpusInfo, shard_records
 from data_prep.curate import arrow
@@ -42,7 +40,6 @@ KEEP_DIR = "keep"
 REMOVED = "removed.parquet"
 SUMMARY = "summary.json"
 SAMPLE = "removed_sample.json"
-CHART = "removals.png"
 SAMPLE_CHARS = 2000
 """Characters of each sampled removed document kept in removed_sample.json."""
 _FILTER_COLUMNS = sorted({"contamination", "language", *(c for c, _ in RULES.values())})
@@ -210,30 +207,6 @@ def _sample_texts(chosen: dict[str, list[dict[str, Any]]], data: DataConfig,
                 entries[index]["text"] = text[:SAMPLE_CHARS]
             if index >= last:
                 break
-
-
-def removals_chart(summary: dict[str, Any], path: str | Path) -> Path:
-    """Write a horizontal bar chart of removed documents by reason (``curate_corpus``'s
-    summary) to ``path`` (PNG, atomically); returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    reasons = list(summary["by_reason"])
-    counts = [summary["by_reason"][r]["documents"] for r in reasons]
-    fig, ax = plt.subplots(figsize=(7, 1.0 + 0.35 * max(1, len(reasons))))
-    ax.barh(reasons or ["(none removed)"], counts or [0], color="tab:red")
-    ax.invert_yaxis()
-    ax.set_xlabel("documents removed")
-    ax.set_title(f"{summary['removed_documents']:,} of {summary['documents']:,} documents "
-                 f"removed ({summary['kept_documents']:,} kept)")
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    write_bytes_atomic(path, buffer.getvalue())
-    return Path(path)
 
 
 def curate_corpus(signal_paths: Sequence[str | Path], curate_cfg: CurateConfig,

@@ -23,7 +23,7 @@ from data_prep.curate import (
     resolve_preset,
     signal_config,
 )
-from data_prep.curate.finalize import CHART, keep_path, removals_chart
+from data_prep.curate.finalize import keep_path
 from data_prep.curate.signals import file_metadata
 from data_prep.errors import DataError
 from stages.config import PipelineConfig
@@ -108,6 +108,8 @@ def finalize(cfg: PipelineConfig, out_dir: Path, parts: list[dict[str, Any]],
         return {"enabled": False}
     paths = [_signal_path(out_dir, i) for i in range(len(parts))]
     summary = curate_corpus(paths, cfg.curate, cfg.data, out_dir, load_corpus_info(out_dir))
+    from stages.curate.report import CHART, removals_chart  # matplotlib: this task only
+
     summary["paths"]["chart"] = str(removals_chart(summary, out_dir / CHART))
     total, removed = summary["documents"], summary["removed_documents"]
     print(f"curate: kept {summary['kept_documents']} of {total} documents "
