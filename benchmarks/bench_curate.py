@@ -67,6 +67,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.peak_rss import own_peak_rss_bytes
 from benchmarks.results import RESULTS_DIR, write_results
 
 PLANTED_KINDS = ("exact", "near", "nav", "salad", "symbols", "spam")
@@ -332,12 +333,13 @@ def run_datatrove(corpus: Path, work: Path, words: str) -> dict[str, str]:
 
 
 def _usage(started: resource.struct_rusage) -> tuple[float, float]:
-    """(CPU seconds since ``started``, with children; peak RSS in MB)."""
+    """(CPU seconds since ``started``, with children; peak RSS in MB: this process's own,
+    not the parent's it inherits over fork + exec, or a child's)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (usage.ru_utime - started.ru_utime + usage.ru_stime - started.ru_stime
            + children.ru_utime + children.ru_stime)
-    return cpu, max(usage.ru_maxrss, children.ru_maxrss) / 1024
+    return cpu, max(own_peak_rss_bytes() / 1024, children.ru_maxrss) / 1024
 
 
 def side(args: argparse.Namespace) -> None:

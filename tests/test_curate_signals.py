@@ -58,14 +58,15 @@ def test_short_documents_are_one_shingle_of_all_their_words() -> None:
 
 
 PEAK_SCRIPT = """
-import resource, sys
+import sys
 from data_prep.curate import CurateConfig, document_signals
 from tests.curatekit import PROSE
+from benchmarks.peak_rss import own_peak_rss_bytes
 text = ("\\n\\n".join(PROSE) + "\\n\\n") * (int(sys.argv[1]) // 4000)
 document_signals(text[:5000], CurateConfig())  # imports and the language model
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = own_peak_rss_bytes() // 1024
 document_signals(text, CurateConfig())
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+print(own_peak_rss_bytes() // 1024 - before)
 """
 
 

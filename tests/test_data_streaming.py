@@ -248,10 +248,11 @@ def test_same_tokens_as_the_whole_file_readers(tmp_path: Path) -> None:
 
 
 MEASURE = r"""
-import json, resource, sys
+import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 from data_prep.config import DataConfig
+from benchmarks.peak_rss import own_peak_rss_bytes
 from data_prep.corpus import prepare_corpus, shard_documents
 
 def read_all(source: Path, out: Path) -> int:
@@ -261,10 +262,10 @@ def read_all(source: Path, out: Path) -> int:
 
 src, out = Path(sys.argv[1]), Path(sys.argv[2])
 read_all(src / "small.jsonl", out / "small")  # warm: imports, allocator pools, buffers
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = own_peak_rss_bytes()
 chars = read_all(src / "big.jsonl", out / "big")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"growth_bytes": (peak - base) * 1024, "chars": chars}))
+peak = own_peak_rss_bytes()
+print(json.dumps({"growth_bytes": peak - base, "chars": chars}))
 """
 
 
@@ -272,7 +273,7 @@ def test_reader_memory_is_bounded_independent_of_file_size(tmp_path: Path) -> No
     """Counting and then reading back every document of a ~26 MB JSON lines file grows the
     reading process's peak RSS by far less than the file.
 
-    Measured in a fresh subprocess with ``resource.getrusage`` (ru_maxrss, a peak that CPU
+    Measured in a fresh subprocess by its own peak RSS (``benchmarks.peak_rss``: a peak that CPU
     load on a busy machine does not change), after the same work on a 1/16-size file has
     paid for imports and allocator pools, so the growth is what scales with the file. A
     reader that loads the file whole holds at least the file (as bytes, then as text: ~2x);

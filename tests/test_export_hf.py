@@ -179,10 +179,8 @@ ckpt, warm, out, shard = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 export_checkpoint(warm, None, out + "-warm", shard_bytes=shard)  # imports, first-use caches
 baseline = psutil.Process().memory_info().rss
 export_checkpoint(ckpt, None, out, shard_bytes=shard)
-# VmHWM: this process's own peak RSS (ru_maxrss would carry the parent's over fork + exec).
-status = open("/proc/self/status").read().split("VmHWM:")[1]
-peak = int(status.split()[0]) * 1024
-print(json.dumps({"growth": peak - baseline}))
+from benchmarks.peak_rss import own_peak_rss_bytes  # not ru_maxrss: the worker's peak
+print(json.dumps({"growth": own_peak_rss_bytes() - baseline}))
 """
 
 
@@ -237,8 +235,8 @@ try:
     runpy.run_module("model.export_hf", run_name="__main__")
 except SystemExit as done:
     assert not done.code, done.code
-status = open("/proc/self/status").read().split("VmHWM:")[1]
-print(int(status.split()[0]) * 1024)
+from benchmarks.peak_rss import own_peak_rss_bytes
+print(own_peak_rss_bytes())
 """
 
 

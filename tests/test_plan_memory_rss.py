@@ -29,11 +29,12 @@ from model.planner.shapes import Shapes
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
-import json, resource, sys
+import json, sys
 import psutil, torch
 import torch.nn.functional as F
 from model.config import ModelConfig
 from model.gpt import GPT
+from benchmarks.peak_rss import own_peak_rss_bytes
 torch.set_num_threads(1)
 torch.manual_seed(0)
 cfg = ModelConfig(**json.loads(sys.argv[1]))
@@ -55,7 +56,7 @@ for _ in range(3):
     opt.step()
     opt.zero_grad(set_to_none=True)
     del logits, loss
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = own_peak_rss_bytes()
 print(json.dumps({"delta_gb": (peak - before) / 1e9}))
 """
 
