@@ -184,12 +184,19 @@ class BackgroundSink:
     says so. A spool left after training is sent by ``python -m workflows.import_metrics
     SPOOL``. A spool left by an earlier attempt is sent first. Without a
     spool, a failed write is raised by the next ``flush`` (as are failed artifact uploads).
+
+    ``logged_through``, when given, returns the last step whose metrics the run already
+    holds (an earlier try logged them before it was stopped, and a resumed training
+    recomputes those steps bitwise); records of that step and before are dropped. It runs
+    first on the worker thread, as does the tracker's first write, so that neither opening
+    the store nor asking it delays the training's start.
     """
 
     SPILL_RECORDS = 10_000  # records kept in memory while the store is away, then spooled
 
     def __init__(self, sink, spool: str | Path | None = None,
-                 send_every_s: float | None = None, retry_every_s: float = 30.0) -> None:
+                 send_every_s: float | None = None, retry_every_s: float = 30.0,
+                 logged_through: Callable[[], int] | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self.sink = sink
@@ -205,6 +212,9 @@ class BackgroundSink:
         self._down = False
         self._last_try = time.monotonic()
         self._error: BaseException | None = None  # raised by flush (no spool)
+        self._logged_through: int | None = None  # records of this step and before are dropped
+        if logged_through is not None:
+            self._pool.submit(self._learn_logged_through, logged_through)
 
     # -- training thread -------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -234,7 +244,12 @@ class BackgroundSink:
             self._pool.shutdown()
 
     # -- worker thread ---------------------------------------------------------------
+    def _learn_logged_through(self, logged_through: Callable[[], int]) -> None:
+        self._logged_through = logged_through()
+
     def _add(self, record: dict[str, Any]) -> None:
+        if self._logged_through is not None and record["step"] <= self._logged_through:
+            return
         self._unsent.append(record)
         self._values += len(record["metrics"])
         wait = self.retry_every_s if self._down else self.send_every_s

@@ -187,14 +187,13 @@ class RunHooks:
 
     ``stop_requested``: whether this rank was asked to stop (out of time), voted on after
     every step; ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger;
-    ``logged_through``: the last step whose metrics the tracking run already holds (a
-    resumed training recomputes the steps after its checkpoint bitwise, so those are not
-    logged again); ``faults``: injected faults, for tests and drills only; ``validation``: the
-    split scored every train.eval_every steps (``model.training.validation``)."""
+    ``faults``: injected faults, for tests and drills only; ``validation``: the split scored
+    every train.eval_every steps (``model.training.validation``). Steps a resumed training
+    recomputes are logged again; the tracker drops those its run already holds
+    (``model.training.metrics.BackgroundSink``)."""
 
     stop_requested: Callable[[], bool] | None = None
     job: dict[str, Any] | None = None
-    logged_through: int = 0
     faults: Faults | None = None
     validation: ValidationSet | None = None
 
@@ -251,7 +250,6 @@ class Trainer:
         self._clock = time.monotonic()  # when the last save gave training back (or the start)
         self.stop_requested, self.job = hooks.stop_requested, hooks.job
         self.out_of_time: dict[str, Any] | None = None  # set when fit stopped before its steps
-        self.logged_through = hooks.logged_through  # steps up to here are not logged again
         self._stopping = False
         self._save_waiting = False  # a scheduled save put off by a run of bad steps
         # Step health (model.training.health): bad steps skipped, spikes rolled back, slow
@@ -679,9 +677,9 @@ class Trainer:
             raise TrainingDiverged(f"{error}; every skipped step and rollback: {path}") from None
 
     def _log_event(self, metrics: dict[str, float], step: int) -> None:
-        """Send a step-health or validation metric (the logger rank), unless the run already
-        holds it; one of the step being finished joins that step's record (``_send_step``)."""
-        if self.tracker is None or step <= self.logged_through:
+        """Send a step-health or validation metric (the logger rank); one of the step being
+        finished joins that step's record (``_send_step``)."""
+        if self.tracker is None:
             return
         if step == self.step:
             self._step_events.update(metrics)
@@ -690,9 +688,9 @@ class Trainer:
 
     def _send_step(self, record: dict[str, float]) -> None:
         """Send this step's metrics and the events of the step as one record (the logger
-        rank; nothing when both are empty or the run already holds the step)."""
+        rank; nothing when both are empty)."""
         merged, self._step_events = {**record, **self._step_events}, {}
-        if merged and self.tracker is not None and self.step > self.logged_through:
+        if merged and self.tracker is not None:
             self.tracker.log_metrics(merged, step=self.step)  # buffered by the tracker
 
     def _stop(self, last_ckpt: Path | None) -> None:
@@ -773,9 +771,8 @@ class Trainer:
     def _step_metrics(self, loss: float, norm: float, lr: float, dt: float, tokens: int,
                       median: dict[str, float], full: bool = True) -> dict[str, float]:
         """This step's metrics (``full``) and the progress line's ``median`` figures, as one
-        record; empty when the run already holds them (``logged_through``: an earlier try
-        logged them before it was killed, and this one recomputed them)."""
-        if self.tracker is None or self.step <= self.logged_through:
+        record; empty when nothing tracks them."""
+        if self.tracker is None:
             return {}
         metrics = dict(median)
         if full:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
@@ -204,10 +205,16 @@ class Tracker:
     def __init__(self, uri: str, run_id: str, flush_seconds: float = 2.0) -> None:
         self.uri = uri
         self.run_id = run_id
-        self._client = MlflowClient(uri)
         self._pending: list[Any] = []  # mlflow.entities.Metric
         self.flush_seconds = flush_seconds  # longest wait before buffered metrics are sent
         self._last_flush = time.monotonic()
+
+    @functools.cached_property
+    def _client(self) -> Any:
+        """The MLflow client, opened on first use: importing MLflow and opening the store take
+        seconds, which a training rank spends on its metrics thread, not before its first
+        step (``model.training.metrics.BackgroundSink``)."""
+        return MlflowClient(self.uri)
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -17,8 +17,8 @@ SIGKILL ``KillWait`` seconds after its SIGTERM, the local launcher 30 s after it
 (``stages.mechanism.forked_ranks.FAILED_RANKS_GRACE_S``).
 
 Each step is logged once in the stage's MLflow run, however often the ranks were started:
-before training, the logger rank asks which steps the run already holds (``logged_through``)
-and the trainer logs only the steps after them.
+the logger rank's metrics thread asks which steps the run already holds (``logged_through``)
+before it sends anything, and sends only the steps after them.
 """
 from __future__ import annotations
 
@@ -138,13 +138,13 @@ def logged_through(uri: str, run_id: str, spool: Path) -> int:
     store was away, which the sink sends before anything new) holds it for this run.
 
     A resumed training recomputes the steps after its checkpoint bitwise, so the steps up to
-    this one are not logged again (``Trainer.logged_through``). The logger rank asks at its
-    own start rather than the driver writing it into the rank spec: the spec is written once
-    per attempt (``stages.train.prepare``), before Parsl retries the ranks within the same
-    pipeline run, so only a rank that asks when it starts sees what the try before it
-    logged; one rule then covers a rerun of the pipeline and a retry. Where the store cannot
-    be read the spool alone decides, and one line says so (steps already in the store may
-    then be logged twice)."""
+    this one are not logged again (the sink drops them: ``BackgroundSink``). The logger rank
+    asks at its own start rather than the driver writing it into the rank spec: the spec is
+    written once per attempt (``stages.train.prepare``), before Parsl retries the ranks
+    within the same pipeline run, so only a rank that asks when it starts sees what the try
+    before it logged; one rule then covers a rerun of the pipeline and a retry. Where the
+    store cannot be read the spool alone decides, and one line says so (steps already in the
+    store may then be logged twice)."""
     from stages.mechanism.tracking import last_step
 
     spooled = [record["step"] for record in map(json.loads, spool_lines(spool))
@@ -186,9 +186,12 @@ def run_spec(spec: RankSpec) -> dict[str, Any] | None:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
             spool = Path(spec.out_dir) / SPOOL_FILE
-            hooks.logged_through = logged_through(tracking["uri"], tracking["run_id"], spool)
-            # Metric writes happen on a background thread, off the training step.
-            sink = BackgroundSink(Tracker(tracking["uri"], tracking["run_id"]), spool=spool)
+            uri, run_id = tracking["uri"], tracking["run_id"]
+            # Metric writes happen on a background thread, off the training step; so do
+            # opening the store and asking which steps it holds (seconds of MLflow imports,
+            # which the other ranks would wait for at the first collective).
+            sink = BackgroundSink(Tracker(uri, run_id), spool=spool,
+                                  logged_through=lambda: logged_through(uri, run_id, spool))
         trainer = Trainer(cfg.model, cfg.train, plan, spec.out_dir, make_batch_factory(spec, cfg),
                           device, tracker=sink, peak_tflops=spec.peak_tflops, hooks=hooks)
         from stages.mechanism.tracking import samples_node, start_node_sampler

@@ -97,3 +97,43 @@ def test_background_flush_waits_for_every_queued_write(tmp_path, seed_store) -> 
     assert [s for s, _ in tracking.metric_history(uri, run_id, "loss")] == list(range(1, 21))
     assert dict(tracking.metric_history(uri, run_id, "loss"))[20] == 1.0 / 20
     sink.close()
+
+
+def test_the_sink_drops_the_steps_the_run_already_holds(tmp_path, seed_store) -> None:
+    """A resumed try recomputes steps 4-6 bitwise; the run keeps the first try's records of
+    them, once each, and takes steps 7-8 from the second."""
+    uri, run_id = _store(tmp_path, seed_store)
+    first = BackgroundSink(tracking.Tracker(uri, run_id))
+    for step in range(1, 7):
+        first.log_metrics({"loss": float(step)}, step=step)
+    first.close()
+    asked: list[int] = []
+
+    def held() -> int:
+        asked.append(tracking.last_step(uri, run_id, "loss"))
+        return asked[-1]
+
+    again = BackgroundSink(tracking.Tracker(uri, run_id), logged_through=held)
+    for step in range(4, 9):
+        again.log_metrics({"loss": 100.0 + step}, step=step)
+    again.close()
+    assert asked == [6]
+    history = tracking.metric_history(uri, run_id, "loss")
+    assert sorted(history) == [(s, float(s)) for s in range(1, 7)] + [(7, 107.0), (8, 108.0)]
+
+
+def test_a_tracker_opens_the_store_at_its_first_write(tmp_path, seed_store) -> None:
+    """A rank builds its sink before training and sends from the sink's thread: building the
+    tracker must not import MLflow (seconds the other ranks would wait)."""
+    uri, run_id = _store(tmp_path, seed_store)
+    probe = ("import sys\nfrom stages.mechanism.tracking import Tracker\n"
+             f"tracker = Tracker({uri!r}, {run_id!r})\n"
+             "print('mlflow' in sys.modules)\n"
+             "tracker.log_metrics({'loss': 1.0}, step=1)\ntracker.flush()\n"
+             "print('mlflow' in sys.modules)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["False", "True"]
+    assert tracking.metric_history(uri, run_id, "loss") == [(1, 1.0)]
