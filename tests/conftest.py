@@ -370,6 +370,31 @@ def micro_cli_history(tmp_path_factory: pytest.TempPathFactory,
     return user_session(runs_dir)
 
 
+@pytest.fixture
+def plan_search_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's search (``model.planner.choose.choose``), run once per distinct input in
+    this test process and answered from that run afterwards (a copy each time).
+
+    For modules about what the readiness report makes of a plan, which ask for the same
+    Frontier preset's plan dozens of times (seconds each); the search itself is tested in
+    ``test_plan_search.py``."""
+    import copy
+    import pickle
+
+    import model.planner.choose as module
+
+    search = module.choose
+    answers = _state.setdefault("plan_search_answers", {})
+
+    def choose_once(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - choose's own
+        key = pickle.dumps((args, sorted(kwargs.items())))
+        if key not in answers:
+            answers[key] = search(*args, **kwargs)
+        return copy.deepcopy(answers[key])
+
+    monkeypatch.setattr(module, "choose", choose_once)
+
+
 @dataclass(frozen=True)
 class Console:
     """A command's exit status and what it printed (the fields of a CompletedProcess)."""

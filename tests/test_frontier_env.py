@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from stages.config import load_config
 from workflows.frontier import FRONTIER_PROXY, NODE_LOCAL_ENV_NODES, hub_fetch_problem
 from workflows.pipeline import main
 from workflows.readiness import readiness
 
 ROOT = Path(__file__).resolve().parents[1]
+# The same preset's plan is asked for by most tests: searched once (conftest.py).
+pytestmark = pytest.mark.usefixtures("plan_search_once")
 LUSTRE = "/lustre/orion/abc123/scratch/user/runs"
 PACKED = "site.node_local_env=/lustre/orion/abc123/proj-shared/envs/frontier-llm.tar.gz"
 PROXY = f"site.worker_init=module load x; export https_proxy={FRONTIER_PROXY}"

@@ -13,6 +13,8 @@ from workflows.pipeline import main
 from workflows.readiness import plan_findings, readiness, readiness_text
 
 ROOT = Path(__file__).resolve().parents[1]
+# The same preset's plan is asked for by most tests: searched once (conftest.py).
+pytestmark = pytest.mark.usefixtures("plan_search_once")
 LUSTRE = "/lustre/orion/abc123/scratch/user/runs"
 
 
