@@ -98,10 +98,10 @@ def _is_type_checking(node: ast.AST) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _named_modules(tree: ast.AST, module: str, is_package: bool,
-                   modules: dict[str, Path]) -> set[str]:
-    """The project modules ``tree`` imports (at any depth, except under ``TYPE_CHECKING``)
-    or names as a string constant (``python -m stages.train.worker``)."""
+def _named_modules(tree: ast.AST, module: str, is_package: bool) -> frozenset[str]:
+    """The module names ``tree`` imports (at any depth, except under ``TYPE_CHECKING``) and
+    its string constants, any of which may name a project module (``python -m
+    stages.train.worker``): the caller keeps those that are project modules."""
     names: set[str] = set()
     base = module if is_package else module.rpartition(".")[0]
     todo = [tree]
@@ -118,30 +118,29 @@ def _named_modules(tree: ast.AST, module: str, is_package: bool,
             names.add(package)
             names.update(f"{package}.{alias.name}" for alias in node.names)
         elif isinstance(node, ast.Constant):
-            if isinstance(node.value, str) and node.value in modules:
+            if isinstance(node.value, str):
                 names.add(node.value)
         elif not _is_type_checking(node):
             todo.extend(ast.iter_child_nodes(node))
-    return names & modules.keys()
+    return frozenset(names)
 
 
-_PARSED: dict[Path, tuple[tuple[int, int], str, set[str]]] = {}
-"""Per source file: (mtime_ns, size) when parsed, its digest, the modules it names."""
+_PARSED: dict[tuple[str, str, bool], tuple[str, frozenset[str]]] = {}
+"""(sha-256 of a source file's bytes, its module, whether a package) -> the digest of its
+syntax tree and the names it holds: a file is parsed once per content, wherever it lies
+(the rerun tests hash many copies of one tree)."""
 
 
 def _parsed(name: str, path: Path, modules: dict[str, Path]) -> tuple[str, set[str]]:
-    """(digest of the normalized syntax tree, project modules named) of one source file,
-    parsed again only when its size or modification time changed."""
-    stat = path.stat()
-    stamp = (stat.st_mtime_ns, stat.st_size)
-    cached = _PARSED.get(path)
-    if cached is not None and cached[0] == stamp:
-        return cached[1], cached[2]
-    tree = _drop_docstrings(ast.parse(path.read_bytes(), filename=str(path)))
-    digest = hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-    edges = _named_modules(tree, name, path.name == "__init__.py", modules)
-    _PARSED[path] = (stamp, digest, edges)
-    return digest, edges
+    """(digest of the normalized syntax tree, project modules named) of one source file."""
+    source = path.read_bytes()
+    key = (hashlib.sha256(source).hexdigest(), name, path.name == "__init__.py")
+    if key not in _PARSED:
+        tree = _drop_docstrings(ast.parse(source, filename=str(path)))
+        _PARSED[key] = (hashlib.sha256(ast.dump(tree).encode()).hexdigest(),
+                        _named_modules(tree, name, key[2]))
+    digest, names = _PARSED[key]
+    return digest, names & modules.keys()
 
 
 def _data_file_digest(path: Path) -> str:
