@@ -182,6 +182,25 @@ def test_the_planner_plans_without_torch() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+
+def test_checking_a_fresh_training_imports_no_torch(tmp_path: Path) -> None:
+    """The driver checks a training's setup before its ranks start; only a checkpoint to
+    resume from (``test_train_validation.py``) needs torch to read."""
+    code = (
+        "import sys\n"
+        "from model.training.validate import plan_from_parallel, validate_training\n"
+        "from stages.config import load_config\n"
+        "cfg = load_config('micro')\n"
+        "plan = plan_from_parallel(cfg.parallel, cfg.train)\n"
+        f"for root in ({str(tmp_path / 'none')!r}, {str(tmp_path)!r}):\n"
+        "    validate_training(cfg.model, cfg.train, plan, 2, 512, root)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False"]
+
 HEAVY = ("torch", "datasets", "mlflow")
 """What the driver's cheapest commands must not import (seconds each on this box)."""
 

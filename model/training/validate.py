@@ -35,8 +35,9 @@ def validate_training(
 ) -> None:
     """Raise TrainSetupError naming every problem, including a checkpoint of another shape."""
     problems = training_problems(model_cfg, train_cfg, plan, world_size, store_vocab)
-    if checkpoint_root is not None:
-        from model.training import checkpoint as ckpt  # torch: only when there is a root
+    if checkpoint_root is not None and any(Path(checkpoint_root).glob("*")):
+        # torch: only where there may be a checkpoint (a fresh training's driver imports none)
+        from model.training import checkpoint as ckpt
 
         # Names and sizes only: the ranks check the shards' checksums when they resume.
         latest = ckpt.latest_checkpoint(checkpoint_root, checksum_limit=0)
