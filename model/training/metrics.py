@@ -245,7 +245,11 @@ class BackgroundSink:
 
     # -- worker thread ---------------------------------------------------------------
     def _learn_logged_through(self, logged_through: Callable[[], int]) -> None:
-        self._logged_through = logged_through()
+        try:
+            self._logged_through = logged_through()
+        except Exception as error:  # noqa: BLE001 - metrics must not stop training
+            print(f"[metrics] could not tell which steps the run already holds "
+                  f"({short_reason(error)}); every step is sent", flush=True)
 
     def _add(self, record: dict[str, Any]) -> None:
         if self._logged_through is not None and record["step"] <= self._logged_through:

@@ -188,8 +188,8 @@ class RunHooks:
     ``stop_requested``: whether this rank was asked to stop (out of time), voted on after
     every step; ``job``: this job's ``id``, ``nodes`` and ``started`` for the job ledger;
     ``faults``: injected faults, for tests and drills only; ``validation``: the split scored
-    every train.eval_every steps (``model.training.validation``). Steps a resumed training
-    recomputes are logged again; the tracker drops those its run already holds
+    every train.eval_every steps (``model.training.validation``). A resumed training sends
+    the steps it recomputes as well; its tracker drops those the run already holds
     (``model.training.metrics.BackgroundSink``)."""
 
     stop_requested: Callable[[], bool] | None = None

@@ -137,3 +137,19 @@ def test_a_tracker_opens_the_store_at_its_first_write(tmp_path, seed_store) -> N
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["False", "True"]
     assert tracking.metric_history(uri, run_id, "loss") == [(1, 1.0)]
+
+
+def test_a_sink_that_cannot_tell_what_the_run_holds_sends_every_step(tmp_path, seed_store,
+                                                                      capsys) -> None:
+    uri, run_id = _store(tmp_path, seed_store)
+
+    def unreadable() -> int:
+        raise json.JSONDecodeError("Expecting value", "{", 1)
+
+    sink = BackgroundSink(tracking.Tracker(uri, run_id), logged_through=unreadable)
+    for step in range(1, 4):
+        sink.log_metrics({"loss": float(step)}, step=step)
+    sink.close()
+    assert [s for s, _ in tracking.metric_history(uri, run_id, "loss")] == [1, 2, 3]
+    said = [line for line in capsys.readouterr().out.splitlines() if "[metrics]" in line]
+    assert len(said) == 1 and "every step is sent" in said[0], said
