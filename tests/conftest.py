@@ -101,7 +101,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # with "slurm" in their name), and the modules that share the micro pipeline's CLI session
 # (``micro_cli_history``, minutes) are one.
 SLURM_GROUP = "slurm-cluster"
-SHARED_SESSION_MODULES = {"test_pipeline.py": "micro-cli", "test_mlflow_ui.py": "micro-cli"}
+SHARED_SESSION_MODULES = {"test_pipeline.py": "micro-cli", "test_mlflow_ui.py": "micro-cli",
+                          "test_run_names.py": "micro-cli"}
+"""Module -> group, for every module that uses ``micro_cli_history`` (checked at collection):
+a module on another worker would run the whole CLI session again there."""
 SLURM_LAST_MODULE = "test_slurm_launch.py"  # seconds: the lane's worker then takes other work
 
 
@@ -128,14 +131,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - x
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Check the Slurm marker against the Slurm group; put the Slurm lane first, its quick
-    launch checks last, since the lane takes longest."""
+    """Check the Slurm marker against the Slurm group and the users of the shared CLI session
+    against its group; put the Slurm lane first, its quick launch checks last, since the
+    lane takes longest."""
     for item in items:
         marked = item.get_closest_marker("slurm") is not None
         if marked != (xdist_group_of(item.nodeid) == SLURM_GROUP):
             raise pytest.UsageError(
                 f"{item.nodeid}: tests marked slurm, and only they, belong in a module with "
                 "'slurm' in its name (they run in turn on one worker)")
+        module = Path(item.nodeid.split("::", 1)[0]).name
+        if ("micro_cli_history" in getattr(item, "fixturenames", ())
+                and module not in SHARED_SESSION_MODULES):
+            raise pytest.UsageError(
+                f"{item.nodeid}: a module that uses micro_cli_history belongs in "
+                "SHARED_SESSION_MODULES (tests/conftest.py), so that it shares the session")
 
     def order(item: pytest.Item) -> int:
         if xdist_group_of(item.nodeid) != SLURM_GROUP:
