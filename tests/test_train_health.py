@@ -111,8 +111,10 @@ def test_bad_steps_in_a_row_roll_back(never_saw, tmp_path) -> None:
 
 
 def test_a_slowed_rank_is_named(tmp_path) -> None:
-    """Rank 1 burns 60 ms of CPU before each step: it is named, with its host."""
-    summary, stdout = train(tmp_path, {"slow_rank": 1, "slow_seconds": 0.06}, "train.steps=4",
+    """Rank 1 burns 300 ms of CPU before each step: it is named, with its host. Its busy time
+    counts waiting for a core too, so on a loaded box the burn must stand well above a step
+    of the tiny model (60 ms fell under train.slow_rank_ratio there)."""
+    summary, stdout = train(tmp_path, {"slow_rank": 1, "slow_seconds": 0.3}, "train.steps=4",
                             "train.slow_rank_every=2")
     assert summary["steps_done"] == 4
     assert f"slow ranks at step 2: rank 1 on {socket.gethostname()} (" in stdout
