@@ -98,13 +98,21 @@ def pytest_configure(config: pytest.Config) -> None:
 # The suite runs on N workers (``pytest -n N``, the README's test command) in groups that a
 # worker runs in turn, each group a module, except that the Slurm tests, which share the
 # test cluster's two nodes and assert on its job accounting, are one group (the modules
-# with "slurm" in their name), and the modules that share the micro pipeline's CLI session
-# (``micro_cli_history``, minutes) are one.
+# with "slurm" in their name), and the modules that share a session fixture that runs a
+# pipeline (``SHARED_SESSIONS``) are one group per fixture.
 SLURM_GROUP = "slurm-cluster"
-SHARED_SESSION_MODULES = {"test_pipeline.py": "micro-cli", "test_mlflow_ui.py": "micro-cli",
-                          "test_run_names.py": "micro-cli"}
-"""Module -> group, for every module that uses ``micro_cli_history`` (checked at collection):
-a module on another worker would run the whole CLI session again there."""
+SHARED_SESSIONS = {"micro_cli_history": "micro-cli", "micro_pipeline": "micro-pipeline"}
+"""Session fixture -> its group: each runs a whole pipeline (a minute or more), which a module
+on another worker would run again there."""
+SHARED_SESSION_MODULES = {
+    "test_pipeline.py": "micro-cli", "test_mlflow_ui.py": "micro-cli",
+    "test_run_names.py": "micro-cli",
+    "test_evaluate.py": "micro-pipeline", "test_evaluate_dp.py": "micro-pipeline",
+    "test_evaluate_fallback.py": "micro-pipeline", "test_evaluate_ranks.py": "micro-pipeline",
+    "test_lm_eval.py": "micro-pipeline",
+}
+"""Module -> group, for every module that uses a ``SHARED_SESSIONS`` fixture (checked at
+collection)."""
 SLURM_LAST_MODULE = "test_slurm_launch.py"  # seconds: the lane's worker then takes other work
 
 
@@ -141,11 +149,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 f"{item.nodeid}: tests marked slurm, and only they, belong in a module with "
                 "'slurm' in its name (they run in turn on one worker)")
         module = Path(item.nodeid.split("::", 1)[0]).name
-        if ("micro_cli_history" in getattr(item, "fixturenames", ())
-                and module not in SHARED_SESSION_MODULES):
-            raise pytest.UsageError(
-                f"{item.nodeid}: a module that uses micro_cli_history belongs in "
-                "SHARED_SESSION_MODULES (tests/conftest.py), so that it shares the session")
+        for fixture, group in SHARED_SESSIONS.items():
+            if (fixture in getattr(item, "fixturenames", ())
+                    and SHARED_SESSION_MODULES.get(module) != group):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: a module that uses {fixture} belongs in group {group!r} "
+                    "of SHARED_SESSION_MODULES (tests/conftest.py), so that it shares the "
+                    "session")
 
     def order(item: pytest.Item) -> int:
         if xdist_group_of(item.nodeid) != SLURM_GROUP:
