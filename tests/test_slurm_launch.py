@@ -153,3 +153,33 @@ def test_gloo_allreduce_under_srun(slurm_env, tmp_path):
         assert r["world"] == 2 and r["local"] == r["rank"]
         assert r["sum"] == [3.0, 30.0]
         assert r["ranks"] == [0, 1]
+
+
+LOOKUP_SCRIPT = textwrap.dedent(
+    """
+    import json, socket, time
+    started = time.monotonic()
+    try:
+        answer = socket.getnameinfo(("::ffff:192.0.2.1", 1, 0, 0), socket.NI_NAMEREQD)[0]
+    except OSError as error:
+        answer = str(error)
+    print(json.dumps({"answer": answer, "seconds": time.monotonic() - started}))
+    """
+)
+
+
+def test_a_lookup_the_hosts_block_cannot_answer_fails_at_once_on_a_node(slurm_env, tmp_path):
+    """On a compute node, a reverse lookup that /etc/hosts cannot answer (c10d makes one for
+    every peer as ranks meet) fails at once (.ci/start_slurm.sh routes the nameservers
+    unreachable), instead of waiting out the resolver's timeouts, 5 s a try, which made every
+    rendezvous on the cluster 20 s longer."""
+    if int(slurm_env.get("FRONTIER_LLM_SLURM_NODES", "1")) < 2:
+        pytest.skip("one-node cluster: its node is this machine, whose nameservers answer")
+    script = tmp_path / "lookup.py"
+    script.write_text(LOOKUP_SCRIPT)
+    proc = subprocess.run(["srun", "--ntasks", "1", "--time=1", "--job-name=lookup",
+                           sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["seconds"] < 2.5, result  # under one resolver timeout (5 s)
