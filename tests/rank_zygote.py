@@ -76,10 +76,9 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     signal.signal(STACKS_SIGNAL, signal.SIG_IGN)
     running = []
     for identity in request.get("ranks") or [{}]:
-        pid = os.fork()
+        pid = fork_server.fork_child(identity)
         if pid == 0:
             signal.signal(STACKS_SIGNAL, signal.SIG_DFL)
-            os.environ.update(identity)
             fork_server.exit_after(lambda: _run_main(request))
         running.append(pid)
     codes = []
@@ -95,11 +94,19 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
 
 
 def _run_main(request: dict[str, Any]) -> None:
-    """In a rank: run the module as ``python -m`` would, or the script as ``python PATH``
-    would (ended by ``fork_server.exit_after``)."""
+    """In a rank: call the function with the rank and the arguments, or run the module as
+    ``python -m`` would, or the script as ``python PATH`` would (ended by
+    ``fork_server.exit_after``)."""
     import runpy
 
-    if "module" in request:
+    if "call" in request:  # a function of a test module, given its rank and JSON arguments
+        import importlib
+        import json
+
+        module, name = request["call"].split(":")
+        function = getattr(importlib.import_module(module), name)
+        function(int(os.environ["RANK"]), *json.loads(request["argv"][0]))
+    elif "module" in request:
         sys.argv = [request["module"], *request["argv"]]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     else:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from data_prep.atomic import storage_error
 from model.gpt import GPT
@@ -36,7 +34,7 @@ from stages.mechanism.selection import StageDecision
 from stages.registry import PIPELINE
 from stages.train import work as train
 from stages.train.checks import checkpoint_cadence_problem, predicted_step_time
-from tests.train_helpers import tiny_config
+from tests.train_helpers import run_function_ranks, tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -150,9 +148,9 @@ def test_rank_zeros_clock_decides_for_every_rank(tmp_path: Path) -> None:
     # (each rank's own clock says "save", each rank's writer says "still writing")
     cases = [((True, False), (False, False)), ((False, True), (False, True)),
              ((False, False), (True, False)), ((True, True), (False, False))]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_vote_rank, args=(f"file://{tmp_path / 'store'}", cases, str(tmp_path)),
-                       nprocs=2, start_method="spawn")
+    code, _, stderr = run_function_ranks(
+        _vote_rank, [f"file://{tmp_path / 'store'}", cases, str(tmp_path)], 2)
+    assert code == 0, stderr[-3000:]
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     want = [[True, False], [False, True], [False, True], [True, False]]
     assert results[0] == results[1] == want
@@ -194,9 +192,9 @@ def test_a_write_only_rank_zero_makes_fails_every_rank_alike(tmp_path: Path) -> 
     half-written checkpoint stays."""
     import errno
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_save_rank, args=(f"file://{tmp_path / 'store'}", str(tmp_path)),
-                       nprocs=2, start_method="spawn")
+    code, _, stderr = run_function_ranks(
+        _save_rank, [f"file://{tmp_path / 'store'}", str(tmp_path)], 2)
+    assert code == 0, stderr[-3000:]
     said = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert [s[:2] if s else s for s in said] == [["OSError", errno.EFBIG]] * 2, said
     assert "extra.pt" in said[0][2] and "on rank 0" in said[1][2], said
@@ -208,9 +206,9 @@ def test_a_shard_too_large_for_the_disk_is_known_as_a_full_disk_on_every_rank(
     """A full disk under a rank's own shard ends every rank with DCP's exception, behind
     which lies that rank's OSError (not the zip writer's RuntimeError, which does not say the
     disk is full); and no half-written checkpoint stays."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_save_rank, args=(f"file://{tmp_path / 'store'}", str(tmp_path), 512),
-                       nprocs=2, start_method="spawn")
+    code, _, stderr = run_function_ranks(
+        _save_rank, [f"file://{tmp_path / 'store'}", str(tmp_path), 512], 2)
+    assert code == 0, stderr[-3000:]
     said = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert [s[0] for s in said] == ["CheckpointException"] * 2, said
     assert [s[3] for s in said] == [errno.EFBIG] * 2, said

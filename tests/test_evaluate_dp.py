@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from data_prep.store import MANIFEST, SplitReader, open_store
 from model.training.checkpoint import load_for_inference
 from model.training.heldout import heldout_loss, plan_windows
 from stages.config import config_from_dict
 from stages.evaluate.work import split_sources
+from tests.train_helpers import run_function_ranks
 
 pytest_plugins = ["tests.evalkit"]  # the shared micro_pipeline fixture
 # The first test also builds the session's pipeline (several minutes on 2 busy cores).
@@ -50,9 +50,9 @@ def test_two_gloo_ranks_match_one_process(micro_pipeline, tmp_path):
     cfg, _, results = micro_pipeline
     ckpt, store = results["train"].outputs["checkpoint"], results["tokenize"].outputs["store"]
     single = _evaluate(cfg, ckpt, store, rank=0, world=1)
-    mp.start_processes(_rank_main,
-                       args=(2, _free_port(), cfg.to_dict(), ckpt, store, str(tmp_path)),
-                       nprocs=2, start_method="spawn")
+    code, _, stderr = run_function_ranks(
+        _rank_main, [2, _free_port(), cfg.to_dict(), ckpt, store, str(tmp_path)], 2)
+    assert code == 0, stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     windows = cfg.eval.max_tokens // cfg.train.seq_len
     # Each rank evaluated half of the windows, and both hold the all-reduced totals.

@@ -24,13 +24,12 @@ import json, os, signal, sys, time
 from pathlib import Path
 import stages.mechanism.forked_ranks as forked
 from model.parallel.dist_env import local_rank_variables
-from model.parallel.parent_death import arm_parent_death_signal
 
 forked.FAILED_RANKS_GRACE_S = {grace}
 out = Path({out!r})
 os.environ.update(local_rank_variables(0, {world}, str(out / "store")))
 os.environ[forked.FORK_PEERS_VAR] = "1"
-peers = forked.fork_peers(arm_parent_death_signal, ok={ok})
+peers = forked.fork_peers(ok={ok})
 rank = int(os.environ["RANK"])
 (out / f"rank{{rank}}.json").write_text(json.dumps(
     {{"pid": os.getpid(), "ppid": os.getppid(), "world": os.environ["WORLD_SIZE"],
@@ -120,3 +119,25 @@ def test_launch_code_is_the_first_failure_else_out_of_time(codes: list[int], exp
 
 def test_exit_code_of_a_signalled_process_is_128_plus_the_signal() -> None:
     assert exit_code(9) == 137 and exit_code(3 << 8) == 3
+
+
+def test_every_forked_process_is_made_by_fork_child() -> None:
+    """One way to fork a rank: the launcher's peers, the tests' zygote's launches and ranks
+    and the rehearsal's rank processes all come from ``fork_server.fork_child`` (their
+    identity, their death with their parent); no other code of the project forks."""
+    import ast
+
+    forks = []
+    for root in ("stages", "model", "workflows", "data_prep", "tests", "benchmarks"):
+        for path in sorted((REPO_ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                        node.func.attr in ("fork", "forkpty") and \
+                        isinstance(node.func.value, ast.Name) and node.func.value.id == "os":
+                    forks.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert len(forks) == 1 and forks[0].startswith("model/parallel/fork_server.py:"), forks
+    source = (REPO_ROOT / "model" / "parallel" / "fork_server.py").read_text()
+    tree = ast.parse(source)
+    (fork_child,) = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                     and n.name == "fork_child"]
+    assert fork_child.lineno <= int(forks[0].rsplit(":", 1)[1]) <= fork_child.end_lineno

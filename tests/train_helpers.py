@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,19 @@ def run_script_ranks(script: Path, argv: list[str], nproc: int, timeout: float
     with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
         return _forked({"path": str(script), "ranks": torchrun_ranks(nproc)}, argv,
                        rank_environment(), Path(scratch), f"{script} on {nproc} ranks", timeout)
+
+
+def run_function_ranks(function: Callable[..., None], args: list[Any], nproc: int,
+                       timeout: float = 240) -> tuple[int, str, str]:
+    """``function(rank, *args)`` in each of ``nproc`` ranks forked (``tests.rank_zygote``) with
+    the identities ``torchrun --standalone`` gives: their exit code as a shell reports it,
+    stdout and stderr. ``function`` is a module-level function of an importable module;
+    ``args`` go through JSON (tuples arrive as lists)."""
+    target = {"call": f"{function.__module__}:{function.__qualname__}",
+              "ranks": torchrun_ranks(nproc)}
+    with tempfile.TemporaryDirectory(prefix="launch-") as scratch:
+        return _forked(target, [json.dumps(args)], rank_environment(), Path(scratch),
+                       f"{function.__qualname__} on {nproc} ranks", timeout)
 
 
 def _forked(target: dict[str, Any], argv: list[str], env: dict[str, str], scratch: Path,

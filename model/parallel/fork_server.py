@@ -1,5 +1,12 @@
-"""A warm interpreter that forks a process per request: ``serve`` on its side, ``ForkServer``
-and ``acquire`` on its caller's.
+"""Forked processes: ``fork_child``, the one way a rank process is made from a warm
+interpreter, and the fork server, a warm interpreter that forks a process per request
+(``serve`` on its side, ``ForkServer`` and ``acquire`` on its caller's).
+
+``fork_child`` makes every forked rank: the local launcher's ranks 1 .. n-1, forked by rank 0
+(``stages.mechanism.forked_ranks.fork_peers``), the tests' zygote's launches and their
+ranks (``tests/rank_zygote.py``), and the rehearsal's rank processes
+(``model.rehearsal.rank_server``). What a fork server's processes do differs; how they
+start, with their identity, and die with their parent is this one function.
 
 Starting an interpreter for a rank costs seconds of imports (torch, DTensor, the trainer)
 before it does anything. A fork server is an interpreter that has imported what its
@@ -27,13 +34,40 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
-from model.parallel.parent_death import die_with_parent
+from model.parallel.parent_death import arm_parent_death_signal, die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def flush_streams() -> None:
+    """Flush stdout and stderr (before a fork or an ``os._exit``), whatever state they are in."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+def fork_child(identity: Mapping[str, str] | None = None) -> int:
+    """Fork this process: the child's pid in the parent, 0 in the child, as ``os.fork``.
+
+    The streams are flushed first (else the child prints again what the parent had
+    buffered). The child takes ``identity`` into its environment (a rank's variables) and
+    dies with its parent (parent-death signal; it exits at once when the parent died before
+    the signal was armed), so no forked process outlives the one that forked it. Fork only
+    from a process that runs no other thread: a thread is lost in the child."""
+    flush_streams()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        if identity:
+            os.environ.update(identity)
+        arm_parent_death_signal()
+        if os.getppid() != parent:
+            os._exit(1)
+    return pid
 
 
 def exit_after(body: Callable[[], Any]) -> NoReturn:
@@ -50,9 +84,7 @@ def exit_after(body: Callable[[], Any]) -> NoReturn:
 
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
+        flush_streams()
         os._exit(code)
 
 
@@ -72,10 +104,9 @@ def serve(reply_fd: int, run: Callable[[dict[str, Any], tuple[int, ...]], Any],
     for line in sys.stdin:
         request = json.loads(line)
         fds = open_fds(request) if open_fds else ()
-        pid = os.fork()
+        pid = fork_child()
         if pid == 0:
             replies.close()
-            die_with_parent()
             exit_after(lambda: run(request, fds))
         for fd in fds:
             os.close(fd)

@@ -4,7 +4,8 @@ A rank's start-up is mostly imports (torch, its distributed and DTensor modules,
 about 2.8 CPU seconds); the ranks of one machine would each pay it. The local launcher
 (``stages.mechanism.launch.LocalRanks``) therefore starts rank 0 alone, with ``FORK_PEERS_VAR`` set;
 rank 0 has imported its worker module by the time ``stages.mechanism.launch.rank_main`` runs, and
-there forks ranks 1 .. n-1 (``fork_peers``). A forked rank is the same program at the same
+there forks ranks 1 .. n-1 (``fork_peers``, by ``model.parallel.fork_server.fork_child``, as
+every forked rank is made). A forked rank is the same program at the same
 point, so it keeps the command line the tests and ``ps`` see (``python -m <worker> --spec``),
 its stdout and stderr (the launcher's pipe) and its process group (the launch's); it gets
 its own identity (``dist_env.local_rank_variables``) and dies with rank 0 (parent-death
@@ -32,6 +33,7 @@ import threading
 import time
 
 from model.parallel.dist_env import STORE_FILE_VAR, local_rank_variables
+from model.parallel.fork_server import flush_streams, fork_child
 
 FORK_PEERS_VAR = "FRONTIER_LLM_FORK_PEERS"
 """Set by the local launcher on rank 0: fork the launch's other ranks."""
@@ -144,7 +146,7 @@ class ForkedPeers:
                     self._reap(block=True)
                     if not self._finishing:
                         code = self.verdict()
-                        _flush()
+                        flush_streams()
                         os._exit(code)
                     return
             time.sleep(POLL_S)
@@ -189,18 +191,11 @@ class ForkedPeers:
         return 128 + self.killed[0][1]
 
 
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-
-
-def fork_peers(arm_parent_death_signal, ok: tuple[int, ...]) -> ForkedPeers | None:
-    """In rank 0 of a local launch (``FORK_PEERS_VAR`` set): fork ranks 1 .. n-1 and return
-    them as ``ForkedPeers``; None in every other process (a forked rank included).
-
-    ``arm_parent_death_signal`` is called in each forked rank (so it dies with rank 0);
-    ``ok`` holds the exit codes that are not failures."""
+def fork_peers(ok: tuple[int, ...]) -> ForkedPeers | None:
+    """In rank 0 of a local launch (``FORK_PEERS_VAR`` set): fork ranks 1 .. n-1
+    (``model.parallel.fork_server.fork_child``: each dies with rank 0) and return them as
+    ``ForkedPeers``; None in every other process (a forked rank included). ``ok`` holds
+    the exit codes that are not failures."""
     if not os.environ.pop(FORK_PEERS_VAR, None):
         return None
     if threading.active_count() > 1:  # a thread would be lost in the forked copies
@@ -208,15 +203,10 @@ def fork_peers(arm_parent_death_signal, ok: tuple[int, ...]) -> ForkedPeers | No
                            f"({threading.enumerate()}): ranks cannot be forked from it")
     world = int(os.environ["LOCAL_WORLD_SIZE"])
     store = os.environ[STORE_FILE_VAR]
-    _flush()  # or the forked ranks print what rank 0 had buffered again
-    rank0, pids = os.getpid(), []
+    pids = []
     for rank in range(1, world):
-        pid = os.fork()
+        pid = fork_child(local_rank_variables(rank, world, store))
         if pid == 0:
-            os.environ.update(local_rank_variables(rank, world, store))
-            arm_parent_death_signal()
-            if os.getppid() != rank0:  # rank 0 died before the signal was armed
-                os._exit(1)
             return None
         pids.append(pid)
     return ForkedPeers(pids, ok)

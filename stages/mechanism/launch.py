@@ -397,7 +397,7 @@ def rank_main(description: str, run: Callable[[RankSpec], Any],
     from stages.mechanism.forked_ranks import fork_peers
 
     die_with_parent()
-    peers = fork_peers(arm_parent_death_signal, ok=(0, OUT_OF_TIME_EXIT))
+    peers = fork_peers(ok=(0, OUT_OF_TIME_EXIT))
     if peers is None:
         return _run_rank(description, run, argv)
     try:
