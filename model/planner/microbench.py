@@ -37,6 +37,8 @@ from model.planner.cluster import (
 )
 from model.planner.microbench_cache import cache_file, locked, read_cached, write_cached
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
 __all__ = ["cache_file", "load_measured_cluster", "measured_cluster_fields", "run_microbench",
            "summarise"]
 
@@ -405,14 +407,39 @@ def _worker(rank: int, nproc: int, store_path: str, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _ranks(nproc: int, store_path: str, out_path: str) -> int:
+    """Rank 0 of a measurement, a fresh interpreter that has imported no torch: fork ranks
+    1 .. nproc-1 (``fork_server.fork_child``, as every forked rank is made; each dies with
+    rank 0), measure, wait for them. The exit code: the first failed peer's, else 0 (rank
+    0's own failure raises)."""
+    from model.parallel.fork_server import exit_after, fork_child
+
+    peers = []
+    for rank in range(1, nproc):
+        pid = fork_child()
+        if pid == 0:
+            exit_after(lambda rank=rank: _worker(rank, nproc, store_path, out_path))
+        peers.append(pid)
+    _worker(0, nproc, store_path, out_path)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in peers]
+    return next((code for code in codes if code != 0), 0)
+
+
 def run_microbench(nproc: int) -> dict[str, Any]:
-    """Spawn nproc gloo ranks, measure, and return the raw per-rank results."""
-    import torch.multiprocessing as mp
+    """Measure on ``nproc`` gloo ranks and return the raw per-rank results. The ranks start
+    as the local launcher's do: a fresh interpreter as rank 0 (``python -m
+    model.planner.microbench --ranks``), which forks the others."""
+    import subprocess
+    import sys
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        mp.start_processes(_worker, args=(nproc, str(Path(tmp) / "store"), str(out)),
-                           nprocs=nproc, start_method="spawn")
+        code = subprocess.run([sys.executable, "-m", "model.planner.microbench", "--ranks",
+                               str(nproc), str(Path(tmp) / "store"), str(out)],
+                              cwd=REPO_ROOT, check=False).returncode
+        if code != 0:
+            raise RuntimeError(f"the microbenchmark's {nproc} ranks failed (exit code {code}); "
+                               "their error is printed above")
         return {"ranks": json.loads(out.read_text())}
 
 
@@ -563,5 +590,7 @@ def load_measured_cluster(name_or_path: str | Path, nproc: int | None,
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1:2] == ["--ranks"]:  # run_microbench's rank 0: --ranks N STORE OUT
+        raise SystemExit(_ranks(int(sys.argv[2]), sys.argv[3], sys.argv[4]))
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     print(json.dumps(measured_cluster_fields(n, refresh="--refresh" in sys.argv), indent=2))
