@@ -79,6 +79,7 @@ ENGINE_MAY_USE = {
     "model.parallel.dist_env",  # the torch.distributed environment variables a rank reads
     "model.parallel.threads",  # one thread per CPU rank: the environment a rank starts with
     "model.parallel.parent_death",  # a child dies with its parent: ranks, rank servers
+    "model.parallel.fork_server",  # fork_child: the one way a rank process is forked
 }
 """The only project modules outside the engine that it may name: plumbing its launcher and
 outputs share with the ranks, none of which decides what a stage computes."""
