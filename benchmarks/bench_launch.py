@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_results
-from benchmarks.timing import timed_command
+from benchmarks.timing import median_figures, timed_command
 from stages.mechanism.launch import RankSpec, local_command, rank_command, rank_environment
 from tests.train_helpers import tiny_config
 
@@ -68,10 +67,7 @@ def main() -> None:
                 wall, cpu = runs[name][-1]
                 print(f"[launch] {k + 1}/{args.repeats} {name:<8} {wall:5.2f} s wall, "
                       f"{cpu:5.2f} CPU-s", flush=True)
-    figures = {}
-    for name, got in runs.items():
-        figures[f"{name}_wall_s"] = round(statistics.median(w for w, _ in got), 3)
-        figures[f"{name}_cpu_s"] = round(statistics.median(c for _, c in got), 3)
+    figures = median_figures(runs, ("wall_s", "cpu_s"))
     figures["wall_ratio_torchrun_over_launcher"] = round(
         figures["torchrun_wall_s"] / figures["launcher_wall_s"], 3)
     figures["cpu_ratio_torchrun_over_launcher"] = round(

@@ -21,18 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.results import write_results  # noqa: E402 (needs the repository on sys.path)
+from benchmarks.timing import median_figures, timed_command  # noqa: E402
 
 RANKS = textwrap.dedent(
     """
@@ -84,11 +83,9 @@ def set_routes(routes: dict[str, list[str]], present: bool) -> None:
 def one_step(script: Path) -> tuple[float, float]:
     """(wall seconds of the srun step, the slowest rank's init_distributed seconds)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    started = time.monotonic()
-    proc = subprocess.run(["srun", "--nodes", "2", "--ntasks", "4", "--cpus-per-task=1",
-                           "--time=5", "--job-name=bench-rendezvous", sys.executable,
-                           str(script)], capture_output=True, text=True, env=env, check=False)
-    wall = time.monotonic() - started
+    wall, _, proc = timed_command(["srun", "--nodes", "2", "--ntasks", "4", "--cpus-per-task=1",
+                                   "--time=5", "--job-name=bench-rendezvous", sys.executable,
+                                   str(script)], ROOT, env)
     if proc.returncode != 0:
         raise SystemExit(f"the srun step failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -123,10 +120,7 @@ def main() -> None:
                           f"{met:5.2f} s to meet", flush=True)
         finally:
             set_routes(routes, present=True)
-    figures = {}
-    for way, got in runs.items():
-        figures[f"{way}_step_s"] = round(statistics.median(w for w, _ in got), 2)
-        figures[f"{way}_meet_s"] = round(statistics.median(m for _, m in got), 2)
+    figures = median_figures(runs, ("step_s", "meet_s"), digits=2)
     figures["step_ratio_timeouts_over_unreachable"] = round(
         figures["timeouts_step_s"] / figures["unreachable_step_s"], 2)
     write_results("bench_slurm_rendezvous", figures,

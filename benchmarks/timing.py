@@ -3,6 +3,7 @@ the command and every process it waited for."""
 from __future__ import annotations
 
 import resource
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -21,3 +22,11 @@ def timed_command(command: list[str], cwd: str | Path, env: dict[str, str] | Non
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return wall, cpu, proc
+
+
+def median_figures(runs: dict[str, list[tuple[float, ...]]], fields: tuple[str, ...],
+                   digits: int = 3) -> dict[str, float]:
+    """``{"<way>_<field>": median}`` over the repeats of each way, a run being one value per
+    field in ``fields`` order (say wall and CPU seconds)."""
+    return {f"{way}_{field}": round(statistics.median(run[i] for run in got), digits)
+            for way, got in runs.items() for i, field in enumerate(fields)}
