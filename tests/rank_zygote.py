@@ -4,8 +4,8 @@ A launch's rank 0 spends about 2.5 CPU seconds importing torch, its DTensor and 
 modules and the trainer before it does anything; the tests launch ranks hundreds of times.
 Instead they ask a zygote, an interpreter of their own process that has imported the ranks'
 modules and started no thread, to fork the launch (``run_forked``; ``ForkedLocalRanks``
-in place of ``stages.mechanism.launch.LocalRanks``; ``train_helpers.run_worker``, ``run_ranks`` and
-``run_script_ranks`` on top):
+in place of ``stages.mechanism.launch.LocalRanks``; ``train_helpers.run_worker``, ``run_ranks``,
+``run_script_ranks`` and ``run_function_ranks`` on top):
 
 - the zygote forks a launch process (its own process group, dying with the zygote), which
   takes the request's environment, working directory and output files (a FIFO for
@@ -14,8 +14,9 @@ in place of ``stages.mechanism.launch.LocalRanks``; ``train_helpers.run_worker``
   main as ``__main__`` (``runpy``) with the identity variables and rendezvous file the
   local launcher gives it, and forks its peers as under that launcher
   (``stages.mechanism.forked_ranks``); a one-rank launch without identity variables is a plain
-  ``python -m <worker>``. For a script, it forks one process per identity in the request,
-  as ``torchrun --standalone`` gives them (``torchrun_ranks``);
+  ``python -m <worker>``. For a script, or a function of a test module (called with its
+  rank and the request's JSON arguments), it forks one process per identity in the
+  request, as ``torchrun --standalone`` gives them (``torchrun_ranks``);
 - the launch process ends with the launch's code as a shell reports it; the zygote answers
   with it.
 
