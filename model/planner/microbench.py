@@ -37,8 +37,6 @@ from model.planner.cluster import (
 )
 from model.planner.microbench_cache import cache_file, locked, read_cached, write_cached
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 __all__ = ["cache_file", "load_measured_cluster", "measured_cluster_fields", "run_microbench",
            "summarise"]
 
@@ -432,11 +430,13 @@ def run_microbench(nproc: int) -> dict[str, Any]:
     import subprocess
     import sys
 
+    from model.parallel.fork_server import REPO
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         code = subprocess.run([sys.executable, "-m", "model.planner.microbench", "--ranks",
                                str(nproc), str(Path(tmp) / "store"), str(out)],
-                              cwd=REPO_ROOT, check=False).returncode
+                              cwd=REPO, check=False).returncode
         if code != 0:
             raise RuntimeError(f"the microbenchmark's {nproc} ranks failed (exit code {code}); "
                                "their error is printed above")
