@@ -264,17 +264,21 @@ def seed_microbench(microbench_cache: Path) -> Callable[..., Path]:
 
     ``seed(runs_dir, 3, 4)`` also files it as the measurement of 3 and 4 ranks, so a test
     planning other rank counts measures nothing (a minute each); the plans it picks may
-    differ from a fresh measurement's, which no test depends on."""
+    differ from a fresh measurement's, which no test depends on. ``hosts``: the names of
+    other machines that plan in this runs dir (the Slurm test cluster's nodes, one CPU with
+    this machine's), under which it is filed too."""
 
     from model.planner.microbench import cache_file
 
-    def seed(runs_dir: Path, *rank_counts: int) -> Path:
+    def seed(runs_dir: Path, *rank_counts: int, hosts: tuple[str, ...] = ()) -> Path:
         target = Path(runs_dir) / "cache" / "microbench" / microbench_cache.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(microbench_cache, target)
         measured = json.loads(microbench_cache.read_text())
-        for nproc in rank_counts:
-            cache_file(nproc, target.parent).write_text(json.dumps(measured | {"nproc": nproc}))
+        for host in (None, *hosts):
+            for nproc in sorted({measured["nproc"], *rank_counts}):
+                cache_file(nproc, target.parent, host).write_text(
+                    json.dumps(measured | {"nproc": nproc}))
         return target
 
     return seed
@@ -335,17 +339,15 @@ def micro_tokenize_output(made_once: Callable[..., Path], seed_microbench: Calla
     """The micro preset's published tokenize output, made once per test run (``made_once``)
     by the pipeline's command line (``--only curate``, then ``--only tokenize``); its stage
     directory (the curate output beside it, under ``stages/curate``)."""
-    import subprocess
-    import sys
+    from tests import warm_cli
 
     def make(directory: Path) -> None:
         runs = directory / "runs"
         seed_microbench(runs)
         seed_store(runs)
         for stage in ("curate", "tokenize"):
-            proc = subprocess.run([sys.executable, "-m", "workflows.pipeline", "--config",
-                                   "micro", "--runs-dir", str(runs), "--only", stage], cwd=REPO,
-                                  capture_output=True, text=True, timeout=600, check=False)
+            proc = warm_cli.run("workflows.pipeline", ["--config", "micro", "--runs-dir",
+                                                       str(runs), "--only", stage], timeout=600)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     runs = made_once("micro-tokenized", make) / "runs"

@@ -24,6 +24,7 @@ from pathlib import Path
 from stages.mechanism import tracking, tracking_store
 from stages.mechanism.attempt import PipelineContext
 from stages.mechanism.outputs import OUTPUTS_FILE, stage_dir
+from tests import warm_cli
 from tests.evalkit import StageRun, driver_records
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,10 +34,8 @@ SESSION_OVERRIDES = ("eval.ranks=2", "eval.log_model=true")  # every step's --se
 def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python -m workflows.pipeline --config micro`` on ``runs_dir``; it must succeed."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-           "--runs-dir", str(runs_dir), "--set", *SESSION_OVERRIDES, *args]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    argv = ["--config", "micro", "--runs-dir", str(runs_dir), "--set", *SESSION_OVERRIDES, *args]
+    proc = warm_cli.run("workflows.pipeline", argv, cwd=REPO, env=env, timeout=timeout)
     assert proc.returncode == 0, (f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
                                   f"\n{proc.stderr[-4000:]}")
     return proc

@@ -23,6 +23,7 @@ import pytest
 
 from model.planner.scaling import FRONTIER_NODES, efficiencies, frontier_ladder, point_batch
 from stages.mechanism import tracking, tracking_store
+from tests import warm_cli
 from workflows import scaling
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,11 +32,10 @@ DEVICES = (1, 2)  # ranks of the local studies: no more than the CI machine's 2 
 
 def run_study(runs_dir: Path, out: Path, mode: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = [sys.executable, "-m", "workflows.scaling", "--config", "micro", "--mode", mode,
-           "--devices", ",".join(map(str, DEVICES)), "--runs-dir", str(runs_dir),
-           "--out", str(out), "--set", "train.steps=3", "train.checkpoint_every=0"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
+    argv = ["--config", "micro", "--mode", mode, "--devices", ",".join(map(str, DEVICES)),
+            "--runs-dir", str(runs_dir), "--out", str(out), "--set", "train.steps=3",
+            "train.checkpoint_every=0"]
+    proc = warm_cli.run("workflows.scaling", argv, cwd=REPO, env=env, timeout=900)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from stages.mechanism import tracking, tracking_store
+from tests import warm_cli
 from tests.test_scaling import point_runs, read_csv, stage_dirs
 from tests.test_slurm_launch import slurm_env  # noqa: F401 - fixture
 from tests.test_slurm_multinode import multinode  # noqa: F401 - fixture
@@ -37,13 +37,11 @@ RANKS_PER_NODE = 2
 def run_study(runs_dir: Path, out: Path, mode: str, login_addr: str) -> str:
     """One study through the slurm site; its driver output."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    cmd = [sys.executable, "-m", "workflows.scaling", "--config", "micro", "--mode", mode,
-           "--devices", ",".join(map(str, DEVICES)), "--site", "slurm",
-           "--ranks-per-node", str(RANKS_PER_NODE), "--runs-dir", str(runs_dir),
-           "--out", str(out), "--set", f"site.address={login_addr}", *SLURM_SETTINGS,
-           "train.steps=3", "train.checkpoint_every=0"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
+    argv = ["--config", "micro", "--mode", mode, "--devices", ",".join(map(str, DEVICES)),
+            "--site", "slurm", "--ranks-per-node", str(RANKS_PER_NODE), "--runs-dir",
+            str(runs_dir), "--out", str(out), "--set", f"site.address={login_addr}",
+            *SLURM_SETTINGS, "train.steps=3", "train.checkpoint_every=0"]
+    proc = warm_cli.run("workflows.scaling", argv, cwd=REPO, env=env, timeout=900)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
 
@@ -66,7 +64,7 @@ def test_weak_study_across_two_nodes_runs_tracks_and_reruns_from_reuse(
         multinode, tmp_path: Path, seed_microbench: Callable[[Path], Path]) -> None:  # noqa: F811
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()
-    seed_microbench(runs_dir, *DEVICES)
+    seed_microbench(runs_dir, *DEVICES, hosts=tuple(multinode["hosts"]))
     first, second = multinode["hosts"][:2]
     out = tmp_path / "weak"
     run_study(runs_dir, out, "weak", multinode["login_addr"])

@@ -128,7 +128,7 @@ def micro_on_the_cluster(multinode, tmp_path_factory: pytest.TempPathFactory,
     once; its runs dir and the driver's console."""
     runs_dir = tmp_path_factory.mktemp("micro-on-the-cluster") / "runs"
     runs_dir.mkdir()
-    seed_microbench(runs_dir, 4)
+    seed_microbench(runs_dir, 4, hosts=tuple(multinode["hosts"]))
     proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}",
                      "site.tokenize_nodes=2", "parallel.rehearse=true", *DATA,
                      "eval.ranks=2", "parallel.nproc=4", "parallel.nodes=2", *FIXED,
@@ -163,6 +163,12 @@ def test_training_and_evaluation_run_as_srun_steps_of_jobs_of_their_own(micro_on
     assert children["evaluate"].data.metrics["eval_ranks"] == 2
     report = json.loads((stage_dir(runs_dir, "evaluate") / "report.json").read_text())
     assert report["eval_ranks"] == 2 and len(report["windows_per_rank"]) == 2
+    # The plan stage ran on a node (its own hostname) and priced the plan with the runs dir's
+    # copy of the measurement (``seed_microbench``'s hosts), measuring nothing there.
+    figures = json.loads((stage_dir(runs_dir, "plan") / "plan.json").read_text())["figures"]
+    assert figures["figures"] == "cached", figures
+    assert Path(figures["source"]).parent == runs_dir / "cache" / "microbench", figures
+    assert not Path(figures["source"]).name.startswith(f"microbench-{socket.gethostname()}-")
 
 
 @pytest.mark.timeout(1500)

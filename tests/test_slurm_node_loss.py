@@ -107,7 +107,7 @@ def test_training_survives_a_cancelled_job_and_a_lost_node(multinode, slurm_env,
                                                            tmp_path, seed_microbench):
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()
-    seed_microbench(runs_dir, 4)
+    seed_microbench(runs_dir, 4, hosts=tuple(multinode["hosts"]))
     lost = multinode["hosts"][1]  # not the first node: the batch script there lives on
     started = time.time()
     proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}", "parallel.nproc=4",

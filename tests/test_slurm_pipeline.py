@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +24,7 @@ from typing import Any
 import pytest
 
 from stages.mechanism import tracking, tracking_store
+from tests import warm_cli
 from tests.test_slurm_launch import SLURM_DIR, slurm_env  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,18 +79,16 @@ def complete_checkpoints(runs_dir: Path) -> list[Path]:
     return [p.parent for p in manifests if not p.parent.name.endswith(".tmp")]
 
 
-def start_cli(runs_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ)
-    cmd = [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-           "--runs-dir", str(runs_dir), "--site", "slurm",
-           "--set", *SLURM_SETTINGS, *overrides]
+def start_cli(runs_dir: Path, *overrides: str) -> warm_cli.WarmProcess:
+    argv = ["--config", "micro", "--runs-dir", str(runs_dir), "--site", "slurm",
+            "--set", *SLURM_SETTINGS, *overrides]
     with open(runs_dir.parent / f"{runs_dir.name}-driver.log", "w") as log:
         # The child keeps its own copy of the file descriptor.
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
+        return warm_cli.WarmProcess("workflows.pipeline", argv, cwd=REPO, stdout=log,
+                                    stderr=subprocess.STDOUT)
 
 
-def wait_cli(proc: subprocess.Popen, runs_dir: Path, timeout: float) -> str:
+def wait_cli(proc: warm_cli.WarmProcess, runs_dir: Path, timeout: float) -> str:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

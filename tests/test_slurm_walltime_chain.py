@@ -84,7 +84,7 @@ def test_training_chains_jobs_across_walltimes_bitwise(multinode, slurm_env, tmp
                                                        seed_microbench):
     runs_dir = tmp_path / "runs"
     runs_dir.mkdir()
-    seed_microbench(runs_dir)
+    seed_microbench(runs_dir, hosts=tuple(multinode["hosts"]))
     started = time.time()
     proc = start_cli(runs_dir, f"site.address={multinode['login_addr']}", *CHAIN_SETTINGS)
     try:

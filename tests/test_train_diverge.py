@@ -71,16 +71,13 @@ def test_the_pipeline_names_the_divergence_in_one_line(tokenized_runs_dir) -> No
     console ends with ``train failed: TrainingDiverged: ...``, no traceback anywhere in it,
     nothing retried, and the train stage's MLflow run is FAILED with the message as its
     ``error`` tag."""
-    import subprocess
-    import sys
-
     from stages.mechanism import tracking, tracking_store
+    from tests import warm_cli
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "workflows.pipeline", "--config", "micro", "--runs-dir",
-         str(tokenized_runs_dir), "--set", "train.lr=10000", "train.steps=40",
-         "train.checkpoint_every=5", "train.spike_window=5"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    proc = warm_cli.run("workflows.pipeline", [
+        "--config", "micro", "--runs-dir", str(tokenized_runs_dir), "--set", "train.lr=10000",
+        "train.steps=40", "train.checkpoint_every=5", "train.spike_window=5"],
+        cwd=REPO, timeout=600)
     console = proc.stdout + proc.stderr
     assert proc.returncode != 0, console[-3000:]
     assert "Traceback" not in console and "retrying" not in console, console[-6000:]

@@ -88,12 +88,17 @@ def exit_after(body: Callable[[], Any]) -> NoReturn:
         os._exit(code)
 
 
-def serve(reply_fd: int, run: Callable[[dict[str, Any], tuple[int, ...]], Any],
-          open_fds: Callable[[dict[str, Any]], tuple[int, ...]] | None = None) -> None:
+def serve(reply_fd: int, run: Callable[[dict[str, Any], tuple[int, ...]], Any] | None,
+          open_fds: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
+          ) -> tuple[dict[str, Any], tuple[int, ...]] | None:
     """The server's loop, after its imports: per request, ``open_fds(request)`` (descriptors
     opened before the fork, closed in the server after it), then a forked process that runs
     ``run(request, fds)`` (which should end through ``exit_after``); replies on
-    ``reply_fd``. Returns when the caller closes the server's stdin."""
+    ``reply_fd``. Returns None in the server when the caller closes the server's stdin.
+
+    With ``run`` None the forked process returns ``(request, fds)`` from here instead, to
+    run a program and end as an interpreter does (its atexit handlers run and its threads
+    are joined), not through ``exit_after``."""
     die_with_parent()
     replies = os.fdopen(reply_fd, "w")
 
@@ -107,12 +112,15 @@ def serve(reply_fd: int, run: Callable[[dict[str, Any], tuple[int, ...]], Any],
         pid = fork_child()
         if pid == 0:
             replies.close()
+            if run is None:
+                return request, fds
             exit_after(lambda: run(request, fds))
         for fd in fds:
             os.close(fd)
         reply({"pid": pid})
         _, status, usage = os.wait4(pid, 0)
         reply({"code": os.waitstatus_to_exitcode(status), "maxrss_kb": usage.ru_maxrss})
+    return None
 
 
 class ForkServer:

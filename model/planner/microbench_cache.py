@@ -88,10 +88,12 @@ def default_cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "frontier-llm"
 
 
-def cache_file(nproc: int, cache_dir: str | Path | None = None) -> Path:
+def cache_file(nproc: int, cache_dir: str | Path | None = None,
+               host: str | None = None) -> Path:
     """The cache file of this machine's figures for ``nproc`` ranks in ``cache_dir``
-    (default: ``default_cache_dir()``)."""
-    host = socket.gethostname().replace("/", "_")
+    (default: ``default_cache_dir()``), as the planner on ``host`` (default: this one) names
+    it."""
+    host = (host or socket.gethostname()).replace("/", "_")
     name = f"microbench-{host}-n{nproc}-{fingerprint_digest(fingerprint())}.json"
     return Path(cache_dir or default_cache_dir()) / name
 

@@ -15,11 +15,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 40  # the disk fills after the checkpoint of step 2; the next one fails
@@ -71,11 +72,9 @@ def run_pipeline(runs: Path, uri: str | None) -> tuple[int, str]:
     """The micro pipeline on ``runs`` (``uri`` None: the default store, in the runs dir)."""
     store = ["--tracking-uri", uri] if uri else []
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "workflows.pipeline", "--config", "configs/micro.yaml",
-             "--runs-dir", str(runs), *store, *SETTINGS],
-            cwd=REPO, capture_output=True, text=True, timeout=400, check=False,
-        )
+        proc = warm_cli.run("workflows.pipeline", ["--config", "configs/micro.yaml",
+                                                   "--runs-dir", str(runs), *store, *SETTINGS],
+                            cwd=REPO, timeout=400)
     except subprocess.TimeoutExpired as hung:  # show where it stopped, not only that it did
         said = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
                        for part in (hung.stdout, hung.stderr))

@@ -1,0 +1,227 @@
+"""Warm command lines for the tests: ``python -m workflows.pipeline ...`` forked from an
+interpreter that has imported the driver's libraries.
+
+A pipeline driver spends about 6 CPU seconds importing its libraries (Parsl, MLflow, torch,
+transformers, matplotlib, the stages) before it does anything, and the tests start dozens.
+``WarmProcess`` starts one the way ``subprocess.Popen([sys.executable, "-m", MODULE, *ARGS])``
+does, but forks it from a driver zygote, a fork server (``model.parallel.fork_server``) of
+this process that has imported ``PRELOAD`` and started no thread:
+
+- the process takes the request's working directory, environment, stdin ``/dev/null``, and
+  stdout and stderr: the caller's own descriptors (``None``), a file, ``subprocess.PIPE``,
+  ``DEVNULL`` or ``STDOUT``, reopened by the zygote through ``/proc/<caller>/fd``; a new
+  session when asked (``start_new_session``);
+- its process title is the command line it stands for (``setproctitle``), which ``ps`` and
+  psutil show, as one string;
+- it runs the module as ``__main__`` (``runpy``), with ``sys.argv`` as ``python -m`` sets
+  it, and ends as an interpreter does (atexit handlers, threads joined), with the code
+  ``Popen.returncode`` would give (negative for a signal); it dies with the zygote, which
+  dies with this process.
+
+So the driver, its Parsl executors, launches and MLflow runs are a real command line's; only
+the exec of a fresh interpreter is skipped. Tests whose subject is the process itself (its
+command line, its signals and children: ``tests/reliability/test_interrupt.py`` and the
+tests sharing its ``start_pipeline``), or that edit the project's code before running it
+(the reruns tests), start drivers with ``subprocess`` as before. A variable read at import
+time by a preloaded library comes from the zygote's start (this process's environment then).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+from model.parallel import fork_server
+
+REPO = Path(__file__).resolve().parent.parent
+# What a driver imports, at its top or when its stages run (the apps run as its threads in
+# the micro preset); the libraries they pull in come with them.
+PRELOAD = ("workflows.pipeline", "workflows.scaling", "workflows.session", "workflows.apps",
+           "workflows.executors", "parsl", "stages.curate.work", "stages.tokenize.work",
+           "stages.plan.work", "stages.train.work", "stages.evaluate.work",
+           "stages.mechanism.tracking", "mlflow.store.tracking.sqlalchemy_store",
+           "model.evaluation.export_hf", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt_neox.modeling_gpt_neox", "matplotlib.pyplot")
+ZYGOTES = "tests.warm_cli"
+"""The driver zygotes' pool (``fork_server.acquire``)."""
+Output = int | IO[Any] | None
+
+
+def _open_outputs(request: dict[str, Any]) -> tuple[int, int]:
+    """The process's stdout and stderr, opened in the zygote before the fork."""
+    return tuple(os.open(request[name], os.O_WRONLY | os.O_APPEND)
+                 for name in ("stdout", "stderr"))
+
+
+def _become(request: dict[str, Any], outputs: tuple[int, int]) -> None:
+    """In the forked process: take the request's session, directory, environment and
+    streams, then run the module as ``python -m`` would."""
+    import runpy
+
+    import setproctitle
+
+    if request["new_session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's stdin until it ends
+    for fd, out in zip((1, 2), outputs):
+        os.dup2(out, fd)
+        os.close(out)
+    setproctitle.setproctitle(" ".join(request["title"]))
+    sys.argv = [request["module"], *request["argv"]]
+    # Preloaded, the module would run as __main__ beside its imported copy (runpy warns);
+    # ``python -m`` has only the __main__ one until something imports the module.
+    sys.modules.pop(request["module"], None)
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+def serve(reply_fd: int) -> None:
+    """The zygote: import ``PRELOAD``, then fork a process per request; in that process,
+    become the request's command line."""
+    import importlib
+
+    import setproctitle
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # setproctitle finds the memory it may write the title to on its first call, from the
+    # environment too: here, before a process replaces its environment.
+    setproctitle.setproctitle(" ".join(sys.orig_argv))
+    forked = fork_server.serve(reply_fd, None, _open_outputs)
+    if forked is not None:
+        _become(*forked)
+
+
+def _acquire() -> fork_server.ForkServer:
+    command = [sys.executable, "-c",
+               "import sys; from tests.warm_cli import serve; serve(int(sys.argv[1]))"]
+    return fork_server.acquire(ZYGOTES, lambda: fork_server.ForkServer(
+        command, env=dict(os.environ)))
+
+
+def _output_path(target: Output, default_fd: int) -> str:
+    """Where the zygote opens an output that is not a new pipe: this process's own
+    descriptor (``None``), a file or descriptor of it, or ``/dev/null``."""
+    if target is None:
+        return f"/proc/{os.getpid()}/fd/{default_fd}"
+    if target == subprocess.DEVNULL:
+        return os.devnull
+    fd = target if isinstance(target, int) else target.fileno()
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+class WarmProcess:
+    """``subprocess.Popen([sys.executable, "-m", module, *argv], ...)`` forked from a driver
+    zygote: ``pid``, ``args``, ``stdout``/``stderr`` (with ``PIPE``), ``returncode``,
+    ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate``, ``kill``."""
+
+    def __init__(self, module: str, argv: list[str], *, cwd: Path = REPO,
+                 env: dict[str, str] | None = None, stdout: Output = None,
+                 stderr: Output = None, start_new_session: bool = False) -> None:
+        self.args = [sys.executable, "-m", module, *argv]
+        self.returncode: int | None = None
+        self.stdout = self.stderr = None
+        paths, ours = [], []  # (path for the zygote), (pipe write ends to close here)
+        for name, target, fd in (("stdout", stdout, 1), ("stderr", stderr, 2)):
+            if target == subprocess.PIPE:
+                read, write = os.pipe()
+                setattr(self, name, open(read, errors="replace"))  # noqa: SIM115
+                paths.append(f"/proc/{os.getpid()}/fd/{write}")
+                ours.append(write)
+            elif name == "stderr" and target == subprocess.STDOUT:
+                paths.append(paths[0])
+            else:
+                paths.append(_output_path(target, fd))
+        self._zygote = _acquire()
+        try:
+            self.pid = self._zygote.start({
+                "module": module, "argv": list(argv), "title": self.args, "cwd": str(cwd),
+                "env": dict(os.environ if env is None else env), "stdout": paths[0],
+                "stderr": paths[1], "new_session": start_new_session})
+        except BaseException:
+            fork_server.release(self._zygote)
+            raise
+        finally:
+            for fd in ours:  # the process holds its own copies now
+                os.close(fd)
+        self.printed: dict[str, str] = {}  # what the pipes brought so far (``communicate``)
+        self._readers: list[threading.Thread] = []
+        self._ended = threading.Event()
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _reap(self) -> None:
+        try:
+            self.returncode = self._zygote.finish()["code"]
+        except RuntimeError:  # the zygote was ended (this process exiting): the process with it
+            self.returncode = -signal.SIGKILL
+        finally:
+            fork_server.release(self._zygote)
+            self._ended.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._ended.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
+        """What the process printed to its pipes, once it ended; past ``timeout``
+        ``TimeoutExpired``, the process still running (``printed`` then holds what it said
+        so far, once it is killed)."""
+        if not self._readers:
+            self._readers = [threading.Thread(target=self._read, args=(name, stream),
+                                              daemon=True)
+                             for name, stream in (("stdout", self.stdout),
+                                                  ("stderr", self.stderr)) if stream]
+            for reader in self._readers:
+                reader.start()
+        self.wait(timeout)
+        for reader in self._readers:
+            reader.join()
+        return self.printed.get("stdout"), self.printed.get("stderr")
+
+    def _read(self, name: str, stream: IO[str]) -> None:
+        self.printed[name] = ""
+        for chunk in iter(lambda: stream.read(65536), ""):
+            self.printed[name] += chunk
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def run(module: str, argv: list[str], *, timeout: float, cwd: Path = REPO,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
+    text=True, timeout=timeout)`` with a ``WarmProcess``; killed past ``timeout``
+    (``TimeoutExpired``)."""
+    proc = WarmProcess(module, argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        for reader in proc._readers:
+            reader.join(5)
+        raise subprocess.TimeoutExpired(proc.args, timeout, proc.printed.get("stdout"),
+                                        proc.printed.get("stderr")) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
