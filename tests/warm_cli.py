@@ -18,12 +18,13 @@ this process that has imported ``PRELOAD`` and started no thread:
   ``Popen.returncode`` would give (negative for a signal); it dies with the zygote, which
   dies with this process.
 
-So the driver, its Parsl executors, launches and MLflow runs are a real command line's; only
-the exec of a fresh interpreter is skipped. Tests whose subject is the process itself (its
-command line, its signals and children: ``tests/reliability/test_interrupt.py`` and the
-tests sharing its ``start_pipeline``), or that edit the project's code before running it
-(the reruns tests), start drivers with ``subprocess`` as before. A variable read at import
-time by a preloaded library comes from the zygote's start (this process's environment then).
+So the driver, its signals, children, Parsl executors, launches and MLflow runs are a real
+command line's; only the exec of a fresh interpreter is skipped. Tests that run a copy of
+the project's code (``test_two_pipelines.py``, the reruns tests), or whose subject is what a
+fresh interpreter does before any work (the real console of ``test_bad_inputs.py`` and
+``test_tracking_start.py``, the imports of ``--dry-run``), start drivers with
+``subprocess``. A variable read at import time by a preloaded library comes from the
+zygote's start (this process's environment then).
 """
 from __future__ import annotations
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _pipeline(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workflows.pipeline", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return warm_cli.run("workflows.pipeline", list(args), cwd=REPO, timeout=timeout)
 
 
 def test_runs_dir_with_a_space_is_refused_before_any_work(tmp_path, pipeline_main):

@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "configs/micro.yaml"
@@ -42,7 +43,7 @@ pytestmark = pytest.mark.slow
 class Driver:
     """One ``python -m workflows.pipeline`` process; its console goes to ``log``."""
 
-    proc: subprocess.Popen
+    proc: warm_cli.WarmProcess
     runs: Path
     log: Path
 
@@ -62,11 +63,11 @@ def start_pipeline(runs: Path, *overrides: str, new_session: bool = False) -> Dr
     """Start the pipeline CLI on configs/micro.yaml in ``runs`` (console to a file)."""
     runs.mkdir(parents=True, exist_ok=True)
     log = runs.parent / f"{runs.name}-console-{time.monotonic_ns()}.txt"
-    command = [sys.executable, "-m", "workflows.pipeline", "--config", CONFIG,
-               "--runs-dir", str(runs), "--set", *overrides]
+    argv = ["--config", CONFIG, "--runs-dir", str(runs), "--set", *overrides]
     with open(log, "w") as console:
-        proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=console,
-                                stderr=subprocess.STDOUT, start_new_session=new_session)
+        proc = warm_cli.WarmProcess("workflows.pipeline", argv, cwd=REPO, env=dict(os.environ),
+                                    stdout=console, stderr=subprocess.STDOUT,
+                                    start_new_session=new_session)
     return Driver(proc, runs, log)
 
 
