@@ -1,11 +1,13 @@
 """Warm command lines for the tests: ``python -m workflows.pipeline ...`` forked from an
 interpreter that has imported the driver's libraries.
 
-A pipeline driver spends about 6 CPU seconds importing its libraries (Parsl, MLflow, torch,
-transformers, matplotlib, the stages) before it does anything, and the tests start dozens.
+A micro pipeline's driver imports about 6 CPU seconds of libraries (Parsl, MLflow, torch,
+transformers, matplotlib, the stages; 6.2 measured on the CI machine) and parses the
+project's sources for its code keys (0.6), and the tests start dozens of drivers.
 ``WarmProcess`` starts one the way ``subprocess.Popen([sys.executable, "-m", MODULE, *ARGS])``
 does, but forks it from a driver zygote, a fork server (``model.parallel.fork_server``) of
-this process that has imported ``PRELOAD`` and started no thread:
+this process that has imported ``PRELOAD``, parsed the sources (a memo keyed by each file's
+content, so an edited file is parsed again) and started no thread:
 
 - the process takes the request's working directory, environment, stdin ``/dev/null``, and
   stdout and stderr: the caller's own descriptors (``None``), a file, ``subprocess.PIPE``,
@@ -92,8 +94,14 @@ def serve(reply_fd: int) -> None:
 
     import setproctitle
 
+    from stages.mechanism import keys
+    from stages.registry import PIPELINE
+
     for name in PRELOAD:
         importlib.import_module(name)
+    # The code keys' parse of every source file, memoized by the file's content (0.6 CPU
+    # seconds a driver): a driver parses again only what changed since.
+    keys.code_hashes(PIPELINE)
     # setproctitle finds the memory it may write the title to on its first call, from the
     # environment too: here, before a process replaces its environment.
     setproctitle.setproctitle(" ".join(sys.orig_argv))
