@@ -64,14 +64,7 @@ def _launch_process(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     from stages.mechanism.launch import STACKS_SIGNAL
 
     os.setpgid(0, 0)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    for fd, out in zip((1, 2), outputs):
-        os.dup2(out, fd)
+    fork_server.take_request(request["cwd"], request["env"], outputs)
     # The stacks signal is for the ranks (``stacks_then_kill``); its default would end this
     # process, and the ranks with it.
     signal.signal(STACKS_SIGNAL, signal.SIG_IGN)

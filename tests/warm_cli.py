@@ -69,16 +69,8 @@ def _become(request: dict[str, Any], outputs: tuple[int, int]) -> None:
 
     if request["new_session"]:
         os.setsid()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+    fork_server.take_request(request["cwd"], request["env"], outputs)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's stdin until it ends
-    for fd, out in zip((1, 2), outputs):
-        os.dup2(out, fd)
-        os.close(out)
     setproctitle.setproctitle(" ".join(request["title"]))
     sys.argv = [request["module"], *request["argv"]]
     # Preloaded, the module would run as __main__ beside its imported copy (runpy warns);

@@ -88,6 +88,22 @@ def exit_after(body: Callable[[], Any]) -> NoReturn:
         os._exit(code)
 
 
+def take_request(cwd: str, env: Mapping[str, str], outputs: tuple[int, int]) -> None:
+    """In a forked process: take the request's working directory and environment, stdin
+    ``/dev/null`` (not the server's request pipe), and ``outputs`` (descriptors the server
+    opened) as stdout and stderr."""
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, out in zip((1, 2), outputs):
+        os.dup2(out, fd)
+    for out in set(outputs) - {0, 1, 2}:
+        os.close(out)
+
+
 def serve(reply_fd: int, run: Callable[[dict[str, Any], tuple[int, ...]], Any] | None,
           open_fds: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
           ) -> tuple[dict[str, Any], tuple[int, ...]] | None:
