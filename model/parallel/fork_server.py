@@ -12,8 +12,9 @@ Starting an interpreter for a rank costs seconds of imports (torch, DTensor, the
 before it does anything. A fork server is an interpreter that has imported what its
 processes need, and started no thread, then forks one process per request; each process
 costs its work. The rehearsal's rank server (``model.rehearsal.rank_server``) is one, the
-tests' rank zygote (``tests/rank_zygote.py``) another: they differ in what a process does,
-not in how it starts, ends and is reported.
+tests' rank zygote (``tests/rank_zygote.py``) another, and the tests' driver zygote
+(``tests/warm_cli.py``, whose processes are pipeline command lines, not ranks) a third:
+they differ in what a process does, not in how it starts and is reported.
 
 - A request is one JSON line on the server's stdin. The server answers on the pipe whose
   descriptor is its command's last argument: ``{"pid": <pid>}`` once the process is forked,
@@ -23,7 +24,8 @@ not in how it starts, ends and is reported.
   signals): a killed caller leaves nothing behind.
 - A forked process ends through ``exit_after``: its code (0, ``SystemExit``'s, or 1 with the
   traceback printed as the interpreter prints it), its streams flushed, never returning into
-  the server's loop.
+  the server's loop; or, for a program run as the interpreter's main one (``serve`` with no
+  ``run``), as that interpreter ends.
 """
 from __future__ import annotations
 
