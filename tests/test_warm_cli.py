@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests import warm_cli
 
@@ -52,3 +53,10 @@ def test_a_signalled_process_in_its_own_session_and_its_merged_output_file(tmp_p
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == -signal.SIGTERM
     assert log.read_text().splitlines()[:2] == ["asleep", "on stderr"]
+
+
+def test_run_past_its_timeout_kills_the_process_and_keeps_what_it_printed():
+    with pytest.raises(subprocess.TimeoutExpired) as expired:
+        warm_cli.run("timeit", timeit_argv("import time; print('started', flush=True); "
+                                           "time.sleep(60)"), timeout=3)
+    assert expired.value.stdout == "started\n"

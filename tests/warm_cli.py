@@ -154,7 +154,7 @@ class WarmProcess:
         finally:
             for fd in ours:  # the process holds its own copies now
                 os.close(fd)
-        self.printed: dict[str, str] = {}  # what the pipes brought so far (``communicate``)
+        self._chunks: dict[str, list[str]] = {}  # what the pipes brought (``communicate``)
         self._readers: list[threading.Thread] = []
         self._ended = threading.Event()
         threading.Thread(target=self._reap, daemon=True).start()
@@ -179,8 +179,7 @@ class WarmProcess:
 
     def communicate(self, timeout: float | None = None) -> tuple[str | None, str | None]:
         """What the process printed to its pipes, once it ended; past ``timeout``
-        ``TimeoutExpired``, the process still running (``printed`` then holds what it said
-        so far, once it is killed)."""
+        ``TimeoutExpired``, the process still running (``kill_and_collect`` then)."""
         if not self._readers:
             self._readers = [threading.Thread(target=self._read, args=(name, stream),
                                               daemon=True)
@@ -191,12 +190,25 @@ class WarmProcess:
         self.wait(timeout)
         for reader in self._readers:
             reader.join()
-        return self.printed.get("stdout"), self.printed.get("stderr")
+        return self._printed()
+
+    def kill_and_collect(self, grace_s: float = 5.0) -> tuple[str | None, str | None]:
+        """Kill the process; what it printed to its pipes until then (what its children
+        still holding them print within ``grace_s`` too)."""
+        self.kill()
+        self.wait()
+        for reader in self._readers:
+            reader.join(grace_s)
+        return self._printed()
 
     def _read(self, name: str, stream: IO[str]) -> None:
-        self.printed[name] = ""
+        chunks = self._chunks.setdefault(name, [])
         for chunk in iter(lambda: stream.read(65536), ""):
-            self.printed[name] += chunk
+            chunks.append(chunk)
+
+    def _printed(self) -> tuple[str | None, str | None]:
+        return tuple("".join(self._chunks[name]) if name in self._chunks else None
+                     for name in ("stdout", "stderr"))
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
@@ -219,10 +231,5 @@ def run(module: str, argv: list[str], *, timeout: float, cwd: Path = REPO,
     try:
         out, err = proc.communicate(timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        for reader in proc._readers:
-            reader.join(5)
-        raise subprocess.TimeoutExpired(proc.args, timeout, proc.printed.get("stdout"),
-                                        proc.printed.get("stderr")) from None
+        raise subprocess.TimeoutExpired(proc.args, timeout, *proc.kill_and_collect()) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
