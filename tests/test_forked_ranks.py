@@ -124,9 +124,9 @@ def test_exit_code_of_a_signalled_process_is_128_plus_the_signal() -> None:
 def test_every_forked_process_is_made_by_fork_child() -> None:
     """One way to fork a rank: the launcher's peers, the microbenchmark's, the tests' zygote's
     launches and ranks and the rehearsal's rank processes all come from
-    ``fork_server.fork_child`` (their
-    identity, their death with their parent); no other code of the project calls
-    ``os.fork`` (the lock tests' ``multiprocessing`` children are not ranks)."""
+    ``fork_server.fork_child`` (their identity, their death with their parent); no other
+    code of the project calls ``os.fork`` (the lock tests' ``multiprocessing`` children are
+    not ranks)."""
     import ast
 
     forks = []

@@ -110,8 +110,8 @@ def _acquire() -> fork_server.ForkServer:
 
 
 def _output_path(target: Output, default_fd: int) -> str:
-    """Where the zygote opens an output that is not a new pipe: this process's own
-    descriptor (``None``), a file or descriptor of it, or ``/dev/null``."""
+    """Where the zygote opens an output: this process's own descriptor (``None``), a file or
+    descriptor of it (a new pipe's write end among them), or ``/dev/null``."""
     if target is None:
         return f"/proc/{os.getpid()}/fd/{default_fd}"
     if target == subprocess.DEVNULL:
@@ -136,7 +136,7 @@ class WarmProcess:
             if target == subprocess.PIPE:
                 read, write = os.pipe()
                 setattr(self, name, open(read, errors="replace"))  # noqa: SIM115
-                paths.append(f"/proc/{os.getpid()}/fd/{write}")
+                paths.append(_output_path(write, fd))
                 ours.append(write)
             elif name == "stderr" and target == subprocess.STDOUT:
                 paths.append(paths[0])
