@@ -35,7 +35,8 @@ def run_cli(runs_dir: Path, *args: str, timeout: int = 600) -> subprocess.Comple
     """``python -m workflows.pipeline --config micro`` on ``runs_dir``; it must succeed."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     argv = ["--config", "micro", "--runs-dir", str(runs_dir), "--set", *SESSION_OVERRIDES, *args]
-    proc = warm_cli.run("workflows.pipeline", argv, cwd=REPO, env=env, timeout=timeout)
+    proc = warm_cli.run("workflows.pipeline", argv, cwd=REPO, env=env, timeout=timeout,
+                        forked_launches=True)
     assert proc.returncode == 0, (f"pipeline failed ({proc.returncode}):\n{proc.stdout[-4000:]}"
                                   f"\n{proc.stderr[-4000:]}")
     return proc

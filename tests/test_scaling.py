@@ -35,7 +35,8 @@ def run_study(runs_dir: Path, out: Path, mode: str) -> subprocess.CompletedProce
     argv = ["--config", "micro", "--mode", mode, "--devices", ",".join(map(str, DEVICES)),
             "--runs-dir", str(runs_dir), "--out", str(out), "--set", "train.steps=3",
             "train.checkpoint_every=0"]
-    proc = warm_cli.run("workflows.scaling", argv, cwd=REPO, env=env, timeout=900)
+    proc = warm_cli.run("workflows.scaling", argv, cwd=REPO, env=env, timeout=900,
+                        forked_launches=True)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 

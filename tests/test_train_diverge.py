@@ -77,7 +77,7 @@ def test_the_pipeline_names_the_divergence_in_one_line(tokenized_runs_dir) -> No
     proc = warm_cli.run("workflows.pipeline", [
         "--config", "micro", "--runs-dir", str(tokenized_runs_dir), "--set", "train.lr=10000",
         "train.steps=40", "train.checkpoint_every=5", "train.spike_window=5"],
-        cwd=REPO, timeout=600)
+        cwd=REPO, timeout=600, forked_launches=True)
     console = proc.stdout + proc.stderr
     assert proc.returncode != 0, console[-3000:]
     assert "Traceback" not in console and "retrying" not in console, console[-6000:]

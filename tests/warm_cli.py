@@ -21,7 +21,9 @@ content, so an edited file is parsed again) and started no thread:
   dies with this process.
 
 So the driver, its signals, children, Parsl executors, launches and MLflow runs are a real
-command line's; only the exec of a fresh interpreter is skipped. Tests that run a copy of
+command line's; only the exec of a fresh interpreter is skipped. With ``forked_launches``
+its local launches fork as well (``tests/launch_zygote.py``), for tests whose subject is
+not the launch's processes. Tests that run a copy of
 the project's code (``test_two_pipelines.py``, the reruns tests), or whose subject is what a
 fresh interpreter does before any work (the real console of ``test_bad_inputs.py`` and
 ``test_tracking_start.py``, the imports of ``--dry-run``), start drivers with
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from model.parallel import fork_server
+from tests import launch_zygote, rank_zygote
 
 REPO = Path(__file__).resolve().parent.parent
 # What a driver imports, at its top or when its stages run (the apps run as its threads in
@@ -48,7 +51,10 @@ PRELOAD = ("workflows.pipeline", "workflows.scaling", "workflows.session", "work
            "stages.plan.work", "stages.train.work", "stages.evaluate.work",
            "stages.mechanism.tracking", "mlflow.store.tracking.sqlalchemy_store",
            "model.evaluation.export_hf", "transformers.models.llama.modeling_llama",
-           "transformers.models.gpt_neox.modeling_gpt_neox", "matplotlib.pyplot")
+           "transformers.models.gpt_neox.modeling_gpt_neox", "matplotlib.pyplot",
+           # and the ranks' own, for the launches of a driver that forks them
+           # (``forked_launches``)
+           *rank_zygote.PRELOAD)
 ZYGOTES = "tests.warm_cli"
 """The driver zygotes' pool (``fork_server.acquire``)."""
 Output = int | IO[Any] | None
@@ -72,6 +78,8 @@ def _become(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     fork_server.take_request(request["cwd"], request["env"], outputs)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's stdin until it ends
     setproctitle.setproctitle(" ".join(request["title"]))
+    if request["forked_launches"]:
+        launch_zygote.start()
     sys.argv = [request["module"], *request["argv"]]
     # Preloaded, the module would run as __main__ beside its imported copy (runpy warns);
     # ``python -m`` has only the __main__ one until something imports the module.
@@ -127,7 +135,8 @@ class WarmProcess:
 
     def __init__(self, module: str, argv: list[str], *, cwd: Path = REPO,
                  env: dict[str, str] | None = None, stdout: Output = None,
-                 stderr: Output = None, start_new_session: bool = False) -> None:
+                 stderr: Output = None, start_new_session: bool = False,
+                 forked_launches: bool = False) -> None:
         self.args = [sys.executable, "-m", module, *argv]
         self.returncode: int | None = None
         self.stdout = self.stderr = None
@@ -147,7 +156,8 @@ class WarmProcess:
             self.pid = self._zygote.start({
                 "module": module, "argv": list(argv), "title": self.args, "cwd": str(cwd),
                 "env": dict(os.environ if env is None else env), "stdout": paths[0],
-                "stderr": paths[1], "new_session": start_new_session})
+                "stderr": paths[1], "new_session": start_new_session,
+                "forked_launches": forked_launches})
         except BaseException:
             fork_server.release(self._zygote)
             raise
@@ -222,12 +232,13 @@ class WarmProcess:
 
 
 def run(module: str, argv: list[str], *, timeout: float, cwd: Path = REPO,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        env: dict[str, str] | None = None, forked_launches: bool = False
+        ) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
     text=True, timeout=timeout)`` with a ``WarmProcess``; killed past ``timeout``
     (``TimeoutExpired``)."""
     proc = WarmProcess(module, argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE)
+                       stderr=subprocess.PIPE, forked_launches=forked_launches)
     try:
         out, err = proc.communicate(timeout)
     except subprocess.TimeoutExpired:

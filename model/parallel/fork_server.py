@@ -4,7 +4,8 @@ interpreter, and the fork server, a warm interpreter that forks a process per re
 
 ``fork_child`` makes every forked rank: the local launcher's ranks 1 .. n-1, forked by rank 0
 (``stages.mechanism.forked_ranks.fork_peers``), the tests' zygote's launches and their
-ranks (``tests/rank_zygote.py``), and the rehearsal's rank processes
+ranks (``tests/rank_zygote.py``), the launches of the tests' forked drivers and their rank
+0 (``tests/launch_zygote.py``), and the rehearsal's rank processes
 (``model.rehearsal.rank_server``). What a fork server's processes do differs; how they
 start, with their identity, and die with their parent is this one function.
 
@@ -13,8 +14,10 @@ before it does anything. A fork server is an interpreter that has imported what 
 processes need, and started no thread, then forks one process per request; each process
 costs its work. The rehearsal's rank server (``model.rehearsal.rank_server``) is one, the
 tests' rank zygote (``tests/rank_zygote.py``) another, and the tests' driver zygote
-(``tests/warm_cli.py``, whose processes are pipeline command lines, not ranks) a third:
-they differ in what a process does, not in how it starts and is reported.
+(``tests/warm_cli.py``, whose processes are pipeline command lines, not ranks) a third;
+a driver it forks may fork a launch zygote of its own (``tests/launch_zygote.py``, requests
+over a Unix socket from its ranks commands). They differ in what a process does, not in how
+it starts and is reported.
 
 - A request is one JSON line on the server's stdin. The server answers on the pipe whose
   descriptor is its command's last argument: ``{"pid": <pid>}`` once the process is forked,

@@ -74,7 +74,7 @@ def run_pipeline(runs: Path, uri: str | None) -> tuple[int, str]:
     try:
         proc = warm_cli.run("workflows.pipeline", ["--config", "configs/micro.yaml",
                                                    "--runs-dir", str(runs), *store, *SETTINGS],
-                            cwd=REPO, timeout=400)
+                            cwd=REPO, timeout=400, forked_launches=True)
     except subprocess.TimeoutExpired as hung:  # show where it stopped, not only that it did
         said = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part or ""
                        for part in (hung.stdout, hung.stderr))

@@ -14,7 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _pipeline(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return warm_cli.run("workflows.pipeline", list(args), cwd=REPO, timeout=timeout)
+    return warm_cli.run("workflows.pipeline", list(args), cwd=REPO, timeout=timeout,
+                        forked_launches=True)
 
 
 def test_runs_dir_with_a_space_is_refused_before_any_work(tmp_path, pipeline_main):

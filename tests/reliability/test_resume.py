@@ -59,15 +59,19 @@ class Driver:
         return self.log.read_text(errors="replace")
 
 
-def start_pipeline(runs: Path, *overrides: str, new_session: bool = False) -> Driver:
-    """Start the pipeline CLI on configs/micro.yaml in ``runs`` (console to a file)."""
+def start_pipeline(runs: Path, *overrides: str, new_session: bool = False,
+                   forked_launches: bool = False) -> Driver:
+    """Start the pipeline CLI on configs/micro.yaml in ``runs`` (console to a file);
+    ``forked_launches``: its launches forked warm (``tests.launch_zygote``), for a test
+    whose subject is not the launch's processes."""
     runs.mkdir(parents=True, exist_ok=True)
     log = runs.parent / f"{runs.name}-console-{time.monotonic_ns()}.txt"
     argv = ["--config", CONFIG, "--runs-dir", str(runs), "--set", *overrides]
     with open(log, "w") as console:
         proc = warm_cli.WarmProcess("workflows.pipeline", argv, cwd=REPO, env=dict(os.environ),
                                     stdout=console, stderr=subprocess.STDOUT,
-                                    start_new_session=new_session)
+                                    start_new_session=new_session,
+                                    forked_launches=forked_launches)
     return Driver(proc, runs, log)
 
 
@@ -233,7 +237,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory,
     runs = tmp_path_factory.mktemp("reference") / "runs"
     seed_microbench(runs)
     seed_store(runs)
-    driver = start_pipeline(runs, *TRAINING, "site.retries=0")
+    driver = start_pipeline(runs, *TRAINING, "site.retries=0", forked_launches=True)
     losses: list[list[float]] = []
 
     def result() -> list[float]:
@@ -256,7 +260,7 @@ def test_rerun_resumes_a_killed_training_with_identical_losses(
 ) -> None:
     runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
     overrides = (*TRAINING, "site.retries=0")
-    drivers.append(start_pipeline(runs_dir, *overrides))
+    drivers.append(start_pipeline(runs_dir, *overrides, forked_launches=True))
     first = drivers[-1]
     kill_rank_after_checkpoint(first)
     code = first.wait()
@@ -269,7 +273,7 @@ def test_rerun_resumes_a_killed_training_with_identical_losses(
         "status.json").read_text())
     assert status["state"] == "failed"
 
-    drivers.append(start_pipeline(runs_dir, *overrides))
+    drivers.append(start_pipeline(runs_dir, *overrides, forked_launches=True))
     second = drivers[-1]
     code = second.wait()
     console = second.console()
@@ -288,7 +292,8 @@ def test_retry_resumes_a_killed_rank_within_the_run(
     tokenized_runs_dir: Path, drivers: list[Driver], reference: Callable[[], list[float]]
 ) -> None:
     runs_dir = tokenized_runs_dir  # tokenize reused: training starts sooner
-    drivers.append(start_pipeline(runs_dir, *TRAINING))  # site.retries: the default, 1
+    drivers.append(start_pipeline(runs_dir, *TRAINING,  # site.retries: the default, 1
+                                  forked_launches=True))
     driver = drivers[-1]
     kill_rank_after_checkpoint(driver)
     code = driver.wait()

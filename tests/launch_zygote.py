@@ -1,0 +1,198 @@
+"""Warm local launches for a driver the tests fork (``tests.warm_cli``, ``forked_launches``).
+
+The local site starts a ranks stage with the shell command ``exec python -m
+stages.mechanism.launch --spec PATH`` (``workflows.ranks.ranks_command``): a fresh launcher
+whose rank 0, a fresh interpreter too, imports torch, the trainer and (the logger rank)
+MLflow, about 6 CPU seconds a launch before any work. A driver forked from the tests' warm
+driver zygote has all of that imported already, so at its start, while it runs no thread,
+``start`` forks a launch zygote from it and has its ranks commands run
+``python -m tests.launch_client`` in place of the launcher:
+
+- the client (``tests/launch_client.py``, standard library only) sends its argv, directory,
+  environment and output streams (``/proc/<client>/fd/1`` and ``2``) to the zygote over a
+  Unix socket named by ``SOCKET_VAR``, forwards the signals it gets to the launch, and ends
+  as the launch ended (its code; killed by the same signal);
+- per connection the zygote forks a handler, which forks the launch: it takes the client's
+  directory, environment and streams, shows the launcher's command line as its title and
+  runs ``stages.mechanism.launch.main`` with ``RankZeroForkedHere`` as its ``LocalRanks``:
+  rank 0 is forked from the launch (warm) instead of started, with the identity, rendezvous
+  file, process group and output pipe ``LocalRanks`` gives it, and forks its peers as
+  always. The handler kills the launch when the client's connection closes first (a
+  client killed by SIGKILL), and sends the launch's exit code back;
+- the zygote is in a process group of its own (a signal to the driver's group reaches the
+  launch only through the client, as it reaches a launcher only through its shell), and
+  dies with the driver; the handlers and launches die with it.
+
+So what the launcher does (streaming the ranks' output, their exit codes, the rank error
+file, killing the ranks when it dies) is the real launcher's; only the two execs are
+skipped. Tests whose subject is the launch's processes (the driver's signals, orphans) keep
+real launchers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from model.parallel import fork_server
+from stages.mechanism.launch import LocalRanks, RankSpec
+
+SOCKET_VAR = "FRONTIER_LLM_TESTS_LAUNCH_SOCKET"
+"""Where a launch client finds its driver's launch zygote."""
+CLIENT_MODULE = "tests.launch_client"
+LAUNCHER_MODULE = "stages.mechanism.launch"
+POLL_S = 0.2
+
+
+def start() -> None:
+    """In a forked driver that runs no thread yet: fork its launch zygote and have its local
+    ranks commands use it (``SOCKET_VAR``, ``workflows.ranks.ranks_command``)."""
+    import setproctitle
+
+    import workflows.ranks
+
+    path = Path(tempfile.mkdtemp(prefix="launches-")) / "socket"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    if fork_server.fork_child() == 0:
+        os.setpgid(0, 0)
+        setproctitle.setproctitle(f"{sys.executable} -c tests.launch_zygote.serve")
+        fork_server.exit_after(lambda: _serve(listener))
+    listener.close()
+    os.environ[SOCKET_VAR] = str(path)
+    real = workflows.ranks.ranks_command
+
+    def ranks_command(cfg: Any, spec: RankSpec, spec_path: str | Path) -> str:
+        command = real(cfg, spec, spec_path)
+        if cfg.site.name != "local":
+            return command
+        launcher = f" -m {LAUNCHER_MODULE} --spec "
+        assert launcher in command, command
+        return command.replace(launcher, f" -m {CLIENT_MODULE} --spec ")
+
+    workflows.ranks.ranks_command = ranks_command
+
+
+def _serve(listener: socket.socket) -> None:
+    """The zygote: a handler forked per connection (they reap themselves)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    while True:
+        conn, _ = listener.accept()
+        if fork_server.fork_child() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            fork_server.exit_after(lambda: _handle(conn))
+        conn.close()
+
+
+def _handle(conn: socket.socket) -> None:
+    """A handler: fork the client's launch, wait for it (or kill it when the client went
+    first), send its exit code."""
+    with conn.makefile("r") as reader:
+        request = json.loads(reader.readline())
+    outputs = tuple(os.open(request[name], os.O_WRONLY | os.O_APPEND)
+                    for name in ("stdout", "stderr"))
+    pid = fork_server.fork_child()
+    if pid == 0:
+        conn.close()
+        fork_server.exit_after(lambda: _launch(request, outputs))
+    for fd in outputs:
+        os.close(fd)
+    conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+    while True:
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            break
+        readable, _, _ = select.select([conn], [], [], POLL_S)
+        if readable and not conn.recv(1):  # the client is gone: so is its launch
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        conn.sendall((json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+
+
+def _launch(request: dict[str, Any], outputs: tuple[int, ...]) -> None:
+    """The launch: the client's context, the launcher's title and main, rank 0 forked."""
+    import setproctitle
+
+    import stages.mechanism.launch as launch
+
+    fork_server.take_request(request["cwd"], request["env"], outputs)
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", LAUNCHER_MODULE,
+                                        *request["argv"]]))
+    launch.LocalRanks = RankZeroForkedHere
+    sys.argv = [LAUNCHER_MODULE, *request["argv"]]
+    sys.exit(launch.main(request["argv"]))
+
+
+class _ForkedChild:
+    """What ``LocalRanks`` keeps of rank 0 (``subprocess.Popen``'s ``pid``, ``returncode``,
+    ``poll``, ``wait``) for a child forked by this process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def _reap(self, flags: int) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self) -> int:
+        code = self._reap(0)
+        assert code is not None
+        return code
+
+
+class RankZeroForkedHere(LocalRanks):
+    """``LocalRanks`` with rank 0 forked from this process (a launch forked from a warm
+    zygote, which runs no thread yet) instead of started: the same identity variables,
+    rendezvous file, process group, merged output pipe and death with this process;
+    ``kill``, ``wait`` and ``rank0_killed`` are LocalRanks' own."""
+
+    def __init__(self, spec_path: str | Path, spec: RankSpec, env: dict[str, str]) -> None:
+        import runpy
+
+        import setproctitle
+
+        from model.parallel.dist_env import local_rank_variables
+        from stages.mechanism.forked_ranks import FORK_PEERS_VAR
+        from stages.mechanism.launch import REPO_ROOT, rank_command
+
+        if spec.nodes != 1:
+            super().__init__(spec_path, spec, env)  # which refuses it, saying why
+        self._rendezvous = tempfile.mkdtemp(prefix="ranks-")
+        store = str(Path(self._rendezvous) / "store")
+        read_end, write_end = os.pipe()
+        command = rank_command(spec_path, spec)
+        pid = fork_server.fork_child()
+        if pid == 0:
+            os.close(read_end)
+            os.setpgid(0, 0)
+            rank_env = {**env, **local_rank_variables(0, spec.nproc, store), FORK_PEERS_VAR: "1"}
+            fork_server.take_request(str(REPO_ROOT), rank_env, (write_end, write_end))
+            setproctitle.setproctitle(" ".join(command))
+            sys.argv = [spec.worker, *command[3:]]
+            fork_server.exit_after(lambda: runpy.run_module(spec.worker, run_name="__main__",
+                                                            alter_sys=True))
+        os.close(write_end)
+        with contextlib.suppress(OSError):  # as the child does: before anyone signals it
+            os.setpgid(pid, pid)
+        self.rank0 = _ForkedChild(pid)
+        self.pgid = pid
+        self.nproc = spec.nproc
+        self.killed_here = False
+        self.stdout = open(read_end, errors="replace")  # noqa: SIM115 - closed by run_local
