@@ -46,12 +46,13 @@ BUDGET_S = 900.0
 SLURM_TESTS = re.compile(r"tests/test_(slurm_|scaling_slurm)")
 """The Slurm lane's test files: a process no worker started is charged to one of these."""
 KINDS = (
-    ("training rank (fresh interpreter)", "stages.train.worker"),
-    ("evaluation rank (fresh interpreter)", "stages.evaluate.worker"),
+    ("training rank", "stages.train.worker"),
+    ("evaluation rank", "stages.evaluate.worker"),
     ("rank zygote and the ranks it forks", "tests.rank_zygote"),
-    ("driver zygote and the drivers it forks", "tests.warm_cli"),
-    ("pipeline driver (fresh interpreter)", "workflows.pipeline"),
-    ("scaling driver (fresh interpreter)", "workflows.scaling"),
+    ("driver zygote", "tests.warm_cli"),
+    ("launch zygote", "tests.launch_zygote"),
+    ("pipeline driver", "workflows.pipeline"),
+    ("scaling driver", "workflows.scaling"),
     ("rehearsal rank server and ranks", "model.rehearsal"),
     ("Parsl interchange", "interchange.py"),
     ("Parsl worker pool", "process_worker_pool"),
@@ -65,8 +66,9 @@ KINDS = (
     ("Slurm daemons", "slurm"),
     ("other Python", "python"),
 )
-"""A process's kind: the first whose text is in its command line (forked processes keep
-their server's, unless they set a title of their own)."""
+"""A process's kind: the first whose text is in its command line. A forked process keeps
+its server's unless it sets a title of its own: the tests' forked drivers, launchers and
+ranks show the command line they stand for, so a kind holds fresh and forked ones alike."""
 
 
 def kind_of(command: str) -> str:

@@ -202,20 +202,22 @@ def isolated_session() -> Path:
     return session_dir
 
 
-@pytest.fixture(autouse=True)
-def forked_local_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="session", autouse=True)
+def forked_local_launches() -> Iterator[None]:
     """Local launches made in a test's own process (``stages.mechanism.launch.run_local``: the
-    inline
-    executor, the pipeline run by ``main(argv)``) fork their rank 0 from a warm interpreter
+    inline executor, the stages a fixture runs) fork their rank 0 from a warm interpreter
     that has imported torch and the trainer (``tests.rank_zygote.ForkedLocalRanks``) instead
     of starting a fresh one: seconds of imports a launch. The ranks, their rendezvous and
-    files are a real launch's. Launchers and drivers started as processes of their own
+    files are a real launch's. For the whole session, so that module- and session-scoped
+    fixtures' launches fork too. Launchers and drivers started as processes of their own
     (``python -m stages.mechanism.launch``, ``python -m workflows.pipeline``) start theirs as
-    always."""
+    always, unless a test asks for forked ones (``tests.warm_cli``, ``forked_launches``)."""
     import stages.mechanism.launch
     from tests.rank_zygote import ForkedLocalRanks
 
-    monkeypatch.setattr(stages.mechanism.launch, "LocalRanks", ForkedLocalRanks)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stages.mechanism.launch, "LocalRanks", ForkedLocalRanks)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def test_cpu_goes_to_the_test_running_on_the_worker_a_process_descends_from() ->
                                "tests/test_slurm_x.py::lane": 3.0}
     assert account.unattributed == 0.125
     assert account.by_kind == {"pytest worker": 1.5, "rank zygote and the ranks it forks": 3.75,
-                               "training rank (fresh interpreter)": 3.0, "other": 0.125}
+                               "training rank": 3.0, "other": 0.125}
 
 
 def test_cpu_between_a_workers_tests_is_unattributed() -> None:
@@ -52,8 +52,7 @@ def test_cpu_between_a_workers_tests_is_unattributed() -> None:
 
 
 def test_kinds_and_the_readme_command() -> None:
-    assert kind_of("python -m workflows.pipeline --config micro") == \
-        "pipeline driver (fresh interpreter)"
+    assert kind_of("python -m workflows.pipeline --config micro") == "pipeline driver"
     assert kind_of("python3.11 /venv/bin/interchange.py") == "Parsl interchange"
     assert kind_of("/usr/sbin/slurmd -D") == "Slurm daemons"
     assert kind_of("/bin/bash -c true") == "other"

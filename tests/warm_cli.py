@@ -23,10 +23,11 @@ content, so an edited file is parsed again) and started no thread:
 So the driver, its signals, children, Parsl executors, launches and MLflow runs are a real
 command line's; only the exec of a fresh interpreter is skipped. With ``forked_launches``
 its local launches fork as well (``tests/launch_zygote.py``), for tests whose subject is
-not the launch's processes. Tests that run a copy of
-the project's code (``test_two_pipelines.py``, the reruns tests), or whose subject is what a
-fresh interpreter does before any work (the real console of ``test_bad_inputs.py`` and
-``test_tracking_start.py``, the imports of ``--dry-run``), start drivers with
+not the launch's processes. A driver of a copy of the sources (``code``, as
+``test_two_pipelines.py`` runs, so that its keys stay put while the checkout is edited)
+forks from zygotes of its own, started on that copy. Tests whose subject is what a fresh
+interpreter does before any work (the real console of ``test_bad_inputs.py`` and
+``test_tracking_start.py``, the imports of ``--dry-run``) start drivers with
 ``subprocess``. A variable read at import time by a preloaded library comes from the
 zygote's start (this process's environment then).
 """
@@ -110,11 +111,30 @@ def serve(reply_fd: int) -> None:
         _become(*forked)
 
 
-def _acquire() -> fork_server.ForkServer:
+def _acquire(code: Path = REPO) -> fork_server.ForkServer:
+    """An idle driver zygote that imports the project from ``code`` (a copy of its sources:
+    ``code`` first on its path; the tests' own modules from this checkout), marked busy."""
     command = [sys.executable, "-c",
                "import sys; from tests.warm_cli import serve; serve(int(sys.argv[1]))"]
-    return fork_server.acquire(ZYGOTES, lambda: fork_server.ForkServer(
-        command, env=dict(os.environ)))
+    env = dict(os.environ)
+    if code != REPO:
+        env["PYTHONPATH"] = os.pathsep.join([str(code), str(REPO)])
+    return fork_server.acquire((ZYGOTES, str(code)), lambda: fork_server.ForkServer(
+        command, env=env, cwd=code))
+
+
+def start_zygotes(count: int, code: Path = REPO) -> None:
+    """Start ``count`` idle driver zygotes for ``code`` now, importing side by side: for
+    ``count`` drivers started moments apart, none held back by a zygote's imports."""
+    started = [_acquire(code) for _ in range(count)]
+    for zygote in started:
+        fork_server.release(zygote)
+
+
+def close_zygotes(code: Path) -> None:
+    """End the driver zygotes of ``code`` (a copy of the sources a test is done with)."""
+    for zygote in fork_server.servers((ZYGOTES, str(code))):
+        zygote.close()
 
 
 def _output_path(target: Output, default_fd: int) -> str:
@@ -131,12 +151,14 @@ def _output_path(target: Output, default_fd: int) -> str:
 class WarmProcess:
     """``subprocess.Popen([sys.executable, "-m", module, *argv], ...)`` forked from a driver
     zygote: ``pid``, ``args``, ``stdout``/``stderr`` (with ``PIPE``), ``returncode``,
-    ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate``, ``kill``."""
+    ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate``, ``kill``.
+    ``forked_launches``: its local launches forked too (``tests/launch_zygote.py``);
+    ``code``: the copy of the sources it runs (a zygote of that copy's)."""
 
     def __init__(self, module: str, argv: list[str], *, cwd: Path = REPO,
                  env: dict[str, str] | None = None, stdout: Output = None,
                  stderr: Output = None, start_new_session: bool = False,
-                 forked_launches: bool = False) -> None:
+                 forked_launches: bool = False, code: Path = REPO) -> None:
         self.args = [sys.executable, "-m", module, *argv]
         self.returncode: int | None = None
         self.stdout = self.stderr = None
@@ -151,7 +173,7 @@ class WarmProcess:
                 paths.append(paths[0])
             else:
                 paths.append(_output_path(target, fd))
-        self._zygote = _acquire()
+        self._zygote = _acquire(code)
         try:
             self.pid = self._zygote.start({
                 "module": module, "argv": list(argv), "title": self.args, "cwd": str(cwd),

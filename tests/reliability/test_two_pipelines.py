@@ -3,7 +3,10 @@ MLflow on SQLite): both succeed, every stage key is computed once, both parent r
 in MLflow, and each driver has its own Parsl run dir.
 
 The pipelines run from a snapshot of the sources, so stage keys (which hash the code)
-cannot change between the two drivers while someone edits the checkout."""
+cannot change between the two drivers while someone edits the checkout. Their drivers fork
+from driver zygotes started on that snapshot, one per driver (``tests/warm_cli.py``), and
+their launches fork too: the drivers, their locks and waits, ranks and MLflow runs are
+real command lines'."""
 from __future__ import annotations
 
 import collections
@@ -12,11 +15,13 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from stages.mechanism import tracking, tracking_store
+from tests import warm_cli
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -29,20 +34,30 @@ def _snapshot(target: Path) -> Path:
     return target
 
 
-def _start(code: Path, runs_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(code),
+@pytest.fixture
+def code(tmp_path: Path) -> Iterator[Path]:
+    """A snapshot of the sources; its driver zygotes are ended after the test."""
+    snapshot = _snapshot(tmp_path / "code")
+    yield snapshot
+    warm_cli.close_zygotes(snapshot)
+
+
+def _start(code: Path, runs_dir: Path, *overrides: str) -> warm_cli.WarmProcess:
+    # the snapshot first; the tests' own modules (the launch client) from this checkout
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(code), str(REPO)]),
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     env.pop("MLFLOW_TRACKING_URI", None)
     sets = ["--set", *overrides] if overrides else []
-    return subprocess.Popen(
-        [sys.executable, "-m", "workflows.pipeline", "--config", "micro",
-         "--runs-dir", str(runs_dir), *sets],
-        cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    return warm_cli.WarmProcess(
+        "workflows.pipeline", ["--config", "micro", "--runs-dir", str(runs_dir), *sets],
+        cwd=code, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        forked_launches=True, code=code)
 
 
 def _together(code: Path, runs_dir: Path, first: tuple[str, ...], second: tuple[str, ...]
               ) -> list[str]:
+    warm_cli.start_zygotes(2, code)  # both importing now: the second driver starts on time
     procs = [_start(code, runs_dir, *first)]
     time.sleep(0.5)
     procs.append(_start(code, runs_dir, *second))
@@ -71,10 +86,9 @@ def _keys(children: list, parent_id: str) -> dict[str, str]:
             for r in children if r.data.tags["mlflow.parentRunId"] == parent_id}
 
 
-def test_two_pipelines_share_one_runs_dir(tmp_path: Path, runs_dir: Path):
+def test_two_pipelines_share_one_runs_dir(code: Path, runs_dir: Path):
     # runs_dir: the session's measurement and migrated store; two drivers making a store
     # from nothing at once are tested in test_tracking_start.py.
-    code = _snapshot(tmp_path / "code")
     # The same config: the second waits for (or reuses) every stage the first computes.
     outputs = _together(code, runs_dir, (), ())
     parents, children = _stage_runs(runs_dir)
