@@ -30,10 +30,12 @@ real launchers.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -59,6 +61,7 @@ def start() -> None:
     import workflows.ranks
 
     path = Path(tempfile.mkdtemp(prefix="launches-")) / "socket"
+    atexit.register(shutil.rmtree, path.parent, True)  # the driver ends as an interpreter
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(8)
