@@ -14,7 +14,8 @@ import signal
 import socket
 import sys
 
-SOCKET_VAR = "FRONTIER_LLM_TESTS_LAUNCH_SOCKET"  # tests.launch_zygote.SOCKET_VAR
+SOCKET_VAR = "FRONTIER_LLM_TESTS_LAUNCH_SOCKET"
+"""Where a client finds its driver's launch zygote (``tests.launch_zygote.start`` sets it)."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 

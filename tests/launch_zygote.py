@@ -45,9 +45,8 @@ from typing import Any
 
 from model.parallel import fork_server
 from stages.mechanism.launch import LocalRanks, RankSpec
+from tests.launch_client import SOCKET_VAR
 
-SOCKET_VAR = "FRONTIER_LLM_TESTS_LAUNCH_SOCKET"
-"""Where a launch client finds its driver's launch zygote."""
 CLIENT_MODULE = "tests.launch_client"
 LAUNCHER_MODULE = "stages.mechanism.launch"
 POLL_S = 0.2
@@ -101,8 +100,7 @@ def _handle(conn: socket.socket) -> None:
     first), send its exit code."""
     with conn.makefile("r") as reader:
         request = json.loads(reader.readline())
-    outputs = tuple(os.open(request[name], os.O_WRONLY | os.O_APPEND)
-                    for name in ("stdout", "stderr"))
+    outputs = fork_server.open_outputs(request)
     pid = fork_server.fork_child()
     if pid == 0:
         conn.close()
@@ -162,40 +160,26 @@ class _ForkedChild:
 
 class RankZeroForkedHere(LocalRanks):
     """``LocalRanks`` with rank 0 forked from this process (a launch forked from a warm
-    zygote, which runs no thread yet) instead of started: the same identity variables,
-    rendezvous file, process group, merged output pipe and death with this process;
-    ``kill``, ``wait`` and ``rank0_killed`` are LocalRanks' own."""
+    zygote, which runs no thread yet) instead of started: everything else, its identity,
+    rendezvous, process group, output pipe, ``kill`` and ``wait``, is LocalRanks' own."""
 
-    def __init__(self, spec_path: str | Path, spec: RankSpec, env: dict[str, str]) -> None:
+    def _start_rank0(self, command: list[str], env: dict[str, str],
+                     output: int) -> _ForkedChild:
         import runpy
 
         import setproctitle
 
-        from model.parallel.dist_env import local_rank_variables
-        from stages.mechanism.forked_ranks import FORK_PEERS_VAR
-        from stages.mechanism.launch import REPO_ROOT, rank_command
+        from stages.mechanism.launch import REPO_ROOT
 
-        if spec.nodes != 1:
-            super().__init__(spec_path, spec, env)  # which refuses it, saying why
-        self._rendezvous = tempfile.mkdtemp(prefix="ranks-")
-        store = str(Path(self._rendezvous) / "store")
-        read_end, write_end = os.pipe()
-        command = rank_command(spec_path, spec)
-        pid = fork_server.fork_child()
+        pid = fork_server.fork_child()  # dies with this process, as LocalRanks' rank 0
         if pid == 0:
-            os.close(read_end)
             os.setpgid(0, 0)
-            rank_env = {**env, **local_rank_variables(0, spec.nproc, store), FORK_PEERS_VAR: "1"}
-            fork_server.take_request(str(REPO_ROOT), rank_env, (write_end, write_end))
-            setproctitle.setproctitle(" ".join(command))
-            sys.argv = [spec.worker, *command[3:]]
-            fork_server.exit_after(lambda: runpy.run_module(spec.worker, run_name="__main__",
+            fork_server.take_request(str(REPO_ROOT), env, (output, output))
+            setproctitle.setproctitle(" ".join(command))  # python -m <worker> --spec PATH
+            worker = command[2]
+            sys.argv = [worker, *command[3:]]
+            fork_server.exit_after(lambda: runpy.run_module(worker, run_name="__main__",
                                                             alter_sys=True))
-        os.close(write_end)
         with contextlib.suppress(OSError):  # as the child does: before anyone signals it
             os.setpgid(pid, pid)
-        self.rank0 = _ForkedChild(pid)
-        self.pgid = pid
-        self.nproc = spec.nproc
-        self.killed_here = False
-        self.stdout = open(read_end, errors="replace")  # noqa: SIM115 - closed by run_local
+        return _ForkedChild(pid)

@@ -61,12 +61,6 @@ ZYGOTES = "tests.warm_cli"
 Output = int | IO[Any] | None
 
 
-def _open_outputs(request: dict[str, Any]) -> tuple[int, int]:
-    """The process's stdout and stderr, opened in the zygote before the fork."""
-    return tuple(os.open(request[name], os.O_WRONLY | os.O_APPEND)
-                 for name in ("stdout", "stderr"))
-
-
 def _become(request: dict[str, Any], outputs: tuple[int, int]) -> None:
     """In the forked process: take the request's session, directory, environment and
     streams, then run the module as ``python -m`` would."""
@@ -106,7 +100,7 @@ def serve(reply_fd: int) -> None:
     # setproctitle finds the memory it may write the title to on its first call, from the
     # environment too: here, before a process replaces its environment.
     setproctitle.setproctitle(" ".join(sys.orig_argv))
-    forked = fork_server.serve(reply_fd, None, _open_outputs)
+    forked = fork_server.serve(reply_fd, None, fork_server.open_outputs)
     if forked is not None:
         _become(*forked)
 

@@ -93,6 +93,13 @@ def exit_after(body: Callable[[], Any]) -> NoReturn:
         os._exit(code)
 
 
+def open_outputs(request: Mapping[str, Any]) -> tuple[int, int]:
+    """A request's ``stdout`` and ``stderr`` paths opened for appending (in the server, before
+    the fork: a caller's file or ``/proc/<caller>/fd/N``), for ``take_request``."""
+    return tuple(os.open(request[name], os.O_WRONLY | os.O_APPEND)
+                 for name in ("stdout", "stderr"))
+
+
 def take_request(cwd: str, env: Mapping[str, str], outputs: tuple[int, int]) -> None:
     """In a forked process: take the request's working directory and environment, stdin
     ``/dev/null`` (not the server's request pipe), and ``outputs`` (descriptors the server

@@ -201,11 +201,10 @@ class LocalRanks:
         store = str(Path(self._rendezvous) / "store")
         read_end, write_end = os.pipe()
         try:
-            self.rank0 = subprocess.Popen(
+            self.rank0 = self._start_rank0(
                 rank_command(spec_path, spec),
-                env={**env, **local_rank_variables(0, spec.nproc, store), FORK_PEERS_VAR: "1"},
-                cwd=REPO_ROOT, stdout=write_end, stderr=write_end, process_group=0,
-                preexec_fn=arm_parent_death_signal)  # noqa: PLW1509 (one prctl)
+                {**env, **local_rank_variables(0, spec.nproc, store), FORK_PEERS_VAR: "1"},
+                write_end)
         except BaseException:
             shutil.rmtree(self._rendezvous, ignore_errors=True)
             raise
@@ -215,6 +214,14 @@ class LocalRanks:
         self.nproc = spec.nproc
         self.killed_here = False  # this launcher killed the ranks (a timeout, its own end)
         self.stdout = open(read_end, errors="replace")  # noqa: SIM115 - closed in wait
+
+    def _start_rank0(self, command: list[str], env: dict[str, str],
+                     output: int) -> subprocess.Popen:
+        """Rank 0: ``command`` with ``env``, its stdout and stderr ``output``, in a process
+        group of its own (the launch's), dying with this process."""
+        return subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=output, stderr=output,
+                                process_group=0,
+                                preexec_fn=arm_parent_death_signal)  # noqa: PLW1509 (one prctl)
 
     def kill(self) -> None:
         """SIGKILL every rank still running; reap rank 0 (rank 0 reaps the others)."""
